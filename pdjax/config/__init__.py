@@ -1,0 +1,5 @@
+"""Frozen config dataclasses, validated once at start-up. No JAX import."""
+from pdjax.config.model_specs import MODEL_SPECS, ModelSpec, RopeScaling, get_model_spec
+from pdjax.config.sampling import SamplingParams
+
+__all__ = ["MODEL_SPECS", "ModelSpec", "RopeScaling", "get_model_spec", "SamplingParams"]

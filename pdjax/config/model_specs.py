@@ -1,0 +1,140 @@
+"""Model specs: the dimensions of Llama-family (and OPT) models, with a registry of real ones.
+
+No JAX here: the simulator and the scheduler read specs too. Numbers are from each model's published
+HF `config.json`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style rope scaling (`rope_type: llama3`)."""
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Dimensions of one decoder-only transformer.
+
+    arch: "llama" (RMSNorm, RoPE, SwiGLU; runnable) or "opt" (LayerNorm, learned positions, ReLU MLP;
+    dimensions only, for the simulator).
+    """
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    arch: str = "llama"
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    max_position_embeddings: int = 4096
+    sliding_window: Optional[int] = None
+    dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                      "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelSpec {self.name!r}: {field}={value!r}, expected a positive int")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelSpec {self.name!r}: num_heads={self.num_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads} (grouped-query attention needs whole groups)")
+        if self.arch not in ("llama", "opt"):
+            raise ValueError(f"ModelSpec {self.name!r}: arch={self.arch!r}, expected 'llama' or 'opt'")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"ModelSpec {self.name!r}: dtype={self.dtype!r}, expected one of {sorted(DTYPE_BYTES)}")
+
+    @property
+    def q_per_kv(self) -> int:
+        """GQA ratio: query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def kv_bytes_per_token(self, dtype_bytes: Optional[int] = None) -> int:
+        """Bytes of K and V for one token over all layers: 2 · layers · kv_heads · head_dim · bytes."""
+        b = self.dtype_bytes if dtype_bytes is None else dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * b
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings included, biases of OPT ignored)."""
+        h, i = self.hidden_size, self.intermediate_size
+        attn = h * self.num_heads * self.head_dim * 2 + h * self.num_kv_heads * self.head_dim * 2
+        mlp = 3 * h * i if self.arch == "llama" else 2 * h * i
+        per_layer = attn + mlp + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        if self.arch == "opt":
+            emb += self.max_position_embeddings * h
+        return self.num_layers * per_layer + emb + h
+
+    def replace(self, **changes) -> "ModelSpec":
+        return dataclasses.replace(self, **changes)
+
+
+def _llama(name, vocab, hidden, inter, layers, heads, kv_heads, **kw) -> ModelSpec:
+    return ModelSpec(name=name, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                     num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+                     head_dim=kw.pop("head_dim", hidden // heads), **kw)
+
+
+def _opt(name, hidden, layers, heads) -> ModelSpec:
+    return ModelSpec(name=name, arch="opt", vocab_size=50272, hidden_size=hidden, intermediate_size=4 * hidden,
+                     num_layers=layers, num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
+                     tie_word_embeddings=True, max_position_embeddings=2048, dtype="float16")
+
+
+_SPECS = [
+    _llama("llama-2-7b", 32000, 4096, 11008, 32, 32, 32),
+    _llama("llama-2-13b", 32000, 5120, 13824, 40, 40, 40),
+    _llama("llama-2-70b", 32000, 8192, 28672, 80, 64, 8),
+    _llama("llama-3-8b", 128256, 4096, 14336, 32, 32, 8, rope_theta=500000.0, max_position_embeddings=8192),
+    _llama("llama-3-70b", 128256, 8192, 28672, 80, 64, 8, rope_theta=500000.0, max_position_embeddings=8192),
+    _llama("llama-3.1-8b", 128256, 4096, 14336, 32, 32, 8, rope_theta=500000.0, rope_scaling=RopeScaling(),
+           max_position_embeddings=131072),
+    _llama("mistral-7b", 32000, 4096, 14336, 32, 32, 8, max_position_embeddings=32768, sliding_window=4096),
+    _llama("yi-34b", 64000, 7168, 20480, 60, 56, 8, rope_theta=5000000.0, max_position_embeddings=4096),
+    _llama("qwen2-7b", 152064, 3584, 18944, 28, 28, 4, rope_theta=1000000.0, qkv_bias=True, rms_norm_eps=1e-6,
+           max_position_embeddings=32768),
+    _opt("opt-13b", 5120, 40, 40),
+    _opt("opt-66b", 9216, 64, 72),
+    _opt("opt-175b", 12288, 96, 96),
+    # CPU-sized specs for tests and the embedded default run.
+    _llama("tiny-llama", 512, 128, 384, 2, 4, 2, max_position_embeddings=2048, dtype="float32"),
+    _llama("tiny-mha", 512, 128, 384, 2, 4, 4, max_position_embeddings=2048, dtype="float32"),
+    _llama("tiny-mqa", 512, 256, 512, 2, 4, 1, head_dim=64, max_position_embeddings=2048, dtype="float32"),
+    _llama("tiny-qwen", 512, 256, 512, 2, 8, 2, head_dim=32, qkv_bias=True, tie_word_embeddings=True,
+           rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=2048, dtype="float32"),
+    _llama("tiny-llama3", 512, 256, 512, 2, 4, 1, head_dim=64, rope_theta=500000.0,
+           rope_scaling=RopeScaling(factor=8.0, original_max_position_embeddings=256),
+           max_position_embeddings=2048, dtype="float32"),
+    # Byte-level model trained by experiments/train_tiny.py (vocab: 256 bytes + BOS/EOS/PAD).
+    _llama("tiny-byte", 259, 256, 768, 4, 4, 2, head_dim=64, max_position_embeddings=1024, dtype="float32"),
+]
+
+MODEL_SPECS: dict[str, ModelSpec] = {s.name: s for s in _SPECS}
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    """The registry spec called `name`; a clear error lists the known names."""
+    try:
+        return MODEL_SPECS[name]
+    except KeyError:
+        raise ValueError(f"unknown model spec {name!r}; known specs: {', '.join(sorted(MODEL_SPECS))}") from None

@@ -1,0 +1,33 @@
+"""Attention kernels. One seam: every implementation has the signature of
+`reference.ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+sm_scale=None, sliding_window=None, soft_cap=None)`. Kernels know nothing of schedulers.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+
+from pdjax.kernels import reference
+from pdjax.kernels.reference import ragged_paged_attention as reference_attention
+from pdjax.kernels.reference import write_kv
+
+ATTENTION_IMPLS = ("auto", "reference", "pallas")
+
+
+def get_attention_fn(impl: str = "auto") -> Callable:
+    """The attention function for `impl` ('auto' | 'reference' | 'pallas').
+
+    'auto' picks the Pallas kernel on GPU/TPU and the jnp reference on CPU. 'pallas' on CPU runs the kernel in
+    interpret mode (slow; for tests).
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl={impl!r}, expected one of {ATTENTION_IMPLS}")
+    backend = jax.default_backend()
+    if impl == "reference" or (impl == "auto" and backend == "cpu"):
+        return reference_attention
+    from pdjax.kernels import pallas_attention  # noqa: PLC0415  (optional until the kernel issue lands)
+    return pallas_attention.get_pallas_attention_fn(backend)
+
+
+__all__ = ["ATTENTION_IMPLS", "get_attention_fn", "reference", "reference_attention", "write_kv"]

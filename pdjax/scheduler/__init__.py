@@ -1,0 +1,1 @@
+"""Pure-Python scheduler library (no JAX): requests, block manager, batching policies."""

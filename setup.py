@@ -1,0 +1,28 @@
+"""pdjax: a JAX research framework for LLM serving (chunked prefill vs PD disaggregation)."""
+from setuptools import find_packages, setup
+
+setup(
+    name="pdjax",
+    version="0.1.0",
+    description="JAX research framework for LLM serving: chunked prefill, stall-free batching, "
+    "prefill/decode disaggregation, and a calibrated simulator.",
+    packages=find_packages(include=["pdjax", "pdjax.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # Tested with jax/jaxlib 0.10.2 (CPU) and 0.11.2 (CUDA 13).
+        "jax>=0.10.0,<0.13",
+        "jaxlib>=0.10.0,<0.13",
+        "flax>=0.12.0,<0.13",
+        "optax>=0.2.4,<0.3",
+        "orbax-checkpoint>=0.11.0,<0.13",
+        "absl-py>=2.1,<3",
+        "ml-collections>=1.0,<2",
+        "numpy>=1.26,<3",
+        "safetensors>=0.4,<1",
+        "matplotlib>=3.8,<4",
+        "tqdm>=4.66,<5",
+    ],
+    extras_require={
+        "test": ["pytest>=8,<10", "hypothesis>=6.100,<7"],
+    },
+)
