@@ -1,0 +1,162 @@
+"""WorkloadConfig: the frozen, validated description of a workload (what `make_workload` builds).
+
+Built from a dict or an ml_collections ConfigDict with `WorkloadConfig.from_dict`; unknown keys and bad values
+raise ValueError naming the field, the value and what was expected.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional, Tuple, Union
+
+from pdjax.workload.arrivals import ARRIVAL_KINDS
+from pdjax.workload.lengths import LengthDist, length_dist
+from pdjax.workload.presets import PRESETS
+
+WORKLOAD_KINDS = ("synthetic", "trace")
+WORKLOAD_ARRIVALS = ARRIVAL_KINDS + ("trace",)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadConfig:
+    """A workload.
+
+    kind: 'synthetic' (lengths from `preset` or `prompt_len`/`output_len`) or 'trace' (lengths, and with
+      arrival='trace' also arrival times, from the CSV at `trace_path`, rows trace_start .. +num_requests).
+    arrival: 'poisson' | 'gamma' (burstiness `cv`) | 'fixed' | 'offline' (all at t=0) | 'trace'.
+    rate: mean arrival rate in requests/s (sessions start at rate/num_turns, see below).
+    trace_time_scale: trace arrival times are multiplied by it (0.5 replays twice as fast).
+    preset: a name in presets.PRESETS; an explicit prompt_len/output_len overrides the preset's.
+    prompt_len / output_len: a LengthDist or a dict like {'kind': 'uniform', 'low': 8, 'high': 64}.
+    scale: every sampled length is multiplied by it and rounded (min 1).
+    fit_to_model: multiply `scale` by max_model_len / the source's fit_total_tokens (preset.fit_total_tokens,
+      the sum of the explicit distributions' maxima, or the trace's P99 prompt+output total), so scale=1 maps
+      the source's long requests onto max_model_len. A plain bool, so `--config.workload.fit_to_model=True`
+      works with ml_collections' typed overrides.
+    max_model_len / max_prompt_len / max_output_len: caps (0 = none) applied after scaling: the prompt is cut to
+      min(max_prompt_len, max_model_len - 1), then the output to min(max_output_len, max_model_len - prompt).
+    vocab_size / allowed_token_ids: synthetic token ids lie in [0, vocab_size), or in the allowed list.
+    shared_prefix_len: a system prompt of this many tokens, the same for all requests, starts every prompt
+      (the prompt length drawn is the part after it).
+    num_turns: > 1 makes multi-turn sessions: turn k's prompt is turn k-1's prompt, a stand-in for its answer
+      (output-length tokens), then a new user message. Turn k arrives turn_gap_s after turn k-1 (open loop).
+      A session ends early when its next prompt would break the caps.
+    """
+    kind: str = "synthetic"
+    num_requests: int = 64
+    seed: int = 0
+    arrival: str = "poisson"
+    rate: float = 1.0
+    cv: float = 1.0
+    preset: str = ""
+    prompt_len: Optional[Union[LengthDist, Mapping[str, Any]]] = None
+    output_len: Optional[Union[LengthDist, Mapping[str, Any]]] = None
+    trace_path: str = ""
+    trace_start: int = 0
+    trace_time_scale: float = 1.0
+    scale: float = 1.0
+    fit_to_model: bool = False
+    max_model_len: int = 0
+    max_prompt_len: int = 0
+    max_output_len: int = 0
+    vocab_size: int = 32000
+    allowed_token_ids: Tuple[int, ...] = ()
+    shared_prefix_len: int = 0
+    num_turns: int = 1
+    turn_gap_s: float = 0.0
+
+    def __post_init__(self):
+        def bad(field, expected):
+            raise ValueError(f"workload.{field}={getattr(self, field)!r}, expected {expected}")
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if self.kind not in WORKLOAD_KINDS:
+            bad("kind", f"one of {WORKLOAD_KINDS}")
+        if not is_int(self.num_requests) or self.num_requests < 1:
+            bad("num_requests", "an int >= 1")
+        if not is_int(self.seed) or self.seed < 0:
+            bad("seed", "an int >= 0")
+        if self.arrival not in WORKLOAD_ARRIVALS:
+            bad("arrival", f"one of {WORKLOAD_ARRIVALS}")
+        if self.arrival == "trace" and self.kind != "trace":
+            bad("arrival", "not 'trace' unless kind='trace'")
+        if self.arrival not in ("offline", "trace") and not (isinstance(self.rate, (int, float)) and self.rate > 0):
+            bad("rate", f"a number > 0 (req/s) for arrival={self.arrival!r}")
+        if self.arrival == "gamma" and not (isinstance(self.cv, (int, float)) and self.cv > 0):
+            bad("cv", "a number > 0 for arrival='gamma'")
+        if self.preset and self.preset not in PRESETS:
+            bad("preset", f"'' or one of {sorted(PRESETS)}")
+        for field in ("prompt_len", "output_len"):
+            value = getattr(self, field)
+            if value is not None:
+                try:
+                    object.__setattr__(self, field, length_dist(value))
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"workload.{field}={value!r}: {e}") from None
+        if self.kind == "synthetic" and not self.preset and (self.prompt_len is None or self.output_len is None):
+            bad("preset", "a preset name, or both prompt_len and output_len, for kind='synthetic'")
+        if self.kind == "trace":
+            if not self.trace_path:
+                bad("trace_path", "the path of a trace CSV for kind='trace'")
+            if self.preset or self.prompt_len is not None or self.output_len is not None:
+                bad("kind", "'synthetic' when preset/prompt_len/output_len are set (a trace brings its own lengths)")
+            if self.num_turns != 1:
+                bad("num_turns", "1 for kind='trace'")
+        if not is_int(self.trace_start) or self.trace_start < 0:
+            bad("trace_start", "an int >= 0")
+        if not (isinstance(self.trace_time_scale, (int, float)) and self.trace_time_scale > 0):
+            bad("trace_time_scale", "a number > 0")
+        if not (isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool) and self.scale > 0):
+            bad("scale", "a number > 0")
+        if not isinstance(self.fit_to_model, bool):
+            bad("fit_to_model", "a bool")
+        if self.fit_to_model and not self.max_model_len:
+            bad("max_model_len", "> 0 when fit_to_model=True")
+        for field in ("max_prompt_len", "max_output_len"):
+            if not is_int(getattr(self, field)) or getattr(self, field) < 0:
+                bad(field, "an int >= 0 (0 = no cap)")
+        if not is_int(self.max_model_len) or self.max_model_len < 0 or self.max_model_len == 1:
+            bad("max_model_len", "0 (no cap) or an int >= 2")
+        if not is_int(self.vocab_size) or self.vocab_size < 1:
+            bad("vocab_size", "an int >= 1")
+        object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if any(not is_int(t) or not 0 <= t < self.vocab_size for t in self.allowed_token_ids):
+            bad("allowed_token_ids", f"ints in [0, vocab_size={self.vocab_size})")
+        if not is_int(self.shared_prefix_len) or self.shared_prefix_len < 0:
+            bad("shared_prefix_len", "an int >= 0")
+        prompt_cap = self.prompt_cap
+        if prompt_cap is not None and self.shared_prefix_len >= prompt_cap:
+            bad("shared_prefix_len", f"< the prompt cap {prompt_cap} (min of max_prompt_len, max_model_len - 1), "
+                "leaving room for at least one token of the request's own")
+        if not is_int(self.num_turns) or self.num_turns < 1:
+            bad("num_turns", "an int >= 1")
+        if not (isinstance(self.turn_gap_s, (int, float)) and self.turn_gap_s >= 0):
+            bad("turn_gap_s", "a number >= 0 (seconds)")
+
+    @property
+    def prompt_cap(self) -> Optional[int]:
+        """Longest prompt allowed, or None for no cap."""
+        caps = [c for c in (self.max_prompt_len, self.max_model_len - 1 if self.max_model_len else 0) if c]
+        return min(caps) if caps else None
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "WorkloadConfig":
+        """From a WorkloadConfig, a mapping, or anything with `to_dict()` (an ml_collections ConfigDict)."""
+        if isinstance(d, cls):
+            return d
+        if hasattr(d, "to_dict"):
+            d = d.to_dict()
+        if not isinstance(d, Mapping):
+            raise TypeError(f"workload config {d!r}: expected a WorkloadConfig, a mapping or a ConfigDict")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"workload config: unknown keys {unknown}, expected some of {sorted(names)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        """Plain JSON-friendly dict (length distributions as dicts)."""
+        out = dataclasses.asdict(self)
+        out["allowed_token_ids"] = list(self.allowed_token_ids)
+        return out
