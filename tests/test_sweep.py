@@ -86,3 +86,23 @@ def test_parallel_sweep_matches_serial(tmp_path):
     serial = sweep_lib.run_sweep(SWEEP, str(tmp_path / "a"), fake_run, log=lambda s: None)
     par = sweep_lib.run_sweep(SWEEP, str(tmp_path / "b"), fake_run, parallel=2, log=lambda s: None)
     assert serial == par
+
+
+def test_invalid_point_fails_before_any_point_runs(tmp_path):
+    ran = []
+
+    def validate(cfg):
+        if cfg["scheduler"]["token_budget"] > 512:
+            raise ValueError(f"token_budget={cfg['scheduler']['token_budget']} too large")
+
+    with pytest.raises(ValueError, match="token_budget=1024"):
+        sweep_lib.run_sweep(SWEEP, str(tmp_path), lambda c, w: ran.append(w), validate=validate,
+                            log=lambda s: None)
+    assert ran == []
+
+
+def test_comparison_plot_is_written(tmp_path):
+    rows = sweep_lib.run_sweep(SWEEP, str(tmp_path), fake_run, log=lambda s: None)
+    path = sweep_lib.write_sweep_plots(rows, ["policy", "token_budget"], str(tmp_path))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

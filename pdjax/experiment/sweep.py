@@ -93,13 +93,21 @@ def _run_point(run_fn: Callable[[Dict[str, Any], str], Any], cfg: Dict[str, Any]
 
 
 def run_sweep(sweep: Mapping[str, Any], workdir: str, run_fn: Callable[[Dict[str, Any], str], Any], *,
-              parallel: int = 1, log: Callable[[str], None] = print) -> List[Dict[str, Any]]:
+              parallel: int = 1, validate: Optional[Callable[[Dict[str, Any]], Any]] = None,
+              log: Callable[[str], None] = print) -> List[Dict[str, Any]]:
     """Run every unfinished point (in `parallel` spawned processes when > 1), then write summary.csv.
 
     run_fn(config_dict, point_workdir) must write results.json into point_workdir; it must be picklable
-    (a module-level function) when parallel > 1. Returns the summary rows.
+    (a module-level function) when parallel > 1. `validate(config_dict)` runs on every point before any
+    point runs, so a bad point fails the sweep at start-up. Returns the summary rows.
     """
     points = expand_grid(sweep)
+    if validate is not None:
+        for name, _, cfg in points:
+            try:
+                validate(cfg)
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"sweep point {name}: {e}") from e
     os.makedirs(workdir, exist_ok=True)
     for entry in os.listdir(workdir):   # leftovers of a killed run
         if ".partial-" in entry:
@@ -137,3 +145,45 @@ def write_summary_csv(path: str, rows: Sequence[Mapping[str, Any]], columns: Seq
     for row in rows:
         writer.writerow(["" if row.get(c) is None else row.get(c) for c in header])
     atomic_write_text(path, buf.getvalue())
+
+
+PLOT_METRICS = (("ttft_p50", "P50 TTFT (s)"), ("ttft_p99", "P99 TTFT (s)"), ("tbt_p99", "P99 TBT (s)"),
+                ("throughput_tok_s", "throughput (tokens/s)"))
+
+
+def write_sweep_plots(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], workdir: str) -> str:
+    """comparison.png: each metric against the last numeric swept column (or the point index), one line per
+    combination of the other columns."""
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    from pdjax.metrics import atomic_write_bytes  # noqa: PLC0415
+
+    numeric = [c for c in columns if all(isinstance(r[c], (int, float)) and not isinstance(r[c], bool)
+                                         for r in rows)]
+    x_col = numeric[-1] if numeric else None
+    group_cols = [c for c in columns if c != x_col]
+    groups: Dict[Tuple, List[Mapping[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r[c] for c in group_cols), []).append(r)
+    fig, axes = plt.subplots(1, len(PLOT_METRICS), figsize=(4.2 * len(PLOT_METRICS), 3.6))
+    for ax, (metric, label) in zip(axes, PLOT_METRICS):
+        for key, rs in groups.items():
+            xs = [r[x_col] for r in rs] if x_col else list(range(len(rs)))
+            ys = [r.get(metric) if r.get(metric) is not None else float("nan") for r in rs]
+            name = ",".join(f"{c}={v}" for c, v in zip(group_cols, key)) or "all"
+            ax.plot(xs, ys, marker="o", label=name)
+        ax.set_xlabel(x_col or "point")
+        if x_col and all(r[x_col] > 0 for r in rows):
+            ax.set_xscale("log", base=2)
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    path = os.path.join(workdir, "comparison.png")
+    atomic_write_bytes(path, buf.getvalue())
+    return path
