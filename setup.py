@@ -7,6 +7,7 @@ setup(
     description="JAX research framework for LLM serving: chunked prefill, stall-free batching, "
     "prefill/decode disaggregation, and a calibrated simulator.",
     packages=find_packages(include=["pdjax", "pdjax.*"]),
+    package_data={"pdjax.sim": ["profiles/*.json"]},
     python_requires=">=3.10",
     install_requires=[
         # Tested with jax/jaxlib 0.10.2 (CPU) and 0.11.2 (CUDA 13).

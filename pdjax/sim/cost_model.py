@@ -1,0 +1,509 @@
+"""Analytical cost model: the time of one engine iteration from first principles, with fitted efficiencies.
+
+What one iteration costs (per device of an instance with TP degree `tp` and PP degree `pp`):
+
+- Linear layers (QKV, O, gate+up, down; LM head for one row per sequence): a roofline per GEMM,
+  `max(FLOPs / (peak · gemm_flops_efficiency), bytes / (bandwidth · gemm_bandwidth_efficiency)) + kernel_fixed_s`,
+  FLOPs counted on the token dimension rounded *up* to `gemm_token_tile` (the GEMM kernel computes whole tiles,
+  so 257 tokens pay for 320 with a tile of 64), and a GEMM too small to fill the device's compute units runs at
+  a lower rate (`gemm_outputs_per_unit`, `gemm_occupancy_exponent`). Bytes are weights + activations in and out. TP shards the
+  output columns of QKV/gate+up and the input rows of O/down (Megatron); KV heads fewer than `tp` are replicated.
+- Element-wise kernels (2 norms, RoPE, activation, residual add per layer; embedding once): bytes per token over
+  `hbm_bandwidth` times that kernel kind's efficiency (`norm_bandwidth_efficiency`, ...), plus `kernel_fixed_s`.
+- Attention, per layer, by its real work: a prefill chunk of `c` new tokens after `k` cached ones does
+  `4 · heads · head_dim · c · (k + c · (1 − attn_causal_skip / 2))` FLOPs (`attn_causal_skip` = 1: the kernel
+  skips the masked half of the chunk's own square; 0: it computes the whole rectangle) and every tile of
+  `attn_query_tile` queries re-reads the KV it sees (so a later chunk re-reads the KV of all earlier chunks, and
+  MHA pays more than GQA); compute + KV-read time, as fitted. A decode reads `context + 1` tokens of KV (a
+  roofline), plus a per-(sequence, head) cost (`attn_seq_head_s`, the work-item scheduling of paged decode
+  kernels that dominates at short contexts); each attention kernel call (one for the prefills, one for the
+  decodes) costs `attn_prefill_fixed_s` / `attn_decode_fixed_s`.
+- TP: two all-reduces per layer of `tokens · hidden` activations, alpha-beta ring:
+  `comm_fixed_s + 2(n−1)·hop_latency + 2(n−1)/n · bytes / (link_bw · comm_bandwidth_efficiency)`, the link being the
+  slowest one the group crosses (`HardwareSpec.group_link`).
+- PP: layers split into `pp` stages; the batch runs as `num_microbatches` microbatches (sequences dealt round
+  robin); the critical path is every microbatch through the bottleneck stage plus `(pp − 1)` fills/drains
+  (the bubble) plus `(pp − 1)` activation sends.
+- Host: `iteration_overhead_s + per_seq_overhead_s · sequences` (scheduling, input prep, sampling).
+
+Efficiency factors live in `CostParams` (a "machine profile", JSON) and are fitted (pdjax.sim.calibration);
+nothing here is a per-shape table, so a profile fitted on one model and TP degree carries to others.
+
+Speed: the per-(model, hardware, tp, pp, params) constants are computed once (`_plan`, cached), and
+`iteration_time` is plain Python arithmetic (tens of µs for a typical batch). The op-level functions accept numpy
+arrays too (pass `maximum=np.maximum`), which is how the calibration evaluates thousands of operator
+measurements at once with the very same formulas.
+
+No JAX here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import re
+from typing import Any, Callable, Optional, Sequence
+
+from pdjax.config.model_specs import ModelSpec
+from pdjax.sim.hardware import HardwareSpec
+
+
+# --------------------------------------------------------------------------------------------------- parameters
+# Element-wise kernel kinds and the CostParams field holding each one's achieved fraction of HBM bandwidth
+# (each kernel implementation reaches its own fraction; one factor per kind still carries across shapes).
+ELEMENTWISE_EFFICIENCY = {"norm": "norm_bandwidth_efficiency", "rope": "rope_bandwidth_efficiency",
+                          "activation": "activation_bandwidth_efficiency",
+                          "residual": "residual_bandwidth_efficiency", "embedding": "embedding_bandwidth_efficiency"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CostParams:
+    """Efficiency factors and fixed costs of one machine + software stack. Dimensionless factors are fractions
+    of the datasheet peak; times in seconds. Defaults are A100-like priors (see profiles/a100.json for fitted)."""
+    gemm_flops_efficiency: float = 0.7
+    gemm_bandwidth_efficiency: float = 0.8
+    gemm_token_tile: int = 64
+    gemm_outputs_per_unit: float = 24000.0
+    gemm_occupancy_exponent: float = 0.27
+    kernel_fixed_s: float = 4e-6
+    norm_bandwidth_efficiency: float = 0.35
+    rope_bandwidth_efficiency: float = 0.45
+    activation_bandwidth_efficiency: float = 0.5
+    residual_bandwidth_efficiency: float = 0.9
+    embedding_bandwidth_efficiency: float = 0.15
+    attn_flops_efficiency: float = 0.5
+    attn_causal_skip: float = 1.0
+    attn_query_tile: int = 128
+    attn_bandwidth_efficiency: float = 0.9
+    attn_seq_head_s: float = 4e-8
+    attn_prefill_fixed_s: float = 2e-5
+    attn_decode_fixed_s: float = 5e-6
+    comm_bandwidth_efficiency: float = 0.7
+    comm_fixed_s: float = 10e-6
+    iteration_overhead_s: float = 1e-3
+    per_seq_overhead_s: float = 1e-5
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"CostParams.{f.name}={value!r}, expected a finite number")
+            if value < 0:
+                raise ValueError(f"CostParams.{f.name}={value!r}, expected >= 0")
+        for name in ("gemm_flops_efficiency", "gemm_bandwidth_efficiency", *ELEMENTWISE_EFFICIENCY.values(),
+                     "attn_flops_efficiency", "attn_bandwidth_efficiency", "comm_bandwidth_efficiency"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"CostParams.{name}={getattr(self, name)!r}, expected > 0")
+        for name in ("gemm_token_tile", "attn_query_tile"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"CostParams.{name}={value!r}, expected a positive int")
+        if self.attn_causal_skip > 1:
+            raise ValueError(f"CostParams.attn_causal_skip={self.attn_causal_skip!r}, expected in [0, 1]")
+
+    def replace(self, **changes) -> "CostParams":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "CostParams":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"CostParams: unknown keys {unknown}; known keys: {sorted(known)}")
+        values = dict(values)
+        for name in ("gemm_token_tile", "attn_query_tile"):
+            if name in values:
+                values[name] = int(values[name])
+        return cls(**values)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CostParams":
+        return cls.from_dict(json.loads(text))
+
+
+# --------------------------------------------------------------------------------------------------- batches
+@dataclasses.dataclass(frozen=True)
+class BatchComposition:
+    """What one iteration runs.
+
+    prefills: (tokens in this chunk, tokens of the same request already in the KV cache before the chunk).
+    decodes: (number of requests, context length = tokens already in each one's KV cache); each decodes 1 token.
+    """
+    prefills: tuple[tuple[int, int], ...] = ()
+    decodes: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "prefills", tuple((int(t), int(c)) for t, c in self.prefills))
+        object.__setattr__(self, "decodes", tuple((int(n), int(c)) for n, c in self.decodes))
+        for tokens, context in self.prefills:
+            if tokens < 1 or context < 0:
+                raise ValueError(f"BatchComposition: prefill chunk (tokens={tokens}, context={context}); "
+                                 f"expected tokens >= 1 and context >= 0")
+        for count, context in self.decodes:
+            if count < 1 or context < 0:
+                raise ValueError(f"BatchComposition: decode group (count={count}, context={context}); "
+                                 f"expected count >= 1 and context >= 0")
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(t for t, _ in self.prefills) + sum(n for n, _ in self.decodes)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.prefills) + sum(n for n, _ in self.decodes)
+
+    @classmethod
+    def parse(cls, text: str) -> "BatchComposition":
+        """From 'prefill:<tokens>@<context>,decode:<count>@<context>,...' (the cost CLI's --batch)."""
+        prefills, decodes = [], []
+        items = [item.strip() for item in text.split(",")]
+        if not text.strip():
+            raise ValueError("empty batch string; expected items like 'prefill:512@0' or 'decode:8@1024'")
+        for item in items:
+            match = re.fullmatch(r"(prefill|decode):(\d+)@(\d+)", item)
+            if not match:
+                raise ValueError(f"bad batch item {item!r} in {text!r}; expected 'prefill:<tokens>@<context before "
+                                 f"the chunk>' or 'decode:<count>@<context>' with non-negative integers")
+            kind, a, b = match.group(1), int(match.group(2)), int(match.group(3))
+            if a < 1:
+                raise ValueError(f"bad batch item {item!r}: {'tokens' if kind == 'prefill' else 'count'} must be >= 1")
+            (prefills if kind == "prefill" else decodes).append((a, b))
+        return cls(tuple(prefills), tuple(decodes))
+
+    @classmethod
+    def from_scheduler_output(cls, output) -> "BatchComposition":
+        """The composition of a `pdjax.scheduler.output.SchedulerOutput` (duck-typed): prompt tokens (incl.
+        recompute) are prefill chunks after `num_computed_tokens`; a non-prompt request feeding one token is a
+        decode with that context, feeding several (e.g. speculative) is costed as a chunk."""
+        prefills, decodes = [], []
+        for is_prefill, start, new in zip(output.is_prefill, output.num_computed_tokens, output.num_new_tokens):
+            if is_prefill or new != 1:
+                prefills.append((new, start))
+            else:
+                decodes.append((1, start))
+        return cls(tuple(prefills), tuple(decodes))
+
+    def split_round_robin(self, parts: int) -> list["BatchComposition"]:
+        """Deal the sequences into `parts` microbatches round robin (empty ones dropped)."""
+        seqs = [("p", t, c) for t, c in self.prefills]
+        for n, c in self.decodes:
+            seqs.extend(("d", 1, c) for _ in range(n))
+        out = []
+        for i in range(parts):
+            mine = seqs[i::parts]
+            if mine:
+                out.append(BatchComposition(tuple((t, c) for k, t, c in mine if k == "p"),
+                                            tuple((1, c) for k, _, c in mine if k == "d")))
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class CostBreakdown:
+    """Predicted seconds of one iteration. total = linear + elementwise + attention + communication +
+    pipeline_bubble + overhead. linear_flops_s / linear_memory_s: the two roofline terms summed over the GEMMs
+    (which one is larger says whether the linear layers are compute- or bandwidth-bound)."""
+    total: float
+    linear: float
+    attention: float
+    communication: float
+    overhead: float
+    elementwise: float
+    pipeline_bubble: float
+    linear_flops_s: float
+    linear_memory_s: float
+    num_tokens: int
+    num_seqs: int
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------------- op costs
+def padded_tokens(tokens, tile: int):
+    """Tokens rounded up to whole tiles (works on ints and integer numpy arrays)."""
+    return -(-tokens // tile) * tile
+
+
+def gemm_terms(tokens, k, m, dtype_bytes: int, peak_flops: float, bandwidth: float, compute_units: int,
+               params: CostParams, minimum: Callable = min):
+    """(compute seconds, memory seconds) of a [tokens, k] x [k, m] GEMM, tokens tile-padded for FLOPs.
+
+    A GEMM whose output (padded tokens x m) is too small to give every compute unit
+    `gemm_outputs_per_unit` elements runs at a lower rate: efficiency x occupancy^gemm_occupancy_exponent
+    (split-K and smaller tiles win back part of the idle units, hence the sub-linear exponent)."""
+    padded = padded_tokens(tokens, params.gemm_token_tile)
+    occupancy = minimum(1.0, padded * m / (compute_units * params.gemm_outputs_per_unit))
+    flops = 2.0 * padded * k * m
+    moved = (k * m + tokens * (k + m)) * dtype_bytes
+    return (flops / (peak_flops * params.gemm_flops_efficiency * occupancy ** params.gemm_occupancy_exponent),
+            moved / (bandwidth * params.gemm_bandwidth_efficiency))
+
+
+def gemm_time(tokens, k, m, dtype_bytes, peak_flops, bandwidth, compute_units, params: CostParams,
+              maximum: Callable = max, minimum: Callable = min):
+    compute, memory = gemm_terms(tokens, k, m, dtype_bytes, peak_flops, bandwidth, compute_units, params, minimum)
+    return maximum(compute, memory) + params.kernel_fixed_s
+
+
+def elementwise_time(tokens, bytes_per_token, kind: str, bandwidth: float, params: CostParams):
+    """One element-wise kernel of `kind` (a key of ELEMENTWISE_EFFICIENCY) moving bytes_per_token per token."""
+    efficiency = getattr(params, ELEMENTWISE_EFFICIENCY[kind])
+    return tokens * bytes_per_token / (bandwidth * efficiency) + params.kernel_fixed_s
+
+
+def prefill_attention_terms(chunk, context, heads, kv_heads, head_dim, dtype_bytes, peak_flops, bandwidth,
+                            params: CostParams):
+    """(compute s, memory s) of one prefill chunk's attention in one layer on one device; the kernel's time is
+    their sum (fitted on A100: the sum reproduces the measurements, the max does not).
+
+    Flash-style kernels stream K/V once per tile of `attn_query_tile` query rows, so every query tile re-reads
+    the KV it can see (context + the causal part of the chunk): KV bytes = ceil(chunk / tile) x visible x KV
+    bytes per token. That is why MHA attention is slower than GQA at the same FLOPs."""
+    visible = context + chunk * (1.0 - 0.5 * params.attn_causal_skip)   # mean keys per query row
+    flops = 4.0 * heads * head_dim * chunk * visible
+    query_tiles = -(-chunk // params.attn_query_tile)
+    moved = (query_tiles * visible * 2 * kv_heads * head_dim + 2 * chunk * heads * head_dim) * dtype_bytes
+    return (flops / (peak_flops * params.attn_flops_efficiency),
+            moved / (bandwidth * params.attn_bandwidth_efficiency))
+
+
+def decode_attention_terms(count, context, heads, kv_heads, head_dim, dtype_bytes, peak_flops, bandwidth,
+                           params: CostParams):
+    """(compute s, memory s, per-item s) of `count` decodes with `context` cached tokens each, one layer."""
+    visible = context + 1
+    flops = 4.0 * heads * head_dim * count * visible
+    moved = count * (visible * 2 * kv_heads * head_dim + 2 * heads * head_dim) * dtype_bytes
+    return (flops / (peak_flops * params.attn_flops_efficiency),
+            moved / (bandwidth * params.attn_bandwidth_efficiency),
+            count * heads * params.attn_seq_head_s)
+
+
+def allreduce_time(num_bytes, group: int, link_bandwidth: float, hop_latency: float, params: CostParams):
+    """Ring all-reduce of `num_bytes` per device over `group` devices (0 when group == 1)."""
+    if group <= 1:
+        return 0.0 * num_bytes
+    steps = 2 * (group - 1)
+    return (params.comm_fixed_s + steps * hop_latency
+            + steps / group * num_bytes / (link_bandwidth * params.comm_bandwidth_efficiency))
+
+
+def p2p_time(num_bytes, link_bandwidth: float, hop_latency: float, params: CostParams):
+    return params.comm_fixed_s + hop_latency + num_bytes / (link_bandwidth * params.comm_bandwidth_efficiency)
+
+
+# --------------------------------------------------------------------------------------------------- model shapes
+@dataclasses.dataclass(frozen=True)
+class ShardedShapes:
+    """Per-device shapes of one layer under TP degree `tp`."""
+    hidden: int
+    heads: int          # query heads per device
+    kv_heads: int       # KV heads per device (replicated when fewer than tp)
+    head_dim: int
+    gemms: tuple[tuple[int, int], ...]   # (k, m) of QKV, O, gate+up (or fc1), down (or fc2)
+    lm_head: tuple[int, int]
+    layer_elementwise: tuple[tuple[str, int], ...]  # (kind, bytes per token): norms, RoPE, activation, add
+    embedding_bytes_per_token: int
+    dtype_bytes: int
+
+
+def _check_parallel(model: ModelSpec, tp: int, pp: int):
+    if not isinstance(tp, int) or tp < 1 or model.num_heads % tp:
+        raise ValueError(f"tp={tp!r}: expected a positive int dividing num_heads={model.num_heads} of {model.name}")
+    if not isinstance(pp, int) or pp < 1 or pp > model.num_layers:
+        raise ValueError(f"pp={pp!r}: expected a positive int <= num_layers={model.num_layers} of {model.name}")
+
+
+@functools.lru_cache(maxsize=256)
+def sharded_shapes(model: ModelSpec, tp: int = 1) -> ShardedShapes:
+    _check_parallel(model, tp, 1)
+    b = model.dtype_bytes
+    h, d = model.hidden_size, model.head_dim
+    heads = model.num_heads // tp
+    kv_heads = -(-model.num_kv_heads // tp)
+    inter = -(-model.intermediate_size // tp)
+    gated = model.arch == "llama"
+    gemms = ((h, (heads + 2 * kv_heads) * d), (heads * d, h), (h, (2 if gated else 1) * inter), (inter, h))
+    # Bytes per token: norms read and write the hidden vector, RoPE rewrites q and k, the activation reads
+    # gate and up (or fc1's output) and writes one, the residual add reads two and writes one.
+    elementwise = [("norm", 2 * h * b), ("norm", 2 * h * b)]
+    if model.arch == "llama":
+        elementwise.append(("rope", 2 * (heads + kv_heads) * d * b))
+    elementwise += [("activation", (3 if gated else 2) * inter * b), ("residual", 3 * h * b)]
+    return ShardedShapes(hidden=h, heads=heads, kv_heads=kv_heads, head_dim=d, gemms=gemms,
+                         lm_head=(h, -(-model.vocab_size // tp)), layer_elementwise=tuple(elementwise),
+                         embedding_bytes_per_token=2 * h * b, dtype_bytes=b)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    shapes: ShardedShapes
+    layers_per_stage: int
+    peak: float
+    bandwidth: float
+    compute_units: int
+    tp_link: tuple[float, float]
+    pp_link: tuple[float, float]
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(model: ModelSpec, hw: HardwareSpec, tp: int, pp: int) -> _Plan:
+    _check_parallel(model, tp, pp)
+    return _Plan(shapes=sharded_shapes(model, tp), layers_per_stage=-(-model.num_layers // pp),
+                 peak=hw.peak_flops(model.dtype), bandwidth=hw.hbm_bandwidth, compute_units=hw.compute_units,
+                 tp_link=hw.group_link(tp),
+                 pp_link=hw.group_link(tp * pp))
+
+
+def _stage_components(batch: BatchComposition, plan: _Plan, params: CostParams, tp: int):
+    """(linear, elementwise, attention, tp comm, flops-term, memory-term) seconds of one microbatch through the
+    bottleneck stage (its layers, plus embedding and LM head)."""
+    s = plan.shapes
+    peak, bw = plan.peak, plan.bandwidth
+    tokens = batch.num_tokens
+    layers = plan.layers_per_stage
+    linear = flops_s = memory_s = 0.0
+    for k, m in s.gemms:
+        c, mem = gemm_terms(tokens, k, m, s.dtype_bytes, peak, bw, plan.compute_units, params)
+        flops_s += c
+        memory_s += mem
+        linear += (c if c > mem else mem) + params.kernel_fixed_s
+    linear *= layers
+    flops_s *= layers
+    memory_s *= layers
+    c, mem = gemm_terms(batch.num_seqs, s.lm_head[0], s.lm_head[1], s.dtype_bytes, peak, bw, plan.compute_units,
+                        params)
+    linear += (c if c > mem else mem) + params.kernel_fixed_s
+    flops_s += c
+    memory_s += mem
+
+    elementwise = layers * sum(elementwise_time(tokens, nbytes, kind, bw, params) for kind, nbytes in s.layer_elementwise)
+    elementwise += elementwise_time(tokens, s.embedding_bytes_per_token, "embedding", bw, params)
+
+    attention = 0.0
+    for chunk, context in batch.prefills:
+        c, mem = prefill_attention_terms(chunk, context, s.heads, s.kv_heads, s.head_dim, s.dtype_bytes, peak, bw,
+                                         params)
+        attention += c + mem
+    if batch.decodes:
+        # All decodes share one FLOPs-to-bytes ratio, so the roofline of their sum equals the sum of their
+        # rooflines: aggregate (one call instead of one per request).
+        count = sum(n for n, _ in batch.decodes)
+        mean_context = sum(n * c for n, c in batch.decodes) / count
+        c, mem, items = decode_attention_terms(count, mean_context, s.heads, s.kv_heads, s.head_dim, s.dtype_bytes,
+                                               peak, bw, params)
+        attention += (c if c > mem else mem) + items
+    if batch.prefills:
+        attention += params.attn_prefill_fixed_s
+    if batch.decodes:
+        attention += params.attn_decode_fixed_s
+    attention *= layers
+
+    comm = 0.0
+    if tp > 1:
+        comm = layers * 2 * allreduce_time(tokens * s.hidden * s.dtype_bytes, tp, plan.tp_link[0], plan.tp_link[1],
+                                           params)
+    return linear, elementwise, attention, comm, flops_s, memory_s
+
+
+def iteration_time(batch: BatchComposition, model: ModelSpec, hw: HardwareSpec, tp: int = 1, pp: int = 1,
+                   params: Optional[CostParams] = None, num_microbatches: int = 1) -> CostBreakdown:
+    """Predicted wall time (seconds) of one engine iteration running `batch` on an instance of tp·pp devices."""
+    params = CostParams() if params is None else params
+    plan = _plan(model, hw, tp, pp)
+    overhead = params.iteration_overhead_s + params.per_seq_overhead_s * batch.num_seqs
+    if batch.num_tokens == 0:
+        return CostBreakdown(overhead, 0.0, 0.0, 0.0, overhead, 0.0, 0.0, 0.0, 0.0, 0, 0)
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches={num_microbatches!r}, expected >= 1")
+    micro = [batch] if num_microbatches == 1 or pp == 1 else batch.split_round_robin(num_microbatches)
+    linear = elementwise = attention = comm = flops_s = memory_s = 0.0
+    slowest = 0.0
+    for mb in micro:
+        lin, ew, att, com, fl, mem = _stage_components(mb, plan, params, tp)
+        linear += lin
+        elementwise += ew
+        attention += att
+        comm += com
+        flops_s += fl
+        memory_s += mem
+        slowest = max(slowest, lin + ew + att + com)
+    bubble = 0.0
+    if pp > 1:
+        s = plan.shapes
+        send = p2p_time(batch.num_tokens / len(micro) * s.hidden * s.dtype_bytes, plan.pp_link[0], plan.pp_link[1],
+                        params)
+        comm += (pp - 1) * send
+        bubble = (pp - 1) * slowest
+    total = linear + elementwise + attention + comm + bubble + overhead
+    return CostBreakdown(total=total, linear=linear, attention=attention, communication=comm, overhead=overhead,
+                         elementwise=elementwise, pipeline_bubble=bubble, linear_flops_s=flops_s,
+                         linear_memory_s=memory_s, num_tokens=batch.num_tokens, num_seqs=batch.num_seqs)
+
+
+# --------------------------------------------------------------------------------------------------- memory
+def kv_bytes(model: ModelSpec, tokens: int, dtype_bytes: Optional[int] = None) -> int:
+    """Bytes of K and V for `tokens` tokens of one request over all layers (all devices together)."""
+    if tokens < 0:
+        raise ValueError(f"kv_bytes: tokens={tokens}, expected >= 0")
+    return tokens * model.kv_bytes_per_token(dtype_bytes)
+
+
+def activation_bytes(model: ModelSpec, tp: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """Peak activation memory of one forward pass per device: the widest layer's live tensors for every
+    batched token (residual, normed input, QKV, gate+up and its product) plus fp32 logits for every sequence."""
+    s = sharded_shapes(model, tp)
+    per_token = (2 * s.hidden + (s.heads + 2 * s.kv_heads) * s.head_dim + 3 * s.gemms[2][1] // 2) * s.dtype_bytes
+    return max_num_batched_tokens * per_token + max_num_seqs * s.lm_head[1] * 4
+
+
+def kv_cache_capacity_tokens(model: ModelSpec, hw: HardwareSpec, tp: int = 1, pp: int = 1, mem_util: float = 0.9,
+                             activation_reserve: Optional[float] = None,
+                             max_num_batched_tokens: Optional[int] = None, max_num_seqs: int = 256,
+                             kv_dtype_bytes: Optional[int] = None) -> int:
+    """How many tokens of KV cache an instance holds: per device, `mem_util · HBM − params/(tp·pp) −
+    activations`, divided by the KV bytes per token that device stores (its stage's layers, its KV heads).
+
+    activation_reserve: bytes; None estimates it from `max_num_batched_tokens` (default: the model's max
+    context, an unchunked prefill of the longest prompt) and `max_num_seqs` (see `activation_bytes`).
+    """
+    _check_parallel(model, tp, pp)
+    if not 0 < mem_util <= 1:
+        raise ValueError(f"mem_util={mem_util!r}, expected in (0, 1]")
+    if activation_reserve is None:
+        tokens = model.max_position_embeddings if max_num_batched_tokens is None else max_num_batched_tokens
+        activation_reserve = activation_bytes(model, tp, tokens, max_num_seqs)
+    param_bytes = model.num_params() * model.dtype_bytes / (tp * pp)
+    free = mem_util * hw.hbm_capacity - param_bytes - activation_reserve
+    b = model.dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
+    per_token = 2 * (-(-model.num_layers // pp)) * (-(-model.num_kv_heads // tp)) * model.head_dim * b
+    if free < per_token:
+        raise ValueError(
+            f"{model.name} does not fit on {hw.name} with tp={tp}, pp={pp}: {mem_util:.2f} x "
+            f"{hw.hbm_capacity / 2**30:.1f} GiB minus params {param_bytes / 2**30:.1f} GiB/device minus activations "
+            f"{activation_reserve / 2**30:.2f} GiB leaves {free / 2**30:.2f} GiB for KV")
+    return int(free // per_token)
+
+
+def step_time_fn(model: ModelSpec, hw: HardwareSpec, tp: int = 1, pp: int = 1, params: Optional[CostParams] = None,
+                 num_microbatches: int = 1) -> Callable[[Any], float]:
+    """A `SchedulerOutput -> seconds` function for the discrete-event simulator's step_time."""
+    params = CostParams() if params is None else params
+    _plan(model, hw, tp, pp)   # validate the layout now, not at the first step
+
+    def step_time(output) -> float:
+        batch = BatchComposition.from_scheduler_output(output)
+        return iteration_time(batch, model, hw, tp, pp, params, num_microbatches).total
+    return step_time
+
+
+def iteration_times(batches: Sequence[BatchComposition], model: ModelSpec, hw: HardwareSpec, tp: int = 1,
+                    pp: int = 1, params: Optional[CostParams] = None) -> list[float]:
+    """Total seconds for each batch (convenience for fitting and sweeps)."""
+    return [iteration_time(b, model, hw, tp, pp, params).total for b in batches]
