@@ -1,0 +1,1 @@
+"""Thin absl entry points (python -m experiments.<name>)."""
