@@ -1,1 +1,14 @@
-"""Pure-Python scheduler library (no JAX): requests, block manager, batching policies."""
+"""Pure-Python scheduler library (no JAX): requests, block manager, batching policies.
+
+`make_scheduler(SchedulerConfig(policy=...))` returns the policy's Scheduler; see base.py for the engine
+loop and policies.py for the policies and the disaggregation protocol.
+"""
+from pdjax.config.scheduler import SchedulerConfig
+from pdjax.scheduler.base import Scheduler
+from pdjax.scheduler.block_manager import BlockManager
+from pdjax.scheduler.output import SchedulerOutput
+from pdjax.scheduler.policies import POLICY_CLASSES, make_scheduler
+from pdjax.scheduler.request import Request, RequestStatus
+
+__all__ = ["BlockManager", "POLICY_CLASSES", "Request", "RequestStatus", "Scheduler", "SchedulerConfig",
+           "SchedulerOutput", "make_scheduler"]

@@ -7,7 +7,7 @@ mutate them.
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
 from pdjax.config.sampling import SamplingParams
 
@@ -29,6 +29,11 @@ class SchedulerOutput:
     swap_out: List[Tuple[int, int]] = dataclasses.field(default_factory=list)
     swap_in: List[Tuple[int, int]] = dataclasses.field(default_factory=list)
     preempted_req_ids: List[str] = dataclasses.field(default_factory=list)
+    # decode_only: handed-off requests admitted in this step; before the step the runner writes each one's
+    # received KV (its first num_computed_tokens tokens) into its page table (same batch index as req_ids).
+    kv_handoff_req_ids: List[str] = dataclasses.field(default_factory=list)
+    # The scheduled Request objects, aligned with req_ids (scheduler-internal: lets update() skip a lookup).
+    reqs: List[Any] = dataclasses.field(default_factory=list, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -1,0 +1,152 @@
+"""SchedulerConfig: every knob of the batching policies, validated once at construction (no JAX).
+
+Choices:
+- Policies that never split a prompt (`vllm_v0`, `orca`, `decode_first`) ignore `enable_chunking`; for them,
+  and for chunking policies with `enable_chunking=False`, the token budget must hold a max-length prompt.
+- Stall-free policies (`sarathi`, `vllm_v1`, `decode_only`) schedule every running decode each step, so the
+  budget must be at least `max_num_seqs`.
+- Zero means "off" for the optional integer knobs (`tile_size`, `long_prefill_token_threshold`,
+  `max_num_partial_prefills`, `max_long_partial_prefills`, `min_prefill_tokens`).
+- Dynamic chunking caps a prefill chunk at `token_budget * ref / (ref + context)` tokens (context = tokens
+  already computed for the request, ref = `dynamic_chunk_ref_context`), floored at `dynamic_chunk_min_tokens`:
+  attention cost grows with context, so the chunk shrinks to keep the iteration time roughly flat (the
+  chunk halves when the context reaches `ref`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+POLICIES = ("vllm_v0", "orca", "decode_first", "sarathi", "chunked_only", "vllm_v1", "prefill_only",
+            "decode_only")
+CHUNKING_POLICIES = frozenset({"sarathi", "chunked_only", "vllm_v1", "prefill_only", "decode_only"})
+STALL_FREE_POLICIES = frozenset({"sarathi", "vllm_v1", "decode_only"})
+PREEMPTION_MODES = ("recompute", "swap")
+ORDERINGS = ("fcfs", "priority")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Knobs of one scheduler instance. Sizes in tokens or pages; `watermark` is a fraction of `num_pages`.
+
+    policy: one of POLICIES. token_budget: max tokens in one iteration (vLLM max_num_batched_tokens).
+    max_num_seqs: max requests running (and so per iteration). max_model_len: max prompt + output tokens.
+    page_size: tokens per KV page. num_pages: device KV pages. enable_prefix_caching: share full pages by
+    a hash chained over the prefix. enable_chunking: split prompts into chunks (chunking policies only).
+    preemption_mode: 'recompute' (drop KV, recompute prompt + output so far) or 'swap' (copy pages to
+    `num_host_pages` host slots; falls back to recompute when host slots run short).
+    ordering: 'fcfs' (arrival order) or 'priority' (lower `Request.priority` value first, then arrival).
+    watermark: fraction of pages kept free when admitting (avoids preempting right after admission).
+    tile_size: round partial prefill chunks down to a multiple of this (0 = off).
+    dynamic_chunking / dynamic_chunk_ref_context / dynamic_chunk_min_tokens: see the module docstring.
+    long_prefill_token_threshold: per-request chunk cap per iteration; a prefill longer than this is
+      "long" for `max_long_partial_prefills` (0 = off).
+    max_num_partial_prefills / max_long_partial_prefills (vllm_v1 only): at most this many requests (long
+      ones) in the prefill phase at once, enforced at admission (0 = unlimited).
+    min_prefill_tokens: prefill-starvation guard of the stall-free policies: when prefill work is pending,
+      decodes get at most token_budget - min_prefill_tokens tokens (0 = off; then no decode ever stalls).
+    """
+    policy: str = "sarathi"
+    token_budget: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int = 2048
+    page_size: int = 16
+    num_pages: int = 4096
+    enable_prefix_caching: bool = False
+    enable_chunking: bool = True
+    preemption_mode: str = "recompute"
+    num_host_pages: int = 0
+    ordering: str = "fcfs"
+    watermark: float = 0.01
+    tile_size: int = 0
+    dynamic_chunking: bool = False
+    dynamic_chunk_ref_context: int = 4096
+    dynamic_chunk_min_tokens: int = 64
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 0
+    max_long_partial_prefills: int = 0
+    min_prefill_tokens: int = 0
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy={self.policy!r}, expected one of {POLICIES}")
+        for name in ("token_budget", "max_num_seqs", "max_model_len", "page_size", "num_pages",
+                     "dynamic_chunk_ref_context", "dynamic_chunk_min_tokens"):
+            v = getattr(self, name)
+            if not _is_int(v) or v <= 0:
+                raise ValueError(f"{name}={v!r}, expected a positive int")
+        for name in ("num_host_pages", "tile_size", "long_prefill_token_threshold", "max_num_partial_prefills",
+                     "max_long_partial_prefills", "min_prefill_tokens"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 0:
+                raise ValueError(f"{name}={v!r}, expected an int >= 0 (0 = off)")
+        for name in ("enable_prefix_caching", "enable_chunking", "dynamic_chunking"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}, expected a bool")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode={self.preemption_mode!r}, expected one of {PREEMPTION_MODES}")
+        if self.ordering not in ORDERINGS:
+            raise ValueError(f"ordering={self.ordering!r}, expected one of {ORDERINGS}")
+        if not (isinstance(self.watermark, (int, float)) and 0.0 <= self.watermark < 1.0):
+            raise ValueError(f"watermark={self.watermark!r}, expected a fraction in [0, 1)")
+        if self.preemption_mode == "swap" and self.num_host_pages < 1:
+            raise ValueError(f"preemption_mode='swap' needs num_host_pages >= 1, got {self.num_host_pages}")
+        if not self.chunking:
+            if self.token_budget < self.max_model_len:
+                why = ("policy never chunks" if self.policy not in CHUNKING_POLICIES else "enable_chunking=False")
+                raise ValueError(f"token_budget={self.token_budget} < max_model_len={self.max_model_len} with "
+                                 f"no chunking ({why}, policy={self.policy!r}): a max-length prompt could never "
+                                 f"be scheduled; raise token_budget or enable chunking")
+            for name in ("tile_size", "long_prefill_token_threshold"):
+                if getattr(self, name):
+                    raise ValueError(f"{name}={getattr(self, name)} needs chunking, which is off for "
+                                     f"policy={self.policy!r} enable_chunking={self.enable_chunking}")
+            if self.dynamic_chunking:
+                raise ValueError(f"dynamic_chunking=True needs chunking, which is off for policy={self.policy!r} "
+                                 f"enable_chunking={self.enable_chunking}")
+        if self.policy in STALL_FREE_POLICIES and self.token_budget < self.max_num_seqs:
+            raise ValueError(f"token_budget={self.token_budget} < max_num_seqs={self.max_num_seqs} under the "
+                             f"stall-free policy {self.policy!r}: the running decodes alone could exceed the budget")
+        if self.tile_size > self.token_budget:
+            raise ValueError(f"tile_size={self.tile_size} > token_budget={self.token_budget}: no chunk could be "
+                             f"tile-aligned")
+        if self.dynamic_chunking and self.tile_size > self.dynamic_chunk_min_tokens:
+            raise ValueError(f"dynamic_chunk_min_tokens={self.dynamic_chunk_min_tokens} < tile_size="
+                             f"{self.tile_size}: the floor must hold at least one tile")
+        if self.policy != "vllm_v1" and (self.max_num_partial_prefills or self.max_long_partial_prefills):
+            raise ValueError(f"max_num_partial_prefills={self.max_num_partial_prefills} / max_long_partial_prefills="
+                             f"{self.max_long_partial_prefills} are enforced by policy 'vllm_v1' only, got "
+                             f"policy={self.policy!r}; set them to 0")
+        if self.max_long_partial_prefills and not self.long_prefill_token_threshold:
+            raise ValueError(f"max_long_partial_prefills={self.max_long_partial_prefills} needs "
+                             f"long_prefill_token_threshold > 0 to say which prefills are long")
+        if (self.max_num_partial_prefills and self.max_long_partial_prefills
+                and self.max_long_partial_prefills > self.max_num_partial_prefills):
+            raise ValueError(f"max_long_partial_prefills={self.max_long_partial_prefills} > max_num_partial_prefills="
+                             f"{self.max_num_partial_prefills}")
+        if self.min_prefill_tokens >= self.token_budget:
+            raise ValueError(f"min_prefill_tokens={self.min_prefill_tokens}, expected < token_budget="
+                             f"{self.token_budget}")
+        if self.min_prefill_tokens and self.policy not in ("sarathi", "vllm_v1"):
+            raise ValueError(f"min_prefill_tokens={self.min_prefill_tokens} is used by 'sarathi' and 'vllm_v1' "
+                             f"only, got policy={self.policy!r}")
+        if self.num_pages - self.watermark_pages < self.pages_per_max_request:
+            raise ValueError(f"num_pages={self.num_pages} (watermark {self.watermark_pages} pages) cannot hold one "
+                             f"max-length request: max_model_len={self.max_model_len} needs "
+                             f"{self.pages_per_max_request} pages of page_size={self.page_size}")
+
+    @property
+    def chunking(self) -> bool:
+        """Whether prompts may be split into chunks under this policy."""
+        return self.enable_chunking and self.policy in CHUNKING_POLICIES
+
+    @property
+    def pages_per_max_request(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    @property
+    def watermark_pages(self) -> int:
+        return int(self.watermark * self.num_pages)

@@ -1,0 +1,574 @@
+"""Scheduler: the shared machinery of every batching policy (queues, admission, paging, preemption, update).
+
+A policy subclass implements only `_schedule(out, now)`, composing the helpers below. The engine loop is:
+
+    out = sched.schedule(now)                  # SchedulerOutput; the runner copies swap_out, then swap_in,
+    sampled = runner.step(out)                 # loads kv_handoff_req_ids' KV, then runs the ragged batch
+    finished = sched.update(out, sampled, now) # len(sampled) == out.num_seqs, -1 where do_sample is False
+
+Choices (the "why" of the hot path):
+- Queues are plain lists of Request: `running` in admission order, `waiting` (fcfs: arrival order, with
+  recompute-preempted requests put back at the front; priority: kept sorted by (priority, arrival, id)
+  with bisect), `swapped` in preemption order. Swapped requests resume before any waiting request.
+- Removal from `running` is done once per step by one filter pass, only when something left it.
+- Preemption happens only for a running request that needs a page the pool does not have. The victim is
+  the running request not yet scheduled in this step with the lowest priority (largest `priority` value),
+  then the latest arrival; it may be the requester itself. Requests already in this step's batch are never
+  victims, so a SchedulerOutput never names a preempted request. After a preemption no request is
+  admitted or resumed in the same step (it would likely be preempted again).
+- Admission never preempts; it needs pages for its first chunk plus the watermark.
+- Recompute preemption frees the pages and restarts the request from `all_token_ids` (prompt + outputs),
+  keeping its outputs and timestamps. Swap preemption moves its pages to host slots (copies listed in
+  `swap_out`) and keeps `num_computed_tokens`; it falls back to recompute when host slots run short.
+- Disaggregation hooks (used by the prefill_only / decode_only policies, see policies.py for the protocol):
+  `release`, `held_page_table`, `add_handoff`, `mark_kv_arrived`.
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Dict, List, Optional, Sequence
+
+from pdjax.config.scheduler import SchedulerConfig
+from pdjax.scheduler.block_manager import BlockManager, extend_page_keys
+from pdjax.scheduler.output import SchedulerOutput
+from pdjax.scheduler.request import Request, RequestStatus
+
+WAITING = RequestStatus.WAITING
+RUNNING = RequestStatus.RUNNING
+PREEMPTED = RequestStatus.PREEMPTED
+SWAPPED = RequestStatus.SWAPPED
+WAITING_FOR_KV = RequestStatus.WAITING_FOR_KV
+FINISHED = RequestStatus.FINISHED
+REJECTED = RequestStatus.REJECTED
+
+
+def _priority_key(req: Request):
+    return (req.priority, req.arrival_time, req.request_id)
+
+
+class Scheduler:
+    """Shared interface of all policies. Subclasses set `name` and implement `_schedule`."""
+    name = "base"
+    handoff_after_prefill = False   # prefill_only: finish with 'handoff' once the first token is sampled
+
+    def __init__(self, config: SchedulerConfig):
+        if not isinstance(config, SchedulerConfig):
+            raise TypeError(f"config={config!r}, expected a SchedulerConfig")
+        self.config = config
+        self.block_manager = BlockManager(config.num_pages, config.page_size, config.enable_prefix_caching,
+                                          config.num_host_pages)
+        self.running: List[Request] = []
+        self.waiting: List[Request] = []
+        self.swapped: List[Request] = []
+        self.finished: List[Request] = []
+        self._live: Dict[str, Request] = {}        # every accepted, not yet finished request
+        self._held: Dict[str, Request] = {}        # prefill_only: handed off, pages kept until release()
+        self._held_tables: Dict[str, List[int]] = {}
+        self._kv_pending: Dict[str, Request] = {}  # decode_only: handed off, KV not yet arrived
+        self._kv_ready: List[Request] = []         # decode_only: KV arrived, waiting for room
+        self.step = 0
+        self._admit_counter = 0
+        self._preempted_this_step = False
+        self._removed_from_running = False
+        self.num_preemptions = 0
+        self.num_swaps = 0
+        # hot-path constants
+        self._ps = config.page_size
+        self._budget = config.token_budget
+        self._max_seqs = config.max_num_seqs
+        self._max_len = config.max_model_len
+        self._caching = config.enable_prefix_caching
+        self._chunking = config.chunking
+        self._tile = config.tile_size
+        self._long = config.long_prefill_token_threshold
+        self._dynamic = config.dynamic_chunking
+        self._watermark_pages = config.watermark_pages
+        self._swap = config.preemption_mode == "swap"
+        self._priority = config.ordering == "priority"
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.swapped) + len(self._kv_pending) + len(self._kv_ready)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_held(self) -> int:
+        """prefill_only: handed-off requests whose pages await `release`."""
+        return len(self._held)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting or self.swapped or self._kv_pending or self._kv_ready)
+
+    def get_request(self, request_id: str) -> Optional[Request]:
+        return self._live.get(request_id) or self._held.get(request_id)
+
+    def add_request(self, req: Request) -> bool:
+        """Queue `req`; returns False (and finishes it as 'rejected' with `reject_reason`) for a bad request."""
+        reason = self._validate_request(req)
+        if reason is not None:
+            self._reject(req, reason)
+            return False
+        req.status = WAITING
+        req.prefill_end = len(req.all_token_ids)
+        self._live[req.request_id] = req
+        self._enqueue_waiting(req, front=False)
+        return True
+
+    def abort(self, request_id: str, now: float) -> Optional[Request]:
+        """Finish request `request_id` as 'aborted' wherever it is, freeing its pages; None if not live."""
+        req = self._live.get(request_id)
+        if req is None:
+            if request_id in self._held:   # handed off already: aborting just drops the kept pages
+                self.release(request_id)
+            return None
+        st = req.status
+        if st is RUNNING:
+            self.block_manager.free(req.page_table)
+            self._removed_from_running = True
+            self.running = [r for r in self.running if r is not req]
+        elif st is WAITING or st is PREEMPTED:
+            self.waiting.remove(req)
+        elif st is SWAPPED:
+            self.swapped.remove(req)
+            self.block_manager.free_host(req.host_slots)
+            req.host_slots = []
+        elif st is WAITING_FOR_KV:
+            if self._kv_pending.pop(request_id, None) is None:
+                self._kv_ready.remove(req)
+        req.page_table = []
+        self._finish(req, "aborted", now)
+        return req
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        """Pick this iteration's batch (see the policy's docstring)."""
+        self.step += 1
+        out = SchedulerOutput(step=self.step)
+        self._preempted_this_step = False
+        self._schedule(out, now)
+        if self._preempted_this_step:
+            self.running = [r for r in self.running if r.status is RUNNING]
+        return out
+
+    def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[int], now: float) -> List[Request]:
+        """Advance the requests of `output` by its tokens and append the sampled ones; returns the finished."""
+        reqs = output.reqs
+        if len(sampled_token_ids) != len(reqs):
+            raise ValueError(f"len(sampled_token_ids)={len(sampled_token_ids)}, expected one per scheduled "
+                             f"request ({len(reqs)}), -1 where do_sample is False")
+        finished = []
+        ps = self._ps
+        caching = self._caching
+        max_len = self._max_len
+        handoff = self.handoff_after_prefill
+        bm = self.block_manager
+        for req, n, sample, tok in zip(reqs, output.num_new_tokens, output.do_sample, sampled_token_ids):
+            if req.status is not RUNNING:      # aborted between schedule() and update()
+                continue
+            c = req.num_computed_tokens + n
+            req.num_computed_tokens = c
+            if caching and c // ps > req.num_registered_pages:
+                self._register(req)
+            if not sample:
+                continue
+            if tok < 0:
+                raise ValueError(f"request {req.request_id!r}: sampled token {tok} where do_sample is True, "
+                                 f"expected a token id >= 0")
+            req.output_token_ids.append(tok)
+            req.all_token_ids.append(tok)
+            req.token_times.append(now)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if tok in req.stop_ids:
+                reason = "stop"
+            elif len(req.output_token_ids) >= req.max_tokens or len(req.all_token_ids) >= max_len:
+                reason = "length"
+            elif handoff:
+                reason = "handoff"
+            else:
+                continue
+            if reason == "handoff":
+                self._held[req.request_id] = req
+                self._held_tables[req.request_id] = req.page_table
+            else:
+                bm.free(req.page_table)
+            req.page_table = []
+            self._finish(req, reason, now)
+            finished.append(req)
+        if finished or self._removed_from_running:
+            self.running = [r for r in self.running if r.status is RUNNING]
+            self._removed_from_running = False
+        return finished
+
+    def check_invariants(self) -> None:
+        """Block-manager accounting plus: every live request sits in exactly one queue matching its status."""
+        tables = [r.page_table for r in self.running] + list(self._held_tables.values())
+        self.block_manager.check_invariants(tables, [r.host_slots for r in self.swapped])
+        seen = {}
+        for name, q in (("running", self.running), ("waiting", self.waiting), ("swapped", self.swapped),
+                        ("kv_ready", self._kv_ready), ("kv_pending", list(self._kv_pending.values()))):
+            for r in q:
+                assert r.request_id not in seen, f"{r.request_id} in {name} and {seen[r.request_id]}"
+                seen[r.request_id] = name
+        assert set(seen) == set(self._live), "live requests and queues disagree"
+        for r in self.running:
+            assert r.status is RUNNING, f"{r.request_id} in running with status {r.status}"
+            need = -(-r.num_computed_tokens // self._ps)
+            assert len(r.page_table) >= need, (f"{r.request_id}: {r.num_computed_tokens} computed tokens in "
+                                               f"{len(r.page_table)} pages")
+        for r in self.waiting:
+            assert r.status in (WAITING, PREEMPTED) and not r.page_table and r.num_computed_tokens == 0
+        for r in self.swapped:
+            assert r.status is SWAPPED and not r.page_table
+            assert len(r.host_slots) == -(-r.num_computed_tokens // self._ps)
+        assert len(self.running) <= self._max_seqs
+
+    # ---- disaggregation hooks (meaningful for prefill_only / decode_only)
+    def held_page_table(self, request_id: str) -> List[int]:
+        """prefill_only: the pages holding a handed-off request's KV (the transfer's source)."""
+        return self._held_tables[request_id]
+
+    def release(self, request_id: str) -> None:
+        """prefill_only: free a handed-off request's pages once its KV was transferred."""
+        if request_id not in self._held:
+            raise KeyError(f"release({request_id!r}): not a handed-off request held by this scheduler")
+        del self._held[request_id]
+        self.block_manager.free(self._held_tables.pop(request_id))
+
+    def add_handoff(self, req: Request, now: float) -> bool:
+        raise TypeError(f"add_handoff is for a 'decode_only' scheduler, this one is {self.name!r}")
+
+    def mark_kv_arrived(self, request_id: str) -> None:
+        raise TypeError(f"mark_kv_arrived is for a 'decode_only' scheduler, this one is {self.name!r}")
+
+    # ------------------------------------------------------------------ internals
+    def _validate_request(self, req: Request) -> Optional[str]:
+        if not isinstance(req, Request):
+            raise TypeError(f"add_request({req!r}): expected a pdjax.scheduler.Request")
+        if req.status is not WAITING or req.num_computed_tokens or req.output_token_ids:
+            return f"request is not fresh (status {req.status}, {req.num_computed_tokens} computed tokens)"
+        if req.request_id in self._live or req.request_id in self._held:
+            return f"duplicate request_id {req.request_id!r} of a live request"
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            return "empty prompt: expected at least one token"
+        if n > self._max_len:
+            return f"prompt of {n} tokens exceeds max_model_len={self._max_len}"
+        if min(req.prompt_token_ids) < 0:
+            return f"negative token id {min(req.prompt_token_ids)} in the prompt"
+        if req.max_tokens < 1:
+            return f"max_tokens={req.max_tokens}, expected >= 1"
+        return None
+
+    def _reject(self, req: Request, reason: str) -> None:
+        req.status = REJECTED
+        req.finish_reason = "rejected"
+        req.reject_reason = reason
+        req.finish_time = req.arrival_time
+        self.finished.append(req)
+
+    def _finish(self, req: Request, reason: str, now: float) -> None:
+        req.status = FINISHED
+        req.finish_reason = reason
+        req.finish_time = now
+        self._live.pop(req.request_id, None)
+        self.finished.append(req)
+
+    def _enqueue_waiting(self, req: Request, front: bool) -> None:
+        if self._priority:
+            bisect.insort(self.waiting, req, key=_priority_key)
+        elif front:
+            self.waiting.insert(0, req)
+        else:
+            self.waiting.append(req)
+
+    def _register(self, req: Request) -> None:
+        full = req.num_computed_tokens // self._ps
+        if len(req.page_keys) < full:
+            extend_page_keys(req.page_keys, req.all_token_ids, self._ps, full)
+        self.block_manager.register(req.page_table, req.page_keys, req.num_registered_pages, full)
+        req.num_registered_pages = full
+
+    def _prefill_chunk(self, req: Request, budget_left: int) -> int:
+        """Tokens of `req`'s remaining prefill to schedule given `budget_left` (0: none this step)."""
+        c = req.num_computed_tokens
+        rem = len(req.all_token_ids) - c
+        n = rem if rem < budget_left else budget_left
+        if self._long and n > self._long:
+            n = self._long
+        if self._dynamic:
+            cfg = self.config
+            cap = max(cfg.dynamic_chunk_min_tokens,
+                      self._budget * cfg.dynamic_chunk_ref_context // (cfg.dynamic_chunk_ref_context + c))
+            if n > cap:
+                n = cap
+        if n < rem:
+            if not self._chunking:
+                return 0
+            if self._tile:
+                n -= n % self._tile
+        return n
+
+    def _emit(self, out: SchedulerOutput, req: Request, n: int, now: float) -> None:
+        c = req.num_computed_tokens
+        end = c + n
+        out.reqs.append(req)
+        out.req_ids.append(req.request_id)
+        out.token_ids.append(req.all_token_ids[c:end])
+        out.num_computed_tokens.append(c)
+        out.num_new_tokens.append(n)
+        out.page_tables.append(req.page_table)
+        out.do_sample.append(end == len(req.all_token_ids))
+        out.sampling.append(req.sampling)
+        if c < req.prefill_end:
+            out.is_prefill.append(True)
+            out.num_prefill_tokens += n
+        else:
+            out.is_prefill.append(False)
+            out.num_decode_tokens += n
+        req.sched_step = self.step
+        req.schedule_times.append(now)
+
+    def _schedule_running(self, out: SchedulerOutput, req: Request, n: int, now: float) -> bool:
+        """Grow `req`'s pages for `n` more tokens (preempting if needed) and emit it; False if it was preempted."""
+        need = -(-(req.num_computed_tokens + n) // self._ps) - len(req.page_table)
+        if need > 0:
+            bm = self.block_manager
+            while bm.num_free_pages < need:
+                victim = self._pick_victim()
+                self._preempt(victim, out, now)
+                if victim is req:
+                    return False
+            bm.allocate(req.page_table, need)
+        self._emit(out, req, n, now)
+        return True
+
+    def _decode_pass(self, out: SchedulerOutput, now: float, budget: int, prefills: Optional[list]) -> int:
+        """Schedule one token for each running decode, in admission order, while `budget` lasts.
+
+        Running requests in the prefill phase are appended to `prefills` (when given). Returns the budget left.
+        This is the hot loop: page growth and emission are inlined."""
+        ps = self._ps
+        step = self.step
+        bm = self.block_manager
+        a_req, a_id, a_tok = out.reqs.append, out.req_ids.append, out.token_ids.append
+        a_c, a_n, a_pt = out.num_computed_tokens.append, out.num_new_tokens.append, out.page_tables.append
+        a_s, a_smp, a_pre = out.do_sample.append, out.sampling.append, out.is_prefill.append
+        used = 0      # decode tokens of this pass, both paths
+        n_fast = 0    # of which emitted inline (the slow path's _emit counts its own)
+        for req in self.running:
+            if req.status is not RUNNING:
+                continue
+            c = req.num_computed_tokens
+            if c < req.prefill_end:
+                if prefills is not None:
+                    prefills.append(req)
+                continue
+            if used >= budget:
+                if prefills is None:
+                    break
+                continue
+            table = req.page_table
+            if c >= len(table) * ps:
+                if bm._free or bm._free_cached:
+                    bm.allocate(table, 1)
+                else:
+                    if self._schedule_running(out, req, 1, now):
+                        used += 1
+                    continue
+            a_req(req)
+            a_id(req.request_id)
+            a_tok(req.all_token_ids[c:c + 1])
+            a_c(c)
+            a_n(1)
+            a_pt(table)
+            a_s(True)
+            a_smp(req.sampling)
+            a_pre(False)
+            req.sched_step = step
+            req.schedule_times.append(now)
+            n_fast += 1
+            used += 1
+        out.num_decode_tokens += n_fast
+        return budget - used
+
+    def _pick_victim(self) -> Request:
+        step = self.step
+        victim = None
+        vkey = None
+        for r in self.running:
+            if r.status is RUNNING and r.sched_step != step:
+                k = (r.priority, r.arrival_time, r.admit_seq)
+                if vkey is None or k > vkey:
+                    victim, vkey = r, k
+        if victim is None:
+            raise RuntimeError("no preemptible request: every running request is already scheduled")
+        return victim
+
+    def _preempt(self, req: Request, out: SchedulerOutput, now: float) -> None:
+        bm = self.block_manager
+        self._preempted_this_step = True
+        self.num_preemptions += 1
+        req.num_preemptions += 1
+        req.preemption_times.append(now)
+        out.preempted_req_ids.append(req.request_id)
+        if self._swap and req.page_table and bm.num_free_host_pages >= len(req.page_table):
+            slots, copies = bm.swap_out(req.page_table)
+            out.swap_out.extend(copies)
+            req.host_slots = slots
+            req.page_table = []
+            req.status = SWAPPED
+            self.swapped.append(req)
+            self.num_swaps += 1
+            return
+        bm.free(req.page_table)
+        req.page_table = []
+        req.num_computed_tokens = 0
+        req.num_registered_pages = 0
+        req.prefill_end = len(req.all_token_ids)
+        req.status = PREEMPTED
+        self._enqueue_waiting(req, front=True)
+
+    def _admit(self, out: SchedulerOutput, req: Request, budget_left: int, now: float) -> int:
+        """Try to start waiting `req` with a first chunk within `budget_left`; returns its tokens (0: not admitted).
+
+        Applies the prefix cache, the chunking rules and the watermark. The caller removes it from `waiting`
+        and checks max_num_seqs."""
+        bm = self.block_manager
+        ps = self._ps
+        hits = ()
+        if self._caching:
+            total = len(req.all_token_ids)
+            max_hit = (total - 1) // ps     # always compute >= 1 token, to sample from it
+            if len(req.page_keys) < max_hit:
+                extend_page_keys(req.page_keys, req.all_token_ids, ps, max_hit)
+            hits = bm.match_prefix(req.page_keys, max_hit)
+        req.num_computed_tokens = len(hits) * ps
+        n = self._prefill_chunk(req, budget_left)
+        if n <= 0:
+            req.num_computed_tokens = 0
+            return 0
+        need = -(-(req.num_computed_tokens + n) // ps) - len(hits)
+        free_after = bm.num_free_pages - need - (bm.num_free_among(hits) if hits else 0)
+        if free_after < self._watermark_pages:
+            req.num_computed_tokens = 0
+            return 0
+        if hits:
+            bm.take_cached(req.page_table, hits)
+        bm.allocate(req.page_table, need)
+        req.num_cached_tokens = len(hits) * ps
+        req.num_registered_pages = len(hits)
+        req.is_long_prefill = bool(self._long) and (len(req.all_token_ids) - req.num_computed_tokens) > self._long
+        self._start_running(req, now)
+        self._emit(out, req, n, now)
+        return n
+
+    def _start_running(self, req: Request, now: float) -> None:
+        req.status = RUNNING
+        req.admit_seq = self._admit_counter
+        self._admit_counter += 1
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        self.running.append(req)
+
+    def _resume_swapped(self, out: SchedulerOutput, budget_left: int, now: float, phase: Optional[bool] = None,
+                        prefill_counts: Optional[list] = None, max_decodes: Optional[int] = None) -> int:
+        """Swap in swapped requests (in preemption order) while they fit; returns the tokens scheduled.
+
+        phase: None resumes any; True only requests in the prefill phase; False only decodes (others are
+        skipped, not blocking). prefill_counts: [in-prefill, long in-prefill] running counts when the
+        vllm_v1 partial-prefill limits apply (updated in place). max_decodes: at most this many decode
+        resumes (the starvation guard's decode cap)."""
+        if not self.swapped or self._preempted_this_step:
+            return 0
+        bm = self.block_manager
+        ps = self._ps
+        cfg = self.config
+        used = 0
+        resumed = 0
+        for req in self.swapped:
+            if len(self.running) >= self._max_seqs or budget_left - used <= 0:
+                break
+            in_prefill = req.num_computed_tokens < req.prefill_end
+            if phase is not None and in_prefill != phase:
+                continue
+            if not in_prefill and max_decodes is not None:
+                if max_decodes <= 0:
+                    continue
+                max_decodes -= 1
+            if in_prefill and prefill_counts is not None:
+                if cfg.max_num_partial_prefills and prefill_counts[0] >= cfg.max_num_partial_prefills:
+                    break
+                if (cfg.max_long_partial_prefills and req.is_long_prefill
+                        and prefill_counts[1] >= cfg.max_long_partial_prefills):
+                    break
+            n = self._prefill_chunk(req, budget_left - used) if in_prefill else 1
+            if n <= 0:
+                break
+            need = -(-(req.num_computed_tokens + n) // ps) - len(req.host_slots)
+            if bm.num_free_pages - len(req.host_slots) - need < self._watermark_pages:
+                break
+            out.swap_in.extend(bm.swap_in(req.host_slots, req.page_table))
+            req.host_slots = []
+            req.num_registered_pages = 0
+            bm.allocate(req.page_table, need)
+            req.status = RUNNING
+            self.running.append(req)   # keeps its admit_seq: it is as old as before
+            self._emit(out, req, n, now)
+            used += n
+            resumed += 1
+            if in_prefill and prefill_counts is not None:
+                prefill_counts[0] += 1
+                prefill_counts[1] += int(req.is_long_prefill)
+        if resumed:
+            self.swapped = [r for r in self.swapped if r.status is SWAPPED]
+        return used
+
+    def _prefill_pass(self, out: SchedulerOutput, now: float, prefills: List[Request], budget: int) -> int:
+        """Schedule the next chunk of each running prefill in `prefills` within `budget`; returns what is left."""
+        for req in prefills:
+            if budget <= 0:
+                break
+            if req.status is not RUNNING:
+                continue
+            n = self._prefill_chunk(req, budget)
+            if n <= 0:
+                continue
+            if self._schedule_running(out, req, n, now):
+                budget -= n
+        return budget
+
+    def _prefill_pending(self) -> bool:
+        """Is there prefill work (running prefills, swapped prefills or waiting requests)?"""
+        if self.waiting:
+            return True
+        for r in self.swapped:
+            if r.num_computed_tokens < r.prefill_end:
+                return True
+        for r in self.running:
+            if r.num_computed_tokens < r.prefill_end:
+                return True
+        return False
+
+    def _admit_waiting(self, out: SchedulerOutput, budget_left: int, now: float) -> int:
+        """Admit waiting requests in queue order until one does not fit; returns the tokens scheduled."""
+        if not self.waiting or self._preempted_this_step:
+            return 0
+        used = 0
+        k = 0
+        waiting = self.waiting
+        while k < len(waiting) and len(self.running) < self._max_seqs and budget_left - used > 0:
+            n = self._admit(out, waiting[k], budget_left - used, now)
+            if n == 0:
+                break
+            used += n
+            k += 1
+        if k:
+            del waiting[:k]
+        return used
+
+    def _schedule(self, out: SchedulerOutput, now: float) -> None:
+        raise NotImplementedError

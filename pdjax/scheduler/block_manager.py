@@ -1,0 +1,209 @@
+"""Block manager: the device page pool, reference counts, prefix caching, and host swap slots (no JAX).
+
+Choices:
+- Pages are ints in [0, num_pages). Per-page state lives in flat lists indexed by page (`ref_count`,
+  `page_key`), so the hot path touches no per-page objects.
+- Free pages are of two kinds: uncached ones on a stack (`_free`), and free pages that still hold a
+  prefix-cached full page, in LRU order in an insertion-ordered dict (`_free_cached`). Allocation takes an
+  uncached page first and evicts the least recently freed cached page only when none is left, so cached
+  content survives as long as possible. Both kinds count as free.
+- Prefix-cache key of full page i of a token sequence: `(hash(key of page i-1), tuple(tokens of page i))`
+  (parent 0 for page 0). Keys are dict keys, so equal pages chain on the parent's hash and compare their
+  tokens exactly: a false hit needs a 64-bit collision of the parent's hash AND identical page tokens.
+  Only full pages whose KV has been computed are registered (`register`), and a page is handed out by
+  `allocate` only when its reference count is 0, so a cached page is never handed out while referenced.
+- A page whose key is already registered to another page (two requests computed the same prefix at once)
+  stays unregistered and returns to the uncached stack when freed.
+- Pages are released in reverse table order so a sequence's tail is evicted before its (more shareable)
+  head.
+- Host swap slots are ints in [0, num_host_pages) on a stack; `swap_out` returns the (host_slot,
+  device_page) copies for the runner.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Sequence, Tuple
+
+
+def extend_page_keys(keys: list, tokens: Sequence[int], page_size: int, num_pages: int) -> None:
+    """Append prefix-cache keys to `keys` until it covers the first `num_pages` full pages of `tokens`."""
+    parent = hash(keys[-1]) if keys else 0
+    for i in range(len(keys), num_pages):
+        key = (parent, tuple(tokens[i * page_size:(i + 1) * page_size]))
+        keys.append(key)
+        parent = hash(key)
+
+
+class BlockManager:
+    """Fixed pool of `num_pages` device pages of `page_size` tokens, plus `num_host_pages` swap slots."""
+
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = False,
+                 num_host_pages: int = 0):
+        if num_pages < 1 or page_size < 1 or num_host_pages < 0:
+            raise ValueError(f"num_pages={num_pages}, page_size={page_size}, num_host_pages={num_host_pages}: "
+                             f"expected positive pool and page sizes and >= 0 host pages")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_host_pages = num_host_pages
+        self.ref_count: List[int] = [0] * num_pages
+        self.page_key: list = [None] * num_pages
+        self._free: List[int] = list(range(num_pages - 1, -1, -1))   # pop() hands out page 0 first
+        self._free_cached: Dict[int, None] = {}                       # LRU: oldest first
+        self._key_to_page: dict = {}
+        self._free_host: List[int] = list(range(num_host_pages - 1, -1, -1))
+        self.num_cache_hit_pages = 0
+        self.num_evictions = 0
+
+    # ---- counts
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free) + len(self._free_cached)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_pages - len(self._free) - len(self._free_cached)
+
+    @property
+    def num_free_host_pages(self) -> int:
+        return len(self._free_host)
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages holding a registered prefix-cache entry (in use or free)."""
+        return len(self._key_to_page)
+
+    # ---- allocation
+    def allocate(self, table: List[int], n: int) -> None:
+        """Append `n` fresh pages (refcount 1) to `table`. The caller checks `num_free_pages >= n`."""
+        if n > len(self._free) + len(self._free_cached):
+            raise RuntimeError(f"allocate({n}) with only {self.num_free_pages} free pages")
+        free, ref = self._free, self.ref_count
+        for _ in range(n):
+            if free:
+                p = free.pop()
+            else:
+                p = next(iter(self._free_cached))
+                del self._free_cached[p]
+                del self._key_to_page[self.page_key[p]]
+                self.page_key[p] = None
+                self.num_evictions += 1
+            ref[p] = 1
+            table.append(p)
+
+    def free(self, table: Sequence[int]) -> None:
+        """Drop one reference to every page of `table` (tail first). The caller drops the table itself."""
+        ref, key = self.ref_count, self.page_key
+        for p in reversed(table):
+            c = ref[p] - 1
+            ref[p] = c
+            if c == 0:
+                if key[p] is None:
+                    self._free.append(p)
+                else:
+                    self._free_cached[p] = None
+            elif c < 0:
+                raise RuntimeError(f"page {p} freed more often than allocated")
+
+    # ---- prefix caching
+    def match_prefix(self, keys: Sequence, max_pages: int) -> List[int]:
+        """Pages caching the longest prefix of `keys` (at most `max_pages`); takes no reference."""
+        hits = []
+        get = self._key_to_page.get
+        for i in range(min(max_pages, len(keys))):
+            p = get(keys[i])
+            if p is None:
+                break
+            hits.append(p)
+        return hits
+
+    def num_free_among(self, pages: Iterable[int]) -> int:
+        """How many of `pages` are free (cached, refcount 0): taking them lowers the free count."""
+        ref = self.ref_count
+        return sum(1 for p in pages if ref[p] == 0)
+
+    def take_cached(self, table: List[int], pages: Sequence[int]) -> None:
+        """Append cache-hit `pages` to `table`, taking a reference to each."""
+        ref = self.ref_count
+        for p in pages:
+            if ref[p] == 0:
+                del self._free_cached[p]
+            ref[p] += 1
+            table.append(p)
+        self.num_cache_hit_pages += len(pages)
+
+    def register(self, table: Sequence[int], keys: Sequence, start: int, stop: int) -> None:
+        """Offer full pages table[start:stop] (KV computed, keys[i] their prefix keys) to the prefix cache."""
+        k2p, page_key = self._key_to_page, self.page_key
+        for i in range(start, stop):
+            p = table[i]
+            if page_key[p] is None:
+                k = keys[i]
+                if k not in k2p:
+                    k2p[k] = p
+                    page_key[p] = k
+
+    # ---- swapping
+    def swap_out(self, table: Sequence[int]) -> Tuple[List[int], List[Tuple[int, int]]]:
+        """Move `table`'s pages to host slots: returns (slots, [(host_slot, device_page)]) and frees the pages.
+
+        The caller checks `num_free_host_pages >= len(table)`."""
+        if len(table) > len(self._free_host):
+            raise RuntimeError(f"swap_out of {len(table)} pages with {len(self._free_host)} free host slots")
+        slots = [self._free_host.pop() for _ in table]
+        copies = list(zip(slots, table))
+        self.free(table)
+        return slots, copies
+
+    def swap_in(self, slots: Sequence[int], table: List[int]) -> List[Tuple[int, int]]:
+        """Allocate one device page per host slot into empty `table`; frees the slots; returns the copies."""
+        if table:
+            raise RuntimeError("swap_in into a non-empty page table")
+        self.allocate(table, len(slots))
+        self._free_host.extend(reversed(slots))
+        return list(zip(slots, table))
+
+    def free_host(self, slots: Sequence[int]) -> None:
+        self._free_host.extend(reversed(slots))
+
+    # ---- invariants
+    def check_invariants(self, tables: Iterable[Sequence[int]] = (), host_tables: Iterable[Sequence[int]] = ()
+                         ) -> None:
+        """Raise AssertionError unless the accounting holds for the given live page tables and host slots.
+
+        free + used = total; every free page has refcount 0 and sits in exactly one free list; a cached free
+        page's key maps back to it; refcounts equal the number of tables holding each page; a page held by
+        several tables (or twice) is a registered full page (shared read-only); host slots are owned once.
+        """
+        n = self.num_pages
+        free_set = set(self._free)
+        assert len(free_set) == len(self._free), "a page is twice on the free stack"
+        cached_set = set(self._free_cached)
+        assert not (free_set & cached_set), f"pages on both free lists: {sorted(free_set & cached_set)[:8]}"
+        holders = [0] * n
+        for t in tables:
+            for p in t:
+                assert 0 <= p < n, f"page {p} out of range [0, {n})"
+                holders[p] += 1
+        for p in range(n):
+            r = self.ref_count[p]
+            assert r == holders[p], f"page {p}: refcount {r} but held by {holders[p]} tables"
+            if r == 0:
+                assert (p in free_set) != (p in cached_set), f"free page {p} is on no free list or on both"
+            else:
+                assert p not in free_set and p not in cached_set, f"page {p} is used (ref {r}) and free"
+            if r > 1:
+                assert self.page_key[p] is not None, f"page {p} shared by {r} holders but not a cached full page"
+            if p in cached_set:
+                assert self.page_key[p] is not None, f"page {p} on the cached free list without a key"
+            if p in free_set:
+                assert self.page_key[p] is None, f"page {p} on the uncached free stack with a key"
+        assert self.num_free_pages + sum(1 for r in self.ref_count if r > 0) == n, "free + used != total"
+        for k, p in self._key_to_page.items():
+            assert self.page_key[p] == k, f"key of page {p} does not map back to it"
+        assert sum(1 for k in self.page_key if k is not None) == len(self._key_to_page), "stale page keys"
+        host_free = set(self._free_host)
+        assert len(host_free) == len(self._free_host), "a host slot is twice on the free stack"
+        owned = [s for t in host_tables for s in t]
+        assert len(set(owned)) == len(owned), "a host slot is owned twice"
+        assert not (host_free & set(owned)), "a host slot is owned and free"
+        assert len(owned) + len(host_free) == self.num_host_pages, "host slots lost"

@@ -1,0 +1,103 @@
+"""Request: one generation request and its lifecycle (host side, plain Python, no JAX).
+
+Lifecycle: WAITING -> RUNNING (prefill chunks, then one decode token per step) -> FINISHED, with
+RUNNING -> PREEMPTED (recompute: back to the waiting queue with no KV) or SWAPPED (KV on host slots) -> RUNNING,
+REJECTED at `add_request` for a bad request, and WAITING_FOR_KV on a decode_only scheduler between
+`add_handoff` and admission.
+
+`num_computed_tokens` is the one progress variable: tokens of `all_token_ids` whose KV is in the cache (a
+prefix-cache hit advances it). The tokens still to feed are always `all_token_ids[num_computed_tokens:]`:
+the prompt (or, after a recompute preemption, prompt + outputs so far) while in the prefill phase, then the
+last sampled token. `prefill_end` is the length of `all_token_ids` when the request was (re)admitted; a chunk
+starting before it is a prefill chunk, anything after is a decode.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+from pdjax.config.sampling import SamplingParams
+
+
+class RequestStatus:
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"          # recompute preemption: waiting again, no KV kept
+    SWAPPED = "swapped"              # swap preemption: KV on host slots
+    WAITING_FOR_KV = "waiting_for_kv"  # decode_only: handed off, KV transfer not yet marked arrived
+    FINISHED = "finished"
+    REJECTED = "rejected"
+
+
+FINISH_REASONS = ("length", "stop", "aborted", "rejected", "handoff")
+
+
+class Request:
+    """One request. Public attributes are read by the engine, simulator and metrics; those named `_x` or
+    listed as internal below are the scheduler's own bookkeeping.
+
+    Times are seconds on the caller's clock. token_times[i] is when output token i was produced;
+    schedule_times holds every step the request was scheduled in; preemption_times every preemption.
+    priority: lower value is served first under ordering='priority' and is preempted last.
+    """
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling", "arrival_time", "priority", "status",
+        "num_computed_tokens", "output_token_ids", "all_token_ids", "first_scheduled_time", "first_token_time",
+        "finish_time", "token_times", "schedule_times", "num_preemptions", "preemption_times", "finish_reason",
+        "reject_reason", "num_cached_tokens",
+        # internal
+        "page_table", "prefill_end", "page_keys", "num_registered_pages", "host_slots", "admit_seq",
+        "sched_step", "stop_ids", "max_tokens", "is_long_prefill",
+    )
+
+    def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
+                 arrival_time: float, priority: int = 0):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling = sampling
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.output_token_ids: List[int] = []
+        self.all_token_ids: List[int] = list(self.prompt_token_ids)
+        self.first_scheduled_time: Optional[float] = None
+        self.first_token_time: Optional[float] = None
+        self.finish_time: Optional[float] = None
+        self.token_times: List[float] = []
+        self.schedule_times: List[float] = []
+        self.num_preemptions = 0
+        self.preemption_times: List[float] = []
+        self.finish_reason: Optional[str] = None
+        self.reject_reason: Optional[str] = None
+        self.num_cached_tokens = 0           # prompt tokens served by the prefix cache at (last) admission
+        self.page_table: List[int] = []      # device pages, in token order
+        self.prefill_end = len(self.all_token_ids)
+        self.page_keys: list = []            # prefix-cache key of each full page of all_token_ids, computed lazily
+        self.num_registered_pages = 0        # leading pages already offered to the prefix cache
+        self.host_slots: List[int] = []      # swap slots holding this request's pages while SWAPPED
+        self.admit_seq = -1                  # admission counter, tie-breaks victims
+        self.sched_step = -1                 # last step this request was scheduled in
+        self.stop_ids = frozenset(getattr(sampling, "stop_token_ids", ()) or ())
+        self.max_tokens = getattr(sampling, "max_tokens", 0)
+        self.is_long_prefill = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED or self.status is RequestStatus.REJECTED
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status}, prompt={len(self.prompt_token_ids)}, "
+                f"output={len(self.output_token_ids)}, computed={self.num_computed_tokens}, "
+                f"finish_reason={self.finish_reason!r})")
