@@ -18,8 +18,9 @@ ATTENTION_IMPLS = ("auto", "reference", "pallas")
 def get_attention_fn(impl: str = "auto") -> Callable:
     """The attention function for `impl` ('auto' | 'reference' | 'pallas').
 
-    'auto' picks the Pallas kernel on GPU/TPU and the jnp reference on CPU. 'pallas' on CPU runs the kernel in
-    interpret mode (slow; for tests).
+    'auto' picks the Pallas kernel on GPU/TPU and the jnp reference on CPU. 'pallas' picks
+    `pallas_gpu.ragged_paged_attention` (Triton) on GPU, `pallas_tpu.ragged_paged_attention` (Mosaic) on TPU,
+    and on CPU the GPU kernel in interpret mode (slow; for tests). See `pallas_attention`.
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl={impl!r}, expected one of {ATTENTION_IMPLS}")
