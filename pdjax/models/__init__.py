@@ -1,1 +1,10 @@
-"""pdjax.models"""
+"""pdjax.models: the Llama-family model (pure forward over pytree params) and its weights.
+
+    llama.init_params(spec, seed, dtype) -> LlamaParams       llama.init_kv_cache(spec, num_pages, ...) -> KVCache
+    llama.forward_hidden(params, kv_cache, token_ids, positions, slot_mapping, kv_lens, page_indices,
+                         cu_q_lens, num_seqs, *, spec, attention_fn) -> (hidden [T, H], kv_cache)
+    checkpoint.load_model(checkpoint) -> (spec, params)       (HF dir | orbax dir | registry spec name)
+"""
+from pdjax.models.llama import KVCache, LayerParams, LlamaParams, init_kv_cache, init_params
+
+__all__ = ["KVCache", "LayerParams", "LlamaParams", "init_kv_cache", "init_params"]

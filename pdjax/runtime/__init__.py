@@ -1,1 +1,7 @@
-"""pdjax.runtime"""
+"""pdjax.runtime: ragged batches, the jitted step, sampling, the ModelRunner, meshes and shardings.
+
+    batch.build_ragged_batch(...) -> RaggedBatch (numpy)      batch.Buckets
+    step.make_step(spec, attention_fn) -> jitted step(params, kv_cache, batch) -> (ids int32[S], kv_cache)
+    runner.ModelRunner(spec, params, num_pages=..., page_size=..., buckets=...).execute(SchedulerOutput)
+    mesh.make_mesh(devices, dp, pp, tp)
+"""

@@ -1,0 +1,324 @@
+"""Weights: Hugging Face Llama-format checkpoints, orbax save/restore, and `load_model`.
+
+HF layout: `config.json` + `model.safetensors` or shards listed in `model.safetensors.index.json`; tensor
+names `model.embed_tokens.weight`, `model.layers.{i}.self_attn.{q,k,v,o}_proj.{weight,bias}`,
+`model.layers.{i}.mlp.{gate,up,down}_proj.weight`, `model.layers.{i}.{input,post_attention}_layernorm.weight`,
+`model.norm.weight`, `lm_head.weight`; Linear weights stored [out, in]. They are checked against the spec's
+shapes (an error names the tensor and both shapes) and converted to the layouts of `pdjax.models.llama`.
+The spec comes from config.json (top-level `rope_theta` or nested `rope_parameters`, `rope_scaling` of type
+llama3, Qwen2 biases, tied embeddings, sliding window).
+
+Orbax: `save_params` writes `<dir>/params` (an orbax StandardCheckpointer tree of plain dicts, so the format
+does not depend on the dataclass types) and `<dir>/pdjax_spec.json`; `restore_params` reads both back exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+from typing import Dict, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pdjax.config.model_specs import DTYPE_BYTES, ModelSpec, RopeScaling, get_model_spec
+from pdjax.models.llama import LayerParams, LlamaParams, check_runnable, init_params, jnp_dtype, param_shapes
+
+SPEC_FILE = "pdjax_spec.json"
+ORBAX_SUBDIR = "params"
+
+# HF tensor name suffix (per layer) -> (our field, kind). kind: "in_heads" Linear [N*D, H] -> [H, N, D];
+# "out_heads" Linear [H, N*D] -> [N, D, H]; "linear" [out, in] -> [in, out]; "bias" [N*D] -> [N, D]; "vec".
+_LAYER_TENSORS = {
+    "input_layernorm.weight": ("attn_norm", "vec"),
+    "self_attn.q_proj.weight": ("wq", "in_heads"),
+    "self_attn.k_proj.weight": ("wk", "in_heads"),
+    "self_attn.v_proj.weight": ("wv", "in_heads"),
+    "self_attn.o_proj.weight": ("wo", "out_heads"),
+    "self_attn.q_proj.bias": ("bq", "bias"),
+    "self_attn.k_proj.bias": ("bk", "bias"),
+    "self_attn.v_proj.bias": ("bv", "bias"),
+    "post_attention_layernorm.weight": ("mlp_norm", "vec"),
+    "mlp.gate_proj.weight": ("w_gate", "linear"),
+    "mlp.up_proj.weight": ("w_up", "linear"),
+    "mlp.down_proj.weight": ("w_down", "linear"),
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# config.json <-> ModelSpec
+# ------------------------------------------------------------------------------------------------------------
+
+def _rope_scaling_from(cfg: Optional[dict]) -> Optional[RopeScaling]:
+    if not cfg:
+        return None
+    kind = cfg.get("rope_type", cfg.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"rope scaling type {kind!r} is not supported (supported: 'default', 'llama3')")
+    return RopeScaling(factor=float(cfg["factor"]), low_freq_factor=float(cfg.get("low_freq_factor", 1.0)),
+                       high_freq_factor=float(cfg.get("high_freq_factor", 4.0)),
+                       original_max_position_embeddings=int(cfg.get("original_max_position_embeddings", 8192)))
+
+
+def spec_from_hf_config(config: dict, name: str = "hf-model") -> ModelSpec:
+    """ModelSpec of an HF Llama/Mistral/Qwen2 config.json dict."""
+    model_type = config.get("model_type", "llama")
+    if model_type not in ("llama", "mistral", "qwen2", "yi"):
+        raise ValueError(f"config.json model_type={model_type!r}; supported: llama, mistral, qwen2")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if key not in config:
+            raise ValueError(f"config.json lacks {key!r}")
+    heads = int(config["num_attention_heads"])
+    hidden = int(config["hidden_size"])
+    rope_params = config.get("rope_parameters") or {}
+    rope_theta = config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+    scaling = _rope_scaling_from(config.get("rope_scaling") or rope_params or None)
+    sliding = config.get("sliding_window")
+    if model_type == "qwen2" and not config.get("use_sliding_window", False):
+        sliding = None
+    dtype = config.get("torch_dtype", config.get("dtype", "bfloat16"))
+    if dtype not in DTYPE_BYTES:
+        dtype = "bfloat16"
+    return ModelSpec(
+        name=name, vocab_size=int(config["vocab_size"]), hidden_size=hidden,
+        intermediate_size=int(config["intermediate_size"]), num_layers=int(config["num_hidden_layers"]),
+        num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or hidden // heads), rope_theta=float(rope_theta),
+        rope_scaling=scaling, rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=bool(config.get("attention_bias", model_type == "qwen2")),
+        max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+        sliding_window=int(sliding) if sliding else None, dtype=dtype)
+
+
+def spec_to_hf_config(spec: ModelSpec) -> dict:
+    """An HF config.json dict for `spec` (model_type llama, or qwen2 when it has qkv biases)."""
+    check_runnable(spec)
+    cfg = {"architectures": ["Qwen2ForCausalLM" if spec.qkv_bias else "LlamaForCausalLM"],
+           "model_type": "qwen2" if spec.qkv_bias else "llama",
+           "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
+           "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_layers,
+           "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
+           "head_dim": spec.head_dim, "rope_theta": spec.rope_theta, "rms_norm_eps": spec.rms_norm_eps,
+           "tie_word_embeddings": spec.tie_word_embeddings, "attention_bias": spec.qkv_bias,
+           "max_position_embeddings": spec.max_position_embeddings, "torch_dtype": spec.dtype,
+           "hidden_act": "silu"}
+    if spec.rope_scaling is not None:
+        cfg["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(spec.rope_scaling)}
+    if spec.sliding_window is not None:
+        cfg["sliding_window"] = spec.sliding_window
+        cfg["use_sliding_window"] = True
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------------------
+# HF tensors <-> params
+# ------------------------------------------------------------------------------------------------------------
+
+def _hf_shape(kind: str, our_shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    if kind == "in_heads":
+        return (our_shape[1] * our_shape[2], our_shape[0])
+    if kind == "out_heads":
+        return (our_shape[2], our_shape[0] * our_shape[1])
+    if kind == "linear":
+        return (our_shape[1], our_shape[0])
+    if kind == "bias":
+        return (our_shape[0] * our_shape[1],)
+    return our_shape
+
+
+def _from_hf(x: np.ndarray, kind: str, our_shape: Tuple[int, ...]) -> np.ndarray:
+    if kind == "in_heads":
+        return x.T.reshape(our_shape)
+    if kind == "out_heads":
+        return x.T.reshape(our_shape)
+    if kind == "linear":
+        return x.T
+    return x.reshape(our_shape)
+
+
+def _to_hf(x: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "in_heads":
+        return x.reshape(x.shape[0], -1).T
+    if kind == "out_heads":
+        return x.reshape(-1, x.shape[-1]).T
+    if kind == "linear":
+        return x.T
+    return x.reshape(-1) if kind == "bias" else x
+
+
+def params_from_hf_tensors(spec: ModelSpec, get_tensor, names, dtype=None) -> LlamaParams:
+    """Build params from HF tensors. get_tensor(name) -> np.ndarray; names: the available tensor names."""
+    check_runnable(spec)
+    dtype = jnp_dtype(dtype or spec.dtype)
+    names = set(names)
+    shapes = param_shapes(spec)
+
+    def fetch(hf_name, kind, our_shape):
+        if hf_name not in names:
+            raise ValueError(f"checkpoint lacks tensor {hf_name!r} (expected shape "
+                             f"{_hf_shape(kind, our_shape)})")
+        x = np.asarray(get_tensor(hf_name))
+        want = _hf_shape(kind, our_shape)
+        if tuple(x.shape) != tuple(want):
+            raise ValueError(f"tensor {hf_name!r} has shape {tuple(x.shape)}, expected {tuple(want)} "
+                             f"for spec {spec.name!r}")
+        names.discard(hf_name)
+        return jnp.asarray(_from_hf(x, kind, our_shape).astype(np.float32)).astype(dtype)
+
+    layers = []
+    for i in range(spec.num_layers):
+        fields = {}
+        for suffix, (field, kind) in _LAYER_TENSORS.items():
+            if field in shapes["layer"]:
+                fields[field] = fetch(f"model.layers.{i}.{suffix}", kind, shapes["layer"][field])
+        layers.append(LayerParams(**fields))
+    embed = fetch("model.embed_tokens.weight", "vec", shapes["top"]["embed"])
+    final_norm = fetch("model.norm.weight", "vec", shapes["top"]["final_norm"])
+    lm_head = None
+    if not spec.tie_word_embeddings:
+        lm_head = fetch("lm_head.weight", "linear", shapes["top"]["lm_head"])
+    names.discard("lm_head.weight")  # tied checkpoints sometimes store a copy
+    leftover = sorted(n for n in names if not n.endswith(_IGNORED_SUFFIXES))
+    if leftover:
+        logging.warning("checkpoint tensors not used by spec %s: %s", spec.name, leftover[:10])
+    return LlamaParams(embed=embed, layers=tuple(layers), final_norm=final_norm, lm_head=lm_head)
+
+
+def params_to_hf_tensors(params: LlamaParams, spec: ModelSpec) -> Dict[str, np.ndarray]:
+    """HF-named numpy tensors ([out, in] Linear weights) of params."""
+    out = {"model.embed_tokens.weight": np.asarray(params.embed), "model.norm.weight": np.asarray(params.final_norm)}
+    if params.lm_head is not None:
+        out["lm_head.weight"] = np.asarray(params.lm_head).T
+    for i, layer in enumerate(params.layers):
+        for suffix, (field, kind) in _LAYER_TENSORS.items():
+            value = getattr(layer, field)
+            if value is not None:
+                out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(_to_hf(np.asarray(value), kind))
+    return out
+
+
+def save_hf_checkpoint(directory, spec: ModelSpec, params: LlamaParams, *, num_shards: int = 1) -> None:
+    """Write config.json + safetensors (sharded with an index when num_shards > 1)."""
+    from safetensors.numpy import save_file  # noqa: PLC0415
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(spec_to_hf_config(spec), indent=1))
+    tensors = params_to_hf_tensors(params, spec)
+    if num_shards == 1:
+        save_file(tensors, str(directory / "model.safetensors"))
+        return
+    names = sorted(tensors)
+    weight_map = {}
+    for s in range(num_shards):
+        fname = f"model-{s + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s::num_shards]}
+        save_file(part, str(directory / fname))
+        weight_map.update({n: fname for n in part})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def load_hf_checkpoint(directory, dtype=None) -> Tuple[ModelSpec, LlamaParams]:
+    """(spec, params) from an HF Llama-format directory (config.json + safetensors, sharded or single)."""
+    from safetensors import safe_open  # noqa: PLC0415
+    directory = pathlib.Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{directory} has no config.json (not an HF checkpoint directory)")
+    spec = spec_from_hf_config(json.loads(config_path.read_text()), name=directory.name)
+    index_path = directory / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in directory.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{directory} has no *.safetensors files")
+    handles = {f: safe_open(str(directory / f), framework="np") for f in files}
+    where = {}
+    for f, h in handles.items():
+        for name in h.keys():
+            where[name] = f
+    params = params_from_hf_tensors(spec, lambda n: handles[where[n]].get_tensor(n), where.keys(), dtype)
+    return spec, params
+
+
+# ------------------------------------------------------------------------------------------------------------
+# orbax
+# ------------------------------------------------------------------------------------------------------------
+
+def params_to_dict(params: LlamaParams) -> dict:
+    def strip(dc):
+        return {f.name: getattr(dc, f.name) for f in dataclasses.fields(dc) if getattr(dc, f.name) is not None
+                and f.name != "layers"}
+    out = strip(params)
+    out["layers"] = {str(i): strip(layer) for i, layer in enumerate(params.layers)}
+    return out
+
+
+def params_from_dict(d: dict) -> LlamaParams:
+    layers = tuple(LayerParams(**d["layers"][str(i)]) for i in range(len(d["layers"])))
+    return LlamaParams(layers=layers, **{k: v for k, v in d.items() if k != "layers"})
+
+
+def spec_to_json(spec: ModelSpec) -> str:
+    return json.dumps(dataclasses.asdict(spec), indent=1)
+
+
+def spec_from_json(text: str) -> ModelSpec:
+    d = json.loads(text)
+    if d.get("rope_scaling") is not None:
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    return ModelSpec(**d)
+
+
+def save_params(directory, spec: ModelSpec, params: LlamaParams) -> None:
+    """Write params with orbax to <directory>/params and the spec to <directory>/pdjax_spec.json."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+    directory = pathlib.Path(directory).absolute()
+    directory.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(directory / ORBAX_SUBDIR, params_to_dict(params), force=True)
+    tmp = directory / (SPEC_FILE + ".tmp")
+    tmp.write_text(spec_to_json(spec))
+    os.replace(tmp, directory / SPEC_FILE)
+
+
+def restore_params(directory) -> Tuple[ModelSpec, LlamaParams]:
+    """(spec, params) written by `save_params`, restored exactly (same dtypes and values)."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+    directory = pathlib.Path(directory).absolute()
+    spec = spec_from_json((directory / SPEC_FILE).read_text())
+    with ocp.StandardCheckpointer() as ckptr:
+        meta = ckptr.metadata(directory / ORBAX_SUBDIR)
+        tree = getattr(meta, "item_metadata", meta)
+        abstract = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
+        restored = ckptr.restore(directory / ORBAX_SUBDIR, abstract)
+    return spec, params_from_dict(restored)
+
+
+def load_model(checkpoint: str, *, dtype=None, seed: int = 0) -> Tuple[ModelSpec, LlamaParams]:
+    """(spec, params) from an orbax dir written by `save_params`, an HF directory, or a registry spec name
+    (random dummy weights with `seed`)."""
+    path = pathlib.Path(checkpoint)
+    if path.is_dir():
+        if (path / SPEC_FILE).is_file():
+            spec, params = restore_params(path)
+            if dtype is not None:
+                params = jax.tree_util.tree_map(lambda x: x.astype(jnp_dtype(dtype)), params)
+            return spec, params
+        if (path / "config.json").is_file():
+            return load_hf_checkpoint(path, dtype)
+        raise ValueError(f"checkpoint directory {checkpoint!r} has neither {SPEC_FILE} (orbax) nor "
+                         f"config.json (HF)")
+    if os.sep in checkpoint or checkpoint.startswith("."):
+        raise ValueError(f"checkpoint {checkpoint!r} is not a directory (and not a registry spec name)")
+    spec = get_model_spec(checkpoint)
+    check_runnable(spec)
+    return spec, init_params(spec, seed, dtype)

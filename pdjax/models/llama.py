@@ -1,0 +1,272 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Yi, Qwen2) as a pure forward over a params pytree.
+
+Choices (jax-llm-examples style): params and the KV cache are `flax.struct` dataclasses (pytrees), one entry
+per layer in a tuple, so a sharding (TP on heads / MLP columns+rows) or a layer split (PP) is a tree map away
+and the step never needs a rewrite. The forward is a plain function of (params, kv_cache, ragged metadata);
+layers are a Python loop (unrolled under jit), which keeps the per-layer KV arrays in the layout of
+`pdjax.kernels.reference` and costs little compile time at CPU sizes.
+
+Weight layouts (einsum friendly, "in" axis first, heads explicit so TP shards them):
+    embed     [V, H]            lm_head   [H, V] (None when tied: logits = h @ embed.T)
+    wq        [H, Nq, D]        wk, wv    [H, Nkv, D]      bq [Nq, D], bk/bv [Nkv, D] (None without bias)
+    wo        [Nq, D, H]
+    w_gate    [H, I]            w_up      [H, I]           w_down [I, H]
+    norms     [H]
+RoPE follows HF `rotate_half` (first half / second half of the head dim, not interleaved pairs).
+The forward runs on the flat ragged token axis [T]: it writes this step's K/V with `write_kv`, then calls the
+injected attention fn (the seam of `pdjax.kernels`), so the Pallas kernels drop in unchanged.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import zlib
+from typing import Callable, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from pdjax.config.model_specs import ModelSpec
+from pdjax.kernels import write_kv
+
+_JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def jnp_dtype(dtype) -> jnp.dtype:
+    """A jnp dtype from a spec dtype string (or a dtype, passed through)."""
+    if isinstance(dtype, str):
+        if dtype not in _JNP_DTYPES:
+            raise ValueError(f"dtype={dtype!r}, expected one of {sorted(_JNP_DTYPES)}")
+        return jnp.dtype(_JNP_DTYPES[dtype])
+    return jnp.dtype(dtype)
+
+
+@struct.dataclass
+class LayerParams:
+    attn_norm: jax.Array
+    wq: jax.Array
+    wk: jax.Array
+    wv: jax.Array
+    wo: jax.Array
+    mlp_norm: jax.Array
+    w_gate: jax.Array
+    w_up: jax.Array
+    w_down: jax.Array
+    bq: Optional[jax.Array] = None
+    bk: Optional[jax.Array] = None
+    bv: Optional[jax.Array] = None
+
+
+@struct.dataclass
+class LlamaParams:
+    embed: jax.Array
+    layers: Tuple[LayerParams, ...]
+    final_norm: jax.Array
+    lm_head: Optional[jax.Array] = None  # None: tied to embed
+
+
+@struct.dataclass
+class KVCache:
+    """Per-layer paged K/V: k[l], v[l] of shape [num_kv_heads, num_pages, page_size, head_dim]."""
+    k: Tuple[jax.Array, ...]
+    v: Tuple[jax.Array, ...]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[2]
+
+
+def check_runnable(spec: ModelSpec) -> None:
+    if spec.arch != "llama":
+        raise ValueError(f"spec {spec.name!r} has arch={spec.arch!r}; only 'llama' specs run (OPT is dimensions only)")
+
+
+def param_shapes(spec: ModelSpec) -> dict:
+    """name -> shape of one layer's tensors and the top-level ones (the layouts of the module docstring)."""
+    h, i, d = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    nq, nkv = spec.num_heads, spec.num_kv_heads
+    layer = {"attn_norm": (h,), "wq": (h, nq, d), "wk": (h, nkv, d), "wv": (h, nkv, d), "wo": (nq, d, h),
+             "mlp_norm": (h,), "w_gate": (h, i), "w_up": (h, i), "w_down": (i, h)}
+    if spec.qkv_bias:
+        layer.update(bq=(nq, d), bk=(nkv, d), bv=(nkv, d))
+    top = {"embed": (spec.vocab_size, h), "final_norm": (h,)}
+    if not spec.tie_word_embeddings:
+        top["lm_head"] = (h, spec.vocab_size)
+    return {"layer": layer, "top": top}
+
+
+_HOST_INIT_MAX_PARAMS = 50_000_000
+
+
+def init_params(spec: ModelSpec, seed: int = 0, dtype=None) -> LlamaParams:
+    """Random ("dummy") weights for `spec`: N(0, 1/fan_in) matrices, norms near 1, small biases.
+
+    Scaled so activations stay O(1) through the layers and greedy argmaxes are well separated. Small specs
+    are drawn with numpy (no compile: jax's threefry costs seconds of XLA compile per shape on CPU); specs
+    over 50M params use one jitted function on device (fast generation, one compile). Deterministic in seed.
+    """
+    check_runnable(spec)
+    dtype = jnp_dtype(dtype or spec.dtype)
+    if spec.num_params() > _HOST_INIT_MAX_PARAMS:
+        return _init_params_jit(spec, dtype)(jnp.uint32(seed % (2 ** 32)))
+    shapes = param_shapes(spec)
+
+    def make(name, shape, layer_idx):
+        rng = np.random.default_rng([seed % (2 ** 32), layer_idx + 1, zlib.crc32(name.encode())])
+        x = rng.standard_normal(shape, dtype=np.float32)
+        if name.endswith("norm"):
+            x = 1.0 + 0.1 * x
+        elif name.startswith("b"):
+            x = 0.1 * x
+        else:
+            x = x / np.float32(math.sqrt({"embed": 1, "wo": shape[0] * shape[1]}.get(name, shape[0])))
+        return jnp.asarray(x, dtype=dtype)
+
+    layers = tuple(LayerParams(**{n: make(n, s, li) for n, s in shapes["layer"].items()})
+                   for li in range(spec.num_layers))
+    return LlamaParams(layers=layers, **{n: make(n, s, -1) for n, s in shapes["top"].items()})
+
+
+@functools.lru_cache(maxsize=16)
+def _init_params_jit(spec: ModelSpec, dtype) -> Callable:
+    shapes = param_shapes(spec)
+
+    def make(root, name, shape, layer_idx):
+        key = jax.random.fold_in(jax.random.fold_in(root, layer_idx + 1), zlib.crc32(name.encode()) % (2 ** 31))
+        if name.endswith("norm"):
+            x = 1.0 + 0.1 * jax.random.normal(key, shape, jnp.float32)
+        elif name.startswith("b"):
+            x = 0.1 * jax.random.normal(key, shape, jnp.float32)
+        else:
+            fan_in = {"embed": 1, "wo": shape[0] * shape[1]}.get(name, shape[0])
+            x = jax.random.normal(key, shape, jnp.float32) / math.sqrt(fan_in)
+        return x.astype(dtype)
+
+    def init(seed):
+        root = jax.random.PRNGKey(seed)
+        layers = tuple(LayerParams(**{n: make(root, n, s, li) for n, s in shapes["layer"].items()})
+                       for li in range(spec.num_layers))
+        return LlamaParams(layers=layers, **{n: make(root, n, s, -1) for n, s in shapes["top"].items()})
+
+    return jax.jit(init)
+
+
+def init_kv_cache(spec: ModelSpec, num_pages: int, page_size: int = 16, dtype=None, sharding=None) -> KVCache:
+    """Zeroed paged KV cache: per layer [num_kv_heads, num_pages, page_size, head_dim]; optional sharding."""
+    if not isinstance(num_pages, (int, np.integer)) or num_pages <= 0:
+        raise ValueError(f"num_pages={num_pages!r}, expected a positive int")
+    if not isinstance(page_size, (int, np.integer)) or page_size <= 0:
+        raise ValueError(f"page_size={page_size!r}, expected a positive int")
+    dtype = jnp_dtype(dtype or spec.dtype)
+    shape = (spec.num_kv_heads, int(num_pages), int(page_size), spec.head_dim)
+    if sharding is not None:
+        make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    else:
+        make = lambda: jnp.zeros(shape, dtype)  # noqa: E731
+    return KVCache(k=tuple(make() for _ in range(spec.num_layers)),
+                   v=tuple(make() for _ in range(spec.num_layers)))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------------------------------------
+
+def rope_inv_freq(spec: ModelSpec) -> np.ndarray:
+    """float32[head_dim // 2] inverse frequencies, with Llama-3 scaling when spec.rope_scaling is set.
+
+    Computed in float64 numpy at trace time (static per spec), as HF's `_compute_llama3_parameters`.
+    """
+    d = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    rs = spec.rope_scaling
+    if rs is not None:
+        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+        smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def rope_cos_sin(positions: jax.Array, spec: ModelSpec) -> Tuple[jax.Array, jax.Array]:
+    """cos, sin float32[T, head_dim] for absolute positions int32[T] (halves repeated, HF convention)."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(spec))[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [T, N, D] rotated by cos/sin [T, D] (HF rotate_half), in float32, returned in x's dtype."""
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf.astype(x.dtype) * weight).astype(x.dtype)
+
+
+def _attention_block(layer: LayerParams, x, k_pages, v_pages, cos, sin, meta, spec: ModelSpec,
+                     attention_fn: Callable):
+    slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs = meta
+    h = rms_norm(x, layer.attn_norm, spec.rms_norm_eps)
+    q = jnp.einsum("th,hnd->tnd", h, layer.wq)
+    k = jnp.einsum("th,hnd->tnd", h, layer.wk)
+    v = jnp.einsum("th,hnd->tnd", h, layer.wv)
+    if layer.bq is not None:
+        q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, slot_mapping)
+    attn = attention_fn(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                        sm_scale=1.0 / math.sqrt(spec.head_dim), sliding_window=spec.sliding_window)
+    return x + jnp.einsum("tnd,ndh->th", attn, layer.wo), k_pages, v_pages
+
+
+def _mlp_block(layer: LayerParams, x, spec: ModelSpec):
+    h = rms_norm(x, layer.mlp_norm, spec.rms_norm_eps)
+    gate = jnp.einsum("th,hi->ti", h, layer.w_gate)
+    up = jnp.einsum("th,hi->ti", h, layer.w_up)
+    return x + jnp.einsum("ti,ih->th", jax.nn.silu(gate) * up, layer.w_down)
+
+
+def forward_hidden(params: LlamaParams, kv_cache: KVCache, token_ids, positions, slot_mapping, kv_lens,
+                   page_indices, cu_q_lens, num_seqs, *, spec: ModelSpec, attention_fn: Callable):
+    """Final-normed hidden states [T, H] of a ragged batch, and the KV cache with this step's K/V written.
+
+    token_ids, positions, slot_mapping: int32[T]; kv_lens int32[S]; page_indices int32[S, P];
+    cu_q_lens int32[S+1]; num_seqs int32[] (see pdjax/kernels/reference.py for the ragged layout).
+    """
+    x = params.embed[token_ids]
+    cos, sin = rope_cos_sin(positions, spec)
+    meta = (slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs)
+    new_k, new_v = [], []
+    for li, layer in enumerate(params.layers):
+        x, k_pages, v_pages = _attention_block(layer, x, kv_cache.k[li], kv_cache.v[li], cos, sin, meta,
+                                               spec, attention_fn)
+        x = _mlp_block(layer, x, spec)
+        new_k.append(k_pages)
+        new_v.append(v_pages)
+    x = rms_norm(x, params.final_norm, spec.rms_norm_eps)
+    return x, KVCache(k=tuple(new_k), v=tuple(new_v))
+
+
+def logits_from_hidden(params: LlamaParams, hidden: jax.Array) -> jax.Array:
+    """float32 logits [N, V] of hidden states [N, H] (tied embeddings when lm_head is None)."""
+    if params.lm_head is None:
+        out = jnp.einsum("nh,vh->nv", hidden, params.embed)
+    else:
+        out = jnp.einsum("nh,hv->nv", hidden, params.lm_head)
+    return out.astype(jnp.float32)

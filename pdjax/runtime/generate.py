@@ -1,0 +1,184 @@
+"""Offline batched greedy generation over the ModelRunner (the engine of `experiments.generate`).
+
+Self-contained on purpose (the real scheduler lives in pdjax/scheduler): a free-list page allocator gives each
+prompt the pages for prompt + max_new_tokens up front, and every iteration packs, within a token budget,
+first one decode token per running sequence and then the next prefill chunk (<= chunk_size tokens) of each
+prompt still prefilling. Prompts of different lengths therefore share mixed batches: some sequences decode
+while others are still prefilling. Each iteration is a `SchedulerOutput`, so the runner contract is exercised
+end to end. Decoding is greedy. `run_generate` is the whole `experiments.generate` command (files in, files
+out, written atomically via a tmp file + os.replace).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from pdjax.models.checkpoint import load_model
+from pdjax.runtime.batch import Buckets
+from pdjax.runtime.runner import ModelRunner
+from pdjax.scheduler.output import SchedulerOutput
+
+
+class PageAllocator:
+    """Free list of page ids [0, num_pages)."""
+
+    def __init__(self, num_pages: int):
+        self.free = list(range(num_pages - 1, -1, -1))
+
+    def allocate(self, n: int) -> List[int]:
+        if n > len(self.free):
+            raise ValueError(f"out of KV pages: need {n}, {len(self.free)} free")
+        return [self.free.pop() for _ in range(n)]
+
+    def release(self, pages: Sequence[int]) -> None:
+        self.free.extend(reversed(list(pages)))
+
+
+def load_prompts(path) -> List[List[int]]:
+    """A JSON list of non-empty lists of int token ids; ValueError naming what is wrong otherwise."""
+    path = pathlib.Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"prompts file {str(path)!r} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"prompts file {str(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(data, list) or not data:
+        raise ValueError(f"prompts file {str(path)!r}: expected a non-empty JSON list of token-id lists, "
+                         f"got {type(data).__name__}{'' if data else ' (empty)'}")
+    for i, prompt in enumerate(data):
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError(f"prompts file {str(path)!r}: prompt {i} is {prompt!r:.60}, expected a non-empty "
+                             f"list of int token ids")
+        for tok in prompt:
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                raise ValueError(f"prompts file {str(path)!r}: prompt {i} has token {tok!r}, expected ints >= 0")
+    return data
+
+
+def generation_buckets(prompts: Sequence[Sequence[int]], max_new_tokens: int, page_size: int,
+                       token_budget: int) -> Buckets:
+    max_pages = max(-(-(len(p) + max_new_tokens) // page_size) for p in prompts)
+    return Buckets.powers_of_two(token_budget, len(prompts), max_pages, min_tokens=16, min_seqs=4, min_pages=4)
+
+
+def generate(runner, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, chunk_size: int = 64,
+             token_budget: Optional[int] = None, return_logits: bool = False
+             ) -> Tuple[List[List[int]], Optional[np.ndarray]]:
+    """Greedy continuations ([max_new_tokens] ids per prompt) and, if return_logits, float32
+    [num_prompts, vocab] logits at each prompt's last position.
+
+    token_budget: most tokens per iteration (default: every prompt's chunk fits, capped at 512 but at least
+    chunk_size). The runner's buckets must cover it.
+    """
+    spec = runner.spec
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size}, expected >= 1")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens}, expected >= 0")
+    n = len(prompts)
+    budget = token_budget or max(chunk_size, min(n * chunk_size, 512))
+    if budget < chunk_size:
+        raise ValueError(f"token_budget={budget} is smaller than chunk_size={chunk_size}")
+    for i, prompt in enumerate(prompts):
+        bad = [t for t in prompt if not 0 <= t < spec.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token id {bad[0]} outside [0, {spec.vocab_size})")
+        if len(prompt) + max_new_tokens > runner.max_model_len:
+            raise ValueError(f"prompt {i}: {len(prompt)} tokens + max_new_tokens={max_new_tokens} exceeds "
+                             f"max_model_len={runner.max_model_len}")
+    allocator = PageAllocator(runner.num_pages)
+    tables = [allocator.allocate(-(-(len(p) + max_new_tokens) // runner.page_size)) for p in prompts]
+    computed = [0] * n
+    outputs: List[List[int]] = [[] for _ in range(n)]
+    last_logits = np.zeros((n, spec.vocab_size), np.float32) if return_logits else None
+
+    def finished(i):
+        return computed[i] >= len(prompts[i]) and len(outputs[i]) >= max_new_tokens
+
+    step = 0
+    while not all(finished(i) for i in range(n)):
+        out = SchedulerOutput(step=step)
+        left = budget
+        decodes = [i for i in range(n) if not finished(i) and computed[i] >= len(prompts[i])]
+        prefills = [i for i in range(n) if computed[i] < len(prompts[i])]
+        for i in decodes + prefills:
+            if left == 0:
+                break
+            is_prefill = computed[i] < len(prompts[i])
+            if is_prefill:
+                take = min(chunk_size, len(prompts[i]) - computed[i], left)
+                tokens = list(prompts[i][computed[i]:computed[i] + take])
+                sample = computed[i] + take == len(prompts[i])
+            else:
+                tokens, sample = [outputs[i][-1]], True
+            out.req_ids.append(str(i))
+            out.token_ids.append(tokens)
+            out.num_computed_tokens.append(computed[i])
+            out.num_new_tokens.append(len(tokens))
+            out.page_tables.append(tables[i])
+            out.do_sample.append(sample)
+            out.is_prefill.append(is_prefill)
+            if is_prefill:
+                out.num_prefill_tokens += len(tokens)
+            else:
+                out.num_decode_tokens += len(tokens)
+            left -= len(tokens)
+        if return_logits:
+            logits = runner.execute_logits(out)
+            sampled = np.argmax(logits, axis=-1).astype(np.int32)
+        else:
+            sampled = runner.execute(out)
+        for j, rid in enumerate(out.req_ids):
+            i = int(rid)
+            was_prefill = out.is_prefill[j]
+            computed[i] += out.num_new_tokens[j]
+            if out.do_sample[j]:
+                if was_prefill and return_logits:
+                    last_logits[i] = logits[j]
+                if len(outputs[i]) < max_new_tokens:
+                    outputs[i].append(int(sampled[j]))
+        step += 1
+    for table in tables:
+        allocator.release(table)
+    return outputs, last_logits
+
+
+def _atomic_write(path: pathlib.Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def run_generate(checkpoint: str, prompts_path, max_new_tokens: int, out_path, *, chunk_size: int = 64,
+                 token_budget: int = 0, page_size: int = 16, dump_logits=None, dtype=None,
+                 attention_impl: str = "auto"):
+    """The body of `experiments.generate`: load, generate, write OUT.json (and logits) atomically.
+
+    Returns (tokens, logits or None, runner).
+    """
+    prompts = load_prompts(prompts_path)
+    spec, params = load_model(checkpoint, dtype=dtype)
+    budget = token_budget or max(chunk_size, min(len(prompts) * chunk_size, 512))
+    buckets = generation_buckets(prompts, max_new_tokens, page_size, budget)
+    num_pages = sum(-(-(len(p) + max_new_tokens) // page_size) for p in prompts)
+    max_len = max(len(p) for p in prompts) + max_new_tokens
+    if max_len > spec.max_position_embeddings:
+        raise ValueError(f"longest prompt + max_new_tokens = {max_len} exceeds the model's "
+                         f"max_position_embeddings={spec.max_position_embeddings}")
+    runner = ModelRunner(spec, params, num_pages=num_pages, page_size=page_size, buckets=buckets,
+                         attention_impl=attention_impl, max_model_len=max_len)
+    tokens, logits = generate(runner, prompts, max_new_tokens, chunk_size=chunk_size, token_budget=budget,
+                              return_logits=dump_logits is not None)
+    _atomic_write(pathlib.Path(out_path), lambda p: p.write_text(json.dumps({"tokens": tokens})))
+    if dump_logits is not None:
+        def write_npy(p):
+            with open(p, "wb") as f:
+                np.save(f, logits.astype(np.float32))
+        _atomic_write(pathlib.Path(dump_logits), write_npy)
+    return tokens, logits, runner

@@ -1,0 +1,202 @@
+"""ModelRunner: the host object that executes SchedulerOutputs on one model replica.
+
+It owns the params, the paged KV cache (donated to every step), the shape buckets and the jitted step; it
+decides nothing about who runs (DESIGN.md §3). Compile count = number of traces of the step / logits
+functions, recorded with the (T, S, P) bucket of each trace; with fixed buckets it is bounded by
+`buckets.num_shapes` per function.
+
+Swap preemption: `swap_out` pairs (host_slot, device_page) copy a device page (all layers, K and V) into a
+host numpy store; `swap_in` pairs copy a host slot back into a device page. Both read the state from before
+the call (device pages and host slots are all read first, then written), so a page or slot reused in the
+same call is handled whatever the order. Copies are padded to power-of-two counts to bound recompiles.
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pdjax.config.model_specs import ModelSpec
+from pdjax.kernels import get_attention_fn
+from pdjax.models.llama import KVCache, LlamaParams, check_runnable, init_kv_cache
+from pdjax.runtime import mesh as mesh_lib
+from pdjax.runtime.batch import Buckets, RaggedBatch, build_ragged_batch, empty_batch
+from pdjax.runtime.step import make_forward_logits, make_step
+from pdjax.scheduler.output import SchedulerOutput
+
+
+def _pad_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@jax.jit
+def _gather_pages(kv_cache: KVCache, pages):
+    """K and V of `pages` for all layers: two arrays [L, num_kv_heads, n, page_size, head_dim]."""
+    take = lambda a: jnp.take(a, pages, axis=1, mode="clip")  # noqa: E731
+    return jnp.stack([take(a) for a in kv_cache.k]), jnp.stack([take(a) for a in kv_cache.v])
+
+
+@jax.jit
+def _scatter_pages(kv_cache: KVCache, pages, k, v):
+    """kv_cache with `pages` overwritten by k, v [L, num_kv_heads, n, page_size, head_dim]; ids out of range
+    are dropped (padding)."""
+    put = lambda a, new: a.at[:, pages].set(new.astype(a.dtype), mode="drop")  # noqa: E731
+    return KVCache(k=tuple(put(a, k[i]) for i, a in enumerate(kv_cache.k)),
+                   v=tuple(put(a, v[i]) for i, a in enumerate(kv_cache.v)))
+
+
+_scatter_pages_donated = jax.jit(_scatter_pages.__wrapped__, donate_argnums=(0,))
+
+
+class ModelRunner:
+    """Executes ragged steps for one model.
+
+    Args:
+      spec, params: the model (params from `init_params` / `load_model`).
+      num_pages, page_size: KV cache size (pages of page_size tokens).
+      buckets: padded (T, S, P) sizes; default powers of two up to 512 tokens, 64 sequences and
+        max_model_len / page_size pages.
+      attention_impl: 'auto' | 'reference' | 'pallas' (see pdjax.kernels.get_attention_fn).
+      kv_dtype: KV cache dtype (default: the params' dtype).
+      mesh: optional mesh (pdjax.runtime.mesh.make_mesh); params and cache get sharded on it.
+      max_model_len: longest sequence allowed (default spec.max_position_embeddings).
+    """
+
+    def __init__(self, spec: ModelSpec, params: LlamaParams, *, num_pages: int, page_size: int = 16,
+                 buckets: Optional[Buckets] = None, attention_impl: str = "auto", kv_dtype=None,
+                 mesh=None, max_model_len: Optional[int] = None):
+        check_runnable(spec)
+        self.spec = spec
+        self.page_size = int(page_size)
+        self.num_pages = int(num_pages)
+        self.max_model_len = int(max_model_len or spec.max_position_embeddings)
+        if self.max_model_len > spec.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the spec's "
+                             f"max_position_embeddings={spec.max_position_embeddings}")
+        if buckets is None:
+            buckets = Buckets.powers_of_two(512, 64, -(-self.max_model_len // self.page_size))
+        self.buckets = buckets
+        self.mesh = mesh
+        self.attention_fn = get_attention_fn(attention_impl)
+        kv_dtype = kv_dtype or params.embed.dtype
+        out_shardings = logits_shardings = None
+        cache_sharding = None
+        if mesh is not None:
+            params = mesh_lib.shard_params(params, mesh, spec)
+            cache_sharding = mesh_lib.kv_cache_sharding(mesh, spec)
+            cache_shardings = mesh_lib.kv_cache_shardings(mesh, spec)
+            out_shardings = (mesh_lib.replicated(mesh), cache_shardings)
+            logits_shardings = out_shardings
+        self.params = params
+        self.kv_cache = init_kv_cache(spec, self.num_pages, self.page_size, kv_dtype, sharding=cache_sharding)
+        self.traces: List[Tuple[str, Tuple[int, int, int]]] = []
+        self._step = make_step(spec, self.attention_fn, out_shardings=out_shardings,
+                               on_trace=lambda b: self.traces.append(("step", b.shape_key)))
+        self._forward_logits = make_forward_logits(
+            spec, self.attention_fn, out_shardings=logits_shardings,
+            on_trace=lambda b: self.traces.append(("logits", b.shape_key)))
+        self.host_pages: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
+
+    @property
+    def compile_count(self) -> int:
+        """Number of distinct compiled step/logits shapes so far (one trace each)."""
+        return len(self.traces)
+
+    # ------------------------------------------------------------------------------------------------------
+    def build_batch(self, sched_out: SchedulerOutput) -> RaggedBatch:
+        """The padded numpy RaggedBatch of `sched_out` (validated against this runner's limits)."""
+        lens = [len(t) for t in sched_out.token_ids]
+        if sched_out.num_new_tokens and list(sched_out.num_new_tokens) != lens:
+            raise ValueError(f"num_new_tokens={list(sched_out.num_new_tokens)} do not match the lengths of "
+                             f"token_ids {lens}")
+        sampling = sched_out.sampling if sched_out.sampling else [None] * len(lens)
+        return build_ragged_batch(
+            sched_out.token_ids, sched_out.num_computed_tokens, sched_out.page_tables, sched_out.do_sample,
+            sampling, page_size=self.page_size, buckets=self.buckets, max_model_len=self.max_model_len,
+            num_pages=self.num_pages, vocab_size=self.spec.vocab_size)
+
+    def _prepare(self, sched_out: SchedulerOutput) -> Optional[RaggedBatch]:
+        if sched_out.swap_out or sched_out.swap_in:
+            self.swap(sched_out.swap_out, sched_out.swap_in)
+        if sched_out.is_empty:
+            return None
+        return self.build_batch(sched_out)
+
+    def dispatch(self, sched_out: SchedulerOutput):
+        """Launch one iteration without waiting for the device (JAX dispatch is async); pass the returned
+        handle to `collect`. Lets the host do scheduler work while the step runs."""
+        batch = self._prepare(sched_out)
+        if batch is None:
+            return None, np.zeros((0,), bool)
+        ids, self.kv_cache = self._step(self.params, self.kv_cache, batch)
+        return ids, np.asarray(sched_out.do_sample, bool)
+
+    @staticmethod
+    def collect(handle) -> np.ndarray:
+        """Wait for a dispatched iteration; int32[num_seqs] sampled ids, -1 where do_sample is False."""
+        ids, do_sample = handle
+        if ids is None:
+            return np.zeros((0,), np.int32)
+        ids = np.asarray(ids)[:do_sample.shape[0]].astype(np.int32)
+        return np.where(do_sample, ids, -1).astype(np.int32)
+
+    def execute(self, sched_out: SchedulerOutput) -> np.ndarray:
+        """Run one iteration; int32[num_seqs] sampled ids, -1 where do_sample is False."""
+        return self.collect(self.dispatch(sched_out))
+
+    def execute_logits(self, sched_out: SchedulerOutput) -> np.ndarray:
+        """Run one iteration (KV written as in `execute`); float32 [num_seqs, vocab] logits at each
+        sequence's last fed token."""
+        batch = self._prepare(sched_out)
+        if batch is None:
+            return np.zeros((0, self.spec.vocab_size), np.float32)
+        logits, self.kv_cache = self._forward_logits(self.params, self.kv_cache, batch)
+        return np.asarray(logits)[:sched_out.num_seqs]
+
+    def warmup(self, shapes: Optional[Sequence[Tuple[int, int, int]]] = None, *, logits: bool = False) -> float:
+        """Compile the step for `shapes` ((T, S, P) buckets; default all of them); returns seconds taken."""
+        shapes = self.buckets.all_shapes() if shapes is None else shapes
+        start = time.perf_counter()
+        fn = self._forward_logits if logits else self._step
+        for shape in shapes:
+            out, self.kv_cache = fn(self.params, self.kv_cache, empty_batch(tuple(shape)))
+            jax.block_until_ready(out)
+        return time.perf_counter() - start
+
+    # ------------------------------------------------------------------------------------------------------
+    def swap(self, swap_out: Sequence[Tuple[int, int]], swap_in: Sequence[Tuple[int, int]]) -> None:
+        """Copy device pages to host slots (swap_out) and host slots to device pages (swap_in)."""
+        for host_slot, page in list(swap_out) + list(swap_in):
+            if not 0 <= page < self.num_pages:
+                raise ValueError(f"swap page {page} outside [0, {self.num_pages})")
+        missing = [slot for slot, _ in swap_in if slot not in self.host_pages]
+        if missing:
+            raise ValueError(f"swap_in of host slots {missing} that hold no swapped-out page")
+        out_data = None
+        if swap_out:
+            n = _pad_pow2(len(swap_out))
+            pages = np.zeros(n, np.int32)
+            pages[:len(swap_out)] = [p for _, p in swap_out]
+            k, v = _gather_pages(self.kv_cache, pages)
+            out_data = (np.asarray(k), np.asarray(v))
+        in_data = [self.host_pages[slot] for slot, _ in swap_in]
+        if swap_in:
+            n = _pad_pow2(len(swap_in))
+            pages = np.full(n, self.num_pages, np.int32)  # out of range -> dropped
+            pages[:len(swap_in)] = [p for _, p in swap_in]
+            shape = in_data[0][0].shape  # [L, kvh, page_size, hd]
+            k = np.zeros(shape[:2] + (n,) + shape[2:], in_data[0][0].dtype)
+            v = np.zeros_like(k)
+            for j, (hk, hv) in enumerate(in_data):
+                k[:, :, j], v[:, :, j] = hk, hv
+            self.kv_cache = _scatter_pages_donated(self.kv_cache, pages, k, v)
+        if out_data is not None:
+            for j, (slot, _) in enumerate(swap_out):
+                self.host_pages[slot] = (out_data[0][:, :, j].copy(), out_data[1][:, :, j].copy())
+
+    def free_host_slots(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            self.host_pages.pop(slot, None)

@@ -1,0 +1,43 @@
+"""On-device sampling: greedy, temperature, top-k, top-p, one seed per request.
+
+Each request draws the token at absolute position p with key fold_in(PRNGKey(seed), p), so its samples do not
+depend on which other requests share the batch or on where it sits in it. top-k and top-p are applied as
+logit thresholds found on one descending sort of each row (ties at a threshold are all kept).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def sample_tokens(logits: jax.Array, positions: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                  top_p: jax.Array, seed: jax.Array) -> jax.Array:
+    """int32[S] token ids from float32 logits [S, V].
+
+    positions int32[S]: absolute position of the token being sampled (the key's fold-in);
+    temperature float32[S] (0 = greedy argmax), top_k int32[S] (0 = off), top_p float32[S] (>= 1 = off),
+    seed uint32[S].
+    """
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    is_random = temperature > 0
+    scaled = logits / jnp.where(is_random, temperature, 1.0)[:, None]
+
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth_value = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+    rank = jnp.arange(vocab)[None, :]
+    sorted_topk = jnp.where(rank < k[:, None], sorted_desc, -jnp.inf)
+    probs = jax.nn.softmax(sorted_topk, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    keep &= rank < k[:, None]
+    num_keep = jnp.maximum(keep.sum(axis=-1), 1)
+    p_value = jnp.take_along_axis(sorted_desc, (num_keep - 1)[:, None], axis=-1)
+    threshold = jnp.maximum(kth_value, p_value)
+    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seed, positions)
+    drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+    return jnp.where(is_random, drawn, greedy_ids)
