@@ -101,14 +101,21 @@ def _save_png(path: str):
 
 def write_run_outputs(workdir: str, config_dict: Any, request_records: Sequence[RequestRecord],
                       iteration_records: Sequence[IterationRecord], slos: Any = None,
-                      plots: bool = True) -> Dict[str, Any]:
-    """Write every output of a run into `workdir` (created if needed) and return the summary (results.json)."""
+                      plots: bool = True, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Write every output of a run into `workdir` (created if needed) and return the summary (results.json).
+
+    `extra`: backend-specific facts merged into the summary (e.g. {"engine": {"compile_s": ...}}); it may not
+    overwrite a metric key."""
     os.makedirs(workdir, exist_ok=True)
     request_records = list(request_records)
     iteration_records = list(iteration_records)
     for record in request_records:
         record.validate()
     summary = summarize_run(request_records, iteration_records, slos)
+    clash = sorted(set(extra or {}) & set(summary))
+    if clash:
+        raise ValueError(f"extra keys {clash} would overwrite metric keys of results.json")
+    summary.update(extra or {})
     write_json(os.path.join(workdir, "config.json"), config_dict)
     write_csv(os.path.join(workdir, "requests.csv"), REQUEST_COLUMNS, (
         (r.request_id, float(r.arrival_time), r.first_scheduled_time, r.first_token_time, r.finish_time,

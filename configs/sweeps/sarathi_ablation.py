@@ -1,0 +1,33 @@
+"""Sarathi-Serve ablation on the real CPU engine (tiny model): hybrid-only (`orca`), chunked-only
+(`chunked_only`) and both (`sarathi`), on chat-like or long-prompt (arxiv-like) lengths scaled to the tiny model.
+
+    python -m experiments.sweep --config=configs/sweeps/sarathi_ablation.py:chat --workdir=/tmp/ablation_chat
+"""
+import importlib.util
+import os
+
+import ml_collections
+
+
+def _serve_config():
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "serve.py")
+    spec = importlib.util.spec_from_file_location("_pdjax_serve_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def get_config(arg="chat"):
+    if arg not in ("chat", "arxiv"):
+        raise ValueError(f"sarathi_ablation: ARG={arg!r}, expected 'chat' or 'arxiv'")
+    base = _serve_config()
+    base.engine.progress = False
+    base.workload.preset = arg
+    base.workload.num_requests = 32
+    base.workload.rate = 4.0 if arg == "chat" else 1.5
+    base.scheduler.token_budget = 128
+    c = ml_collections.ConfigDict()
+    c.name = f"sarathi_ablation_{arg}"
+    c.base = base
+    c.grid = {"policy": ("scheduler.policy", ["orca", "chunked_only", "sarathi"])}
+    return c

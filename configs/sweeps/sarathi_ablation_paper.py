@@ -1,0 +1,50 @@
+"""Sarathi-Serve ablation at paper scale, in simulation: Yi-34B on 2x A100-80GB (TP2), 128 requests, Poisson
+arrivals at 1 req/s, chat lengths (openchat_sharegpt4 trace) or long-prompt summarization (arxiv) lengths.
+Schemes: `orca` (hybrid batching only: decodes + whole prompts), `chunked_only` (chunked prefills only: a batch is
+all prefill or all decode) and `sarathi` (both: stall-free batching), the chunking ones at token budgets 512 and
+1024. Writes summary.csv (P50 TTFT, P99 TBT, ... per scheme).
+
+    python -m experiments.sweep --config=configs/sweeps/sarathi_ablation_paper.py:chat --workdir=/tmp/abl_chat --parallel=2
+    python -m experiments.sweep --config=configs/sweeps/sarathi_ablation_paper.py:arxiv --workdir=/tmp/abl_arxiv --parallel=2
+
+The grid's one axis sets the whole scheduler block per scheme, because `orca` never chunks and so cannot take a
+512/1024 budget (its budget must hold a whole prompt): 5 points, not a 3x2 product. (experiments.sweep's
+comparison plot cannot group dict-valued axes yet; `python -m experiments.sim_paper --table=ablation` prints the
+same points as a readable table.)
+"""
+import importlib.util
+import os
+
+import ml_collections
+
+
+def _paper_base(arg):
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "sim", "paper_base.py")
+    spec = importlib.util.spec_from_file_location("_pdjax_paper_base", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+SCHEMES = (("orca", None), ("chunked_only", 512), ("chunked_only", 1024), ("sarathi", 512), ("sarathi", 1024))
+
+
+def get_config(arg="chat"):
+    if arg not in ("chat", "arxiv"):
+        raise ValueError(f"sarathi_ablation_paper: ARG={arg!r}, expected 'chat' or 'arxiv'")
+    base = _paper_base("yi34b")
+    base.workload.preset = arg
+    base.workload.rate = 1.0
+    schedulers = []
+    for policy, budget in SCHEMES:
+        s = base.scheduler.to_dict()
+        s["policy"] = policy
+        # orca: a budget that holds a whole max-length prompt next to every running decode (no budget limit,
+        # as in Orca and Sarathi-Serve's hybrid-batching-only baseline).
+        s["token_budget"] = budget or base.scheduler.max_model_len + base.scheduler.max_num_seqs
+        schedulers.append(s)
+    c = ml_collections.ConfigDict()
+    c.name = f"sarathi_ablation_paper_{arg}"
+    c.base = base
+    c.grid = {"scheme": ("scheduler", schedulers)}
+    return c

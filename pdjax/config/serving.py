@@ -1,0 +1,173 @@
+"""ServeConfig: one serving experiment (model, engine, scheduler, workload, SLOs, simulator), validated once.
+
+`serve_config_from_dict` turns the nested dict of an ml_collections config file into frozen dataclasses; an
+unknown key or a bad value fails here, at start-up, naming the key path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Mapping, Optional, Tuple
+
+BACKENDS = ("real", "sim")
+MODES = ("online", "offline")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """checkpoint: a directory (HF safetensors or a pdjax orbax checkpoint) or a registry spec name (dummy
+    weights). attention_impl: 'auto' | 'reference' | 'pallas'. dtype: compute/param dtype for dummy weights."""
+    checkpoint: str = "tiny-llama"
+    attention_impl: str = "auto"
+    dtype: str = "float32"
+    eos_token_id: int = -1          # stop token for every request; -1: none (outputs run to max_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """mode: 'online' (requests arrive at their trace times on the wall clock) or 'offline' (all at t=0).
+    token_buckets / seq_buckets / page_buckets: padded sizes of the flat token axis, the sequence axis and the
+    page-table width (empty: pdjax.serving.run.default_buckets). overlap: host work during the device step."""
+    mode: str = "online"
+    token_buckets: Tuple[int, ...] = ()
+    seq_buckets: Tuple[int, ...] = ()
+    page_buckets: Tuple[int, ...] = ()
+    warmup: bool = True
+    progress: bool = True
+    overlap: bool = True
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"engine.mode={self.mode!r}, expected one of {MODES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SLOConfig:
+    """Latency SLOs in seconds; 0 means no SLO on that metric."""
+    ttft: float = 0.0
+    tbt: float = 0.0
+    tpot: float = 0.0
+
+    def __post_init__(self):
+        for name in ("ttft", "tbt", "tpot"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"slo.{name}={getattr(self, name)!r}, expected >= 0 (0 = no SLO)")
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v > 0}
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+    """Simulator backend: hardware name (pdjax.sim.hardware), TP/PP degrees, optional cost-profile JSON path
+    (empty: the shipped profile for the hardware, or first principles), replicas behind a router
+    ('round_robin' | 'least_outstanding_tokens').
+
+    model: registry spec name the cost model uses (empty: model.checkpoint when it is a spec name, or the
+      checkpoint directory's name / pdjax_spec.json).
+    num_pages: KV pages per replica. 0 = automatic: from the cost model's KV capacity (memory minus params and
+      activations, `gpu_memory_utilization` of HBM) on a GPU/TPU, scheduler.num_pages on host-cpu (what the CPU
+      engine allocates). > 0 = exactly this many.
+    num_microbatches: PP microbatches per iteration (cost model; 1 = none).
+    admit_before_schedule: simulator loop order (see pdjax.sim.simulator); False mirrors the engine.
+    """
+    hardware: str = "a100-80gb-sxm"
+    tp: int = 1
+    pp: int = 1
+    profile: str = ""
+    num_replicas: int = 1
+    router: str = "round_robin"
+    model: str = ""
+    num_pages: int = 0
+    gpu_memory_utilization: float = 0.9
+    num_microbatches: int = 1
+    admit_before_schedule: bool = False
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "num_replicas", "num_microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"sim.{name}={value!r}, expected a positive int")
+        if self.router not in ("round_robin", "least_outstanding_tokens"):
+            raise ValueError(f"sim.router={self.router!r}, expected 'round_robin' or 'least_outstanding_tokens'")
+        if not isinstance(self.num_pages, int) or self.num_pages < 0:
+            raise ValueError(f"sim.num_pages={self.num_pages!r}, expected an int >= 0 (0 = automatic)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"sim.gpu_memory_utilization={self.gpu_memory_utilization!r}, expected in (0, 1]")
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is tuple or tp is tuple:
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+            raise ValueError(f"{where}={value!r}, expected a sequence")
+        return tuple(value)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        return _coerce(inner, value, where)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool) and not isinstance(value, tp):
+        raise ValueError(f"{where}={value!r}, expected {tp.__name__}")
+    if tp is int and isinstance(value, bool):
+        raise ValueError(f"{where}={value!r}, expected int")
+    return value
+
+
+def dataclass_from_dict(cls, values: Optional[Mapping[str, Any]], where: str):
+    """Build dataclass `cls` from a mapping; unknown keys and wrongly typed values fail naming `where.key`."""
+    values = dict(values or {})
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ValueError(f"unknown config key(s) {', '.join(where + '.' + k for k in unknown)}; "
+                         f"known keys of {where}: {', '.join(sorted(fields))}")
+    kwargs = {}
+    for key, value in values.items():
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = dataclass_from_dict(tp, value, f"{where}.{key}")
+        else:
+            kwargs[key] = _coerce(tp, value, f"{where}.{key}")
+    return cls(**kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    backend: str
+    seed: int
+    model: ModelConfig
+    engine: EngineConfig
+    scheduler: Any          # pdjax.config.scheduler.SchedulerConfig
+    workload: Any           # pdjax.workload.WorkloadConfig
+    slo: SLOConfig
+    sim: SimConfig
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}, expected one of {BACKENDS}")
+
+
+def serve_config_from_dict(d: Mapping[str, Any]) -> ServeConfig:
+    """Validate the nested dict of a serve config file (see configs/serve.py)."""
+    from pdjax.config.scheduler import SchedulerConfig  # noqa: PLC0415
+    from pdjax.workload import WorkloadConfig  # noqa: PLC0415
+
+    d = dict(d)
+    top = {"backend", "seed", "model", "engine", "scheduler", "workload", "slo", "sim"}
+    unknown = sorted(set(d) - top)
+    if unknown:
+        raise ValueError(f"unknown config key(s) {unknown}; known top-level keys: {sorted(top)}")
+    return ServeConfig(
+        backend=_coerce(str, d.get("backend", "real"), "backend"),
+        seed=_coerce(int, d.get("seed", 0), "seed"),
+        model=dataclass_from_dict(ModelConfig, d.get("model"), "model"),
+        engine=dataclass_from_dict(EngineConfig, d.get("engine"), "engine"),
+        scheduler=dataclass_from_dict(SchedulerConfig, d.get("scheduler"), "scheduler"),
+        workload=dataclass_from_dict(WorkloadConfig, d.get("workload"), "workload"),
+        slo=dataclass_from_dict(SLOConfig, d.get("slo"), "slo"),
+        sim=dataclass_from_dict(SimConfig, d.get("sim"), "sim"),
+    )

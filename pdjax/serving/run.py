@@ -1,0 +1,86 @@
+"""From a validated ServeConfig to a finished real-engine run: model, runner, scheduler, workload, outputs."""
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+from typing import Any, Dict, Optional
+
+from pdjax.config.serving import ServeConfig
+from pdjax.metrics import write_run_outputs
+from pdjax.scheduler import make_scheduler
+from pdjax.serving.engine import ColocatedEngine, to_scheduler_request
+from pdjax.workload import make_workload
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def resolve_checkpoint(checkpoint: str) -> str:
+    """A relative checkpoint path is looked up in the working directory, then in the repo root (so the
+    default config works from anywhere); anything else (a spec name) is returned unchanged."""
+    if os.path.isabs(checkpoint) or os.path.exists(checkpoint):
+        return checkpoint
+    candidate = REPO_ROOT / checkpoint
+    return str(candidate) if candidate.exists() else checkpoint
+
+
+def _pow2_sizes(lo: int, hi: int):
+    sizes, n = [], lo
+    while n < hi:
+        sizes.append(n)
+        n *= 2
+    return tuple(sorted(set(sizes + [hi])))
+
+
+def default_buckets(cfg: ServeConfig):
+    """Token buckets: powers of two from 16 to the token budget; sequence and page buckets: a quarter of the
+    maximum and the maximum. Few shapes keep warm-up compile time small; see EngineConfig to override."""
+    from pdjax.runtime.batch import Buckets  # noqa: PLC0415
+    sc = cfg.scheduler
+    max_tokens = max(sc.token_budget, 1)
+    max_pages = -(-sc.max_model_len // sc.page_size)
+    tokens = cfg.engine.token_buckets or _pow2_sizes(min(16, max_tokens), max_tokens)
+    seqs = cfg.engine.seq_buckets or tuple(sorted({max(1, sc.max_num_seqs // 4), sc.max_num_seqs}))
+    pages = cfg.engine.page_buckets or tuple(sorted({max(1, max_pages // 4), max_pages}))
+    return Buckets(tokens=tuple(tokens), seqs=tuple(seqs), pages=tuple(pages))
+
+
+def build_runner(cfg: ServeConfig, *, seed: Optional[int] = None):
+    """The ModelRunner of `cfg` (checkpoint or dummy weights), KV cache sized by cfg.scheduler."""
+    from pdjax.models.checkpoint import load_model  # noqa: PLC0415
+    from pdjax.runtime.runner import ModelRunner  # noqa: PLC0415
+    spec, params = load_model(resolve_checkpoint(cfg.model.checkpoint), dtype=cfg.model.dtype,
+                              seed=cfg.seed if seed is None else seed)
+    sc = cfg.scheduler
+    return ModelRunner(spec, params, num_pages=sc.num_pages, page_size=sc.page_size,
+                       buckets=default_buckets(cfg), attention_impl=cfg.model.attention_impl,
+                       max_model_len=sc.max_model_len)
+
+
+def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str) -> Dict[str, Any]:
+    """Serve cfg's workload on the real engine and write the run outputs to `workdir`; returns the summary."""
+    runner = build_runner(cfg)
+    compile_s = runner.warmup() if cfg.engine.warmup else 0.0
+    compiles_at_start = runner.compile_count
+    scheduler = make_scheduler(cfg.scheduler)
+    offline = cfg.engine.mode == "offline"
+    workload = make_workload(cfg.workload, seed=cfg.seed)
+    requests = [to_scheduler_request(w, eos_token_id=cfg.model.eos_token_id, offline=offline, seed=cfg.seed)
+                for w in workload]
+    engine = ColocatedEngine(runner, scheduler, overlap=cfg.engine.overlap)
+    bar = None
+    if cfg.engine.progress:
+        from tqdm import tqdm  # noqa: PLC0415
+        bar = tqdm(total=len(requests), desc=f"serve {cfg.scheduler.policy}", unit="req")
+    start = time.perf_counter()
+    result = engine.run(requests, progress=bar.update if bar is not None else None)
+    if bar is not None:
+        bar.close()
+    extra = {"engine": {
+        "backend": "real", "policy": cfg.scheduler.policy, "mode": cfg.engine.mode,
+        "compile_s": compile_s, "num_compiled_shapes": compiles_at_start,
+        "compiles_during_run": runner.compile_count - compiles_at_start,
+        "wall_s": time.perf_counter() - start, "host_overlap_s": result.host_overlap_s,
+        "num_iterations": len(result.iterations)}}
+    return write_run_outputs(workdir, config_dict, result.requests, result.iterations, cfg.slo.as_dict(),
+                             extra=extra)
