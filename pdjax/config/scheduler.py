@@ -69,6 +69,7 @@ class SchedulerConfig:
     max_num_partial_prefills: int = 0
     max_long_partial_prefills: int = 0
     min_prefill_tokens: int = 0
+    vocab_size: int = 0            # > 0: prompts with token ids >= vocab_size are rejected (set by the engine)
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -92,6 +93,8 @@ class SchedulerConfig:
             raise ValueError(f"ordering={self.ordering!r}, expected one of {ORDERINGS}")
         if not (isinstance(self.watermark, (int, float)) and 0.0 <= self.watermark < 1.0):
             raise ValueError(f"watermark={self.watermark!r}, expected a fraction in [0, 1)")
+        if not isinstance(self.vocab_size, int) or self.vocab_size < 0:
+            raise ValueError(f"vocab_size={self.vocab_size!r}, expected an int >= 0 (0 = unchecked)")
         if self.preemption_mode == "swap" and self.num_host_pages < 1:
             raise ValueError(f"preemption_mode='swap' needs num_host_pages >= 1, got {self.num_host_pages}")
         if not self.chunking:

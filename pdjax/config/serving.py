@@ -9,6 +9,8 @@ import dataclasses
 import typing
 from typing import Any, Mapping, Optional, Tuple
 
+from pdjax.config.deployment import DeploymentConfig, deployment_from_dict
+
 BACKENDS = ("real", "sim")
 MODES = ("online", "offline")
 
@@ -145,6 +147,7 @@ class ServeConfig:
     workload: Any           # pdjax.workload.WorkloadConfig
     slo: SLOConfig
     sim: SimConfig
+    deployment: DeploymentConfig = DeploymentConfig()   # colocated unless the config says otherwise
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -157,12 +160,15 @@ def serve_config_from_dict(d: Mapping[str, Any]) -> ServeConfig:
     from pdjax.workload import WorkloadConfig  # noqa: PLC0415
 
     d = dict(d)
-    top = {"backend", "seed", "model", "engine", "scheduler", "workload", "slo", "sim"}
+    top = {"backend", "seed", "model", "engine", "scheduler", "workload", "slo", "sim", "deployment"}
     unknown = sorted(set(d) - top)
     if unknown:
         raise ValueError(f"unknown config key(s) {unknown}; known top-level keys: {sorted(top)}")
+    backend = _coerce(str, d.get("backend", "real"), "backend")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}, expected one of {BACKENDS}")
     return ServeConfig(
-        backend=_coerce(str, d.get("backend", "real"), "backend"),
+        backend=backend,
         seed=_coerce(int, d.get("seed", 0), "seed"),
         model=dataclass_from_dict(ModelConfig, d.get("model"), "model"),
         engine=dataclass_from_dict(EngineConfig, d.get("engine"), "engine"),
@@ -170,4 +176,5 @@ def serve_config_from_dict(d: Mapping[str, Any]) -> ServeConfig:
         workload=dataclass_from_dict(WorkloadConfig, d.get("workload"), "workload"),
         slo=dataclass_from_dict(SLOConfig, d.get("slo"), "slo"),
         sim=dataclass_from_dict(SimConfig, d.get("sim"), "sim"),
+        deployment=deployment_from_dict(d.get("deployment")),
     )

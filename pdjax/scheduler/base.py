@@ -259,6 +259,9 @@ class Scheduler:
             return f"prompt of {n} tokens exceeds max_model_len={self._max_len}"
         if min(req.prompt_token_ids) < 0:
             return f"negative token id {min(req.prompt_token_ids)} in the prompt"
+        vocab = self.config.vocab_size
+        if vocab and max(req.prompt_token_ids) >= vocab:
+            return f"token id {max(req.prompt_token_ids)} in the prompt is outside the vocabulary [0, {vocab})"
         if req.max_tokens < 1:
             return f"max_tokens={req.max_tokens}, expected >= 1"
         return None

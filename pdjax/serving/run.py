@@ -1,6 +1,7 @@
 """From a validated ServeConfig to a finished real-engine run: model, runner, scheduler, workload, outputs."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import time
@@ -62,7 +63,10 @@ def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str) -> Dic
     runner = build_runner(cfg)
     compile_s = runner.warmup() if cfg.engine.warmup else 0.0
     compiles_at_start = runner.compile_count
-    scheduler = make_scheduler(cfg.scheduler)
+    sched_cfg = cfg.scheduler
+    if not sched_cfg.vocab_size:   # reject out-of-vocabulary prompts instead of failing the step
+        sched_cfg = dataclasses.replace(sched_cfg, vocab_size=runner.spec.vocab_size)
+    scheduler = make_scheduler(sched_cfg)
     offline = cfg.engine.mode == "offline"
     workload = make_workload(cfg.workload, seed=cfg.seed)
     requests = [to_scheduler_request(w, eos_token_id=cfg.model.eos_token_id, offline=offline, seed=cfg.seed)
