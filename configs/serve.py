@@ -25,7 +25,7 @@ def get_config():
     c.engine.page_buckets = ()
     c.engine.warmup = True
     c.engine.progress = True
-    c.engine.overlap = True
+    c.engine.async_scheduling = False          # True: schedule step k+1 while step k runs
 
     c.scheduler = ml_collections.ConfigDict()
     c.scheduler.policy = "sarathi"
@@ -51,6 +51,26 @@ def get_config():
     c.slo.ttft = 1.0
     c.slo.tbt = 0.2
     c.slo.tpot = 0.1
+
+    # colocated: one instance on one device (the blocks below are unused). disaggregated: prefill and decode
+    # instances on disjoint device groups, KV moved once per request (pdjax/serving/disagg.py), e.g.
+    #   --config.deployment.kind=disaggregated --config.deployment.prefill.tp=2 --config.deployment.decode.tp=1
+    # (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8). 0 = the scheduler block's value;
+    # devices=() places groups automatically (prefill first).
+    c.deployment = ml_collections.ConfigDict()
+    c.deployment.kind = "colocated"                # colocated | disaggregated
+    c.deployment.router = "round_robin"            # round_robin | least_loaded
+    for role in ("prefill", "decode"):
+        g = ml_collections.ConfigDict()
+        g.num_instances = 1
+        g.dp = 1
+        g.pp = 1
+        g.tp = 1
+        g.num_pages = 0
+        g.token_budget = 0
+        g.max_num_seqs = 0
+        g.devices = ()
+        c.deployment[role] = g
 
     c.sim = ml_collections.ConfigDict()
     c.sim.hardware = "host-cpu"

@@ -29,14 +29,16 @@ class ModelConfig:
 class EngineConfig:
     """mode: 'online' (requests arrive at their trace times on the wall clock) or 'offline' (all at t=0).
     token_buckets / seq_buckets / page_buckets: padded sizes of the flat token axis, the sequence axis and the
-    page-table width (empty: pdjax.serving.run.default_buckets). overlap: host work during the device step."""
+    page-table width (empty: pdjax.serving.run.default_buckets). async_scheduling: schedule and dispatch step k+1 while step k runs (see
+    pdjax/serving/engine.py; needs requests without stop tokens)."""
     mode: str = "online"
     token_buckets: Tuple[int, ...] = ()
     seq_buckets: Tuple[int, ...] = ()
     page_buckets: Tuple[int, ...] = ()
     warmup: bool = True
     progress: bool = True
-    overlap: bool = True
+    async_scheduling: bool = False
+    overlap: bool = True   # disaggregated engine: admit arrivals while steps run
 
     def __post_init__(self):
         if self.mode not in MODES:

@@ -60,6 +60,9 @@ def build_runner(cfg: ServeConfig, *, seed: Optional[int] = None):
 
 def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str) -> Dict[str, Any]:
     """Serve cfg's workload on the real engine and write the run outputs to `workdir`; returns the summary."""
+    if cfg.deployment.kind == "disaggregated":
+        from pdjax.serving.disagg import run_disaggregated  # noqa: PLC0415
+        return run_disaggregated(cfg, config_dict, workdir)
     runner = build_runner(cfg)
     compile_s = runner.warmup() if cfg.engine.warmup else 0.0
     compiles_at_start = runner.compile_count
@@ -71,7 +74,7 @@ def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str) -> Dic
     workload = make_workload(cfg.workload, seed=cfg.seed)
     requests = [to_scheduler_request(w, eos_token_id=cfg.model.eos_token_id, offline=offline, seed=cfg.seed)
                 for w in workload]
-    engine = ColocatedEngine(runner, scheduler, overlap=cfg.engine.overlap)
+    engine = ColocatedEngine(runner, scheduler, async_scheduling=cfg.engine.async_scheduling)
     bar = None
     if cfg.engine.progress:
         from tqdm import tqdm  # noqa: PLC0415
@@ -82,7 +85,7 @@ def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str) -> Dic
         bar.close()
     extra = {"engine": {
         "backend": "real", "policy": cfg.scheduler.policy, "mode": cfg.engine.mode,
-        "compile_s": compile_s, "num_compiled_shapes": compiles_at_start,
+        "async_scheduling": cfg.engine.async_scheduling, "compile_s": compile_s, "num_compiled_shapes": compiles_at_start,
         "compiles_during_run": runner.compile_count - compiles_at_start,
         "wall_s": time.perf_counter() - start, "host_overlap_s": result.host_overlap_s,
         "num_iterations": len(result.iterations)}}

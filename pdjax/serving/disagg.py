@@ -1,0 +1,372 @@
+"""Disaggregated (prefill/decode) serving engine: prefill instances and decode instances on disjoint device
+groups, each with its own mesh, runner and scheduler, and one KV transfer per request between them.
+
+Per request (protocol of pdjax/scheduler/policies.py):
+  arrival -> router picks a prefill instance -> `add_request` -> prefill chunks (prefill_only scheduler) ->
+  first token sampled: finished with 'handoff' (TTFT is stamped here, on the prefill instance) ->
+  router picks a decode instance -> `add_handoff(req)` -> `transfer_kv` (the one cross-group copy, staged on
+  the decode devices) -> `mark_kv_arrived` -> prefill side `release` (its pages are free again) ->
+  decode_only scheduler admits it when a slot, budget and pages fit (backpressure) and lists it in
+  `kv_handoff_req_ids` -> before that step the staged pages are scattered into its new page table ->
+  decode steps stamp the later tokens.
+The Request object is shared by both sides (add_handoff mutates it), so its record holds the whole story.
+
+Loop (single host thread, mirroring ColocatedEngine): every round, each instance with work schedules and
+dispatches its step (JAX dispatch is async, and the groups' devices are disjoint, so prefill and decode steps
+run at the same time); then arrivals are admitted while the steps run (`overlap`); then each instance's result
+is collected in turn, its scheduler updated and its tokens stamped with the time its ids reached the host.
+Iteration records carry the instance name ('prefill0', 'decode0', ...) and a per-instance step index.
+
+Choices and limits:
+- The transfer is synchronous (its time is on the host's critical path between a prefill step's collect and
+  the next round); it is small next to a step for short prompts and is measured per request (`transfers`).
+  `warmup_transfers` compiles the gather / scatter for every padded page count before serving, so no
+  transfer compiles mid-run.
+- Routing: 'round_robin', or 'least_loaded' (prefill: fewest prompt tokens still to prefill; decode: fewest
+  live requests).
+- A request that finishes on its first token ('stop' / 'length') never reaches a decode instance.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from pdjax.metrics import IterationRecord, request_record
+from pdjax.scheduler import Request
+from pdjax.serving.engine import EngineResult, TokenCallback
+from pdjax.serving.kv_transfer import StagedKV, scatter_kv_pages, transfer_kv
+
+
+@dataclasses.dataclass
+class Instance:
+    """One prefill or decode instance: a runner (ModelRunner with a `mesh` and a `kv_cache`) and a
+    scheduler ('prefill_only' or 'decode_only')."""
+    name: str
+    role: str            # 'prefill' | 'decode'
+    runner: Any
+    scheduler: Any
+    num_steps: int = 0
+
+    def __post_init__(self):
+        want = {"prefill": "prefill_only", "decode": "decode_only"}.get(self.role)
+        if want is None:
+            raise ValueError(f"instance {self.name!r}: role={self.role!r}, expected 'prefill' or 'decode'")
+        if getattr(self.scheduler, "name", None) != want:
+            raise ValueError(f"instance {self.name!r} ({self.role}) needs a {want!r} scheduler, got "
+                             f"{getattr(self.scheduler, 'name', self.scheduler)!r}")
+
+
+@dataclasses.dataclass
+class TransferRecord:
+    """One request's KV transfer: source and destination instances, size, and wall time (seconds, on the
+    engine clock: start_time is relative to the run start)."""
+    request_id: str
+    src: str
+    dst: str
+    num_tokens: int
+    num_pages: int
+    kv_bytes: int
+    moved_bytes: int
+    start_time: float
+    seconds: float
+
+
+@dataclasses.dataclass
+class DisaggregatedResult(EngineResult):
+    transfers: List[TransferRecord]
+
+    def transfer_summary(self) -> Dict[str, float]:
+        """Totals over all transfers: count, bytes, seconds, and achieved bandwidth (moved bytes / s)."""
+        total_s = sum(t.seconds for t in self.transfers)
+        moved = sum(t.moved_bytes for t in self.transfers)
+        return {"num_transfers": len(self.transfers), "kv_bytes": sum(t.kv_bytes for t in self.transfers),
+                "moved_bytes": moved, "seconds": total_s,
+                "bandwidth_bytes_per_s": moved / total_s if total_s > 0 else 0.0}
+
+
+class Router:
+    """Picks an instance for a new request (prefill) or a handed-off one (decode)."""
+
+    def __init__(self, policy: str, instances: Sequence[Instance]):
+        if policy not in ("round_robin", "least_loaded"):
+            raise ValueError(f"router={policy!r}, expected 'round_robin' or 'least_loaded'")
+        if not instances:
+            raise ValueError("a router needs at least one instance")
+        self.policy = policy
+        self.instances = list(instances)
+        self._cycle = itertools.cycle(self.instances)
+
+    @staticmethod
+    def load(inst: Instance) -> int:
+        s = inst.scheduler
+        if inst.role == "prefill":
+            return sum(len(r.all_token_ids) - r.num_computed_tokens for r in itertools.chain(s.running, s.waiting))
+        return s.num_running + s.num_waiting
+
+    def pick(self) -> Instance:
+        if self.policy == "round_robin" or len(self.instances) == 1:
+            return next(self._cycle)
+        return min(self.instances, key=self.load)   # min keeps the first of equals: deterministic
+
+
+class DisaggregatedEngine:
+    """Drives prefill and decode instances (see the module docstring)."""
+
+    def __init__(self, prefill: Sequence[Instance], decode: Sequence[Instance], *, router: str = "round_robin",
+                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep,
+                 on_token: Optional[TokenCallback] = None, overlap: bool = True,
+                 transfer: Callable[..., StagedKV] = transfer_kv):
+        prefill, decode = list(prefill), list(decode)
+        for group, role in ((prefill, "prefill"), (decode, "decode")):
+            if not group:
+                raise ValueError(f"a disaggregated engine needs at least one {role} instance")
+            for inst in group:
+                if inst.role != role:
+                    raise ValueError(f"instance {inst.name!r} has role {inst.role!r} but was given as {role}")
+        names = [i.name for i in prefill + decode]
+        if len(set(names)) != len(names):
+            raise ValueError(f"instance names must be unique, got {names}")
+        sizes = {i.name: i.scheduler.config.page_size for i in prefill + decode}
+        if len(set(sizes.values())) != 1:
+            raise ValueError(f"all instances need the same page_size (pages move whole), got {sizes}")
+        self.prefill, self.decode = prefill, decode
+        self.prefill_router = Router(router, prefill)
+        self.decode_router = Router(router, decode)
+        self.clock, self.sleep, self.on_token, self.overlap = clock, sleep, on_token, overlap
+        self.transfer = transfer
+        self._staged: Dict[str, StagedKV] = {}
+
+    @property
+    def instances(self) -> List[Instance]:
+        return self.prefill + self.decode
+
+    def warmup_transfers(self, max_model_len: int) -> float:
+        """Compile the transfer's gather / cross-group copy / scatter for every padded page count a request of
+        up to `max_model_len` tokens can need, on every (prefill, decode) pair; returns seconds taken.
+
+        Writes junk into the leading pages of the decode caches: harmless before serving (a request only ever
+        reads KV positions it wrote itself or received)."""
+        start = time.perf_counter()
+        for src in self.prefill:
+            for dst in self.decode:
+                ps = src.runner.kv_cache.page_size
+                most = min(-(-max_model_len // ps), src.runner.kv_cache.num_pages, dst.runner.kv_cache.num_pages)
+                sizes, s = [], 1
+                while True:
+                    sizes.append(min(s, most))
+                    if s >= most:
+                        break
+                    s *= 2
+                for n in sizes:
+                    staged = self.transfer(src.runner.kv_cache, list(range(n)), dst.runner.mesh, num_tokens=n * ps)
+                    dst.runner.kv_cache = scatter_kv_pages(dst.runner.kv_cache, list(range(n)), staged)
+        for inst in self.decode:
+            inst.runner.kv_cache.k[0].block_until_ready()
+        return time.perf_counter() - start
+
+    # ------------------------------------------------------------------------------------------------------
+    def _handoff(self, src: Instance, req: Request, now: Callable[[], float],
+                 transfers: List[TransferRecord]) -> bool:
+        """Hand a prefilled request to a decode instance; False if the decode side rejected it (then it is
+        finished: its pages on the prefill side are freed)."""
+        rid = req.request_id
+        dst = self.decode_router.pick()
+        if not dst.scheduler.add_handoff(req, now()):
+            src.scheduler.release(rid)
+            return False
+        start = now()
+        staged = self.transfer(src.runner.kv_cache, src.scheduler.held_page_table(rid), dst.runner.mesh,
+                               num_tokens=req.num_computed_tokens)
+        self._staged[rid] = staged
+        dst.scheduler.mark_kv_arrived(rid)
+        src.scheduler.release(rid)
+        transfers.append(TransferRecord(
+            request_id=rid, src=src.name, dst=dst.name, num_tokens=staged.num_tokens, num_pages=staged.num_pages,
+            kv_bytes=staged.kv_bytes, moved_bytes=staged.moved_bytes, start_time=start, seconds=staged.seconds))
+        return True
+
+    def _load_handoffs(self, inst: Instance, out) -> None:
+        """Before a decode step: write each newly admitted request's staged KV into its page table."""
+        runner = inst.runner
+        index = {rid: i for i, rid in enumerate(out.req_ids)}
+        for rid in out.kv_handoff_req_ids:
+            staged = self._staged.pop(rid, None)
+            if staged is None:
+                raise RuntimeError(f"{inst.name}: request {rid!r} was admitted with no staged KV")
+            runner.kv_cache = scatter_kv_pages(runner.kv_cache, out.page_tables[index[rid]], staged)
+
+    def run(self, requests: Sequence[Request], *, progress: Optional[Callable[[int], None]] = None
+            ) -> DisaggregatedResult:
+        """Serve `requests` (scheduler Requests, arrival times relative to the start) until all finish."""
+        pending = sorted(requests, key=lambda r: (r.arrival_time, r.request_id))
+        all_reqs = list(pending)
+        next_arrival = 0
+        iterations: List[IterationRecord] = []
+        transfers: List[TransferRecord] = []
+        t0 = self.clock()
+        now = lambda: self.clock() - t0  # noqa: E731
+        overlap_total = 0.0
+        self._staged.clear()
+        for inst in self.instances:
+            inst.num_steps = 0
+
+        def done(n: int) -> None:
+            if n and progress is not None:
+                progress(n)
+
+        def admit(t: float) -> None:
+            nonlocal next_arrival
+            while next_arrival < len(pending) and pending[next_arrival].arrival_time <= t:
+                if not self.prefill_router.pick().scheduler.add_request(pending[next_arrival]):
+                    done(1)   # rejected at the door
+                next_arrival += 1
+
+        def wait_for_arrival() -> None:
+            self._sleep_until(pending[next_arrival].arrival_time, now)
+            admit(max(now(), pending[next_arrival].arrival_time))
+
+        admit(now())
+        while True:
+            busy = [inst for inst in self.instances if inst.scheduler.has_unfinished()]
+            if not busy:
+                if next_arrival >= len(pending):
+                    break
+                wait_for_arrival()
+                continue
+            launched = []
+            for inst in busy:
+                start = now()
+                out = inst.scheduler.schedule(start)
+                if out.is_empty:
+                    continue
+                if out.kv_handoff_req_ids:
+                    self._load_handoffs(inst, out)
+                handle = inst.runner.dispatch(out) if self.overlap else None
+                launched.append((inst, out, start, handle))
+            if not launched:
+                if next_arrival >= len(pending):
+                    state = {i.name: (i.scheduler.num_waiting, i.scheduler.num_running) for i in busy}
+                    raise RuntimeError(f"no instance can make progress and no arrivals are left: (waiting, "
+                                       f"running) per instance {state}")
+                wait_for_arrival()
+                continue
+            if self.overlap:
+                host_start = now()
+                admit(host_start)     # overlapped with the device steps
+                overlap_total += now() - host_start
+            for inst, out, start, handle in launched:
+                sampled = inst.runner.collect(handle) if self.overlap else inst.runner.execute(out)
+                end = now()
+                finished = inst.scheduler.update(out, sampled, end)
+                iterations.append(IterationRecord(
+                    step=inst.num_steps, start_time=start, end_time=end, num_prefill_tokens=out.num_prefill_tokens,
+                    num_decode_tokens=out.num_decode_tokens, num_seqs=out.num_seqs, instance=inst.name))
+                inst.num_steps += 1
+                if self.on_token is not None:
+                    for rid, tok in zip(out.req_ids, sampled):
+                        if tok >= 0:
+                            self.on_token(rid, int(tok), end)
+                n_done = 0
+                for req in finished:
+                    if req.finish_reason == "handoff":
+                        n_done += not self._handoff(inst, req, now, transfers)
+                    else:
+                        n_done += 1
+                done(n_done)
+            if not self.overlap:
+                admit(now())
+        return DisaggregatedResult(
+            requests=[request_record(r) for r in all_reqs], iterations=iterations,
+            output_tokens={r.request_id: list(r.output_token_ids) for r in all_reqs},
+            duration_s=now(), host_overlap_s=overlap_total, transfers=transfers)
+
+    def _sleep_until(self, t: float, now: Callable[[], float]) -> None:
+        wait = t - now()
+        if wait > 0:
+            self.sleep(wait)
+
+
+# ----------------------------------------------------------------------------------------------------------
+def build_disaggregated_engine(cfg, *, devices: Optional[Sequence] = None, params=None, spec=None,
+                               on_token: Optional[TokenCallback] = None) -> DisaggregatedEngine:
+    """The engine of a ServeConfig whose `deployment.kind` is 'disaggregated': one ModelRunner per instance on
+    its own mesh (devices from `deployment.device_assignment`), schedulers from `instance_scheduler_config`.
+
+    devices: the device list indices refer to (default jax.devices()). params/spec: weights to use instead of
+    loading cfg.model.checkpoint (tests share one set)."""
+    import jax  # noqa: PLC0415
+    from pdjax.config.deployment import instance_scheduler_config, validate_deployment  # noqa: PLC0415
+    from pdjax.runtime.mesh import make_mesh  # noqa: PLC0415
+    from pdjax.runtime.runner import ModelRunner  # noqa: PLC0415
+    from pdjax.scheduler import make_scheduler  # noqa: PLC0415
+    from pdjax.serving.run import default_buckets, resolve_checkpoint  # noqa: PLC0415
+
+    dep = cfg.deployment
+    if dep.kind != "disaggregated":
+        raise ValueError(f"deployment.kind={dep.kind!r}: build_disaggregated_engine needs 'disaggregated'")
+    if params is None:
+        from pdjax.models.checkpoint import load_model  # noqa: PLC0415
+        spec, params = load_model(resolve_checkpoint(cfg.model.checkpoint), dtype=cfg.model.dtype, seed=cfg.seed)
+    elif spec is None:
+        raise ValueError("params given without their spec")
+    devices = list(jax.devices() if devices is None else devices)
+    assignment = validate_deployment(dep, spec, len(devices))
+    base = cfg.scheduler
+    if not base.vocab_size:   # reject out-of-vocabulary prompts instead of failing the step (as run_real)
+        base = dataclasses.replace(base, vocab_size=spec.vocab_size)
+    groups = {"prefill": [], "decode": []}
+    for role in ("prefill", "decode"):
+        group = getattr(dep, role)
+        sched_cfg = instance_scheduler_config(base, group, role)
+        buckets = default_buckets(dataclasses.replace(cfg, scheduler=sched_cfg))
+        for name in dep.instance_names(role):
+            mesh = make_mesh([devices[i] for i in assignment[name]], dp=group.dp, pp=group.pp, tp=group.tp)
+            runner = ModelRunner(spec, params, num_pages=sched_cfg.num_pages, page_size=sched_cfg.page_size,
+                                 buckets=buckets, attention_impl=cfg.model.attention_impl, mesh=mesh,
+                                 max_model_len=sched_cfg.max_model_len)
+            groups[role].append(Instance(name, role, runner, make_scheduler(sched_cfg)))
+    return DisaggregatedEngine(groups["prefill"], groups["decode"], router=dep.router,
+                               overlap=cfg.engine.overlap, on_token=on_token)
+
+
+def run_disaggregated(cfg, config_dict, workdir: str) -> Dict[str, Any]:
+    """run_real for a disaggregated deployment: build, warm up every instance, serve cfg's workload, write the
+    run outputs (iterations carry their instance names; results.json gets per-instance compile counts and the
+    KV transfer totals under "engine")."""
+    from pdjax.metrics import write_run_outputs  # noqa: PLC0415
+    from pdjax.serving.engine import to_scheduler_request  # noqa: PLC0415
+    from pdjax.workload import make_workload  # noqa: PLC0415
+
+    engine = build_disaggregated_engine(cfg)
+    compile_s = 0.0
+    if cfg.engine.warmup:
+        compile_s = sum(inst.runner.warmup() for inst in engine.instances)
+        compile_s += engine.warmup_transfers(cfg.scheduler.max_model_len)
+    compiles_at_start = {inst.name: inst.runner.compile_count for inst in engine.instances}
+    offline = cfg.engine.mode == "offline"
+    requests = [to_scheduler_request(w, eos_token_id=cfg.model.eos_token_id, offline=offline, seed=cfg.seed)
+                for w in make_workload(cfg.workload, seed=cfg.seed)]
+    bar = None
+    if cfg.engine.progress:
+        from tqdm import tqdm  # noqa: PLC0415
+        bar = tqdm(total=len(requests), desc="serve disaggregated", unit="req")
+    start = time.perf_counter()
+    result = engine.run(requests, progress=bar.update if bar is not None else None)
+    if bar is not None:
+        bar.close()
+    extra = {"engine": {
+        "backend": "real", "deployment": "disaggregated", "mode": cfg.engine.mode,
+        "instances": {inst.name: {"role": inst.role, "devices": [d.id for d in inst.runner.mesh.devices.flat],
+                                  "tp": int(inst.runner.mesh.shape["tensor"]),
+                                  "num_pages": inst.scheduler.config.num_pages,
+                                  "token_budget": inst.scheduler.config.token_budget,
+                                  "num_iterations": inst.num_steps,
+                                  "num_compiled_shapes": compiles_at_start[inst.name],
+                                  "compiles_during_run": inst.runner.compile_count - compiles_at_start[inst.name]}
+                      for inst in engine.instances},
+        "compile_s": compile_s, "wall_s": time.perf_counter() - start, "host_overlap_s": result.host_overlap_s,
+        "num_iterations": len(result.iterations), "kv_transfer": result.transfer_summary()}}
+    return write_run_outputs(workdir, config_dict, result.requests, result.iterations, cfg.slo.as_dict(),
+                             extra=extra)
