@@ -44,19 +44,17 @@ def _requests(n, gap, prompt_len=40, max_tokens=5):
             for i in range(n)]
 
 
-def _engine(policy="sarathi", budget=64, overlap=True, on_token=None):
+def _engine(policy="sarathi", budget=64, on_token=None):
     clock = FakeClock()
     cfg = SchedulerConfig(policy=policy, token_budget=budget, max_num_seqs=8, max_model_len=256, page_size=16,
                           num_pages=128)
     runner = FakeRunner(clock)
-    return ColocatedEngine(runner, make_scheduler(cfg), clock=clock, sleep=clock.sleep, on_token=on_token,
-                           overlap=overlap), runner
+    return ColocatedEngine(runner, make_scheduler(cfg), clock=clock, sleep=clock.sleep, on_token=on_token), runner
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_online_run_honours_arrivals_and_stamps_every_token(overlap):
+def test_online_run_honours_arrivals_and_stamps_every_token():
     tokens = []
-    engine, runner = _engine(overlap=overlap, on_token=lambda rid, tok, t: tokens.append((rid, tok, t)))
+    engine, runner = _engine(on_token=lambda rid, tok, t: tokens.append((rid, tok, t)))
     reqs = _requests(6, gap=0.5)
     result = engine.run(reqs)
     assert len(result.requests) == 6
@@ -100,3 +98,14 @@ def test_rejected_request_does_not_stop_the_others():
     reasons = {r.request_id: r.finish_reason for r in result.requests}
     assert reasons["too-long"] == "rejected"
     assert [reasons[f"r{i}"] for i in range(3)] == ["length"] * 3
+
+
+def test_async_scheduling_requires_requests_without_stop_tokens():
+    clock = FakeClock()
+    cfg = SchedulerConfig(policy="sarathi", token_budget=64, max_num_seqs=8, max_model_len=256, page_size=16,
+                          num_pages=128)
+    engine = ColocatedEngine(FakeRunner(clock), make_scheduler(cfg), clock=clock, sleep=clock.sleep,
+                             async_scheduling=True)
+    reqs = [Request("s", [1, 2, 3], SamplingParams(max_tokens=4, stop_token_ids=(7,)), 0.0)]
+    with pytest.raises(ValueError, match="stop tokens"):
+        engine.run(reqs)

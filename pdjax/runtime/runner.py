@@ -48,6 +48,13 @@ def _scatter_pages(kv_cache: KVCache, pages, k, v):
                    v=tuple(put(a, v[i]) for i, a in enumerate(kv_cache.v)))
 
 
+@jax.jit
+def _substitute_tokens(token_ids, src_index, prev_ids):
+    """token_ids with token i replaced by prev_ids[src_index[i]] where src_index[i] >= 0 (on device)."""
+    taken = prev_ids[jnp.maximum(src_index, 0)].astype(token_ids.dtype)
+    return jnp.where(src_index >= 0, taken, token_ids)
+
+
 _scatter_pages_donated = jax.jit(_scatter_pages.__wrapped__, donate_argnums=(0,))
 
 
@@ -125,14 +132,43 @@ class ModelRunner:
             return None
         return self.build_batch(sched_out)
 
-    def dispatch(self, sched_out: SchedulerOutput):
+    def dispatch(self, sched_out: SchedulerOutput, *, prev=None):
         """Launch one iteration without waiting for the device (JAX dispatch is async); pass the returned
-        handle to `collect`. Lets the host do scheduler work while the step runs."""
+        handle to `collect`. Lets the host do scheduler work while the step runs.
+
+        prev: (SchedulerOutput, handle) of the previous, possibly uncollected step (async scheduling). A request
+        sampled there whose entry here starts right after that step's tokens feeds that sample as its first
+        token: it is taken from the previous step's device output, so the host never waits for it (the token id
+        in `sched_out` is a placeholder)."""
         batch = self._prepare(sched_out)
         if batch is None:
             return None, np.zeros((0,), bool)
+        if prev is not None and prev[1][0] is not None:
+            src = self._sample_sources(sched_out, prev[0], batch.token_ids.shape[0])
+            if src is not None:
+                batch = batch.replace(token_ids=_substitute_tokens(batch.token_ids, src, prev[1][0]))
         ids, self.kv_cache = self._step(self.params, self.kv_cache, batch)
         return ids, np.asarray(sched_out.do_sample, bool)
+
+    @staticmethod
+    def _sample_sources(sched_out: SchedulerOutput, prev_out: SchedulerOutput, num_tokens: int):
+        """int32[num_tokens]: index into the previous step's sampled ids for each fed token, -1 for tokens the
+        host knows; None when no token comes from the previous step."""
+        prev_end = {rid: (j, c + n) for j, (rid, c, n, s) in enumerate(zip(
+            prev_out.req_ids, prev_out.num_computed_tokens, prev_out.num_new_tokens, prev_out.do_sample)) if s}
+        src = None
+        offset = 0
+        for rid, start, n in zip(sched_out.req_ids, sched_out.num_computed_tokens, sched_out.num_new_tokens):
+            hit = prev_end.get(rid)
+            if hit is not None:
+                if start != hit[1]:
+                    raise RuntimeError(f"request {rid!r} resumes at token {start}, but its sample from the "
+                                       f"previous step sits at {hit[1]}: that token is not known on the host")
+                if src is None:
+                    src = np.full(num_tokens, -1, np.int32)
+                src[offset] = hit[0]
+            offset += n
+        return src
 
     @staticmethod
     def collect(handle) -> np.ndarray:

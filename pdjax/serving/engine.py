@@ -5,22 +5,28 @@ requests with the sampled ids, stamp every output token with the time its id rea
 decides who runs (that is the scheduler's job) and never builds device arrays (that is the runner's job).
 
 Modes: online (requests join at their arrival time on the wall clock; the engine sleeps when nothing is
-runnable) and offline (everything arrives at t=0). Overlap: the runner dispatches the step asynchronously
-(`dispatch`), and the engine does the host work that does not depend on this step's tokens (admitting new
-arrivals, progress) before it blocks on the result (`collect`); the time this hides is measured per iteration
-(`host_overlap_s`).
+runnable) and offline (everything arrives at t=0).
+
+Async scheduling (`async_scheduling=True`, as vLLM V1's async scheduler): while step k runs on the device, the
+host already updates the scheduler with placeholder tokens for step k, schedules step k+1 and builds and
+dispatches its batch; the decode inputs of step k+1 that are step k's samples are filled in on the device from
+step k's output (they never round-trip through the host). After step k's ids reach the host the placeholders
+are patched and the tokens stamped. The device never waits for host scheduling, at the price of one constraint:
+finishing must be decidable without the token value (no stop tokens; requests run to max_tokens, as in
+benchmarks with ignore_eos). `host_overlap_s` reports the host time spent while a step was in flight.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from pdjax.config.sampling import SamplingParams
 from pdjax.metrics import IterationRecord, RequestRecord, request_record
 from pdjax.scheduler import Request
 
 TokenCallback = Callable[[str, int, float], None]   # (request_id, token_id, time_s)
+PLACEHOLDER_TOKEN = 0
 
 
 @dataclasses.dataclass
@@ -41,89 +47,157 @@ def to_scheduler_request(wr, *, eos_token_id: int = -1, offline: bool = False, t
                    0.0 if offline else float(wr.arrival_time))
 
 
+class _Arrivals:
+    """Requests not yet handed to the scheduler, in arrival order."""
+
+    def __init__(self, requests: Sequence[Request], scheduler):
+        self.pending = sorted(requests, key=lambda r: (r.arrival_time, r.request_id))
+        self.next = 0
+        self.scheduler = scheduler
+
+    @property
+    def exhausted(self) -> bool:
+        return self.next >= len(self.pending)
+
+    @property
+    def next_time(self) -> float:
+        return self.pending[self.next].arrival_time
+
+    def admit(self, t: float) -> None:
+        while self.next < len(self.pending) and self.pending[self.next].arrival_time <= t:
+            self.scheduler.add_request(self.pending[self.next])
+            self.next += 1
+
+
 class ColocatedEngine:
-    """Drives `scheduler` and `runner` (pdjax.runtime.ModelRunner or anything with dispatch/collect)."""
+    """Drives `scheduler` and `runner` (pdjax.runtime.ModelRunner, or anything with dispatch/collect)."""
 
     def __init__(self, runner, scheduler, *, clock: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep, on_token: Optional[TokenCallback] = None,
-                 overlap: bool = True):
+                 async_scheduling: bool = False):
         self.runner = runner
-        self.overlap = overlap
         self.scheduler = scheduler
         self.clock = clock
         self.sleep = sleep
         self.on_token = on_token
-
-    def _sleep_until(self, t: float, now: Callable[[], float]) -> None:
-        wait = t - now()
-        if wait > 0:
-            self.sleep(wait)
+        self.async_scheduling = async_scheduling
 
     def run(self, requests: Sequence[Request], *, progress: Optional[Callable[[int], None]] = None) -> EngineResult:
         """Serve `requests` (scheduler Requests with arrival times relative to the start) until all finish."""
-        pending = sorted(requests, key=lambda r: (r.arrival_time, r.request_id))
-        all_reqs = list(pending)
-        next_arrival = 0
-        iterations: List[IterationRecord] = []
+        if self.async_scheduling:
+            with_stops = [r.request_id for r in requests if r.sampling.stop_token_ids]
+            if with_stops or getattr(self.scheduler, "handoff_after_prefill", False):
+                raise ValueError(
+                    f"async scheduling needs requests that finish at max_tokens (no stop tokens; requests "
+                    f"{with_stops[:3]} have some) on a colocated policy; use async_scheduling=False")
+        self._t0 = self.clock()
+        self._iterations: List[IterationRecord] = []
+        self._overlap = 0.0
+        self._progress = progress
+        arrivals = _Arrivals(requests, self.scheduler)
+        arrivals.admit(self._now())
+        loop = self._run_async if self.async_scheduling else self._run_sync
+        loop(arrivals)
+        all_reqs = arrivals.pending
+        return EngineResult(
+            requests=[request_record(r) for r in all_reqs], iterations=self._iterations,
+            output_tokens={r.request_id: list(r.output_token_ids) for r in all_reqs},
+            duration_s=self._now(), host_overlap_s=self._overlap)
+
+    # ---------------------------------------------------------------------------------------------------------
+    def _now(self) -> float:
+        return self.clock() - self._t0
+
+    def _wait_for_arrival(self, arrivals: _Arrivals) -> None:
+        """Sleep until the next arrival and admit it; raise if there is none (the run could never progress)."""
         sched = self.scheduler
-        t0 = self.clock()
-        now = lambda: self.clock() - t0  # noqa: E731
-        overlap_total = 0.0
-        num_done = 0
+        if arrivals.exhausted:
+            raise RuntimeError(
+                f"scheduler returned an empty batch with {sched.num_waiting} waiting and {sched.num_running} "
+                "running requests and no arrivals left: it cannot make progress")
+        wait = arrivals.next_time - self._now()
+        if wait > 0:
+            self.sleep(wait)
+        # max(): a clock that rounds may read a hair before the arrival it slept for.
+        arrivals.admit(max(self._now(), arrivals.next_time))
 
-        def admit(t: float) -> int:
-            nonlocal next_arrival
-            n = 0
-            while next_arrival < len(pending) and pending[next_arrival].arrival_time <= t:
-                sched.add_request(pending[next_arrival])
-                next_arrival += 1
-                n += 1
-            return n
+    def _record(self, out, sampled, start: float, end: float, finished) -> None:
+        self._iterations.append(IterationRecord(
+            step=len(self._iterations), start_time=start, end_time=end,
+            num_prefill_tokens=out.num_prefill_tokens, num_decode_tokens=out.num_decode_tokens,
+            num_seqs=out.num_seqs))
+        if self.on_token is not None:
+            for rid, tok in zip(out.req_ids, sampled):
+                if tok >= 0:
+                    self.on_token(rid, int(tok), end)
+        if finished and self._progress is not None:
+            self._progress(len(finished))
 
-        admit(now())
+    def _run_sync(self, arrivals: _Arrivals) -> None:
+        sched = self.scheduler
         while True:
             if not sched.has_unfinished():
-                if next_arrival >= len(pending):
-                    break
-                self._sleep_until(pending[next_arrival].arrival_time, now)
-                # max(): a clock that rounds may read a hair before the arrival it slept for.
-                admit(max(now(), pending[next_arrival].arrival_time))
+                if arrivals.exhausted:
+                    return
+                self._wait_for_arrival(arrivals)
                 continue
-            start = now()
+            start = self._now()
             out = sched.schedule(start)
             if out.is_empty:
-                # Nothing runnable now (e.g. every request waits for memory that only arrivals can change).
-                if next_arrival >= len(pending):
-                    raise RuntimeError(
-                        f"scheduler returned an empty batch with {sched.num_waiting} waiting and "
-                        f"{sched.num_running} running requests and no arrivals left: it cannot make progress")
-                self._sleep_until(pending[next_arrival].arrival_time, now)
-                admit(max(now(), pending[next_arrival].arrival_time))
+                self._wait_for_arrival(arrivals)
                 continue
-            if self.overlap:
-                handle = self.runner.dispatch(out)
-                host_start = now()
-                admit(host_start)                     # overlapped with the device step
-                overlap_total += now() - host_start
-                sampled = self.runner.collect(handle)
-            else:
-                sampled = self.runner.execute(out)
-            end = now()
+            handle = self.runner.dispatch(out)
+            host_start = self._now()
+            arrivals.admit(host_start)               # overlapped with the device step
+            self._overlap += self._now() - host_start
+            sampled = self.runner.collect(handle)
+            end = self._now()
             finished = sched.update(out, sampled, end)
-            iterations.append(IterationRecord(
-                step=len(iterations), start_time=start, end_time=end,
-                num_prefill_tokens=out.num_prefill_tokens, num_decode_tokens=out.num_decode_tokens,
-                num_seqs=out.num_seqs))
-            if self.on_token is not None:
-                for rid, tok in zip(out.req_ids, sampled):
-                    if tok >= 0:
-                        self.on_token(rid, int(tok), end)
-            if finished:
-                num_done += len(finished)
-                if progress is not None:
-                    progress(len(finished))
-        duration = now()
-        return EngineResult(
-            requests=[request_record(r) for r in all_reqs], iterations=iterations,
-            output_tokens={r.request_id: list(r.output_token_ids) for r in all_reqs},
-            duration_s=duration, host_overlap_s=overlap_total)
+            self._record(out, sampled, start, end, finished)
+
+    def _run_async(self, arrivals: _Arrivals) -> None:
+        sched = self.scheduler
+        in_flight = None    # (out, handle, start, placeholders) of the dispatched, uncollected step
+        while True:
+            host_start = self._now()
+            finished_early = []
+            placeholders = []
+            if in_flight is not None:
+                out_prev = in_flight[0]
+                spec = [PLACEHOLDER_TOKEN if s else -1 for s in out_prev.do_sample]
+                finished_early = sched.update(out_prev, spec, host_start)
+                placeholders = [(req, len(req.output_token_ids) - 1, len(req.all_token_ids) - 1)
+                                for req, s in zip(out_prev.reqs, out_prev.do_sample) if s]
+            arrivals.admit(host_start)
+            out = sched.schedule(host_start) if sched.has_unfinished() else None
+            handle = None
+            if out is not None and not out.is_empty:
+                prev = (in_flight[0], in_flight[1]) if in_flight is not None else None
+                handle = self.runner.dispatch(out, prev=prev)
+            if in_flight is not None:
+                self._overlap += self._now() - host_start
+                out_prev, handle_prev, start_prev, _ = in_flight
+                sampled = self.runner.collect(handle_prev)
+                end = self._now()
+                it = iter(int(t) for t in sampled if t >= 0)
+                for req, out_idx, all_idx in placeholders:
+                    tok = next(it)
+                    req.output_token_ids[out_idx] = tok
+                    req.all_token_ids[all_idx] = tok
+                    req.token_times[out_idx] = end
+                    if out_idx == 0:
+                        req.first_token_time = end
+                for req in finished_early:
+                    req.finish_time = end
+                self._record(out_prev, sampled, start_prev, end, finished_early)
+                in_flight = None
+            if handle is not None:
+                start = self._iterations[-1].end_time if self._iterations else host_start
+                in_flight = (out, handle, max(start, host_start), None)
+                continue
+            if not sched.has_unfinished():
+                if arrivals.exhausted:
+                    return
+                self._wait_for_arrival(arrivals)
+            elif out is not None and out.is_empty:
+                self._wait_for_arrival(arrivals)
