@@ -43,6 +43,8 @@ def get_config():
     c.workload.rate = 4.0
     c.workload.num_requests = 48
     c.workload.vocab_size = 256
+    c.workload.prompt_source = "text"             # byte windows of real text (the model is byte-level)
+    c.workload.text_path = ""                     # "": the stdlib pydoc topics text
     c.workload.max_model_len = 1024
     c.workload.fit_to_model = True
     c.workload.max_output_len = 64

@@ -219,23 +219,35 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (xf.astype(x.dtype) * weight).astype(x.dtype)
 
 
-def _attention_block(layer: LayerParams, x, k_pages, v_pages, cos, sin, meta, spec: ModelSpec,
-                     attention_fn: Callable):
-    slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs = meta
+def project_qkv(layer: LayerParams, x, cos, sin, spec: ModelSpec):
+    """Attention inputs of the residual stream x [T, H]: q [T, Nq, D], k and v [T, Nkv, D] (pre-attention
+    RMSNorm, projections, optional biases, RoPE on q and k with cos/sin [T, D] of `rope_cos_sin`)."""
     h = rms_norm(x, layer.attn_norm, spec.rms_norm_eps)
     q = jnp.einsum("th,hnd->tnd", h, layer.wq)
     k = jnp.einsum("th,hnd->tnd", h, layer.wk)
     v = jnp.einsum("th,hnd->tnd", h, layer.wv)
     if layer.bq is not None:
         q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attention_residual(layer: LayerParams, x, attn):
+    """x [T, H] plus the output projection of the attention result attn [T, Nq, D]."""
+    return x + jnp.einsum("tnd,ndh->th", attn, layer.wo)
+
+
+def _attention_block(layer: LayerParams, x, k_pages, v_pages, cos, sin, meta, spec: ModelSpec,
+                     attention_fn: Callable):
+    slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs = meta
+    q, k, v = project_qkv(layer, x, cos, sin, spec)
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, slot_mapping)
     attn = attention_fn(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                         sm_scale=1.0 / math.sqrt(spec.head_dim), sliding_window=spec.sliding_window)
-    return x + jnp.einsum("tnd,ndh->th", attn, layer.wo), k_pages, v_pages
+    return attention_residual(layer, x, attn), k_pages, v_pages
 
 
-def _mlp_block(layer: LayerParams, x, spec: ModelSpec):
+def mlp_block(layer: LayerParams, x, spec: ModelSpec):
+    """x [T, H] plus the SwiGLU MLP of its RMSNorm (the second half of a decoder layer)."""
     h = rms_norm(x, layer.mlp_norm, spec.rms_norm_eps)
     gate = jnp.einsum("th,hi->ti", h, layer.w_gate)
     up = jnp.einsum("th,hi->ti", h, layer.w_up)
@@ -256,7 +268,7 @@ def forward_hidden(params: LlamaParams, kv_cache: KVCache, token_ids, positions,
     for li, layer in enumerate(params.layers):
         x, k_pages, v_pages = _attention_block(layer, x, kv_cache.k[li], kv_cache.v[li], cos, sin, meta,
                                                spec, attention_fn)
-        x = _mlp_block(layer, x, spec)
+        x = mlp_block(layer, x, spec)
         new_k.append(k_pages)
         new_v.append(v_pages)
     x = rms_norm(x, params.final_norm, spec.rms_norm_eps)

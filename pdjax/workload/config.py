@@ -14,6 +14,7 @@ from pdjax.workload.presets import PRESETS
 
 WORKLOAD_KINDS = ("synthetic", "trace")
 WORKLOAD_ARRIVALS = ARRIVAL_KINDS + ("trace",)
+PROMPT_SOURCES = ("random", "text")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,10 @@ class WorkloadConfig:
     max_model_len / max_prompt_len / max_output_len: caps (0 = none) applied after scaling: the prompt is cut to
       min(max_prompt_len, max_model_len - 1), then the output to min(max_output_len, max_model_len - prompt).
     vocab_size / allowed_token_ids: synthetic token ids lie in [0, vocab_size), or in the allowed list.
+    prompt_source: 'random' (hashed ids as above) or 'text': every prompt piece (system prompt, body, trace
+      hash block, multi-turn answer stand-in) is a deterministic window of the bytes of the text at
+      `text_path` ('' = the stdlib pydoc topics text), ids = byte values, for byte-level models (vocab_size
+      >= 256, no allowed_token_ids). Lengths are sampled exactly as with 'random'.
     shared_prefix_len: a system prompt of this many tokens, the same for all requests, starts every prompt
       (the prompt length drawn is the part after it).
     num_turns: > 1 makes multi-turn sessions: turn k's prompt is turn k-1's prompt, a stand-in for its answer
@@ -63,6 +68,8 @@ class WorkloadConfig:
     shared_prefix_len: int = 0
     num_turns: int = 1
     turn_gap_s: float = 0.0
+    prompt_source: str = "random"
+    text_path: str = ""
 
     def __post_init__(self):
         def bad(field, expected):
@@ -123,6 +130,17 @@ class WorkloadConfig:
         object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         if any(not is_int(t) or not 0 <= t < self.vocab_size for t in self.allowed_token_ids):
             bad("allowed_token_ids", f"ints in [0, vocab_size={self.vocab_size})")
+        if self.prompt_source not in PROMPT_SOURCES:
+            bad("prompt_source", f"one of {PROMPT_SOURCES}")
+        if not isinstance(self.text_path, str):
+            bad("text_path", "a path string ('' = the stdlib pydoc topics text)")
+        if self.prompt_source == "text":
+            if self.vocab_size < 256:
+                bad("vocab_size", "an int >= 256 for prompt_source='text' (token ids are byte values)")
+            if self.allowed_token_ids:
+                bad("allowed_token_ids", "empty for prompt_source='text' (token ids are the text's bytes)")
+        elif self.text_path:
+            bad("text_path", "'' unless prompt_source='text'")
         if not is_int(self.shared_prefix_len) or self.shared_prefix_len < 0:
             bad("shared_prefix_len", "an int >= 0")
         prompt_cap = self.prompt_cap

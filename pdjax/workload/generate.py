@@ -17,7 +17,8 @@ from pdjax.workload.config import WorkloadConfig
 from pdjax.workload.lengths import LengthDist, sample_lengths
 from pdjax.workload.presets import get_preset
 from pdjax.workload.request import WorkloadRequest
-from pdjax.workload.tokens import (STREAM_ANSWER, STREAM_BLOCK, STREAM_BODY, STREAM_PREFIX, hashed_token_ids)
+from pdjax.workload.tokens import (STREAM_ANSWER, STREAM_BLOCK, STREAM_BODY, STREAM_PREFIX, hashed_token_ids,
+                                   load_text_bytes, text_token_ids)
 from pdjax.workload.traces import Trace, load_trace
 
 _RNG_PROMPT, _RNG_OUTPUT, _RNG_ARRIVAL, _RNG_SESSION = 1, 2, 3, 4
@@ -61,9 +62,16 @@ def _resolve_scale(cfg: WorkloadConfig, fit_total: Optional[int]) -> float:
     return cfg.scale * cfg.max_model_len / fit_total
 
 
+def _token_ids(cfg: WorkloadConfig, seed: int, stream: int, key: int, length: int) -> List[int]:
+    """[length] prompt token ids for (stream, key): hashed ids ('random') or a byte window of the text ('text')."""
+    if cfg.prompt_source == "text":
+        return text_token_ids(load_text_bytes(cfg.text_path), seed, stream, key, length)
+    return hashed_token_ids(seed, stream, key, length, cfg.vocab_size, cfg.allowed_token_ids)
+
+
 def _prompt(cfg: WorkloadConfig, seed: int, key: int, body_len: int) -> List[int]:
-    prefix = hashed_token_ids(seed, STREAM_PREFIX, 0, cfg.shared_prefix_len, cfg.vocab_size, cfg.allowed_token_ids)
-    return prefix + hashed_token_ids(seed, STREAM_BODY, key, body_len, cfg.vocab_size, cfg.allowed_token_ids)
+    prefix = _token_ids(cfg, seed, STREAM_PREFIX, 0, cfg.shared_prefix_len)
+    return prefix + _token_ids(cfg, seed, STREAM_BODY, key, body_len)
 
 
 def _single_turn(cfg: WorkloadConfig, seed: int, prompt_body: np.ndarray, outputs: np.ndarray,
@@ -78,12 +86,10 @@ def _single_turn(cfg: WorkloadConfig, seed: int, prompt_body: np.ndarray, output
             for h in trace_rows[i].hash_ids:
                 if len(body) >= body_len:
                     break
-                body += hashed_token_ids(seed, STREAM_BLOCK, h, block_len, cfg.vocab_size, cfg.allowed_token_ids)
+                body += _token_ids(cfg, seed, STREAM_BLOCK, h, block_len)
             body = body[:body_len]
-            body += hashed_token_ids(seed, STREAM_BODY, int(i), body_len - len(body), cfg.vocab_size,
-                                     cfg.allowed_token_ids)
-            prompt = hashed_token_ids(seed, STREAM_PREFIX, 0, cfg.shared_prefix_len, cfg.vocab_size,
-                                      cfg.allowed_token_ids) + body
+            body += _token_ids(cfg, seed, STREAM_BODY, int(i), body_len - len(body))
+            prompt = _token_ids(cfg, seed, STREAM_PREFIX, 0, cfg.shared_prefix_len) + body
         else:
             prompt = _prompt(cfg, seed, int(i), body_len)
         requests.append(WorkloadRequest(
@@ -104,15 +110,13 @@ def _sessions(cfg: WorkloadConfig, seed: int, prompt: LengthDist, output: Length
         rng = np.random.default_rng([seed, _RNG_SESSION, session])
         bodies = scale_lengths(sample_lengths(prompt, cfg.num_turns, rng), scale)
         answers = scale_lengths(sample_lengths(output, cfg.num_turns, rng), scale)
-        tokens: List[int] = hashed_token_ids(seed, STREAM_PREFIX, 0, cfg.shared_prefix_len, cfg.vocab_size,
-                                             cfg.allowed_token_ids)
+        tokens: List[int] = _token_ids(cfg, seed, STREAM_PREFIX, 0, cfg.shared_prefix_len)
         for turn in range(cfg.num_turns):
             key = session * cfg.num_turns + turn
             body_len = int(bodies[turn])
             if turn == 0 and cap is not None:
                 body_len = min(body_len, cap - len(tokens))
-            next_prompt = tokens + hashed_token_ids(seed, STREAM_BODY, key, body_len, cfg.vocab_size,
-                                                    cfg.allowed_token_ids)
+            next_prompt = tokens + _token_ids(cfg, seed, STREAM_BODY, key, body_len)
             if turn > 0 and ((cap is not None and len(next_prompt) > cap)):
                 break
             (_,), (max_tokens,) = cap_lengths([len(next_prompt)], [int(answers[turn])], cfg)
@@ -123,8 +127,7 @@ def _sessions(cfg: WorkloadConfig, seed: int, prompt: LengthDist, output: Length
             if len(requests) == cfg.num_requests:
                 break
             # The model's real answer is unknown here; a stand-in of its length keeps the prompt growth right.
-            tokens = next_prompt + hashed_token_ids(seed, STREAM_ANSWER, key, int(max_tokens), cfg.vocab_size,
-                                                    cfg.allowed_token_ids)
+            tokens = next_prompt + _token_ids(cfg, seed, STREAM_ANSWER, key, int(max_tokens))
         session += 1
     requests.sort(key=lambda r: r.arrival_time)
     return requests

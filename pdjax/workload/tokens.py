@@ -5,9 +5,16 @@ size (or indexed into an `allowed` list, e.g. printable bytes for a byte-level m
 instead of a sequential RNG makes a prompt independent of every other request's length, and lets two requests
 share a prefix exactly by using the same (stream, key) for it (a shared system prompt, a Mooncake hash block).
 The modulo bias is below vocab_size / 2^64, nothing a workload can notice.
+
+Real-text prompts (`text_token_ids`): for byte-level models, a prompt is a window of a text's bytes (ids =
+byte values) whose start is the same kind of hash of (seed, stream, key), so it is deterministic and
+independent of other requests too. The default text is the stdlib's `pydoc_data.topics` (every Python
+install has it; also the training text of the `tiny-byte` checkpoint).
 """
 from __future__ import annotations
 
+import functools
+import pathlib
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -44,3 +51,41 @@ def hashed_token_ids(seed: int, stream: int, key: int, length: int, vocab_size: 
         table = np.asarray(allowed, dtype=np.int64)
         return table[(x % np.uint64(len(table))).astype(np.int64)].tolist()
     return (x % np.uint64(vocab_size)).astype(np.int64).tolist()
+
+
+def default_text_bytes() -> bytes:
+    """The stdlib pydoc topics text as UTF-8 bytes: every topic in sorted key order, separated by a blank
+    line (~0.5 MB; varies a little between Python versions)."""
+    from pydoc_data.topics import topics  # noqa: PLC0415
+    return "\n\n".join(topics[key].strip("\n") for key in sorted(topics)).encode("utf-8")
+
+
+@functools.lru_cache(maxsize=4)
+def load_text_bytes(path: str = "") -> bytes:
+    """The bytes of the text file at `path`, or `default_text_bytes()` for ''."""
+    if not path:
+        return default_text_bytes()
+    file = pathlib.Path(path)
+    if not file.is_file():
+        raise ValueError(f"text_path={path!r} is not a file; expected a text file (or '' for the stdlib "
+                         "pydoc topics text)")
+    data = file.read_bytes()
+    if not data:
+        raise ValueError(f"text_path={path!r} is empty; expected a non-empty text file")
+    return data
+
+
+def text_token_ids(text: bytes, seed: int, stream: int, key: int, length: int) -> List[int]:
+    """[length] byte ids: a window of `text` starting at a hash of (seed, stream, key); wraps around the end
+    (the text joined to itself) when the window does not fit."""
+    if length < 0:
+        raise ValueError(f"length={length!r}, expected >= 0")
+    if not text:
+        raise ValueError("text is empty; expected at least one byte")
+    if length == 0:
+        return []
+    (start,) = hashed_token_ids(seed, stream, key, 1, len(text))
+    if start + length <= len(text):
+        return list(text[start:start + length])
+    reps = -(-(start + length) // len(text))
+    return list((text * reps)[start:start + length])
