@@ -3,11 +3,30 @@
     python -m experiments.serve --config=configs/serve.py --workdir=/tmp/serve
     python -m experiments.serve --config=configs/serve.py --config.scheduler.policy=vllm_v0 --workdir=...
 """
+import json
+import os
+
 from absl import app, flags
 from ml_collections import config_flags
 
 from pdjax.experiment.run import run_experiment
 from pdjax.metrics import summarize_table
+from pdjax.models import byte_tokenizer
+
+
+
+def sample_text_output(workdir: str):
+    """(request id, decoded text) of the longest output when the model is byte-level; None otherwise."""
+    path = os.path.join(workdir, "outputs.json")
+    with open(os.path.join(workdir, "config.json")) as f:
+        checkpoint = json.load(f).get("model", {}).get("checkpoint", "")
+    if not os.path.exists(path) or "byte" not in checkpoint:
+        return None
+    with open(path) as f:
+        outputs = json.load(f)
+    rid = max(outputs, key=lambda r: len(outputs[r]))
+    return rid, byte_tokenizer.decode(outputs[rid])
+
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/serve.py", "Serve config file.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/pdjax_serve", "Output directory of the run.")
@@ -17,6 +36,9 @@ def main(argv):
     del argv
     summary = run_experiment(_CONFIG.value, _WORKDIR.value)
     print(summarize_table(summary))
+    sample = sample_text_output(_WORKDIR.value)
+    if sample:
+        print(f"sample output (request {sample[0]}): {sample[1]!r}")
     print(f"outputs written to {_WORKDIR.value}")
 
 

@@ -8,7 +8,7 @@ import time
 from typing import Any, Dict, Optional
 
 from pdjax.config.serving import ServeConfig
-from pdjax.metrics import write_run_outputs
+from pdjax.metrics import write_json, write_run_outputs
 from pdjax.scheduler import make_scheduler
 from pdjax.serving.engine import ColocatedEngine, to_scheduler_request
 from pdjax.workload import make_workload
@@ -89,5 +89,8 @@ def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str) -> Dic
         "compiles_during_run": runner.compile_count - compiles_at_start,
         "wall_s": time.perf_counter() - start, "host_overlap_s": result.host_overlap_s,
         "num_iterations": len(result.iterations)}}
+    # Before results.json (written last, the "run is complete" marker): the generated token ids per request.
+    os.makedirs(workdir, exist_ok=True)
+    write_json(os.path.join(workdir, "outputs.json"), result.output_tokens)
     return write_run_outputs(workdir, config_dict, result.requests, result.iterations, cfg.slo.as_dict(),
                              extra=extra)
