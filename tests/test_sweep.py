@@ -106,3 +106,14 @@ def test_comparison_plot_is_written(tmp_path):
     path = sweep_lib.write_sweep_plots(rows, ["policy", "token_budget"], str(tmp_path))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_column_can_set_several_keys_together():
+    sweep = {"base": BASE, "grid": {"policy": (("scheduler.policy", "scheduler.token_budget"),
+                                               [("orca", 2048), ("sarathi", 256)])}}
+    points = sweep_lib.expand_grid(sweep)
+    assert [p[0] for p in points] == ["policy=orca", "policy=sarathi"]
+    assert [p[2]["scheduler"]["token_budget"] for p in points] == [2048, 256]
+    assert points[0][1] == {"policy": "orca"}
+    with pytest.raises(ValueError, match="one value per key"):
+        sweep_lib.expand_grid({"base": BASE, "grid": {"p": (("scheduler.policy", "workload.rate"), ["orca"])}})

@@ -29,5 +29,9 @@ def get_config(arg="chat"):
     c = ml_collections.ConfigDict()
     c.name = f"sarathi_ablation_{arg}"
     c.base = base
-    c.grid = {"policy": ("scheduler.policy", ["orca", "chunked_only", "sarathi"])}
+    # Hybrid-only (orca) never chunks, so its budget is a whole max-length prompt; the chunked variants share
+    # one small budget.
+    budget = base.scheduler.token_budget
+    c.grid = {"policy": (("scheduler.policy", "scheduler.token_budget"),
+                         [("orca", base.scheduler.max_model_len), ("chunked_only", budget), ("sarathi", budget)])}
     return c

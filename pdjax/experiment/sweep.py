@@ -2,7 +2,9 @@
 
 A sweep config (configs/sweeps/*.py) is a dict with
     base: a full serve config dict (configs/serve.py's layout)
-    grid: {column: (dotted config key, [values...])}, e.g. {"policy": ("scheduler.policy", ["orca", "sarathi"])}
+    grid: {column: (dotted config key, [values...])}, e.g. {"policy": ("scheduler.policy", ["orca", "sarathi"])};
+        a column may set several keys together: ((key_a, key_b), [(a1, b1), (a2, b2)]); its column value (and
+        the point's name) is then the first element of each tuple
     name: optional sweep name
 The points are the Cartesian product of the grid axes, in the order given. Each point runs into a temporary
 directory that is renamed to its final name only when complete, so a killed sweep leaves no half point behind and
@@ -61,8 +63,15 @@ def expand_grid(sweep: Mapping[str, Any]) -> List[Tuple[str, Dict[str, Any], Dic
         cfg = copy.deepcopy(base)
         values = {}
         for col, key, v in combo:
-            set_dotted(cfg, key, v)
-            values[col] = v
+            if isinstance(key, (list, tuple)):
+                if not isinstance(v, (list, tuple)) or len(v) != len(key):
+                    raise ValueError(f"sweep grid[{col!r}]: value {v!r} must give one value per key of {key!r}")
+                for k, x in zip(key, v):
+                    set_dotted(cfg, k, x)
+                values[col] = v[0]
+            else:
+                set_dotted(cfg, key, v)
+                values[col] = v
         name = ",".join(f"{col}={_safe(v)}" for col, v in values.items())
         points.append((name, values, cfg))
     names = [p[0] for p in points]
