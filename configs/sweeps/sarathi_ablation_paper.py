@@ -4,8 +4,10 @@ Schemes: `orca` (hybrid batching only: decodes + whole prompts), `chunked_only` 
 all prefill or all decode) and `sarathi` (both: stall-free batching), the chunking ones at token budgets 512 and
 1024. Writes summary.csv (P50 TTFT, P99 TBT, ... per scheme).
 
-    python -m experiments.sweep --config=configs/sweeps/sarathi_ablation_paper.py:chat --workdir=/tmp/abl_chat --parallel=2
-    python -m experiments.sweep --config=configs/sweeps/sarathi_ablation_paper.py:arxiv --workdir=/tmp/abl_arxiv --parallel=2
+    python -m experiments.sweep --config=configs/sweeps/sarathi_ablation_paper.py:chat --workdir=/tmp/abl_chat \
+        --parallel=2
+    python -m experiments.sweep --config=configs/sweeps/sarathi_ablation_paper.py:arxiv --workdir=/tmp/abl_arxiv \
+        --parallel=2
 
 The grid's one axis sets the whole scheduler block per scheme, because `orca` never chunks and so cannot take a
 512/1024 budget (its budget must hold a whole prompt): 5 points, not a 3x2 product. (experiments.sweep's

@@ -1,0 +1,43 @@
+"""Capacity of a serve config in simulation (DESIGN.md §4): the highest arrival rate whose P99 TBT (and any other
+given limit) holds with median scheduling delay <= 2 s; probes of each bisection round run in parallel processes.
+
+    python -m experiments.capacity --config=configs/sim/capacity_paper.py:mistral_strict --slo_tbt_p99=0.1
+    python -m experiments.capacity --config=configs/serve.py --config.sim.hardware=a100-80gb-sxm \
+        --config.model.checkpoint=llama-2-7b --slo_tbt_p99=0.2 --lo=0.1 --hi=8 --parallel=2
+
+Prints JSON: capacity_rps, the final bracket, every probe (rate, held, P99 TBT, P50 TTFT, median scheduling
+delay), and writes it to --out when given.
+"""
+from __future__ import annotations
+
+import json
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/serve.py", "Serve config (any backend; simulated).")
+_TBT = flags.DEFINE_float("slo_tbt_p99", None, "P99 TBT limit in seconds.")
+_TTFT = flags.DEFINE_float("slo_ttft_p99", None, "Optional P99 TTFT limit in seconds.")
+_LO = flags.DEFINE_float("lo", 0.05, "Lowest rate probed (req/s).")
+_HI = flags.DEFINE_float("hi", 16.0, "Highest rate probed (req/s).")
+_PARALLEL = flags.DEFINE_integer("parallel", 2, "Probes per round, each in its own process.")
+_REL_TOL = flags.DEFINE_float("rel_tol", 0.05, "Stop when the bracket is within this fraction of its low end.")
+_ROUNDS = flags.DEFINE_integer("max_rounds", 8, "Most rounds of probes.")
+_OUT = flags.DEFINE_string("out", "", "Optional JSON output path.")
+
+
+def main(argv):
+    del argv
+    from pdjax.experiment.run import to_plain_dict
+    from pdjax.metrics import write_json
+    from pdjax.sim.capacity import search_config_capacity
+    report = search_config_capacity(to_plain_dict(_CONFIG.value), tbt_p99=_TBT.value, ttft_p99=_TTFT.value,
+                                    lo=_LO.value, hi=_HI.value, parallel=_PARALLEL.value, rel_tol=_REL_TOL.value,
+                                    max_rounds=_ROUNDS.value)
+    if _OUT.value:
+        write_json(_OUT.value, report)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    app.run(main)

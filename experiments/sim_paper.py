@@ -1,0 +1,179 @@
+"""Paper-scale tables in simulation (issue 6 item 7), each runnable in minutes on a 2-core CPU.
+
+    python -m experiments.sim_paper --table=ablation --workdir=/tmp/paper --parallel=2   # Sarathi ablation
+    python -m experiments.sim_paper --table=chunking         # chunked-prefill overhead, Yi-34B TP2 A100
+    python -m experiments.sim_paper --table=capacity --parallel=2   # capacity, strict/relaxed P99 TBT
+    python -m experiments.sim_paper --table=mixing           # decode-only vs + whole prefill vs + chunk
+    python -m experiments.sim_paper --table=tile             # tile quantization: 256 vs 257 tokens
+    python -m experiments.sim_paper --table=all --workdir=/tmp/paper --parallel=2
+
+Prints JSON (one object per table) and a Markdown rendering of each table on stderr. Hardware/cost: the A100
+profile shipped in pdjax/sim/profiles/a100.json (fitted on Vidur's A100 operator profiles), A100-80GB PCIe pairs
+joined by NVLink bridges (Sarathi-Serve's testbed).
+- ablation: configs/sweeps/sarathi_ablation_paper.py:chat|arxiv through the sweep machinery (summary.csv in
+  <workdir>/ablation_<trace>), P50 TTFT and P99 TBT per scheme.
+- chunking: one prompt of 2k/4k/8k/16k tokens prefilled alone in chunks of 512/1024/2048 (each chunk re-reads
+  the KV of the earlier ones), total prefill time relative to one unchunked iteration.
+- capacity: configs/sim/capacity_paper.py for every model x policy x SLO, parallel bisection (experiments.capacity).
+- mixing: Mistral-7B on one A100, decode batches of n requests at 1k context: decode-only, + a whole 2k-token
+  prefill, + a budgeted chunk (512 - n tokens), iteration time and the decodes' slowdown.
+- tile: batches of 128/129, 256/257, 512/513 tokens (a chunk alone, or a chunk + 32 decodes), Mistral-7B, one A100.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from typing import Any, Dict, List
+
+from absl import app, flags
+
+_TABLE = flags.DEFINE_enum("table", "all", ["all", "ablation", "chunking", "capacity", "mixing", "tile"],
+                           "Which table.")
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/pdjax_sim_paper", "Sweep/capacity outputs.")
+_PARALLEL = flags.DEFINE_integer("parallel", 2, "Processes for sweep points / capacity probes.")
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
+
+
+def _load_config(rel_path: str, arg: str):
+    spec = importlib.util.spec_from_file_location("_pdjax_cfg_" + os.path.basename(rel_path)[:-3],
+                                                  os.path.join(ROOT, rel_path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+def _a100(model: str, tp: int):
+    from pdjax.config.model_specs import get_model_spec
+    from pdjax.sim.calibration import load_profile
+    from pdjax.sim.hardware import get_hardware_spec
+    return get_model_spec(model), get_hardware_spec("a100-80gb-pcie"), tp, load_profile("a100").params
+
+
+def _time(batch, model, hw, tp, params) -> float:
+    from pdjax.sim.cost_model import iteration_time
+    return iteration_time(batch, model, hw, tp, 1, params).total
+
+
+def markdown(title: str, columns: List[str], rows: List[List[Any]]) -> str:
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = [f"### {title}", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------- tables
+def table_ablation(workdir: str, parallel: int) -> Dict[str, Any]:
+    from pdjax.config.serving import serve_config_from_dict
+    from pdjax.experiment.run import run_experiment, to_plain_dict
+    from pdjax.experiment.sweep import run_sweep
+    out = {}
+    for trace in ("chat", "arxiv"):
+        sweep = to_plain_dict(_load_config("configs/sweeps/sarathi_ablation_paper.py", trace))
+        rows = run_sweep(sweep, os.path.join(workdir, f"ablation_{trace}"), run_experiment, parallel=parallel,
+                         validate=serve_config_from_dict)
+        out[trace] = [{"scheme": r["scheme"]["policy"], "token_budget": r["scheme"]["token_budget"],
+                       "ttft_p50_s": r["ttft_p50"], "tbt_p99_s": r["tbt_p99"], "tbt_p50_s": r["tbt_p50"],
+                       "sched_delay_p50_s": r["sched_delay_p50"]} for r in rows]
+    return out
+
+
+def table_chunking() -> List[Dict[str, Any]]:
+    from pdjax.sim.cost_model import BatchComposition
+    model, hw, tp, params = _a100("yi-34b", 2)
+    rows = []
+    for prompt in (2048, 4096, 8192, 16384):
+        whole = _time(BatchComposition(((prompt, 0),)), model, hw, tp, params)
+        row = {"prompt": prompt, "unchunked_s": whole}
+        for chunk in (512, 1024, 2048):
+            total = sum(_time(BatchComposition(((min(chunk, prompt - start), start),)), model, hw, tp, params)
+                        for start in range(0, prompt, chunk))
+            row[f"chunk{chunk}_relative"] = total / whole
+        rows.append(row)
+    return rows
+
+
+def table_capacity(workdir: str, parallel: int) -> List[Dict[str, Any]]:
+    from pdjax.sim.capacity import search_config_capacity
+    from pdjax.experiment.run import to_plain_dict
+    from pdjax.metrics import write_json
+    rows = []
+    for model, slos in (("mistral7b", {"strict": 0.1, "relaxed": 0.5}), ("yi34b", {"strict": 0.2, "relaxed": 1.0})):
+        for slo_name, slo in slos.items():
+            for policy in ("sarathi", "vllm_v0", "orca"):
+                arg = f"{model}-{policy}-{slo_name}"
+                cfg = to_plain_dict(_load_config("configs/sim/capacity_paper.py", arg))
+                report = search_config_capacity(cfg, tbt_p99=slo, lo=0.05, hi=8.0, parallel=parallel, rel_tol=0.05,
+                                                max_rounds=8)
+                os.makedirs(os.path.join(workdir, "capacity"), exist_ok=True)
+                write_json(os.path.join(workdir, "capacity", f"{arg}.json"), report)
+                rows.append({"model": model, "slo": f"{slo_name} (P99 TBT {slo} s)", "policy": policy,
+                             "token_budget": cfg["scheduler"]["token_budget"], "capacity_rps": report["capacity_rps"],
+                             "probes": len(report["probes"])})
+    return rows
+
+
+def table_mixing() -> List[Dict[str, Any]]:
+    from pdjax.sim.cost_model import BatchComposition
+    model, hw, tp, params = _a100("mistral-7b", 1)
+    rows = []
+    for n in (8, 16, 32, 64, 128, 256):
+        decode_only = _time(BatchComposition((), ((n, 1024),)), model, hw, tp, params)
+        whole = _time(BatchComposition(((2048, 0),), ((n, 1024),)), model, hw, tp, params)
+        chunk_tokens = max(512 - n, 0)
+        chunk = (_time(BatchComposition(((chunk_tokens, 0),), ((n, 1024),)), model, hw, tp, params)
+                 if chunk_tokens else decode_only)
+        rows.append({"decodes": n, "decode_only_s": decode_only, "with_whole_prefill_2048_s": whole,
+                     "with_chunk_s": chunk, "chunk_tokens": chunk_tokens,
+                     "whole_prefill_slowdown": whole / decode_only, "chunk_slowdown": chunk / decode_only})
+    return rows
+
+
+def table_tile() -> List[Dict[str, Any]]:
+    from pdjax.sim.cost_model import BatchComposition
+    model, hw, tp, params = _a100("mistral-7b", 1)
+    rows = []
+    for decodes in (0, 32):
+        dec = ((decodes, 1024),) if decodes else ()
+        for total in (128, 256, 512):
+            chunk = total - decodes          # the batch holds `total` tokens, then one more
+            t0 = _time(BatchComposition(((chunk, 0),), dec), model, hw, tp, params)
+            t1 = _time(BatchComposition(((chunk + 1, 0),), dec), model, hw, tp, params)
+            rows.append({"decodes": decodes, "batch_tokens": total, "time_s": t0, "batch_tokens_plus_1": total + 1,
+                         "time_plus_1_s": t1, "ratio": t1 / t0, "gemm_token_tile": params.gemm_token_tile})
+    return rows
+
+
+def render(name: str, table: Any) -> str:
+    if name == "ablation":
+        parts = []
+        for trace, rows in table.items():
+            parts.append(markdown(f"Sarathi ablation, Yi-34B TP2 A100, {trace}", ["scheme", "budget", "P50 TTFT (s)",
+                                  "P99 TBT (s)", "P50 sched delay (s)"],
+                                  [[r["scheme"], r["token_budget"], r["ttft_p50_s"], r["tbt_p99_s"],
+                                    r["sched_delay_p50_s"]] for r in rows]))
+        return "\n\n".join(parts)
+    rows = table
+    cols = list(rows[0])
+    return markdown(name, cols, [[r[c] for c in cols] for r in rows])
+
+
+def main(argv):
+    del argv
+    names = ["ablation", "chunking", "capacity", "mixing", "tile"] if _TABLE.value == "all" else [_TABLE.value]
+    result = {}
+    for name in names:
+        if name == "ablation":
+            result[name] = table_ablation(_WORKDIR.value, _PARALLEL.value)
+        elif name == "capacity":
+            result[name] = table_capacity(_WORKDIR.value, _PARALLEL.value)
+        else:
+            result[name] = {"chunking": table_chunking, "mixing": table_mixing, "tile": table_tile}[name]()
+        print(render(name, result[name]) + "\n", file=sys.stderr)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,263 @@
+"""Discrete-event simulator: the real scheduler objects on a virtual clock advanced by a step-time function.
+
+Every instance owns an unmodified pdjax scheduler (built by `make_scheduler` from the same SchedulerConfig the
+real engine uses). An iteration's duration is `step_time(SchedulerOutput)` (normally the calibrated cost model,
+see pdjax.sim.step_cost); its sampled tokens are a placeholder id (requests run to max_tokens, as a benchmark run
+with ignore_eos does). Requests are routed to an instance on arrival by a global router. Outputs are the same
+RequestRecord/IterationRecord lists the real engine produces, so every report, plot and sweep serves both backends.
+
+Each instance replays the loop of `pdjax.serving.engine.ColocatedEngine` exactly, so that fed the same clock and
+arrivals both produce the same SchedulerOutputs (tests/test_simulator.py checks this):
+    top:  no unfinished request -> wait for the next arrival, admit every arrival <= now, back to top
+          start = now; out = schedule(start)
+          empty -> admit arrivals <= now; if none were waiting, wait for the next arrival, admit; back to top
+          admit every arrival <= start          (the engine does this while the device step runs)
+          now = start + step_time(out); update(out, sampled, now); back to top
+`admit_before_schedule=True` instead admits arrivals <= start *before* `schedule(start)` (a request arriving
+during a step is then scheduled one iteration earlier); use it if the engine loop adopts that order.
+
+With `async_scheduling=True` the instance replays the engine's asynchronous loop instead (vLLM V1-style: while
+step k runs on the device, the host updates the scheduler for step k with placeholder tokens, admits, schedules
+step k+1 and dispatches it behind step k; it then blocks until step k completes and stamps its tokens with that
+time). The device runs steps back to back, so step k+1 is scheduled when step k starts.
+
+Event order at one time t: every completion at t (update), then every arrival at t (routed to an instance's
+inbox), then each instance that is ready runs the loop above. Ties between instances go by instance index.
+
+Speed: the loop is a heap of completion times merged with the sorted arrival list; everything per iteration is
+the scheduler's own work plus one step-time call (see pdjax.sim.step_cost for the fast cost path).
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import time
+from collections import deque
+from typing import Callable, List, Optional, Sequence
+
+from pdjax.metrics import IterationRecord, RequestRecord, request_record
+
+PLACEHOLDER_TOKEN = 0
+
+
+@dataclasses.dataclass
+class SimResult:
+    requests: List[RequestRecord]
+    iterations: List[IterationRecord]
+    duration_s: float            # simulated seconds until the last event
+    wall_s: float                # real seconds the simulation took
+    num_iterations: int
+
+    @property
+    def iterations_per_s(self) -> float:
+        """Simulated iterations per wall-clock second (the simulator's speed)."""
+        return self.num_iterations / self.wall_s if self.wall_s > 0 else float("inf")
+
+
+class SimInstance:
+    """One serving instance: a scheduler, a step-time function (SchedulerOutput -> seconds) and its inbox of
+    routed, not yet admitted requests."""
+
+    def __init__(self, name: str, scheduler, step_time: Callable[[object], float]):
+        self.name = name
+        self.scheduler = scheduler
+        self.step_time = step_time
+        self.inbox: deque = deque()    # routed requests in arrival order, admitted at the engine's admit points
+        self.in_flight = None          # (SchedulerOutput, start time[, end]) of the step being "executed"
+        self.dispatched = None         # async: (out, start, end) queued on the device, its update still due
+        self.device_free = 0.0         # async: when the device finishes its queued work
+        self.waits_for_arrival = False  # async: the host sleeps until this instance's next arrival
+        self.outstanding_tokens = 0    # router load signal: tokens routed requests will feed, minus tokens run
+        self.num_routed = 0
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight is not None
+
+
+def round_robin_router():
+    counter = [0]
+
+    def route(req, instances: Sequence[SimInstance]) -> SimInstance:
+        inst = instances[counter[0] % len(instances)]
+        counter[0] += 1
+        return inst
+    return route
+
+
+def least_outstanding_tokens_router():
+    def route(req, instances: Sequence[SimInstance]) -> SimInstance:
+        best = instances[0]
+        for inst in instances[1:]:
+            if inst.outstanding_tokens < best.outstanding_tokens:
+                best = inst
+        return best
+    return route
+
+
+ROUTERS = {"round_robin": round_robin_router, "least_outstanding_tokens": least_outstanding_tokens_router}
+
+
+def make_router(name: str):
+    try:
+        return ROUTERS[name]()
+    except KeyError:
+        raise ValueError(f"router={name!r}, expected one of {sorted(ROUTERS)}") from None
+
+
+def placeholder_sample(out) -> List[int]:
+    """The simulator's sampled ids: PLACEHOLDER_TOKEN where do_sample is True, else -1."""
+    return [PLACEHOLDER_TOKEN if s else -1 for s in out.do_sample]
+
+
+def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, *,
+             admit_before_schedule: bool = False, async_scheduling: bool = False,
+             sample: Callable = placeholder_sample, on_schedule: Optional[Callable] = None,
+             max_iterations: int = 50_000_000) -> SimResult:
+    """Run `requests` (scheduler Requests, arrival_time in seconds) through `instances` until all finish.
+
+    router(req, instances) -> instance (default round robin). async_scheduling: replay the engine's
+    asynchronous loop (module docstring) instead of the synchronous one. sample(out) -> sampled ids (one per scheduled
+    request, -1 where do_sample is False). on_schedule(instance, out, now) is called after every non-empty
+    schedule() (tests use it to record the outputs). Raises RuntimeError when an instance has unfinished
+    requests, schedules nothing and no arrival is left, or after `max_iterations` iterations.
+    """
+    if not instances:
+        raise ValueError("simulate: no instances")
+    wall_start = time.perf_counter()
+    router = router or round_robin_router()
+    pending = sorted(requests, key=lambda r: (r.arrival_time, r.request_id))
+    num_pending = len(pending)
+    iterations: List[IterationRecord] = []
+    append_iteration = iterations.append
+    completions: list = []       # heap of (end_time, instance index)
+    heappush, heappop = heapq.heappush, heapq.heappop
+    next_arrival = 0
+    now = 0.0
+    multi = len(instances) > 1
+    names = [inst.name if multi else "" for inst in instances]
+    waking = [False] * len(instances)    # ready to run its loop at the current time
+    index_of = {id(inst): i for i, inst in enumerate(instances)}
+    inf = float("inf")
+
+    def admit(inst: SimInstance, t: float) -> int:
+        box = inst.inbox
+        n = 0
+        add = inst.scheduler.add_request
+        while box and box[0].arrival_time <= t:
+            add(box.popleft())
+            n += 1
+        return n
+
+    def run_async(idx: int, t: float) -> None:
+        """The engine's async loop of instance `idx` from host time t, until the host blocks on a step or waits.
+
+        `dispatched`: the step on (or queued for) the device whose update is still due; the host updates the
+        scheduler for it at once (with its final end time: the engine's placeholders are later patched to
+        exactly that), admits, schedules the next step and dispatches it behind it on the device, then blocks
+        until the earlier step completes."""
+        inst = instances[idx]
+        sched = inst.scheduler
+        while True:
+            prev = inst.dispatched
+            inst.dispatched = None
+            if prev is not None:
+                sched.update(prev[0], sample(prev[0]), prev[2])
+            admit(inst, t)
+            new = None
+            if sched.has_unfinished():
+                out = sched.schedule(t)
+                if not out.is_empty:
+                    if on_schedule is not None:
+                        on_schedule(inst, out, t)
+                    start = inst.device_free if inst.device_free > t else t
+                    end = start + inst.step_time(out)
+                    inst.device_free = end
+                    new = (out, start, end)
+            if prev is not None:
+                inst.in_flight = prev              # the host blocks collecting prev
+                inst.dispatched = new
+                inst.waits_for_arrival = new is None
+                heappush(completions, (prev[2], idx))
+                return
+            if new is None:
+                inst.waits_for_arrival = True      # idle or blocked: woken by its next arrival
+                return
+            inst.dispatched = new
+
+    def run_loop(idx: int, t: float) -> None:
+        """The engine loop of instance `idx` at time t, until it starts a step or has to wait."""
+        inst = instances[idx]
+        sched = inst.scheduler
+        while True:
+            if not sched.has_unfinished():
+                if not admit(inst, t):
+                    return                     # idle: woken by its next arrival
+                continue
+            if admit_before_schedule:
+                admit(inst, t)
+            out = sched.schedule(t)
+            if out.is_empty:
+                if not admit(inst, t):
+                    return                     # blocked: woken by its next arrival
+                continue
+            admit(inst, t)
+            if on_schedule is not None:
+                on_schedule(inst, out, t)
+            inst.in_flight = (out, t)
+            heappush(completions, (t + inst.step_time(out), idx))
+            return
+
+    while True:
+        t_arrival = pending[next_arrival].arrival_time if next_arrival < num_pending else inf
+        t_done = completions[0][0] if completions else inf
+        t_next = t_arrival if t_arrival < t_done else t_done
+        if t_next == inf:
+            break
+        now = t_next
+        while completions and completions[0][0] <= now:
+            _, idx = heappop(completions)
+            inst = instances[idx]
+            out, start = inst.in_flight[0], inst.in_flight[1]
+            inst.in_flight = None
+            if not async_scheduling:
+                finished = inst.scheduler.update(out, sample(out), now)
+                for req in finished:
+                    if req.finish_reason == "handoff":    # prefill_only: no decode side simulated, free pages
+                        inst.scheduler.release(req.request_id)
+            inst.outstanding_tokens -= out.num_prefill_tokens + out.num_decode_tokens
+            append_iteration(IterationRecord(
+                step=len(iterations), start_time=start, end_time=now,
+                num_prefill_tokens=out.num_prefill_tokens, num_decode_tokens=out.num_decode_tokens,
+                num_seqs=len(out.req_ids), instance=names[idx]))
+            waking[idx] = True
+            if len(iterations) > max_iterations:
+                raise RuntimeError(f"simulation exceeded max_iterations={max_iterations}")
+        while next_arrival < num_pending and pending[next_arrival].arrival_time <= now:
+            req = pending[next_arrival]
+            next_arrival += 1
+            inst = router(req, instances)
+            inst.outstanding_tokens += req.num_prompt_tokens + req.max_tokens - 1   # tokens it will feed
+            inst.num_routed += 1
+            inst.inbox.append(req)
+            waking[index_of[id(inst)]] = True
+        for idx, inst in enumerate(instances):
+            if waking[idx]:
+                waking[idx] = False
+                if async_scheduling:
+                    # After a collect with nothing dispatched, the engine waits for an arrival (admitting any
+                    # that came during the step) instead of scheduling again at once.
+                    if not inst.busy and (not inst.waits_for_arrival or (inst.inbox and
+                                                                         inst.inbox[0].arrival_time <= now)):
+                        inst.waits_for_arrival = False
+                        run_async(idx, now)
+                elif not inst.busy:
+                    run_loop(idx, now)
+
+    stuck = [i.name for i in instances if i.scheduler.has_unfinished() or i.inbox or i.dispatched]
+    if stuck:
+        raise RuntimeError(f"simulation cannot make progress at t={now}: instances {stuck} have unfinished "
+                           "requests but schedule nothing and no arrivals are left")
+    return SimResult(requests=[request_record(r) for r in pending], iterations=iterations,
+                     duration_s=max((it.end_time for it in iterations), default=0.0),
+                     wall_s=time.perf_counter() - wall_start, num_iterations=len(iterations))
