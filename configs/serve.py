@@ -85,5 +85,4 @@ def get_config():
     c.sim.num_pages = 0                            # 0: KV capacity from memory (GPU/TPU), scheduler.num_pages (CPU)
     c.sim.gpu_memory_utilization = 0.9
     c.sim.num_microbatches = 1
-    c.sim.admit_before_schedule = False
     return c

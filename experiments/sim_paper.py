@@ -74,7 +74,7 @@ def table_ablation(workdir: str, parallel: int) -> Dict[str, Any]:
         sweep = to_plain_dict(_load_config("configs/sweeps/sarathi_ablation_paper.py", trace))
         rows = run_sweep(sweep, os.path.join(workdir, f"ablation_{trace}"), run_experiment, parallel=parallel,
                          validate=serve_config_from_dict)
-        out[trace] = [{"scheme": r["scheme"]["policy"], "token_budget": r["scheme"]["token_budget"],
+        out[trace] = [{"scheme": r["policy"], "token_budget": r["token_budget"],
                        "ttft_p50_s": r["ttft_p50"], "tbt_p99_s": r["tbt_p99"], "tbt_p50_s": r["tbt_p50"],
                        "sched_delay_p50_s": r["sched_delay_p50"]} for r in rows]
     return out

@@ -112,8 +112,9 @@ def test_a_column_can_set_several_keys_together():
     sweep = {"base": BASE, "grid": {"policy": (("scheduler.policy", "scheduler.token_budget"),
                                                [("orca", 2048), ("sarathi", 256)])}}
     points = sweep_lib.expand_grid(sweep)
-    assert [p[0] for p in points] == ["policy=orca", "policy=sarathi"]
+    assert [p[0] for p in points] == ["policy=orca,token_budget=2048", "policy=sarathi,token_budget=256"]
     assert [p[2]["scheduler"]["token_budget"] for p in points] == [2048, 256]
-    assert points[0][1] == {"policy": "orca"}
+    assert points[0][1] == {"policy": "orca", "token_budget": 2048}
+    assert sweep_lib.sweep_columns(sweep) == ["policy", "token_budget"]
     with pytest.raises(ValueError, match="one value per key"):
         sweep_lib.expand_grid({"base": BASE, "grid": {"p": (("scheduler.policy", "workload.rate"), ["orca"])}})

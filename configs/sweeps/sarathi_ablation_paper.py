@@ -9,10 +9,8 @@ all prefill or all decode) and `sarathi` (both: stall-free batching), the chunki
     python -m experiments.sweep --config=configs/sweeps/sarathi_ablation_paper.py:arxiv --workdir=/tmp/abl_arxiv \
         --parallel=2
 
-The grid's one axis sets the whole scheduler block per scheme, because `orca` never chunks and so cannot take a
-512/1024 budget (its budget must hold a whole prompt): 5 points, not a 3x2 product. (experiments.sweep's
-comparison plot cannot group dict-valued axes yet; `python -m experiments.sim_paper --table=ablation` prints the
-same points as a readable table.)
+The grid's one axis sets (policy, token_budget) together, because `orca` never chunks and so cannot take a
+512/1024 budget (its budget must hold a whole prompt): 5 points, not a 3x2 product.
 """
 import importlib.util
 import os
@@ -37,16 +35,12 @@ def get_config(arg="chat"):
     base = _paper_base("yi34b")
     base.workload.preset = arg
     base.workload.rate = 1.0
-    schedulers = []
-    for policy, budget in SCHEMES:
-        s = base.scheduler.to_dict()
-        s["policy"] = policy
-        # orca: a budget that holds a whole max-length prompt next to every running decode (no budget limit,
-        # as in Orca and Sarathi-Serve's hybrid-batching-only baseline).
-        s["token_budget"] = budget or base.scheduler.max_model_len + base.scheduler.max_num_seqs
-        schedulers.append(s)
+    # orca: a budget that holds a whole max-length prompt next to every running decode (no budget limit, as in
+    # Orca and Sarathi-Serve's hybrid-batching-only baseline).
+    unlimited = base.scheduler.max_model_len + base.scheduler.max_num_seqs
+    schemes = [(policy, budget or unlimited) for policy, budget in SCHEMES]
     c = ml_collections.ConfigDict()
     c.name = f"sarathi_ablation_paper_{arg}"
     c.base = base
-    c.grid = {"scheme": ("scheduler", schedulers)}
+    c.grid = {"scheme": (("scheduler.policy", "scheduler.token_budget"), schemes)}
     return c

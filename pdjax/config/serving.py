@@ -73,7 +73,6 @@ class SimConfig:
       activations, `gpu_memory_utilization` of HBM) on a GPU/TPU, scheduler.num_pages on host-cpu (what the CPU
       engine allocates). > 0 = exactly this many.
     num_microbatches: PP microbatches per iteration (cost model; 1 = none).
-    admit_before_schedule: simulator loop order (see pdjax.sim.simulator); False mirrors the engine.
     """
     hardware: str = "a100-80gb-sxm"
     tp: int = 1
@@ -85,7 +84,6 @@ class SimConfig:
     num_pages: int = 0
     gpu_memory_utilization: float = 0.9
     num_microbatches: int = 1
-    admit_before_schedule: bool = False
 
     def __post_init__(self):
         for name in ("tp", "pp", "num_replicas", "num_microbatches"):

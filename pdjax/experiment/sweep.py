@@ -3,8 +3,8 @@
 A sweep config (configs/sweeps/*.py) is a dict with
     base: a full serve config dict (configs/serve.py's layout)
     grid: {column: (dotted config key, [values...])}, e.g. {"policy": ("scheduler.policy", ["orca", "sarathi"])};
-        a column may set several keys together: ((key_a, key_b), [(a1, b1), (a2, b2)]); its column value (and
-        the point's name) is then the first element of each tuple
+        an axis may set several keys together: ((key_a, key_b), [(a1, b1), (a2, b2)]); each key then becomes
+        its own column, named by its last dotted part (e.g. policy, token_budget)
     name: optional sweep name
 The points are the Cartesian product of the grid axes, in the order given. Each point runs into a temporary
 directory that is renamed to its final name only when complete, so a killed sweep leaves no half point behind and
@@ -68,7 +68,7 @@ def expand_grid(sweep: Mapping[str, Any]) -> List[Tuple[str, Dict[str, Any], Dic
                     raise ValueError(f"sweep grid[{col!r}]: value {v!r} must give one value per key of {key!r}")
                 for k, x in zip(key, v):
                     set_dotted(cfg, k, x)
-                values[col] = v[0]
+                    values[k.rsplit(".", 1)[-1]] = x
             else:
                 set_dotted(cfg, key, v)
                 values[col] = v
@@ -78,6 +78,11 @@ def expand_grid(sweep: Mapping[str, Any]) -> List[Tuple[str, Dict[str, Any], Dic
     if len(set(names)) != len(names):
         raise ValueError("sweep grid gives two points the same name; values must differ after sanitizing")
     return points
+
+
+def sweep_columns(sweep: Mapping[str, Any]) -> List[str]:
+    """The swept columns of summary.csv, in grid order (a multi-key axis gives one column per key)."""
+    return list(expand_grid(sweep)[0][1])
 
 
 def flatten_summary(summary: Mapping[str, Any]) -> Dict[str, Any]:
@@ -141,7 +146,7 @@ def run_sweep(sweep: Mapping[str, Any], workdir: str, run_fn: Callable[[Dict[str
         with open(os.path.join(workdir, name, "results.json")) as f:
             summary = json.load(f)
         rows.append({"point": name, **values, **flatten_summary(summary)})
-    write_summary_csv(os.path.join(workdir, "summary.csv"), rows, list(points[0][1]))
+    write_summary_csv(os.path.join(workdir, "summary.csv"), rows, sweep_columns(sweep))
     return rows
 
 

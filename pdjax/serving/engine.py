@@ -142,6 +142,7 @@ class ColocatedEngine:
                 self._wait_for_arrival(arrivals)
                 continue
             start = self._now()
+            arrivals.admit(start)    # a request that arrived during the last step joins this one
             out = sched.schedule(start)
             if out.is_empty:
                 self._wait_for_arrival(arrivals)

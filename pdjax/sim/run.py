@@ -158,7 +158,6 @@ def simulate_config(cfg, workload=None) -> Tuple[SimResult, SimSetup]:
     requests = [sim_request(wr, offline=offline) for wr in workload]
     instances = build_instances(cfg, setup)
     result = simulate(requests, instances, make_router(cfg.sim.router),
-                      admit_before_schedule=cfg.sim.admit_before_schedule,
                       async_scheduling=bool(getattr(cfg.engine, "async_scheduling", False)))
     return result, setup
 

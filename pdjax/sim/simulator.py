@@ -9,12 +9,10 @@ RequestRecord/IterationRecord lists the real engine produces, so every report, p
 Each instance replays the loop of `pdjax.serving.engine.ColocatedEngine` exactly, so that fed the same clock and
 arrivals both produce the same SchedulerOutputs (tests/test_simulator.py checks this):
     top:  no unfinished request -> wait for the next arrival, admit every arrival <= now, back to top
-          start = now; out = schedule(start)
+          start = now; admit every arrival <= start; out = schedule(start)
           empty -> admit arrivals <= now; if none were waiting, wait for the next arrival, admit; back to top
           admit every arrival <= start          (the engine does this while the device step runs)
           now = start + step_time(out); update(out, sampled, now); back to top
-`admit_before_schedule=True` instead admits arrivals <= start *before* `schedule(start)` (a request arriving
-during a step is then scheduled one iteration earlier); use it if the engine loop adopts that order.
 
 With `async_scheduling=True` the instance replays the engine's asynchronous loop instead (vLLM V1-style: while
 step k runs on the device, the host updates the scheduler for step k with placeholder tokens, admits, schedules
@@ -111,7 +109,7 @@ def placeholder_sample(out) -> List[int]:
 
 
 def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, *,
-             admit_before_schedule: bool = False, async_scheduling: bool = False,
+             async_scheduling: bool = False,
              sample: Callable = placeholder_sample, on_schedule: Optional[Callable] = None,
              max_iterations: int = 50_000_000) -> SimResult:
     """Run `requests` (scheduler Requests, arrival_time in seconds) through `instances` until all finish.
@@ -194,8 +192,7 @@ def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, 
                 if not admit(inst, t):
                     return                     # idle: woken by its next arrival
                 continue
-            if admit_before_schedule:
-                admit(inst, t)
+            admit(inst, t)
             out = sched.schedule(t)
             if out.is_empty:
                 if not admit(inst, t):
