@@ -144,10 +144,10 @@ def fit_engine_profile(measured, spec, hw, padding, *, source: str, command: str
 def engine_padding(runner):
     """How `runner` pads steps (its buckets; dense attention when it runs the jnp reference kernel)."""
     from pdjax.kernels import reference_attention
-    from pdjax.sim.step_cost import EngineBuckets, EnginePadding
+    from pdjax.sim.step_cost import EnginePadding
     b = runner.buckets
     dense = runner.attention_fn is reference_attention
-    return EnginePadding(EngineBuckets(tuple(b.tokens), tuple(b.seqs), tuple(b.pages)), runner.page_size, dense)
+    return EnginePadding(b, runner.page_size, dense)
 
 
 def engine_grid(cfg, runner, quick: bool = False):

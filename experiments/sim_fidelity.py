@@ -58,7 +58,8 @@ def run_fidelity(config_dict: Dict[str, Any], workdir: str, *, profile: str = ""
     from pdjax.config.serving import serve_config_from_dict
     from pdjax.metrics import write_run_outputs
     from pdjax.scheduler import make_scheduler
-    from pdjax.serving.engine import ColocatedEngine, to_scheduler_request
+    from pdjax.scheduler import request_from_workload
+    from pdjax.serving.engine import ColocatedEngine
     from pdjax.serving.run import build_runner
     from pdjax.sim.run import run_sim
     from pdjax.workload import make_workload
@@ -79,7 +80,7 @@ def run_fidelity(config_dict: Dict[str, Any], workdir: str, *, profile: str = ""
 
     workload = make_workload(cfg.workload, seed=cfg.seed)
     offline = cfg.engine.mode == "offline"
-    requests = [to_scheduler_request(w, eos_token_id=cfg.model.eos_token_id, offline=offline, seed=cfg.seed)
+    requests = [request_from_workload(w, eos_token_id=cfg.model.eos_token_id, offline=offline, seed=cfg.seed)
                 for w in workload]
     sched_cfg = cfg.scheduler
     if not sched_cfg.vocab_size:   # as run_real

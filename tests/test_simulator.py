@@ -16,8 +16,9 @@ from pdjax.sim.cost_model import BatchComposition, CostParams, iteration_time
 from pdjax.sim.hardware import get_hardware_spec
 from pdjax.sim.simulator import (SimInstance, least_outstanding_tokens_router, make_router, placeholder_sample,
                                  round_robin_router, simulate)
-from pdjax.sim.step_cost import (CachedIterationTime, EngineBuckets, EnginePadding, compact_composition,
-                                 engine_buckets, make_step_time, padded_composition, padded_shape)
+from pdjax.sim.step_cost import (CachedIterationTime, EnginePadding, compact_composition,
+                                 make_step_time, padded_composition, padded_shape)
+from pdjax.config.buckets import Buckets, engine_buckets
 
 TICK = 1.0 / 1024   # dyadic times: sums are exact in floating point, so both loops see identical clocks
 
@@ -223,7 +224,7 @@ def test_engine_buckets_match_the_engine(budget, seqs, max_len, page):
 
 def test_padded_shape_matches_ragged_batch():
     batch_lib = pytest.importorskip("pdjax.runtime.batch")
-    buckets = EngineBuckets(tokens=(16, 32, 64, 128), seqs=(2, 8), pages=(4, 16))
+    buckets = Buckets(tokens=(16, 32, 64, 128), seqs=(2, 8), pages=(4, 16))
     padding = EnginePadding(buckets, page_size=16, dense_attention=True)
     rt = batch_lib.Buckets(tokens=buckets.tokens, seqs=buckets.seqs, pages=buckets.pages)
     rng = random.Random(2)
@@ -248,7 +249,7 @@ def test_padded_shape_matches_ragged_batch():
 
 def test_padded_cost_is_a_step_function_of_the_bucket():
     spec, hw = get_model_spec("tiny-llama"), get_hardware_spec("a100-80gb-sxm")
-    buckets = EngineBuckets(tokens=(16, 32, 64), seqs=(4, 8), pages=(4, 16))
+    buckets = Buckets(tokens=(16, 32, 64), seqs=(4, 8), pages=(4, 16))
     step = make_step_time(spec, hw, padding=EnginePadding(buckets, 16, True))
     rng = random.Random(3)
     a = random_output(rng, 1, 0)

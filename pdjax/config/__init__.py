@@ -3,4 +3,4 @@ from pdjax.config.model_specs import MODEL_SPECS, ModelSpec, RopeScaling, get_mo
 from pdjax.config.sampling import SamplingParams
 from pdjax.config.scheduler import SchedulerConfig
 
-__all__ = ["MODEL_SPECS", "ModelSpec", "RopeScaling", "get_model_spec", "SamplingParams"]
+__all__ = ["MODEL_SPECS", "ModelSpec", "RopeScaling", "get_model_spec", "SamplingParams", "SchedulerConfig"]

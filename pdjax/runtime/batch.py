@@ -8,12 +8,12 @@ All inputs are validated here, once, on the host, so bad batches fail before any
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
 from flax import struct
 
+from pdjax.config.buckets import Buckets
 from pdjax.config.sampling import SamplingParams
 
 
@@ -43,74 +43,6 @@ class RaggedBatch:
     def shape_key(self) -> Tuple[int, int, int]:
         """(T, S, P): the bucket this batch was padded to."""
         return (self.token_ids.shape[0], self.kv_lens.shape[0], self.page_indices.shape[1])
-
-
-def _powers_of_two(floor: int, ceiling: int) -> Tuple[int, ...]:
-    if floor < 1 or ceiling < 1:
-        raise ValueError(f"bucket floor={floor} and ceiling={ceiling} must be >= 1")
-    sizes, n = [], 1
-    while n < floor:
-        n *= 2
-    while n < ceiling:
-        sizes.append(n)
-        n *= 2
-    sizes.append(ceiling)
-    return tuple(sorted(set(sizes)))
-
-
-@dataclasses.dataclass(frozen=True)
-class Buckets:
-    """Allowed padded sizes for tokens (T), sequences (S) and pages per sequence (P), ascending."""
-    tokens: Tuple[int, ...]
-    seqs: Tuple[int, ...]
-    pages: Tuple[int, ...]
-
-    def __post_init__(self):
-        for name in ("tokens", "seqs", "pages"):
-            sizes = tuple(getattr(self, name))
-            if not sizes or any((not isinstance(s, (int, np.integer))) or s < 1 for s in sizes):
-                raise ValueError(f"Buckets.{name}={sizes!r}, expected a non-empty tuple of positive ints")
-            object.__setattr__(self, name, tuple(sorted(set(int(s) for s in sizes))))
-
-    @classmethod
-    def powers_of_two(cls, max_tokens: int, max_seqs: int, max_pages: int, *, min_tokens: int = 16,
-                      min_seqs: int = 4, min_pages: int = 4) -> "Buckets":
-        """Powers of two from each floor up to the maximum (the maximum itself always included)."""
-        return cls(tokens=_powers_of_two(min(min_tokens, max_tokens), max_tokens),
-                   seqs=_powers_of_two(min(min_seqs, max_seqs), max_seqs),
-                   pages=_powers_of_two(min(min_pages, max_pages), max_pages))
-
-    @property
-    def num_shapes(self) -> int:
-        """Most distinct (T, S, P) shapes a run can compile."""
-        return len(self.tokens) * len(self.seqs) * len(self.pages)
-
-    @property
-    def max_tokens(self) -> int:
-        return self.tokens[-1]
-
-    @property
-    def max_seqs(self) -> int:
-        return self.seqs[-1]
-
-    @property
-    def max_pages(self) -> int:
-        return self.pages[-1]
-
-    def all_shapes(self):
-        return [(t, s, p) for t in self.tokens for s in self.seqs for p in self.pages]
-
-    @staticmethod
-    def _pick(sizes: Tuple[int, ...], n: int, what: str) -> int:
-        for size in sizes:
-            if size >= n:
-                return size
-        raise ValueError(f"{what}={n} exceeds the largest bucket {sizes[-1]} (buckets {sizes})")
-
-    def pick(self, num_tokens: int, num_seqs: int, num_pages: int) -> Tuple[int, int, int]:
-        return (self._pick(self.tokens, num_tokens, "number of tokens"),
-                self._pick(self.seqs, max(num_seqs, 1), "number of sequences"),
-                self._pick(self.pages, max(num_pages, 1), "pages per sequence"))
 
 
 def empty_batch(shape: Tuple[int, int, int]) -> RaggedBatch:

@@ -8,7 +8,7 @@ from pdjax.scheduler.base import Scheduler
 from pdjax.scheduler.block_manager import BlockManager
 from pdjax.scheduler.output import SchedulerOutput
 from pdjax.scheduler.policies import POLICY_CLASSES, make_scheduler
-from pdjax.scheduler.request import Request, RequestStatus
+from pdjax.scheduler.request import Request, RequestStatus, request_from_workload
 
 __all__ = ["BlockManager", "POLICY_CLASSES", "Request", "RequestStatus", "Scheduler", "SchedulerConfig",
-           "SchedulerOutput", "make_scheduler"]
+           "SchedulerOutput", "make_scheduler", "request_from_workload"]

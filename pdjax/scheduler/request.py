@@ -101,3 +101,14 @@ class Request:
         return (f"Request({self.request_id!r}, status={self.status}, prompt={len(self.prompt_token_ids)}, "
                 f"output={len(self.output_token_ids)}, computed={self.num_computed_tokens}, "
                 f"finish_reason={self.finish_reason!r})")
+
+
+def request_from_workload(wr, *, eos_token_id: int = -1, offline: bool = False, temperature: float = 0.0,
+                          seed: int = 0) -> Request:
+    """A Request from a workload request (pdjax.workload.WorkloadRequest or anything with request_id,
+    prompt_token_ids, max_tokens, arrival_time): greedy unless a temperature is given, stopping at
+    `eos_token_id` when it is >= 0, arriving at 0 when offline. The engine and the simulator both use it."""
+    sampling = SamplingParams(temperature=temperature, seed=seed, max_tokens=int(wr.max_tokens),
+                              stop_token_ids=(eos_token_id,) if eos_token_id >= 0 else ())
+    return Request(str(wr.request_id), list(wr.prompt_token_ids), sampling,
+                   0.0 if offline else float(wr.arrival_time))

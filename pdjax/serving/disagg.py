@@ -34,7 +34,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from pdjax.metrics import IterationRecord, request_record
-from pdjax.scheduler import Request
+from pdjax.scheduler import Request, request_from_workload
 from pdjax.serving.engine import EngineResult, TokenCallback
 from pdjax.serving.kv_transfer import StagedKV, scatter_kv_pages, transfer_kv
 
@@ -336,7 +336,6 @@ def run_disaggregated(cfg, config_dict, workdir: str) -> Dict[str, Any]:
     run outputs (iterations carry their instance names; results.json gets per-instance compile counts and the
     KV transfer totals under "engine")."""
     from pdjax.metrics import write_run_outputs  # noqa: PLC0415
-    from pdjax.serving.engine import to_scheduler_request  # noqa: PLC0415
     from pdjax.workload import make_workload  # noqa: PLC0415
 
     engine = build_disaggregated_engine(cfg)
@@ -346,7 +345,7 @@ def run_disaggregated(cfg, config_dict, workdir: str) -> Dict[str, Any]:
         compile_s += engine.warmup_transfers(cfg.scheduler.max_model_len)
     compiles_at_start = {inst.name: inst.runner.compile_count for inst in engine.instances}
     offline = cfg.engine.mode == "offline"
-    requests = [to_scheduler_request(w, eos_token_id=cfg.model.eos_token_id, offline=offline, seed=cfg.seed)
+    requests = [request_from_workload(w, eos_token_id=cfg.model.eos_token_id, offline=offline, seed=cfg.seed)
                 for w in make_workload(cfg.workload, seed=cfg.seed)]
     bar = None
     if cfg.engine.progress:

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
-from pdjax.config.sampling import SamplingParams
 from pdjax.metrics import IterationRecord, RequestRecord, request_record
 from pdjax.scheduler import Request
 
@@ -36,15 +35,6 @@ class EngineResult:
     output_tokens: dict                 # request_id -> list of generated token ids
     duration_s: float
     host_overlap_s: float               # host work done while a step was in flight
-
-
-def to_scheduler_request(wr, *, eos_token_id: int = -1, offline: bool = False, temperature: float = 0.0,
-                         seed: int = 0) -> Request:
-    """A workload request as a scheduler Request (greedy unless a temperature is given)."""
-    sampling = SamplingParams(temperature=temperature, seed=seed, max_tokens=int(wr.max_tokens),
-                              stop_token_ids=(eos_token_id,) if eos_token_id >= 0 else ())
-    return Request(str(wr.request_id), list(wr.prompt_token_ids), sampling,
-                   0.0 if offline else float(wr.arrival_time))
 
 
 class _Arrivals:

@@ -7,10 +7,12 @@ import pathlib
 import time
 from typing import Any, Dict, Optional
 
+from pdjax.config.buckets import Buckets, engine_buckets
 from pdjax.config.serving import ServeConfig
 from pdjax.metrics import write_json, write_run_outputs
 from pdjax.scheduler import make_scheduler
-from pdjax.serving.engine import ColocatedEngine, to_scheduler_request
+from pdjax.scheduler import request_from_workload
+from pdjax.serving.engine import ColocatedEngine
 from pdjax.workload import make_workload
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -25,25 +27,11 @@ def resolve_checkpoint(checkpoint: str) -> str:
     return str(candidate) if candidate.exists() else checkpoint
 
 
-def _pow2_sizes(lo: int, hi: int):
-    sizes, n = [], lo
-    while n < hi:
-        sizes.append(n)
-        n *= 2
-    return tuple(sorted(set(sizes + [hi])))
-
-
-def default_buckets(cfg: ServeConfig):
-    """Token buckets: powers of two from 16 to the token budget; sequence and page buckets: a quarter of the
-    maximum and the maximum. Few shapes keep warm-up compile time small; see EngineConfig to override."""
-    from pdjax.runtime.batch import Buckets  # noqa: PLC0415
-    sc = cfg.scheduler
-    max_tokens = max(sc.token_budget, 1)
-    max_pages = -(-sc.max_model_len // sc.page_size)
-    tokens = cfg.engine.token_buckets or _pow2_sizes(min(16, max_tokens), max_tokens)
-    seqs = cfg.engine.seq_buckets or tuple(sorted({max(1, sc.max_num_seqs // 4), sc.max_num_seqs}))
-    pages = cfg.engine.page_buckets or tuple(sorted({max(1, max_pages // 4), max_pages}))
-    return Buckets(tokens=tuple(tokens), seqs=tuple(seqs), pages=tuple(pages))
+def default_buckets(cfg: ServeConfig) -> Buckets:
+    """The step's shape buckets for `cfg` (pdjax.config.buckets.engine_buckets; the simulator pads the same)."""
+    sc, ec = cfg.scheduler, cfg.engine
+    return engine_buckets(sc.token_budget, sc.max_num_seqs, sc.max_model_len, sc.page_size,
+                          ec.token_buckets, ec.seq_buckets, ec.page_buckets)
 
 
 def build_runner(cfg: ServeConfig, *, seed: Optional[int] = None):
@@ -72,7 +60,7 @@ def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str) -> Dic
     scheduler = make_scheduler(sched_cfg)
     offline = cfg.engine.mode == "offline"
     workload = make_workload(cfg.workload, seed=cfg.seed)
-    requests = [to_scheduler_request(w, eos_token_id=cfg.model.eos_token_id, offline=offline, seed=cfg.seed)
+    requests = [request_from_workload(w, eos_token_id=cfg.model.eos_token_id, offline=offline, seed=cfg.seed)
                 for w in workload]
     engine = ColocatedEngine(runner, scheduler, async_scheduling=cfg.engine.async_scheduling)
     bar = None

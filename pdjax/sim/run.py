@@ -29,13 +29,13 @@ import pathlib
 from typing import Any, List, Optional, Tuple
 
 from pdjax.config.model_specs import MODEL_SPECS, ModelSpec, RopeScaling, get_model_spec
-from pdjax.config.sampling import SamplingParams
-from pdjax.scheduler import Request, make_scheduler
+from pdjax.scheduler import make_scheduler, request_from_workload
 from pdjax.sim.calibration import PROFILES_DIR
 from pdjax.sim.cost_model import CostParams, kv_cache_capacity_tokens
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 from pdjax.sim.simulator import SimInstance, SimResult, make_router, simulate
-from pdjax.sim.step_cost import EnginePadding, SimProfile, engine_buckets, load_sim_profile, make_step_time
+from pdjax.config.buckets import engine_buckets
+from pdjax.sim.step_cost import EnginePadding, SimProfile, load_sim_profile, make_step_time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,13 +133,6 @@ def build_setup(cfg) -> SimSetup:
                     scheduler_config=sched_cfg, kv_capacity_tokens=capacity)
 
 
-def sim_request(wr, *, offline: bool = False) -> Request:
-    """A workload request as a scheduler Request (greedy, no stop token: it runs to max_tokens)."""
-    sampling = SamplingParams(temperature=0.0, max_tokens=int(wr.max_tokens))
-    return Request(str(wr.request_id), list(wr.prompt_token_ids), sampling,
-                   0.0 if offline else float(wr.arrival_time))
-
-
 def build_instances(cfg, setup: SimSetup) -> List[SimInstance]:
     step_time = make_step_time(setup.model, setup.hardware, cfg.sim.tp, cfg.sim.pp, setup.params, setup.padding,
                                cfg.sim.num_microbatches)
@@ -155,7 +148,7 @@ def simulate_config(cfg, workload=None) -> Tuple[SimResult, SimSetup]:
     if workload is None:
         workload = make_workload(cfg.workload, cfg.seed)
     offline = cfg.engine.mode == "offline"
-    requests = [sim_request(wr, offline=offline) for wr in workload]
+    requests = [request_from_workload(wr, offline=offline) for wr in workload]
     instances = build_instances(cfg, setup)
     result = simulate(requests, instances, make_router(cfg.sim.router),
                       async_scheduling=bool(getattr(cfg.engine, "async_scheduling", False)))

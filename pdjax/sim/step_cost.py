@@ -34,6 +34,7 @@ import json
 import pathlib
 from typing import Any, Callable, Optional, Sequence, Tuple
 
+from pdjax.config.buckets import Buckets
 from pdjax.config.model_specs import ModelSpec
 from pdjax.sim.calibration import MachineProfile, load_profile
 from pdjax.sim import cost_model as cm
@@ -41,65 +42,9 @@ from pdjax.sim.cost_model import BatchComposition, CostParams, _plan, iteration_
 from pdjax.sim.hardware import HardwareSpec
 
 
-# --------------------------------------------------------------------------------------------------- buckets
-def powers_of_two(floor: int, ceiling: int) -> Tuple[int, ...]:
-    """Powers of two from the first one >= floor up to (excluding) ceiling, then ceiling itself."""
-    if floor < 1 or ceiling < 1:
-        raise ValueError(f"bucket floor={floor} and ceiling={ceiling} must be >= 1")
-    sizes, n = [], 1
-    while n < floor:
-        n *= 2
-    while n < ceiling:
-        sizes.append(n)
-        n *= 2
-    sizes.append(ceiling)
-    return tuple(sorted(set(sizes)))
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineBuckets:
-    """Padded sizes (ascending) of the flat token axis, the sequence axis and pages per sequence."""
-    tokens: Tuple[int, ...]
-    seqs: Tuple[int, ...]
-    pages: Tuple[int, ...]
-
-    def __post_init__(self):
-        for name in ("tokens", "seqs", "pages"):
-            sizes = tuple(getattr(self, name))
-            if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
-                raise ValueError(f"EngineBuckets.{name}={sizes!r}, expected a non-empty tuple of positive ints")
-            object.__setattr__(self, name, tuple(sorted(set(sizes))))
-
-    @staticmethod
-    def _pick(sizes: Tuple[int, ...], n: int, what: str) -> int:
-        for size in sizes:
-            if size >= n:
-                return size
-        raise ValueError(f"{what}={n} exceeds the largest bucket {sizes[-1]} (buckets {sizes})")
-
-    def pick(self, num_tokens: int, num_seqs: int, num_pages: int) -> Tuple[int, int, int]:
-        return (self._pick(self.tokens, num_tokens, "number of tokens"),
-                self._pick(self.seqs, max(num_seqs, 1), "number of sequences"),
-                self._pick(self.pages, max(num_pages, 1), "pages per sequence"))
-
-
-def engine_buckets(token_budget: int, max_num_seqs: int, max_model_len: int, page_size: int,
-                   token_buckets: Sequence[int] = (), seq_buckets: Sequence[int] = (),
-                   page_buckets: Sequence[int] = ()) -> EngineBuckets:
-    """The buckets the real engine uses for a serve config (mirrors pdjax.serving.run.default_buckets; a test
-    keeps the two equal): explicit lists when given, else tokens in powers of two from 16 to the token budget,
-    sequences {max_num_seqs // 4, max_num_seqs}, pages per sequence {max_pages // 4, max_pages}."""
-    max_tokens = max(token_budget, 1)
-    max_pages = -(-max_model_len // page_size)
-    return EngineBuckets(
-        tokens=tuple(int(t) for t in token_buckets) or powers_of_two(min(16, max_tokens), max_tokens),
-        seqs=tuple(int(s) for s in seq_buckets) or tuple(sorted({max(1, max_num_seqs // 4), max_num_seqs})),
-        pages=tuple(int(p) for p in page_buckets) or tuple(sorted({max(1, max_pages // 4), max_pages})))
-
-
 @dataclasses.dataclass(frozen=True)
 class EnginePadding:
-    buckets: EngineBuckets
+    buckets: Buckets
     page_size: int
     dense_attention: bool = True
 
