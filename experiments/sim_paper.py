@@ -21,13 +21,14 @@ joined by NVLink bridges (Sarathi-Serve's testbed).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
 from typing import Any, Dict, List
 
 from absl import app, flags
+
+from pdjax.config.files import config_file
 
 _TABLE = flags.DEFINE_enum("table", "all", ["all", "ablation", "chunking", "capacity", "mixing", "tile"],
                            "Which table.")
@@ -38,11 +39,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 
 
 def _load_config(rel_path: str, arg: str):
-    spec = importlib.util.spec_from_file_location("_pdjax_cfg_" + os.path.basename(rel_path)[:-3],
-                                                  os.path.join(ROOT, rel_path))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
+    return config_file(os.path.join(ROOT, "README.md"), rel_path, arg)
 
 
 def _a100(model: str, tp: int):

@@ -7,8 +7,7 @@ the SLO and median scheduling delay <= 2 s. ARG = <model>-<policy>-<strict|relax
     python -m experiments.capacity --config=configs/sim/capacity_paper.py:mistral7b-sarathi-strict --slo_tbt_p99=0.1
     python -m experiments.sim_paper --table=capacity --parallel=2       # the whole table
 """
-import importlib.util
-import os
+from pdjax.config.files import config_file
 
 SLOS = {"mistral7b": {"strict": 0.1, "relaxed": 0.5}, "yi34b": {"strict": 0.2, "relaxed": 1.0}}
 SARATHI_BUDGET = {"strict": 512, "relaxed": 2048}
@@ -16,11 +15,7 @@ POLICIES = ("sarathi", "vllm_v0", "orca")
 
 
 def _paper_base(arg):
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paper_base.py")
-    spec = importlib.util.spec_from_file_location("_pdjax_paper_base", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
+    return config_file(__file__, "paper_base.py", arg)
 
 
 def get_config(arg="mistral7b-sarathi-strict"):

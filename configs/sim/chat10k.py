@@ -4,16 +4,11 @@ Mistral-7B replica on an A100-80GB (shipped a100 profile), Sarathi stall-free ba
     python -m experiments.serve --config=configs/sim/chat10k.py --workdir=/tmp/chat10k
 (results.json's "sim" block reports the simulator's speed in simulated iterations per second)
 """
-import importlib.util
-import os
+from pdjax.config.files import config_file
 
 
 def _serve_config():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "serve.py")
-    spec = importlib.util.spec_from_file_location("_pdjax_serve_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return config_file(__file__, "../serve.py")
 
 
 def get_config():

@@ -4,16 +4,11 @@ budget. experiments.sim_fidelity calibrates on this engine, serves it for real a
 
     python -m experiments.sim_fidelity --config=configs/sim/fidelity_cpu.py --workdir=/tmp/fidelity
 """
-import importlib.util
-import os
+from pdjax.config.files import config_file
 
 
 def _serve_config():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "serve.py")
-    spec = importlib.util.spec_from_file_location("_pdjax_serve_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return config_file(__file__, "../serve.py")
 
 
 def get_config(arg="full"):

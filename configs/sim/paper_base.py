@@ -5,16 +5,11 @@ on A100s (Sarathi-Serve's testbed: A100-80GB PCIe pairs joined by NVLink bridges
     get_config("mistral7b") Mistral-7B, 1x A100-80GB, max_model_len 8192
 Used by configs/sweeps/sarathi_ablation_paper.py, configs/sim/capacity_paper.py and experiments.sim_paper.
 """
-import importlib.util
-import os
+from pdjax.config.files import config_file
 
 
 def _serve_config():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "serve.py")
-    spec = importlib.util.spec_from_file_location("_pdjax_serve_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return config_file(__file__, "../serve.py")
 
 
 MODELS = {

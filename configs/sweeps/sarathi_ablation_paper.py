@@ -12,18 +12,14 @@ all prefill or all decode) and `sarathi` (both: stall-free batching), the chunki
 The grid's one axis sets (policy, token_budget) together, because `orca` never chunks and so cannot take a
 512/1024 budget (its budget must hold a whole prompt): 5 points, not a 3x2 product.
 """
-import importlib.util
-import os
 
 import ml_collections
 
+from pdjax.config.files import config_file
+
 
 def _paper_base(arg):
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "sim", "paper_base.py")
-    spec = importlib.util.spec_from_file_location("_pdjax_paper_base", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
+    return config_file(__file__, "../sim/paper_base.py", arg)
 
 
 SCHEMES = (("orca", None), ("chunked_only", 512), ("chunked_only", 1024), ("sarathi", 512), ("sarathi", 1024))

@@ -1,0 +1,51 @@
+"""Every shipped config file loads and validates (each sweep point too), and bad values fail at start-up."""
+import pathlib
+
+import pytest
+
+from pdjax.config.files import config_file
+from pdjax.config.serving import serve_config_from_dict
+from pdjax.experiment.run import to_plain_dict
+from pdjax.experiment.sweep import expand_grid
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = [("configs/serve.py", None), ("configs/sweeps/budget.py", "real"), ("configs/sweeps/budget.py", "sim"),
+           ("configs/sweeps/sarathi_ablation.py", "chat"), ("configs/sweeps/sarathi_ablation.py", "arxiv"),
+           ("configs/sweeps/sarathi_ablation_paper.py", "chat"), ("configs/sweeps/sarathi_ablation_paper.py", "arxiv"),
+           ("configs/sim/chat10k.py", None), ("configs/sim/fidelity_cpu.py", None),
+           ("configs/sim/paper_base.py", "yi34b"), ("configs/sim/paper_base.py", "mistral7b"),
+           ("configs/sim/capacity_paper.py", "mistral7b-sarathi-strict"),
+           ("configs/sim/capacity_paper.py", "yi34b-orca-relaxed")]
+
+
+@pytest.mark.parametrize("path,arg", CONFIGS)
+def test_shipped_config_validates(path, arg):
+    config = to_plain_dict(config_file(str(ROOT / "README.md"), path, arg))
+    points = [cfg for _, _, cfg in expand_grid(config)] if "grid" in config else [config]
+    for cfg in points:
+        serve_config_from_dict(cfg)
+
+
+def test_every_config_file_is_covered():
+    shipped = {str(p.relative_to(ROOT)) for p in ROOT.glob("configs/**/*.py") if p.name != "__init__.py"}
+    assert shipped == {p for p, _ in CONFIGS}
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("scheduler.token_budget", 0, "token_budget"),
+    ("scheduler.policy", "fifo", "policy"),
+    ("workload.rate", -1.0, "rate"),
+    ("engine.mode", "batch", "engine.mode"),
+    ("slo.tbt", -0.1, "slo.tbt"),
+])
+def test_bad_values_fail_naming_the_key(key, value, match):
+    config = to_plain_dict(config_file(str(ROOT / "README.md"), "configs/serve.py"))
+    section, name = key.split(".")
+    config[section][name] = value
+    with pytest.raises(ValueError, match=match):
+        serve_config_from_dict(config)
+
+
+def test_missing_config_file_is_a_clear_error():
+    with pytest.raises(ValueError, match="does not exist"):
+        config_file(str(ROOT / "README.md"), "configs/nope.py")
