@@ -13,6 +13,7 @@ import concurrent.futures
 import copy
 import dataclasses
 import multiprocessing
+import sys
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pdjax.metrics import holds, summarize_run
@@ -62,8 +63,11 @@ def parallel_capacity_search(run_fn: Callable[[float], Mapping[str, Any]], lo: f
     probes: List[Tuple[float, bool, Dict[str, Any]]] = []
     pool = None
     if map_fn is None:
+        # fork is fast and the simulator holds no threads; but a parent that loaded JAX (multithreaded) could
+        # deadlock a forked child, so spawn then.
+        method = "spawn" if "jax" in sys.modules else "fork"
         pool = concurrent.futures.ProcessPoolExecutor(max_workers=parallel,
-                                                      mp_context=multiprocessing.get_context("fork"))
+                                                      mp_context=multiprocessing.get_context(method))
         map_fn = pool.map
     try:
         def run_round(rates: Sequence[float]) -> List[bool]:
