@@ -17,44 +17,19 @@ from __future__ import annotations
 
 import functools
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from experiments.ceilings import measure_ceilings, time_fn
 from pdjax.kernels import reference
 
 FLAGS = flags.DEFINE_bool("quick", False, "smallest grid, for a smoke run")
 _REPS = flags.DEFINE_integer("reps", 0, "timed repetitions per case (0 = per-backend default)")
 
 NUM_KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE = 8, 4, 128, 16
-
-
-def time_fn(fn, *args, reps: int) -> float:
-    """Median seconds of `reps` calls after one warm-up (compile) call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def measure_ceilings(backend: str, reps: int) -> dict:
-    """Copy bandwidth (read + write bytes / s) and matmul FLOP/s measured on this device."""
-    big = (1 << 30) if backend != "cpu" else (1 << 28)  # bytes: 1 GiB accelerator, 256 MiB CPU (past caches)
-    x = jnp.ones((big // 4,), jnp.float32)
-    copy = jax.jit(lambda a: a * 1.0001)
-    t_copy = time_fn(copy, x, reps=reps)
-    n, dtype = (8192, jnp.bfloat16) if backend != "cpu" else (1024, jnp.float32)
-    a = jnp.ones((n, n), dtype)
-    t_mm = time_fn(jax.jit(lambda m: m @ m), a, reps=reps)
-    return {"copy_bandwidth_Bps": 2 * big / t_copy, "matmul_flops": 2 * n ** 3 / t_mm,
-            "copy_bytes": 2 * big, "matmul": f"{n}x{n} {jnp.dtype(dtype).name}"}
 
 
 def make_batch(q_lens, ctx_lens, dtype, num_slots=None, seed=0):

@@ -34,6 +34,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+from experiments.ceilings import host_copy_rate  # noqa: E402
 from pdjax.models.llama import KVCache  # noqa: E402
 from pdjax.runtime.mesh import make_mesh  # noqa: E402
 from pdjax.serving.kv_transfer import gather_kv_pages, scatter_kv_pages, staged_sharding, transfer_kv  # noqa: E402
@@ -52,18 +53,6 @@ def _median_time(fn, reps: int) -> float:
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def host_copy_rate(num_bytes: int = 256 << 20, reps: int = 5) -> float:
-    """Bytes copied per second (one way) by a large numpy copy."""
-    src = np.ones(num_bytes // 4, np.float32)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - start)
-    return num_bytes / best
 
 
 def device_copy_rate(src_dev, dst_dev, num_bytes: int, reps: int) -> float:

@@ -14,10 +14,10 @@ import json
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from experiments.ceilings import measure_ceilings
 from pdjax.config.model_specs import get_model_spec
 from pdjax.models.llama import init_params
 from pdjax.runtime.batch import Buckets
@@ -32,31 +32,6 @@ flags.DEFINE_integer("page_size", 16, "KV page size.")
 DECODE_BATCHES = (1, 8, 32, 128)
 DECODE_CONTEXTS = (128, 1024)
 PREFILL_TOKENS = (128, 512, 2048)
-
-
-def measure_bandwidth(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Bytes/s of a large numpy copy (read + write counted)."""
-    src = np.ones(num_bytes // 4, np.float32)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * num_bytes / best
-
-
-def measure_matmul_rate(n: int = 1024, repeats: int = 5) -> float:
-    """FLOP/s of a jitted float32 [n, n] @ [n, n]."""
-    a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda x, y: x @ y)
-    f(a, a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        f(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return 2 * n ** 3 / best
 
 
 def _timed(runner: ModelRunner, out: SchedulerOutput, repeats: int) -> float:
@@ -87,8 +62,8 @@ def run(spec_name: str = "tiny-llama", repeats: int = 5, page_size: int = 16) ->
                       pages=tuple(sorted({c // page_size for c in DECODE_CONTEXTS + PREFILL_TOKENS})))
     runner = ModelRunner(spec, params, num_pages=num_pages, page_size=page_size, buckets=buckets,
                          attention_impl="reference", max_model_len=max_pages_per_seq * page_size)
-    bandwidth = measure_bandwidth()
-    matmul_rate = measure_matmul_rate()
+    ceilings = measure_ceilings(jax.default_backend())
+    bandwidth, matmul_rate = ceilings["copy_bandwidth_Bps"], ceilings["matmul_flops"]
     rng = np.random.RandomState(0)
 
     decode = []
