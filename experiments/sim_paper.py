@@ -5,6 +5,7 @@
     python -m experiments.sim_paper --table=capacity --parallel=2   # capacity, strict/relaxed P99 TBT
     python -m experiments.sim_paper --table=mixing           # decode-only vs + whole prefill vs + chunk
     python -m experiments.sim_paper --table=tile             # tile quantization: 256 vs 257 tokens
+    python -m experiments.sim_paper --table=disagg           # colocated vs prefill/decode disaggregation
     python -m experiments.sim_paper --table=all --workdir=/tmp/paper --parallel=2
 
 Prints JSON (one object per table) and a Markdown rendering of each table on stderr. Hardware/cost: the A100
@@ -18,6 +19,10 @@ joined by NVLink bridges (Sarathi-Serve's testbed).
 - mixing: Mistral-7B on one A100, decode batches of n requests at 1k context: decode-only, + a whole 2k-token
   prefill, + a budgeted chunk (512 - n tokens), iteration time and the decodes' slowdown.
 - tile: batches of 128/129, 256/257, 512/513 tokens (a chunk alone, or a chunk + 32 decodes), Mistral-7B, one A100.
+- disagg: configs/sim/disagg_paper.py, Llama-2-13B on 2x A100-80GB SXM: colocated Sarathi (2 replicas TP1, or
+  1 replica TP2) vs disaggregated 1 prefill + 1 decode GPU, chat and arxiv lengths over a grid of Poisson rates
+  (512 requests each): P50/P99 TTFT, TBT and TPOT, SLO attainment and goodput per point, and per layout the highest
+  rate of the grid with >= 90% attainment (DistServe's goodput), in total and per GPU.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from absl import app, flags
 
 from pdjax.config.files import config_file
 
-_TABLE = flags.DEFINE_enum("table", "all", ["all", "ablation", "chunking", "capacity", "mixing", "tile"],
+_TABLE = flags.DEFINE_enum("table", "all", ["all", "ablation", "chunking", "capacity", "mixing", "tile", "disagg"],
                            "Which table.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/pdjax_sim_paper", "Sweep/capacity outputs.")
 _PARALLEL = flags.DEFINE_integer("parallel", 2, "Processes for sweep points / capacity probes.")
@@ -143,6 +148,46 @@ def table_tile() -> List[Dict[str, Any]]:
     return rows
 
 
+DISAGG_RATES = {"chat": (1.0, 2.0, 3.0, 4.0, 5.0), "arxiv": (0.5, 1.0, 1.5, 2.0, 2.5)}
+DISAGG_LAYOUTS = {"2xtp1": "colocated sarathi, 2 replicas TP1", "1xtp2": "colocated sarathi, 1 replica TP2",
+                  "1p1d": "disaggregated 1 prefill + 1 decode GPU"}
+DISAGG_MIN_ATTAINMENT = 0.9
+
+
+def table_disagg() -> Dict[str, Any]:
+    from pdjax.config.serving import serve_config_from_dict
+    from pdjax.experiment.run import to_plain_dict
+    from pdjax.metrics import summarize_run
+    from pdjax.sim.run import simulate_config
+    out = {}
+    for trace, rates in DISAGG_RATES.items():
+        rows, best = [], {}
+        for rate in rates:
+            for layout in DISAGG_LAYOUTS:
+                config = to_plain_dict(_load_config("configs/sim/disagg_paper.py", f"{layout}-{trace}"))
+                config["workload"]["rate"] = rate
+                cfg = serve_config_from_dict(config)
+                result, _ = simulate_config(cfg)
+                s = summarize_run(result.requests, result.iterations, cfg.slo.as_dict())
+                row = {"rate_rps": rate, "layout": layout, "ttft_p50_s": s["ttft"]["p50"],
+                       "ttft_p99_s": s["ttft"]["p99"], "tbt_p50_s": s["tbt"]["p50"], "tbt_p99_s": s["tbt"]["p99"],
+                       "tpot_p50_s": s["tpot"]["p50"], "tpot_p99_s": s["tpot"]["p99"],
+                       "slo_attainment": s["slo_attainment"], "goodput_rps": s["goodput_rps"],
+                       "num_preemptions": s["num_preemptions"]}
+                transfers = getattr(result, "transfer_summary", None)
+                row["kv_transfer_p99_s"] = transfers()["transfer_s"]["p99"] if transfers else None
+                rows.append(row)
+                if s["slo_attainment"] >= DISAGG_MIN_ATTAINMENT:
+                    best[layout] = max(best.get(layout, 0.0), rate)
+        slos = {k: v for k, v in to_plain_dict(_load_config("configs/sim/disagg_paper.py", f"1p1d-{trace}"))
+                ["slo"].items() if v}
+        out[trace] = {"slos": slos, "rows": rows,
+                      "max_rate_at_90pct": {layout: {"rate_rps": best.get(layout, 0.0),
+                                                     "per_gpu_rps": best.get(layout, 0.0) / 2}
+                                            for layout in DISAGG_LAYOUTS}}
+    return out
+
+
 def render(name: str, table: Any) -> str:
     if name == "ablation":
         parts = []
@@ -152,6 +197,21 @@ def render(name: str, table: Any) -> str:
                                   [[r["scheme"], r["token_budget"], r["ttft_p50_s"], r["tbt_p99_s"],
                                     r["sched_delay_p50_s"]] for r in rows]))
         return "\n\n".join(parts)
+    if name == "disagg":
+        parts = []
+        for trace, t in table.items():
+            slos = ", ".join(f"{k.upper()} {v} s" for k, v in t["slos"].items())
+            cols = ["rate", "layout", "P50 TTFT", "P99 TTFT", "P50 TBT", "P99 TBT", "P99 TPOT", "attain.",
+                    "goodput (req/s)", "preempt.", "P99 KV xfer"]
+            parts.append(markdown(f"Llama-2-13B, 2x A100-80GB SXM, {trace} (SLOs {slos})", cols,
+                                  [[r["rate_rps"], r["layout"], r["ttft_p50_s"], r["ttft_p99_s"], r["tbt_p50_s"],
+                                    r["tbt_p99_s"], r["tpot_p99_s"], r["slo_attainment"], r["goodput_rps"],
+                                    r["num_preemptions"], r["kv_transfer_p99_s"] if r["kv_transfer_p99_s"] is not None
+                                    else "-"] for r in t["rows"]]))
+            parts.append(markdown(f"{trace}: highest rate of the grid with >= 90% SLO attainment", [
+                "layout", "what", "rate (req/s)", "per GPU"], [[k, DISAGG_LAYOUTS[k], v["rate_rps"], v["per_gpu_rps"]]
+                                                              for k, v in t["max_rate_at_90pct"].items()]))
+        return "\n\n".join(parts)
     rows = table
     cols = list(rows[0])
     return markdown(name, cols, [[r[c] for c in cols] for r in rows])
@@ -159,7 +219,8 @@ def render(name: str, table: Any) -> str:
 
 def main(argv):
     del argv
-    names = ["ablation", "chunking", "capacity", "mixing", "tile"] if _TABLE.value == "all" else [_TABLE.value]
+    names = (["ablation", "chunking", "capacity", "mixing", "tile", "disagg"] if _TABLE.value == "all"
+             else [_TABLE.value])
     result = {}
     for name in names:
         if name == "ablation":
@@ -167,7 +228,8 @@ def main(argv):
         elif name == "capacity":
             result[name] = table_capacity(_WORKDIR.value, _PARALLEL.value)
         else:
-            result[name] = {"chunking": table_chunking, "mixing": table_mixing, "tile": table_tile}[name]()
+            result[name] = {"chunking": table_chunking, "mixing": table_mixing, "tile": table_tile,
+                            "disagg": table_disagg}[name]()
         print(render(name, result[name]) + "\n", file=sys.stderr)
     print(json.dumps(result, indent=2))
 

@@ -15,7 +15,8 @@ CONFIGS = [("configs/serve.py", None), ("configs/sweeps/budget.py", "real"), ("c
            ("configs/sim/chat10k.py", None), ("configs/sim/fidelity_cpu.py", None),
            ("configs/sim/paper_base.py", "yi34b"), ("configs/sim/paper_base.py", "mistral7b"),
            ("configs/sim/capacity_paper.py", "mistral7b-sarathi-strict"),
-           ("configs/sim/capacity_paper.py", "yi34b-orca-relaxed")]
+           ("configs/sim/capacity_paper.py", "yi34b-orca-relaxed"),
+           ("configs/sim/disagg_paper.py", "1p1d-chat"), ("configs/sim/disagg_paper.py", "2xtp1-arxiv")]
 
 
 @pytest.mark.parametrize("path,arg", CONFIGS)

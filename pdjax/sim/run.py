@@ -16,7 +16,8 @@ Rules (each chosen so a simulated run answers "what would the real engine do wit
 - Workload: `make_workload(cfg.workload, cfg.seed)`, offline mode puts every arrival at 0, as the engine does.
   Requests carry no stop token (the simulator cannot know when a model would emit EOS): they run to max_tokens.
 - Scope: colocated deployments (replicas behind a router), the engine's synchronous loop or, with
-  engine.async_scheduling=True, its asynchronous one; a disaggregated deployment fails with a clear error.
+  engine.async_scheduling=True, its asynchronous one; deployment.kind='disaggregated' dispatches to
+  pdjax.sim.disagg (prefill and decode instances, one KV transfer per request; its rules are documented there).
 - Outputs: `write_run_outputs` (results.json, CSVs, plots) plus a "sim" block in results.json (speed in
   simulated iterations per wall second, hardware, profile, pages, KV capacity).
 No JAX.
@@ -94,8 +95,9 @@ def check_supported(cfg) -> None:
     """The simulator replays the colocated engine's loops; say so for anything else."""
     deployment = getattr(cfg, "deployment", None)
     if deployment is not None and deployment.kind != "colocated":
-        raise ValueError(f"deployment.kind={deployment.kind!r}: the simulator models colocated instances only "
-                         f"(sim.num_replicas behind sim.router); expected 'colocated'")
+        raise ValueError(f"deployment.kind={deployment.kind!r}: build_setup resolves colocated deployments "
+                         f"(expected 'colocated'); a disaggregated one is built by "
+                         f"pdjax.sim.disagg.build_disagg_setup (simulate_config dispatches to it)")
 
 
 def build_setup(cfg) -> SimSetup:
@@ -140,9 +142,19 @@ def build_instances(cfg, setup: SimSetup) -> List[SimInstance]:
             for i in range(cfg.sim.num_replicas)]
 
 
+def is_disaggregated(cfg) -> bool:
+    deployment = getattr(cfg, "deployment", None)
+    return deployment is not None and deployment.kind == "disaggregated"
+
+
 def simulate_config(cfg, workload=None) -> Tuple[SimResult, SimSetup]:
-    """Simulate a ServeConfig (workload: WorkloadRequests, default make_workload(cfg.workload, cfg.seed))."""
+    """Simulate a ServeConfig (workload: WorkloadRequests, default make_workload(cfg.workload, cfg.seed)).
+    A disaggregated deployment returns pdjax.sim.disagg's (DisaggSimResult, DisaggSetup)."""
     from pdjax.workload import make_workload  # noqa: PLC0415
+
+    if is_disaggregated(cfg):
+        from pdjax.sim.disagg import simulate_disaggregated_config  # noqa: PLC0415
+        return simulate_disaggregated_config(cfg, workload)
 
     setup = build_setup(cfg)
     if workload is None:
@@ -156,6 +168,9 @@ def simulate_config(cfg, workload=None) -> Tuple[SimResult, SimSetup]:
 
 
 def sim_info(result: SimResult, setup: SimSetup, cfg) -> dict:
+    if is_disaggregated(cfg):
+        from pdjax.sim.disagg import disagg_sim_info  # noqa: PLC0415
+        return disagg_sim_info(result, setup, cfg)
     return {
         "iterations_per_s": result.iterations_per_s,
         "wall_s": result.wall_s,
@@ -179,8 +194,10 @@ def run_sim(cfg, config_dict, workdir: str, *, plots: bool = True) -> dict:
     from pdjax.metrics import write_run_outputs  # noqa: PLC0415
 
     result, setup = simulate_config(cfg)
-    extra = {"engine": {"backend": "sim", "policy": cfg.scheduler.policy, "mode": cfg.engine.mode,
-                        "wall_s": result.wall_s, "num_iterations": result.num_iterations},
-             "sim": sim_info(result, setup, cfg)}
+    engine = {"backend": "sim", "policy": cfg.scheduler.policy, "mode": cfg.engine.mode,
+              "wall_s": result.wall_s, "num_iterations": result.num_iterations}
+    if is_disaggregated(cfg):
+        engine.update(deployment="disaggregated", policy="prefill_only+decode_only")
+    extra = {"engine": engine, "sim": sim_info(result, setup, cfg)}
     return write_run_outputs(workdir, config_dict, result.requests, result.iterations, cfg.slo.as_dict(),
                              plots=plots, extra=extra)

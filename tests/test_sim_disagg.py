@@ -1,0 +1,360 @@
+"""Simulated disaggregation (pdjax/sim/disagg.py): the prefill_only/decode_only protocol, KV transfer timing,
+backpressure on both sides, determinism, link choice from placement, config errors, run_sim outputs. No JAX."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from pdjax.config.deployment import InstanceGroupConfig, instance_scheduler_config
+from pdjax.config.model_specs import get_model_spec
+from pdjax.config.sampling import SamplingParams
+from pdjax.config.scheduler import SchedulerConfig
+from pdjax.config.serving import serve_config_from_dict
+from pdjax.scheduler import Request, make_scheduler
+from pdjax.sim.cost_model import CostParams, kv_bytes, p2p_time
+from pdjax.sim.disagg import (DisaggSimInstance, build_disagg_setup, kv_link, make_transfer_time,
+                              setup_transfer_time, simulate_disaggregated)
+from pdjax.sim.hardware import get_hardware_spec
+
+TICK = 1.0 / 1024   # dyadic times: exact float sums
+
+
+def step_time(out) -> float:
+    ctx_pages = sum((c + n) // 64 for c, n in zip(out.num_computed_tokens, out.num_new_tokens))
+    return TICK * (3 + out.total_tokens // 8 + ctx_pages)
+
+
+def tokens_transfer(ticks_per_page: int = 2, fixed: int = 1):
+    """A toy transfer time: fixed + per 16 tokens, in ticks (scales with prompt length)."""
+    def transfer_time(src, dst, num_tokens):
+        return TICK * (fixed + ticks_per_page * -(-num_tokens // 16))
+    return transfer_time
+
+
+def make_requests(n, seed, *, max_prompt=300, max_out=30, rate_ticks=6, min_out=1):
+    rng = random.Random(seed)
+    reqs, t = [], 0
+    for i in range(n):
+        t += rng.randint(0, 2 * rate_ticks)
+        prompt = [rng.randrange(100) for _ in range(rng.randint(1, max_prompt))]
+        reqs.append(Request(f"r{i:03d}", prompt, SamplingParams(max_tokens=rng.randint(min_out, max_out)), t * TICK))
+    return reqs
+
+
+BASE = SchedulerConfig(policy="sarathi", token_budget=128, max_num_seqs=16, max_model_len=512, page_size=16,
+                       num_pages=256)
+
+
+def instances(num_prefill=1, num_decode=1, *, prefill=InstanceGroupConfig(), decode=InstanceGroupConfig(),
+              base=BASE):
+    out = []
+    for role, n, group in (("prefill", num_prefill, prefill), ("decode", num_decode, decode)):
+        cfg = instance_scheduler_config(base, group, role)
+        out.append([DisaggSimInstance(f"{role}{i}", role, make_scheduler(cfg), step_time) for i in range(n)])
+    return out
+
+
+class Recorder:
+    """on_schedule hook: every output per instance, with invariants checked on every scheduler each time."""
+
+    def __init__(self, all_instances):
+        self.all = all_instances
+        self.log = []   # (instance name, role, time, out)
+
+    def __call__(self, inst, out, now):
+        for i in self.all:
+            i.scheduler.check_invariants()
+        self.log.append((inst.name, inst.role, now, out))
+
+
+def run(reqs, num_prefill=1, num_decode=1, transfer=None, **kw):
+    groups = {k: kw.pop(k) for k in ("prefill", "decode", "base") if k in kw}
+    p, d = instances(num_prefill, num_decode, **groups)
+    rec = Recorder(p + d)
+    result = simulate_disaggregated(reqs, p, d, transfer or tokens_transfer(), on_schedule=rec, **kw)
+    return result, p, d, rec
+
+
+# --------------------------------------------------------------------------------------------------- protocol
+@pytest.mark.parametrize("num_prefill,num_decode,router", [(1, 1, "round_robin"), (2, 3, "round_robin"),
+                                                           (2, 2, "least_loaded")])
+def test_protocol_prefill_handoff_transfer_decode(num_prefill, num_decode, router):
+    reqs = make_requests(40, seed=num_prefill * 7 + num_decode)
+    result, p, d, rec = run(reqs, num_prefill, num_decode, router=router)
+    by_id = {r.request_id: r for r in reqs}
+    transfers = {}
+    for t in result.transfers:
+        assert t.request_id not in transfers, f"{t.request_id} handed off twice"
+        transfers[t.request_id] = t
+    # Handed off exactly once unless the first token already ends it (max_tokens == 1).
+    assert set(transfers) == {r.request_id for r in reqs if r.max_tokens > 1}
+    prefill_tokens, decode_tokens, admitted_at = {}, {}, {}
+    for name, role, now, out in rec.log:
+        for rid, n, pre in zip(out.req_ids, out.num_new_tokens, out.is_prefill):
+            if role == "prefill":
+                assert pre, f"{rid}: a decode token on prefill instance {name}"
+                prefill_tokens[rid] = prefill_tokens.get(rid, 0) + n
+            else:
+                assert not pre, f"{rid}: prefill work on decode instance {name} (no preemption expected)"
+                decode_tokens[rid] = decode_tokens.get(rid, 0) + n
+        if role == "decode":
+            for rid in out.kv_handoff_req_ids:
+                assert rid not in admitted_at
+                admitted_at[rid] = (name, now)
+    for rec_ in result.requests:
+        req = by_id[rec_.request_id]
+        assert rec_.finish_reason == "length" and rec_.num_output_tokens == req.max_tokens
+        assert prefill_tokens[req.request_id] == req.num_prompt_tokens       # whole prompt, prefill side only
+        assert decode_tokens.get(req.request_id, 0) == req.max_tokens - 1
+        if req.max_tokens == 1:
+            continue
+        t = transfers[req.request_id]
+        assert t.num_tokens == req.num_prompt_tokens
+        # TTFT is stamped on the prefill instance: the handoff (transfer ready) is the first token's time, at
+        # the end of an iteration of the source prefill instance.
+        assert t.ready_time == rec_.token_times[0] == rec_.first_token_time
+        assert any(it.instance == t.src and it.end_time == t.ready_time for it in result.iterations)
+        # Admission on the decode instance the KV went to, no earlier than the KV's arrival; later tokens after it.
+        name, when = admitted_at[req.request_id]
+        assert name == t.dst and when >= t.end_time >= t.start_time >= t.ready_time
+        assert rec_.token_times[1] - rec_.token_times[0] >= t.seconds > 0
+    for inst in p + d:   # nothing leaked on either side
+        s = inst.scheduler
+        s.check_invariants()
+        assert not s.has_unfinished() and s.num_held == 0
+        assert s.block_manager.num_free_pages == s.config.num_pages
+    names = {it.instance for it in result.iterations}
+    assert names == {f"prefill{i}" for i in range(num_prefill)} | {f"decode{i}" for i in range(num_decode)}
+    for name in names:   # per-instance step indices, as the real engine numbers them
+        steps = [it.step for it in result.iterations if it.instance == name]
+        assert steps == list(range(len(steps)))
+
+
+def test_transfers_on_one_link_are_serialized_unless_disabled():
+    reqs = [Request(f"r{i}", [1] * 256, SamplingParams(max_tokens=4), 0.0) for i in range(6)]
+    slow = tokens_transfer(ticks_per_page=50)
+    fresh = [Request(r.request_id, r.prompt_token_ids, r.sampling, 0.0) for r in reqs]
+    serial, *_ = run(fresh, transfer=slow)
+    ts = sorted(serial.transfers, key=lambda t: t.start_time)
+    assert all(b.start_time >= a.end_time for a, b in zip(ts, ts[1:]))
+    assert max(t.queue_s for t in ts) > 0
+    parallel, *_ = run(reqs, transfer=slow, serialize_transfers=False)
+    assert all(t.queue_s == 0 for t in parallel.transfers)
+    assert parallel.transfer_summary()["num_transfers"] == serial.transfer_summary()["num_transfers"] == 6
+
+
+# --------------------------------------------------------------------------------------------------- timing
+def test_transfer_time_scales_with_prompt_and_bandwidth():
+    model = get_model_spec("llama-2-13b")
+    params = CostParams()
+    fast = make_transfer_time(model, 300e9, 2e-6, 1, params)
+    slow = make_transfer_time(model, 25e9, 5e-6, 1, params)
+    for n in (1, 100, 1000, 4000):
+        assert fast(n) == pytest.approx(p2p_time(kv_bytes(model, n), 300e9, 2e-6, params))
+        assert slow(n) > fast(n)
+    # linear in tokens: equal steps in tokens give equal steps in time, at 1 / (bandwidth * efficiency) per byte
+    per_byte = (fast(2000) - fast(1000)) / (kv_bytes(model, 1000))
+    assert per_byte == pytest.approx(1 / (300e9 * params.comm_bandwidth_efficiency), rel=1e-9)
+    assert make_transfer_time(model, 300e9, 2e-6, 2, params)(1000) < fast(1000)   # two streams in parallel
+
+
+@pytest.mark.parametrize("prompt", [16, 17, 200, 500])
+def test_slower_link_widens_the_first_to_second_token_gap(prompt):
+    model = get_model_spec("llama-2-13b")
+
+    def gap_and_transfer(bandwidth):
+        fn = make_transfer_time(model, bandwidth, 5e-6)
+        req = Request("a", [3] * prompt, SamplingParams(max_tokens=3), 0.0)
+        result, *_ = run([req], transfer=lambda s, d, n: fn(n))
+        (rec,) = result.requests
+        return rec.token_times[1] - rec.token_times[0], fn(prompt)
+
+    gap_fast, t_fast = gap_and_transfer(100e9)
+    gap_slow, t_slow = gap_and_transfer(1e9)
+    assert gap_slow > gap_fast and gap_fast >= t_fast and gap_slow >= t_slow
+    # alone in the system, the gap is transfer + one decode step: the difference is the transfer difference
+    assert gap_slow - gap_fast == pytest.approx(t_slow - t_fast, rel=1e-9)
+
+
+def test_kv_link_from_placement():
+    sxm = get_hardware_spec("a100-80gb-sxm")          # 8 per node, NVSwitch
+    assert kv_link(sxm, (0,), (1,)) == (sxm.intra_node_bandwidth, sxm.intra_node_latency, 1)
+    assert kv_link(sxm, (0,), (8,)) == (sxm.inter_node_bandwidth, sxm.inter_node_latency, 1)
+    assert kv_link(sxm, (0, 1), (2,))[2] == 1 and kv_link(sxm, (0, 1), (2, 3))[2] == 2
+    assert kv_link(sxm, (6, 7), (8, 9))[0] == sxm.inter_node_bandwidth
+    pcie = get_hardware_spec("a100-80gb-pcie")        # NVLink pairs, PCIe between pairs
+    assert kv_link(pcie, (0,), (1,))[0] == pcie.pairwise_bandwidth
+    assert kv_link(pcie, (1,), (2,))[0] == pcie.intra_node_bandwidth < pcie.pairwise_bandwidth
+    with pytest.raises(ValueError, match="at least one device"):
+        kv_link(sxm, (), (1,))
+
+
+# --------------------------------------------------------------------------------------------------- backpressure
+def test_decode_backpressure_few_pages_still_finishes():
+    reqs = make_requests(30, seed=5, max_prompt=200, max_out=40, min_out=2, rate_ticks=1)
+    small = InstanceGroupConfig(num_pages=20)         # 320 tokens: one or two requests at a time
+    base = dataclasses.replace(BASE, max_model_len=256)
+    result, p, d, rec = run(reqs, decode=small, base=base)
+    assert all(r.finish_reason == "length" for r in result.requests)
+    _, _, _, roomy = run(make_requests(30, seed=5, max_prompt=200, max_out=40, min_out=2, rate_ticks=1))
+
+    def peak(recorder):
+        return max(len(out.req_ids) for _, role, _, out in recorder.log if role == "decode")
+    assert peak(rec) < peak(roomy)
+    # Some requests waited with their KV arrived: admitted more than 4 decode steps after it landed.
+    admitted = {rid: now for _, role, now, out in rec.log if role == "decode" for rid in out.kv_handoff_req_ids}
+    waits = [admitted[t.request_id] - t.end_time for t in result.transfers]
+    assert max(waits) > 4 * step_time_bound()
+    for inst in p + d:
+        assert inst.scheduler.block_manager.num_free_pages == inst.scheduler.config.num_pages
+
+
+def step_time_bound() -> float:
+    """An upper bound on one decode step of the toy cost with <= 16 sequences of <= 512 tokens."""
+    return TICK * (3 + 16 // 8 + 16 * 512 // 64)
+
+
+def test_prefill_pages_stay_held_until_the_transfer_lands():
+    # The prefill side holds one request's pages at a time: the next prefill starts only after the release.
+    base = dataclasses.replace(BASE, watermark=0.0, max_model_len=80)
+    reqs = [Request(f"r{i}", [1] * 64, SamplingParams(max_tokens=2), 0.0) for i in range(3)]
+    result, p, d, rec = run(reqs, prefill=InstanceGroupConfig(num_pages=5), base=base,
+                            transfer=tokens_transfer(ticks_per_page=100))
+    first_sched = {}
+    for _, role, now, out in rec.log:
+        if role == "prefill":
+            for rid in out.req_ids:
+                first_sched.setdefault(rid, now)
+    ends = {t.request_id: t.end_time for t in result.transfers}
+    order = sorted(first_sched, key=first_sched.get)
+    for a, b in zip(order, order[1:]):
+        assert first_sched[b] >= ends[a]
+    assert all(r.finish_reason == "length" for r in result.requests)
+
+
+# --------------------------------------------------------------------------------------------------- determinism
+def test_deterministic():
+    def once():
+        result, *_ = run(make_requests(40, seed=11), 2, 2, router="least_loaded")
+        return ([dataclasses.astuple(r) for r in result.requests], [dataclasses.astuple(i) for i in result.iterations],
+                [dataclasses.astuple(t) for t in result.transfers])
+    assert once() == once()
+
+
+# --------------------------------------------------------------------------------------------------- errors
+def gpu_config(**deployment):
+    return {
+        "backend": "sim", "seed": 3, "model": {"checkpoint": "llama-2-13b"},
+        "engine": {"mode": "online", "progress": False},
+        "scheduler": {"policy": "sarathi", "token_budget": 512, "max_num_seqs": 64, "max_model_len": 4096,
+                      "page_size": 16, "num_pages": 1024},
+        "workload": {"preset": "chat", "num_requests": 30, "rate": 2.0, "vocab_size": 32000,
+                     "max_model_len": 4096, "fit_to_model": True},
+        "slo": {"ttft": 2.0, "tpot": 0.1},
+        "sim": {"hardware": "a100-80gb-sxm"},
+        "deployment": {"kind": "disaggregated", **deployment},
+    }
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda c: c["scheduler"].update(policy="vllm_v1"), "scheduler.policy='vllm_v1'"),
+    (lambda c: c["sim"].update(num_replicas=2), "sim.num_replicas=2"),
+    (lambda c: c["sim"].update(tp=2), "sim.tp=2"),
+    (lambda c: c["engine"].update(async_scheduling=True), "async_scheduling"),
+    (lambda c: c["deployment"].update(decode={"tp": 3}), "deployment.decode.tp=3"),
+])
+def test_config_errors_are_clear(change, match):
+    config = gpu_config()
+    change(config)
+    with pytest.raises(ValueError, match=match):
+        build_disagg_setup(serve_config_from_dict(config))
+
+
+def test_instance_and_argument_errors():
+    p, d = instances()
+    with pytest.raises(ValueError, match="needs a 'decode_only' scheduler"):
+        DisaggSimInstance("decode9", "decode", make_scheduler(BASE), step_time)
+    with pytest.raises(ValueError, match="role='mixed'"):
+        DisaggSimInstance("x", "mixed", p[0].scheduler, step_time)
+    with pytest.raises(ValueError, match="at least one decode"):
+        simulate_disaggregated([], p, [], tokens_transfer())
+    with pytest.raises(ValueError, match="given as prefill"):
+        simulate_disaggregated([], d, d, tokens_transfer())
+    with pytest.raises(ValueError, match="router='random'"):
+        simulate_disaggregated([], p, d, tokens_transfer(), router="random")
+    other = instance_scheduler_config(dataclasses.replace(BASE, page_size=32), InstanceGroupConfig(), "decode")
+    with pytest.raises(ValueError, match="same page_size"):
+        simulate_disaggregated([], p, [DisaggSimInstance("decode0", "decode", make_scheduler(other), step_time)],
+                               tokens_transfer())
+    with pytest.raises(ValueError, match="bandwidth=0"):
+        make_transfer_time(get_model_spec("llama-2-7b"), 0, 1e-6)
+
+
+def test_decode_pool_too_small_for_a_max_length_request_fails_at_build():
+    with pytest.raises(ValueError, match="num_pages=8"):
+        instances(decode=InstanceGroupConfig(num_pages=8))
+
+
+# --------------------------------------------------------------------------------------------------- configs
+def test_pages_and_links_from_the_config():
+    from pdjax.sim.cost_model import kv_cache_capacity_tokens
+    cfg = serve_config_from_dict(gpu_config(prefill={"tp": 2, "token_budget": 2048},
+                                            decode={"num_instances": 2, "num_pages": 777}))
+    setup = build_disagg_setup(cfg)
+    model, hw = get_model_spec("llama-2-13b"), get_hardware_spec("a100-80gb-sxm")
+    g = setup.groups["prefill"]
+    cap = kv_cache_capacity_tokens(model, hw, 2, 1, 0.9, max_num_batched_tokens=2048, max_num_seqs=64)
+    assert g.kv_capacity_tokens == cap and g.scheduler_config.num_pages == cap // 16
+    assert g.scheduler_config.policy == "prefill_only" and g.devices == ((0, 1),)
+    assert setup.groups["decode"].scheduler_config.num_pages == 777
+    assert setup.groups["decode"].devices == ((2,), (3,))
+    # Placement picks the link: decode on another node -> the inter-node network, slower than NVSwitch.
+    near = setup_transfer_time(setup)
+    far_cfg = serve_config_from_dict(gpu_config(prefill={"devices": [0]}, decode={"devices": [8]}))
+    far = setup_transfer_time(build_disagg_setup(far_cfg))
+    p, d = instances()
+    p[0].name, d[0].name = "prefill0", "decode0"
+    assert far(p[0], d[0], 1000) > near(p[0], d[0], 1000) > 0
+
+
+def test_run_sim_writes_outputs_with_transfer_stats(tmp_path):
+    from pdjax.sim.run import run_sim
+    config = gpu_config(prefill={"token_budget": 2048})
+    summary = run_sim(serve_config_from_dict(config), config, str(tmp_path), plots=False)
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk["num_completed"] == summary["num_completed"] == 30
+    kv = on_disk["sim"]["kv_transfer"]
+    assert 0 < kv["num_transfers"] <= 30 and kv["kv_bytes"] > 0
+    assert kv["transfer_s"]["p99"] >= kv["transfer_s"]["mean"] > 0
+    assert on_disk["engine"]["deployment"] == "disaggregated"
+    iters = (tmp_path / "iterations.csv").read_text()
+    assert "prefill0" in iters and "decode0" in iters
+
+
+def test_disagg_paper_config_validates_and_imports_no_jax():
+    from pdjax.config.files import config_file
+    from pdjax.experiment.run import to_plain_dict
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for arg in ("2xtp1-chat", "1xtp2-chat", "1p1d-chat", "1p1d-arxiv"):
+        cfg = serve_config_from_dict(to_plain_dict(config_file(str(root / "README.md"),
+                                                               "configs/sim/disagg_paper.py", arg)))
+        assert cfg.backend == "sim"
+    out = subprocess.run([sys.executable, "-c", "import sys, pdjax.sim.disagg; print('jax' in sys.modules)"],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_empty_workload_and_capacity_probe():
+    p, d = instances()
+    result = simulate_disaggregated([], p, d, tokens_transfer())
+    assert result.requests == [] and result.iterations == [] and result.transfer_summary()["num_transfers"] == 0
+    from pdjax.sim.capacity import simulate_summary   # capacity search runs disaggregated configs too
+    low, high = (simulate_summary(gpu_config(), rate) for rate in (0.5, 50.0))
+    assert low["sim"]["deployment"] == "disaggregated" and low["num_completed"] == high["num_completed"] == 30
+    assert high["ttft"]["p99"] > low["ttft"]["p99"]
