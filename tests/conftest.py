@@ -1,16 +1,26 @@
-"""Test setup: 8 fake CPU devices for mesh tests, set before JAX is imported anywhere."""
+"""Test setup: 8 fake CPU devices for mesh tests, set before JAX is imported anywhere (pytest_configure runs
+before test modules are collected).
+
+The default run is CPU-only (JAX_PLATFORMS=cpu), so results do not depend on an accelerator being present.
+Selecting the accelerator tests (`pytest -m gpu` / `-m tpu`) leaves the platform to JAX, so they run compiled.
+"""
 import os
-
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_flags = os.environ.get("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
-
 import pathlib
+import re
 
 import pytest
 
 SHARED_DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def pytest_configure(config):
+    markexpr = config.getoption("markexpr", "") or ""
+    wants_accelerator = re.search(r"(?<!not )\b(gpu|tpu)\b", markexpr) is not None
+    if not wants_accelerator:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 
 
 @pytest.fixture
