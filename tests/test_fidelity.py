@@ -11,7 +11,6 @@ reports the actual errors.
 """
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 
 import pytest
@@ -19,16 +18,14 @@ import pytest
 pytest.importorskip("jax")
 
 from experiments.sim_fidelity import MUST_HOLD, run_fidelity  # noqa: E402
+from pdjax.config.files import config_file  # noqa: E402
 from pdjax.experiment.run import to_plain_dict  # noqa: E402
 
 CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "sim" / "fidelity_cpu.py"
 
 
 def fidelity_config(arg: str) -> dict:
-    spec = importlib.util.spec_from_file_location("_fidelity_cfg", CONFIG)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return to_plain_dict(module.get_config(arg))
+    return to_plain_dict(config_file(str(CONFIG), CONFIG.name, arg))
 
 
 def check_consistent(report: dict) -> None:

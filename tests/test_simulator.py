@@ -266,15 +266,10 @@ def test_padded_cost_is_a_step_function_of_the_bucket():
 
 # ------------------------------------------------------------------------------------------------ speed
 def _chat_config(num_requests: int):
-    import importlib.util
-    import pathlib
+    from pdjax.config.files import config_file
     from pdjax.config.serving import serve_config_from_dict
     from pdjax.experiment.run import to_plain_dict
-    path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "sim" / "chat10k.py"
-    spec = importlib.util.spec_from_file_location("_chat10k", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    d = to_plain_dict(module.get_config())
+    d = to_plain_dict(config_file(__file__, "../configs/sim/chat10k.py"))
     d["workload"]["num_requests"] = num_requests
     return serve_config_from_dict(d)
 
