@@ -10,7 +10,7 @@ setup(
     package_data={"pdjax.sim": ["profiles/*.json"]},
     python_requires=">=3.10",
     install_requires=[
-        # Tested with jax/jaxlib 0.10.2 (CPU) and 0.11.2 (CUDA 13).
+        # Tested with jax/jaxlib 0.10.2 on CPU; the upper bounds admit 0.11.x, which the GPU image carries (untested).
         "jax>=0.10.0,<0.13",
         "jaxlib>=0.10.0,<0.13",
         "flax>=0.12.0,<0.13",
