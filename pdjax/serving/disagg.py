@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from pdjax.metrics import IterationRecord, request_record
 from pdjax.scheduler import Request, request_from_workload
-from pdjax.serving.engine import EngineResult, TokenCallback
+from pdjax.serving.engine import ArrivalQueue, EngineResult, TokenCallback
 from pdjax.serving.kv_transfer import StagedKV, scatter_kv_pages, transfer_kv
 
 
@@ -200,9 +200,7 @@ class DisaggregatedEngine:
     def run(self, requests: Sequence[Request], *, progress: Optional[Callable[[int], None]] = None
             ) -> DisaggregatedResult:
         """Serve `requests` (scheduler Requests, arrival times relative to the start) until all finish."""
-        pending = sorted(requests, key=lambda r: (r.arrival_time, r.request_id))
-        all_reqs = list(pending)
-        next_arrival = 0
+        arrivals = ArrivalQueue(requests, lambda req: self.prefill_router.pick().scheduler.add_request(req))
         iterations: List[IterationRecord] = []
         transfers: List[TransferRecord] = []
         t0 = self.clock()
@@ -217,21 +215,16 @@ class DisaggregatedEngine:
                 progress(n)
 
         def admit(t: float) -> None:
-            nonlocal next_arrival
-            while next_arrival < len(pending) and pending[next_arrival].arrival_time <= t:
-                if not self.prefill_router.pick().scheduler.add_request(pending[next_arrival]):
-                    done(1)   # rejected at the door
-                next_arrival += 1
+            done(arrivals.admit(t))   # rejected at the door: done at once
 
         def wait_for_arrival() -> None:
-            self._sleep_until(pending[next_arrival].arrival_time, now)
-            admit(max(now(), pending[next_arrival].arrival_time))
+            done(arrivals.wait(now, self.sleep))
 
         admit(now())
         while True:
             busy = [inst for inst in self.instances if inst.scheduler.has_unfinished()]
             if not busy:
-                if next_arrival >= len(pending):
+                if arrivals.exhausted:
                     break
                 wait_for_arrival()
                 continue
@@ -246,7 +239,7 @@ class DisaggregatedEngine:
                 handle = inst.runner.dispatch(out) if self.overlap else None
                 launched.append((inst, out, start, handle))
             if not launched:
-                if next_arrival >= len(pending):
+                if arrivals.exhausted:
                     state = {i.name: (i.scheduler.num_waiting, i.scheduler.num_running) for i in busy}
                     raise RuntimeError(f"no instance can make progress and no arrivals are left: (waiting, "
                                        f"running) per instance {state}")
@@ -278,14 +271,9 @@ class DisaggregatedEngine:
             if not self.overlap:
                 admit(now())
         return DisaggregatedResult(
-            requests=[request_record(r) for r in all_reqs], iterations=iterations,
-            output_tokens={r.request_id: list(r.output_token_ids) for r in all_reqs},
+            requests=[request_record(r) for r in arrivals.pending], iterations=iterations,
+            output_tokens={r.request_id: list(r.output_token_ids) for r in arrivals.pending},
             duration_s=now(), host_overlap_s=overlap_total, transfers=transfers)
-
-    def _sleep_until(self, t: float, now: Callable[[], float]) -> None:
-        wait = t - now()
-        if wait > 0:
-            self.sleep(wait)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -37,13 +37,17 @@ class EngineResult:
     host_overlap_s: float               # host work done while a step was in flight
 
 
-class _Arrivals:
-    """Requests not yet handed to the scheduler, in arrival order."""
+class ArrivalQueue:
+    """Requests not yet handed to a scheduler, in arrival order (times relative to the run's start).
 
-    def __init__(self, requests: Sequence[Request], scheduler):
+    add(req) -> bool hands a request over (False: rejected at the door); `admit(t)` adds every request that has
+    arrived by t and returns how many were rejected; `wait(now, sleep)` sleeps until the next arrival and admits it.
+    Shared by the colocated and the disaggregated engine."""
+
+    def __init__(self, requests: Sequence[Request], add: Callable[[Request], bool]):
         self.pending = sorted(requests, key=lambda r: (r.arrival_time, r.request_id))
         self.next = 0
-        self.scheduler = scheduler
+        self.add = add
 
     @property
     def exhausted(self) -> bool:
@@ -53,10 +57,20 @@ class _Arrivals:
     def next_time(self) -> float:
         return self.pending[self.next].arrival_time
 
-    def admit(self, t: float) -> None:
+    def admit(self, t: float) -> int:
+        rejected = 0
         while self.next < len(self.pending) and self.pending[self.next].arrival_time <= t:
-            self.scheduler.add_request(self.pending[self.next])
+            rejected += not self.add(self.pending[self.next])
             self.next += 1
+        return rejected
+
+    def wait(self, now: Callable[[], float], sleep: Callable[[float], None]) -> int:
+        """Sleep until the next arrival, then admit; returns the rejections."""
+        target = self.next_time
+        if target - now() > 0:
+            sleep(target - now())
+        # max(): a clock that rounds may read a hair before the arrival it slept for.
+        return self.admit(max(now(), target))
 
 
 class ColocatedEngine:
@@ -84,7 +98,7 @@ class ColocatedEngine:
         self._iterations: List[IterationRecord] = []
         self._overlap = 0.0
         self._progress = progress
-        arrivals = _Arrivals(requests, self.scheduler)
+        arrivals = ArrivalQueue(requests, self.scheduler.add_request)
         arrivals.admit(self._now())
         loop = self._run_async if self.async_scheduling else self._run_sync
         loop(arrivals)
@@ -98,18 +112,14 @@ class ColocatedEngine:
     def _now(self) -> float:
         return self.clock() - self._t0
 
-    def _wait_for_arrival(self, arrivals: _Arrivals) -> None:
+    def _wait_for_arrival(self, arrivals: ArrivalQueue) -> None:
         """Sleep until the next arrival and admit it; raise if there is none (the run could never progress)."""
         sched = self.scheduler
         if arrivals.exhausted:
             raise RuntimeError(
                 f"scheduler returned an empty batch with {sched.num_waiting} waiting and {sched.num_running} "
                 "running requests and no arrivals left: it cannot make progress")
-        wait = arrivals.next_time - self._now()
-        if wait > 0:
-            self.sleep(wait)
-        # max(): a clock that rounds may read a hair before the arrival it slept for.
-        arrivals.admit(max(self._now(), arrivals.next_time))
+        arrivals.wait(self._now, self.sleep)
 
     def _record(self, out, sampled, start: float, end: float, finished) -> None:
         self._iterations.append(IterationRecord(
@@ -123,7 +133,7 @@ class ColocatedEngine:
         if finished and self._progress is not None:
             self._progress(len(finished))
 
-    def _run_sync(self, arrivals: _Arrivals) -> None:
+    def _run_sync(self, arrivals: ArrivalQueue) -> None:
         sched = self.scheduler
         while True:
             if not sched.has_unfinished():
@@ -146,7 +156,7 @@ class ColocatedEngine:
             finished = sched.update(out, sampled, end)
             self._record(out, sampled, start, end, finished)
 
-    def _run_async(self, arrivals: _Arrivals) -> None:
+    def _run_async(self, arrivals: ArrivalQueue) -> None:
         sched = self.scheduler
         in_flight = None    # (out, handle, start, placeholders) of the dispatched, uncollected step
         while True:
