@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Tuple
 
+from pdjax.config.parse import dataclass_from_dict
+
 DEPLOYMENT_KINDS = ("colocated", "disaggregated")
 ROUTERS = ("round_robin", "least_loaded")
 
@@ -164,24 +166,4 @@ def instance_scheduler_config(base, group: InstanceGroupConfig, role: str):
 
 def deployment_from_dict(d) -> DeploymentConfig:
     """DeploymentConfig from the nested dict of a config file's `deployment` block (unknown keys fail)."""
-    d = dict(d or {})
-    known = {f.name for f in dataclasses.fields(DeploymentConfig)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-        raise ValueError(f"unknown config key(s) {', '.join('deployment.' + k for k in unknown)}; known keys of "
-                         f"deployment: {', '.join(sorted(known))}")
-    groups = {}
-    for role in ("prefill", "decode"):
-        g = dict(d.pop(role, None) or {})
-        gknown = {f.name for f in dataclasses.fields(InstanceGroupConfig)}
-        gunknown = sorted(set(g) - gknown)
-        if gunknown:
-            raise ValueError(f"unknown config key(s) {', '.join(f'deployment.{role}.{k}' for k in gunknown)}; "
-                             f"known keys: {', '.join(sorted(gknown))}")
-        if "devices" in g:
-            g["devices"] = tuple(g["devices"])
-        try:
-            groups[role] = InstanceGroupConfig(**g)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"deployment.{role}: {e}") from None
-    return DeploymentConfig(prefill=groups["prefill"], decode=groups["decode"], **d)
+    return dataclass_from_dict(DeploymentConfig, d, "deployment")

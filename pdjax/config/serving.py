@@ -6,10 +6,10 @@ unknown key or a bad value fails here, at start-up, naming the key path.
 from __future__ import annotations
 
 import dataclasses
-import typing
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Mapping, Tuple
 
 from pdjax.config.deployment import DeploymentConfig, deployment_from_dict
+from pdjax.config.parse import coerce, dataclass_from_dict
 
 BACKENDS = ("real", "sim")
 MODES = ("online", "offline")
@@ -98,45 +98,6 @@ class SimConfig:
             raise ValueError(f"sim.gpu_memory_utilization={self.gpu_memory_utilization!r}, expected in (0, 1]")
 
 
-def _coerce(tp: Any, value: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin is tuple or tp is tuple:
-        if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-            raise ValueError(f"{where}={value!r}, expected a sequence")
-        return tuple(value)
-    if origin is typing.Union:  # Optional[X]
-        if value is None:
-            return None
-        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
-        return _coerce(inner, value, where)
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp in (int, float, str, bool) and not isinstance(value, tp):
-        raise ValueError(f"{where}={value!r}, expected {tp.__name__}")
-    if tp is int and isinstance(value, bool):
-        raise ValueError(f"{where}={value!r}, expected int")
-    return value
-
-
-def dataclass_from_dict(cls, values: Optional[Mapping[str, Any]], where: str):
-    """Build dataclass `cls` from a mapping; unknown keys and wrongly typed values fail naming `where.key`."""
-    values = dict(values or {})
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - fields)
-    if unknown:
-        raise ValueError(f"unknown config key(s) {', '.join(where + '.' + k for k in unknown)}; "
-                         f"known keys of {where}: {', '.join(sorted(fields))}")
-    kwargs = {}
-    for key, value in values.items():
-        tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            kwargs[key] = dataclass_from_dict(tp, value, f"{where}.{key}")
-        else:
-            kwargs[key] = _coerce(tp, value, f"{where}.{key}")
-    return cls(**kwargs)
-
-
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
     backend: str
@@ -164,12 +125,12 @@ def serve_config_from_dict(d: Mapping[str, Any]) -> ServeConfig:
     unknown = sorted(set(d) - top)
     if unknown:
         raise ValueError(f"unknown config key(s) {unknown}; known top-level keys: {sorted(top)}")
-    backend = _coerce(str, d.get("backend", "real"), "backend")
+    backend = coerce(str, d.get("backend", "real"), "backend")
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}, expected one of {BACKENDS}")
     return ServeConfig(
         backend=backend,
-        seed=_coerce(int, d.get("seed", 0), "seed"),
+        seed=coerce(int, d.get("seed", 0), "seed"),
         model=dataclass_from_dict(ModelConfig, d.get("model"), "model"),
         engine=dataclass_from_dict(EngineConfig, d.get("engine"), "engine"),
         scheduler=dataclass_from_dict(SchedulerConfig, d.get("scheduler"), "scheduler"),
