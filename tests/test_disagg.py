@@ -270,7 +270,8 @@ def test_transfer_warmup_compiles_every_size_up_front_and_is_harmless(runners, p
 
 def test_least_loaded_router_picks_the_emptiest_instance():
     from pdjax.scheduler import Request
-    from pdjax.serving.disagg import Instance, Router
+    from pdjax.scheduler.routing import InstanceRouter as Router
+    from pdjax.serving.disagg import Instance
     prefill = [Instance(f"prefill{i}", "prefill", None, _sched("prefill_only")) for i in range(2)]
     router = Router("least_loaded", prefill)
     req = lambda rid, n: Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=2), 0.0)  # noqa: E731

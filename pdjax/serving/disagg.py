@@ -29,12 +29,12 @@ Choices and limits:
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from pdjax.metrics import IterationRecord, request_record
 from pdjax.scheduler import Request, request_from_workload
+from pdjax.scheduler.routing import InstanceRouter
 from pdjax.serving.engine import ArrivalQueue, EngineResult, TokenCallback
 from pdjax.serving.kv_transfer import StagedKV, scatter_kv_pages, transfer_kv
 
@@ -86,31 +86,6 @@ class DisaggregatedResult(EngineResult):
                 "bandwidth_bytes_per_s": moved / total_s if total_s > 0 else 0.0}
 
 
-class Router:
-    """Picks an instance for a new request (prefill) or a handed-off one (decode)."""
-
-    def __init__(self, policy: str, instances: Sequence[Instance]):
-        if policy not in ("round_robin", "least_loaded"):
-            raise ValueError(f"router={policy!r}, expected 'round_robin' or 'least_loaded'")
-        if not instances:
-            raise ValueError("a router needs at least one instance")
-        self.policy = policy
-        self.instances = list(instances)
-        self._cycle = itertools.cycle(self.instances)
-
-    @staticmethod
-    def load(inst: Instance) -> int:
-        s = inst.scheduler
-        if inst.role == "prefill":
-            return sum(len(r.all_token_ids) - r.num_computed_tokens for r in itertools.chain(s.running, s.waiting))
-        return s.num_running + s.num_waiting
-
-    def pick(self) -> Instance:
-        if self.policy == "round_robin" or len(self.instances) == 1:
-            return next(self._cycle)
-        return min(self.instances, key=self.load)   # min keeps the first of equals: deterministic
-
-
 class DisaggregatedEngine:
     """Drives prefill and decode instances (see the module docstring)."""
 
@@ -132,8 +107,8 @@ class DisaggregatedEngine:
         if len(set(sizes.values())) != 1:
             raise ValueError(f"all instances need the same page_size (pages move whole), got {sizes}")
         self.prefill, self.decode = prefill, decode
-        self.prefill_router = Router(router, prefill)
-        self.decode_router = Router(router, decode)
+        self.prefill_router = InstanceRouter(router, prefill)
+        self.decode_router = InstanceRouter(router, decode)
         self.clock, self.sleep, self.on_token, self.overlap = clock, sleep, on_token, overlap
         self.transfer = transfer
         self._staged: Dict[str, StagedKV] = {}

@@ -49,6 +49,7 @@ from pdjax.config.buckets import engine_buckets
 from pdjax.config.deployment import instance_scheduler_config
 from pdjax.metrics import IterationRecord, request_record, stats
 from pdjax.scheduler import make_scheduler
+from pdjax.scheduler.routing import InstanceRouter
 from pdjax.sim.cost_model import CostParams, kv_bytes, kv_cache_capacity_tokens, p2p_time
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 from pdjax.sim.simulator import SimResult, placeholder_sample
@@ -110,32 +111,6 @@ class DisaggSimResult(SimResult):
         return {"num_transfers": len(self.transfers), "kv_bytes": sum(t.kv_bytes for t in self.transfers),
                 "transfer_s": stats([t.seconds for t in self.transfers]),
                 "queue_s": stats([t.queue_s for t in self.transfers])}
-
-
-# --------------------------------------------------------------------------------------------------- routing
-class DisaggRouter:
-    """The real engine's router: 'round_robin', or 'least_loaded' (prefill: fewest prompt tokens still to
-    prefill; decode: fewest live requests); ties go to the lowest index."""
-
-    def __init__(self, policy: str, instances: Sequence[DisaggSimInstance]):
-        if policy not in ("round_robin", "least_loaded"):
-            raise ValueError(f"router={policy!r}, expected 'round_robin' or 'least_loaded'")
-        if not instances:
-            raise ValueError("a router needs at least one instance")
-        self.policy, self.instances = policy, list(instances)
-        self._cycle = itertools.cycle(self.instances)
-
-    @staticmethod
-    def load(inst: DisaggSimInstance) -> int:
-        s = inst.scheduler
-        if inst.role == "prefill":
-            return sum(len(r.all_token_ids) - r.num_computed_tokens for r in itertools.chain(s.running, s.waiting))
-        return s.num_running + s.num_waiting
-
-    def pick(self) -> DisaggSimInstance:
-        if self.policy == "round_robin" or len(self.instances) == 1:
-            return next(self._cycle)
-        return min(self.instances, key=self.load)
 
 
 # --------------------------------------------------------------------------------------------------- links
@@ -205,7 +180,7 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[DisaggSimInstan
         raise ValueError(f"all instances need the same page_size (pages move whole), got {sizes}")
 
     wall_start = time.perf_counter()
-    prefill_router, decode_router = DisaggRouter(router, prefill), DisaggRouter(router, decode)
+    prefill_router, decode_router = InstanceRouter(router, prefill), InstanceRouter(router, decode)
     index_of = {id(inst): i for i, inst in enumerate(instances)}
     pending = sorted(requests, key=lambda r: (r.arrival_time, r.request_id))
     iterations: List[IterationRecord] = []
