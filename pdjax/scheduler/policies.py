@@ -160,6 +160,8 @@ class VllmV1Scheduler(Scheduler):
                 if n_dec >= decode_cap:
                     continue
                 table = req.page_table
+                # Same inlined emission as Scheduler._decode_pass, kept inline because it is the per-decode hot
+                # loop (experiments/bench_scheduler); vllm_v1 cannot reuse _decode_pass, which defers prefills.
                 if c < len(table) * ps or bm._free or bm._free_cached:   # fast path: no preemption
                     if c >= len(table) * ps:
                         bm.allocate(table, 1)
