@@ -16,7 +16,7 @@ from pdjax.models import byte_tokenizer
 
 
 def sample_text_output(workdir: str):
-    """(request id, decoded text) of the longest output when the model is byte-level; None otherwise."""
+    """(request id, decoded text) of the output with the most letters when the model is byte-level; None otherwise."""
     path = os.path.join(workdir, "outputs.json")
     with open(os.path.join(workdir, "config.json")) as f:
         checkpoint = json.load(f).get("model", {}).get("checkpoint", "")
@@ -24,8 +24,9 @@ def sample_text_output(workdir: str):
         return None
     with open(path) as f:
         outputs = json.load(f)
-    rid = max(outputs, key=lambda r: len(outputs[r]))
-    return rid, byte_tokenizer.decode(outputs[rid])
+    texts = {rid: byte_tokenizer.decode(ids) for rid, ids in outputs.items()}
+    rid = max(texts, key=lambda r: (sum(ch.isalpha() for ch in texts[r]), r))   # the most wordy one
+    return rid, texts[rid]
 
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/serve.py", "Serve config file.")
