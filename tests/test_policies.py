@@ -10,7 +10,8 @@ from pdjax.config.scheduler import CHUNKING_POLICIES, STALL_FREE_POLICIES, Sched
 from pdjax.scheduler import Request, make_scheduler
 from pdjax.scheduler.fake_runner import drive, fake_token
 
-COLOCATED = ["vllm_v0", "orca", "decode_first", "sarathi", "chunked_only", "vllm_v1", "prefill_only"]
+COLOCATED = ["vllm_v0", "orca", "decode_first", "sarathi", "chunked_only", "chunked_prefill_first", "vllm_v1",
+             "prefill_only"]
 FINISH_REASONS = {"length", "stop", "handoff", "rejected"}
 
 
@@ -46,6 +47,7 @@ class Checker:
         self.cfg = sched.config
         self.decoders_before = []
         self.sealed = False
+        self.last_was_prefill = False   # chunked_only: the previous batch was a prefill turn
         self.max_tokens_seen = 0
         self.kv = [[None] * sched.config.page_size for _ in range(sched.config.num_pages)]
         self.host = {}
@@ -94,8 +96,15 @@ class Checker:
         s.check_invariants()
         self.shadow_kv(out)
         pol = cfg.policy
-        if pol in ("chunked_only", "vllm_v0", "decode_first"):
+        if pol in ("chunked_only", "chunked_prefill_first", "vllm_v0", "decode_first"):
             assert not (out.num_prefill_tokens and out.num_decode_tokens), f"{pol} mixed prefill and decode"
+        if pol == "chunked_only":
+            # alternation: after a prefill turn, running decodes get the next batch (never two prefill turns
+            # in a row while a decode waits)
+            preempted = set(out.preempted_req_ids)
+            if self.last_was_prefill and any(r.request_id not in preempted for r in self.decoders_before):
+                assert out.num_decode_tokens > 0, "chunked_only ran two prefill turns while decodes waited"
+            self.last_was_prefill = out.num_prefill_tokens > 0
         if pol in ("vllm_v0", "orca", "decode_first"):
             assert all(smp for smp, pre in zip(out.do_sample, out.is_prefill) if pre), f"{pol} split a prompt"
         if pol == "decode_first":
@@ -342,8 +351,9 @@ def test_priority_ordering_and_victim_choice():
     sched.add_request(Request("low", [1, 2], SamplingParams(max_tokens=2), 0.0, priority=5))
     sched.add_request(Request("high", [1, 2], SamplingParams(max_tokens=2), 1.0, priority=0))
     assert sched.schedule(2.0).req_ids == ["high"]
-    # victim choice: lowest priority (largest value), then latest arrival
-    cfg = SchedulerConfig(policy="vllm_v1", token_budget=64, max_num_seqs=4, max_model_len=32, page_size=4,
+    # victim choice (the shared rule; vllm_v1 has vLLM's, see test_policy_fidelity.py): lowest priority
+    # (largest value), then latest arrival, among requests not yet scheduled in this step
+    cfg = SchedulerConfig(policy="sarathi", token_budget=64, max_num_seqs=4, max_model_len=32, page_size=4,
                           num_pages=9, watermark=0.0)
     sched = make_scheduler(cfg)
     for rid, prio, t in (("a", 0, 0.0), ("b", 1, 0.1), ("c", 0, 0.2)):

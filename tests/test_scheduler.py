@@ -36,6 +36,9 @@ def step(s, now=0.0):
     (dict(preemption_mode="drop"), "preemption_mode='drop'"),
     (dict(ordering="lifo"), "ordering='lifo'"),
     (dict(watermark=1.0), "watermark=1.0"),
+    (dict(watermark=True), "watermark=True"),
+    (dict(scheduler_reserve_full_isl=1), "scheduler_reserve_full_isl=1, expected a bool"),
+    (dict(policy="sarathi", scheduler_reserve_full_isl=False), "read by policy 'vllm_v1' only"),
     (dict(tile_size=4096), "tile_size=4096"),
     (dict(policy="sarathi", max_num_partial_prefills=2), "enforced by policy 'vllm_v1' only"),
     (dict(policy="vllm_v1", max_long_partial_prefills=1), "needs long_prefill_token_threshold"),
@@ -53,7 +56,7 @@ def test_bad_config_raises_naming_the_value(kw, match):
 def test_valid_configs_for_every_policy():
     for policy in ("vllm_v0", "orca", "decode_first"):
         assert not SchedulerConfig(policy=policy, token_budget=2048).chunking
-    for policy in ("sarathi", "chunked_only", "vllm_v1", "prefill_only", "decode_only"):
+    for policy in ("sarathi", "chunked_only", "chunked_prefill_first", "vllm_v1", "prefill_only", "decode_only"):
         cfg = SchedulerConfig(policy=policy, token_budget=256)
         assert cfg.chunking and make_scheduler(cfg).name == policy
 

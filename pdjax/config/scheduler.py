@@ -5,6 +5,9 @@ Choices:
   and for chunking policies with `enable_chunking=False`, the token budget must hold a max-length prompt.
 - Stall-free policies (`sarathi`, `vllm_v1`, `decode_only`) schedule every running decode each step, so the
   budget must be at least `max_num_seqs`.
+- `watermark` defaults per policy (None): 0.0 under `vllm_v1` (vLLM's default), 0.01 under the others (their
+  behaviour before the knob became policy-dependent). `scheduler_reserve_full_isl` (vLLM's name and default,
+  True) is read by `vllm_v1` only: the other policies admit on their first chunk's pages.
 - Zero means "off" for the optional integer knobs (`tile_size`, `long_prefill_token_threshold`,
   `max_num_partial_prefills`, `max_long_partial_prefills`, `min_prefill_tokens`).
 - Dynamic chunking caps a prefill chunk at `token_budget * ref / (ref + context)` tokens (context = tokens
@@ -15,11 +18,15 @@ Choices:
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
-POLICIES = ("vllm_v0", "orca", "decode_first", "sarathi", "chunked_only", "vllm_v1", "prefill_only",
-            "decode_only")
-CHUNKING_POLICIES = frozenset({"sarathi", "chunked_only", "vllm_v1", "prefill_only", "decode_only"})
+POLICIES = ("vllm_v0", "orca", "decode_first", "sarathi", "chunked_only", "chunked_prefill_first", "vllm_v1",
+            "prefill_only", "decode_only")
+CHUNKING_POLICIES = frozenset({"sarathi", "chunked_only", "chunked_prefill_first", "vllm_v1", "prefill_only",
+                               "decode_only"})
 STALL_FREE_POLICIES = frozenset({"sarathi", "vllm_v1", "decode_only"})
+DEFAULT_WATERMARK = 0.01            # every policy but vllm_v1, when `watermark` is None
+VLLM_V1_DEFAULT_WATERMARK = 0.0     # vLLM's SchedulerConfig.watermark default
 PREEMPTION_MODES = ("recompute", "swap")
 ORDERINGS = ("fcfs", "priority")
 
@@ -39,13 +46,20 @@ class SchedulerConfig:
     preemption_mode: 'recompute' (drop KV, recompute prompt + output so far) or 'swap' (copy pages to
     `num_host_pages` host slots; falls back to recompute when host slots run short).
     ordering: 'fcfs' (arrival order) or 'priority' (lower `Request.priority` value first, then arrival).
-    watermark: fraction of pages kept free when admitting (avoids preempting right after admission).
+    watermark: fraction of pages kept free when admitting (avoids preempting right after admission); None =
+      the policy's default (0.0 under vllm_v1, as vLLM; 0.01 otherwise). Under vllm_v1 it applies, as in vLLM,
+      only while some request is running.
+    scheduler_reserve_full_isl (vllm_v1 only, vLLM's name and default): admit a waiting or preempted request
+      only when pages for its whole current sequence (prompt, plus outputs so far after a recompute) fit with
+      the watermark, not just its first chunk's.
     tile_size: round partial prefill chunks down to a multiple of this (0 = off).
     dynamic_chunking / dynamic_chunk_ref_context / dynamic_chunk_min_tokens: see the module docstring.
     long_prefill_token_threshold: per-request chunk cap per iteration; a prefill longer than this is
-      "long" for `max_long_partial_prefills` (0 = off).
-    max_num_partial_prefills / max_long_partial_prefills (vllm_v1 only): at most this many requests (long
-      ones) in the prefill phase at once, enforced at admission (0 = unlimited).
+      "long" for `max_long_partial_prefills` (0 = off). Under vllm_v1 the cap applies, as in vLLM, only in a
+      step that starts with more than one request (running + waiting + swapped).
+    max_num_partial_prefills / max_long_partial_prefills (vllm_v1 only, a pdjax extension: vLLM V1 has the
+      knobs but its scheduler ignores them): at most this many requests (long ones) in the prefill phase at
+      once, enforced at admission (0 = unlimited, the default).
     min_prefill_tokens: prefill-starvation guard of the stall-free policies: when prefill work is pending,
       decodes get at most token_budget - min_prefill_tokens tokens (0 = off; then no decode ever stalls).
     """
@@ -60,7 +74,8 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     num_host_pages: int = 0
     ordering: str = "fcfs"
-    watermark: float = 0.01
+    watermark: Optional[float] = None
+    scheduler_reserve_full_isl: bool = True
     tile_size: int = 0
     dynamic_chunking: bool = False
     dynamic_chunk_ref_context: int = 4096
@@ -84,15 +99,22 @@ class SchedulerConfig:
             v = getattr(self, name)
             if not _is_int(v) or v < 0:
                 raise ValueError(f"{name}={v!r}, expected an int >= 0 (0 = off)")
-        for name in ("enable_prefix_caching", "enable_chunking", "dynamic_chunking"):
+        for name in ("enable_prefix_caching", "enable_chunking", "dynamic_chunking", "scheduler_reserve_full_isl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}, expected a bool")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={self.preemption_mode!r}, expected one of {PREEMPTION_MODES}")
         if self.ordering not in ORDERINGS:
             raise ValueError(f"ordering={self.ordering!r}, expected one of {ORDERINGS}")
-        if not (isinstance(self.watermark, (int, float)) and 0.0 <= self.watermark < 1.0):
-            raise ValueError(f"watermark={self.watermark!r}, expected a fraction in [0, 1)")
+        if self.watermark is not None and not (isinstance(self.watermark, (int, float))
+                                               and not isinstance(self.watermark, bool)
+                                               and 0.0 <= self.watermark < 1.0):
+            raise ValueError(f"watermark={self.watermark!r}, expected a fraction in [0, 1), or None for the "
+                             f"policy's default ({VLLM_V1_DEFAULT_WATERMARK} under 'vllm_v1', "
+                             f"{DEFAULT_WATERMARK} otherwise)")
+        if not self.scheduler_reserve_full_isl and self.policy != "vllm_v1":
+            raise ValueError(f"scheduler_reserve_full_isl=False is read by policy 'vllm_v1' only, got "
+                             f"policy={self.policy!r} (which admits on its first chunk's pages); leave it True")
         if not isinstance(self.vocab_size, int) or self.vocab_size < 0:
             raise ValueError(f"vocab_size={self.vocab_size!r}, expected an int >= 0 (0 = unchecked)")
         if self.preemption_mode == "swap" and self.num_host_pages < 1:
@@ -151,5 +173,12 @@ class SchedulerConfig:
         return -(-self.max_model_len // self.page_size)
 
     @property
+    def effective_watermark(self) -> float:
+        """`watermark`, or the policy's default when it is None."""
+        if self.watermark is not None:
+            return float(self.watermark)
+        return VLLM_V1_DEFAULT_WATERMARK if self.policy == "vllm_v1" else DEFAULT_WATERMARK
+
+    @property
     def watermark_pages(self) -> int:
-        return int(self.watermark * self.num_pages)
+        return int(self.effective_watermark * self.num_pages)

@@ -15,8 +15,11 @@ Choices (the "why" of the hot path):
   the running request not yet scheduled in this step with the lowest priority (largest `priority` value),
   then the latest arrival; it may be the requester itself. Requests already in this step's batch are never
   victims, so a SchedulerOutput never names a preempted request. After a preemption no request is
-  admitted or resumed in the same step (it would likely be preempted again).
-- Admission never preempts; it needs pages for its first chunk plus the watermark.
+  admitted or resumed in the same step (it would likely be preempted again). (vllm_v1 overrides the victim
+  rule with vLLM's: see policies.py.)
+- Admission never preempts; it needs pages for its first chunk plus the watermark. With `_full_isl` (set by
+  vllm_v1 when `scheduler_reserve_full_isl`) it needs pages for the whole current sequence plus the
+  watermark; with `_watermark_if_running` (vllm_v1) the watermark counts only while some request runs.
 - Recompute preemption frees the pages and restarts the request from `all_token_ids` (prompt + outputs),
   keeping its outputs and timestamps. Swap preemption moves its pages to host slots (copies listed in
   `swap_out`) and keeps `num_computed_tokens`; it falls back to recompute when host slots run short.
@@ -80,9 +83,12 @@ class Scheduler:
         self._caching = config.enable_prefix_caching
         self._chunking = config.chunking
         self._tile = config.tile_size
-        self._long = config.long_prefill_token_threshold
+        self._long = config.long_prefill_token_threshold     # which prefills are "long" (partial-prefill limits)
+        self._chunk_cap = config.long_prefill_token_threshold  # per-step chunk cap (vllm_v1 sets it each step)
         self._dynamic = config.dynamic_chunking
         self._watermark_pages = config.watermark_pages
+        self._full_isl = False                # vllm_v1: admission needs pages for the whole current sequence
+        self._watermark_if_running = False    # vllm_v1: the watermark applies only while a request runs
         self._swap = config.preemption_mode == "swap"
         self._priority = config.ordering == "priority"
 
@@ -300,8 +306,9 @@ class Scheduler:
         c = req.num_computed_tokens
         rem = len(req.all_token_ids) - c
         n = rem if rem < budget_left else budget_left
-        if self._long and n > self._long:
-            n = self._long
+        cap = self._chunk_cap
+        if cap and n > cap:
+            n = cap
         if self._dynamic:
             cfg = self.config
             cap = max(cfg.dynamic_chunk_min_tokens,
@@ -455,8 +462,12 @@ class Scheduler:
             req.num_computed_tokens = 0
             return 0
         need = -(-(req.num_computed_tokens + n) // ps) - len(hits)
-        free_after = bm.num_free_pages - need - (bm.num_free_among(hits) if hits else 0)
-        if free_after < self._watermark_pages:
+        if self._full_isl:    # vLLM's full_sequence_must_fit: pages for all tokens it has now, not just the chunk
+            need_check = -(-len(req.all_token_ids) // ps) - len(hits)
+        else:
+            need_check = need
+        wm = self._watermark_pages if (self.running or not self._watermark_if_running) else 0
+        if bm.num_free_pages - need_check - (bm.num_free_among(hits) if hits else 0) < wm:
             req.num_computed_tokens = 0
             return 0
         if hits:
@@ -512,7 +523,12 @@ class Scheduler:
             if n <= 0:
                 break
             need = -(-(req.num_computed_tokens + n) // ps) - len(req.host_slots)
-            if bm.num_free_pages - len(req.host_slots) - need < self._watermark_pages:
+            wm = self._watermark_pages if (self.running or not self._watermark_if_running) else 0
+            if self._full_isl:   # the whole current sequence must fit (vllm_v1)
+                full = max(-(-len(req.all_token_ids) // ps), len(req.host_slots) + need)
+                if bm.num_free_pages - full < wm:
+                    break
+            elif bm.num_free_pages - len(req.host_slots) - need < wm:
                 break
             out.swap_in.extend(bm.swap_in(req.host_slots, req.page_table))
             req.host_slots = []

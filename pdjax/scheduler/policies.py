@@ -10,10 +10,16 @@
 |               | decodes of that batch only (+ swap-ins) until it drains                                 |
 | sarathi       | all decodes, then running prefill chunks, then swap-ins, then new requests' chunks,     |
 |               | cut to the budget (stall-free); optional tile alignment / dynamic chunk caps            |
-| chunked_only  | a prefill batch (running chunks, then swap-ins, then new chunks) whenever any prefill   |
-|               | work can run, else a decode batch: never both in one batch                              |
-| vllm_v1       | running requests in admission order, each with what it needs (1 decode token or its     |
-|               | next chunk), then swap-ins, then waiting ones; one budget; partial-prefill limits       |
+| chunked_only  | Sarathi-Serve's chunked-prefills-only ablation (its `simple_chunking` scheduler): turns |
+|               | alternate strictly: a prefill turn (running prefill chunks + prefill swap-ins; only if  |
+|               | none ran, new requests' chunks) then a decode turn (every decode + decode swap-ins);    |
+|               | a turn with no work passes to the other in the same step; never both in one batch       |
+| chunked_prefill_first | a prefill batch (running chunks, then swap-ins, then new chunks) whenever any   |
+|               | prefill work can run, else a decode batch (the old `chunked_only`; decodes wait for     |
+|               | whole prompts)                                                                          |
+| vllm_v1       | vLLM V1's scheduler at its defaults: running requests in admission order, each with     |
+|               | what it needs (1 decode token or its next chunk), then swap-ins, then waiting ones; one |
+|               | budget; admission needs the whole sequence's pages; vLLM's victim rule (see the class)  |
 | prefill_only  | sarathi without decodes; a request finishes with 'handoff' once its first token is      |
 |               | sampled, keeping its pages until `release`                                              |
 | decode_only   | sarathi over handed-off requests, admitted once their KV has arrived and pages fit      |
@@ -115,8 +121,57 @@ class SarathiScheduler(Scheduler):
 
 
 class ChunkedOnlyScheduler(Scheduler):
-    """Sarathi ablation: chunked prompts, but a batch is either all prefill or all decode (prefill first)."""
+    """Sarathi-Serve's chunked-prefills-only ablation: the `simple_chunking` scheduler of its artifact
+    (sarathi/core/scheduler/simple_chunking_scheduler.py), which strictly alternates two kinds of turn.
+
+    - Prefill turn: the next chunk of every running prefill (admission order) and of swapped requests in the
+      prefill phase, cut to the token budget. Only if none of them ran: new requests' chunks, in queue order
+      until one does not fit (as the artifact, which returns as soon as a running prefill was scheduled).
+    - Decode turn: one token for every running decode (up to the budget), then decode swap-ins.
+    After a batch of one kind the turn passes to the other. A turn with no work passes to the other in the same
+    step (the artifact does so for an empty prefill turn; after an empty decode turn it returns an empty batch,
+    which here would only idle the engine for one iteration, so the prefill turn runs at once instead). A batch
+    never mixes prefill and decode, and a decode waits for at most one prefill turn (one chunk-sized batch).
+    Admission, paging and the victim rule are pdjax's shared ones (as for `sarathi`), so the ablation differs
+    from `sarathi` only in batching: the artifact instead allocates a whole prompt's blocks at admission.
+    """
     name = "chunked_only"
+
+    def __init__(self, config: SchedulerConfig):
+        super().__init__(config)
+        self._prefill_turn = True
+
+    def _schedule(self, out: SchedulerOutput, now: float) -> None:
+        first_prefill = self._prefill_turn
+        for prefill in ((True, False) if first_prefill else (False, True)):
+            ran = self._run_prefill_turn(out, now) if prefill else self._run_decode_turn(out, now)
+            if ran:
+                self._prefill_turn = not prefill
+                return
+        self._prefill_turn = True
+
+    def _run_prefill_turn(self, out: SchedulerOutput, now: float) -> bool:
+        prefills = [r for r in self.running if r.num_computed_tokens < r.prefill_end]
+        budget = self._budget
+        if prefills:
+            budget = self._prefill_pass(out, now, prefills, budget)
+        budget -= self._resume_swapped(out, budget, now, phase=True)
+        if out.req_ids:
+            return True
+        self._admit_waiting(out, budget, now)
+        return bool(out.req_ids)
+
+    def _run_decode_turn(self, out: SchedulerOutput, now: float) -> bool:
+        left = self._decode_pass(out, now, self._budget, None)
+        self._resume_swapped(out, left, now, phase=False)
+        return bool(out.req_ids)
+
+
+class ChunkedPrefillFirstScheduler(Scheduler):
+    """Chunked prompts, prefill-prioritizing: a prefill batch whenever any prefill work can run, else a decode
+    batch, never both in one batch (what `chunked_only` meant before it became Sarathi-Serve's alternating
+    ablation). Decodes wait while prompts are being chunked through: vLLM V0's prefill-first rule with chunking."""
+    name = "chunked_prefill_first"
 
     def _schedule(self, out: SchedulerOutput, now: float) -> None:
         prefills = [r for r in self.running if r.num_computed_tokens < r.prefill_end]
@@ -131,18 +186,40 @@ class ChunkedOnlyScheduler(Scheduler):
 
 
 class VllmV1Scheduler(Scheduler):
-    """No phases: running requests in admission order, then waiting ones, one shared budget.
+    """vLLM V1's scheduler (vllm/v1/core/sched/scheduler.py, `Scheduler.schedule`) at vLLM's defaults.
 
-    `long_prefill_token_threshold` caps each request's chunk. `max_num_partial_prefills` /
-    `max_long_partial_prefills` are enforced: at the end of every schedule() at most that many running
-    requests are in the prefill phase (num_computed_tokens < prefill_end), and of them at most
+    No phases: running requests in admission order, each with what it needs (1 decode token or its next
+    chunk), then swapped requests (pdjax's swap mode; vLLM V1 only recomputes), then waiting ones, one shared
+    budget. The rules that follow vLLM:
+    - Admission of a waiting or recompute-preempted request (and resuming a swapped one) needs pages for its
+      whole current sequence (prompt, plus outputs so far after a recompute; prefix-cache hits count as held)
+      plus the watermark, not just its first chunk's (`scheduler_reserve_full_isl`, vLLM's default True; vLLM's
+      `KVCacheManager.allocate_slots(full_sequence_must_fit=...)`). Only the chunk's pages are allocated.
+    - The watermark (default 0.0, as vLLM) counts only while some request runs (`has_scheduled_reqs`).
+    - `long_prefill_token_threshold` caps a chunk only in a step that starts with more than one request
+      (running + waiting + swapped): a lone request takes the whole budget.
+    - A running request short of pages preempts, until its pages fit: under 'priority' ordering the running
+      request with the largest (priority, arrival_time) (first in running order on a tie), even one already
+      in this step's batch (taken back out: its tokens return to the budget and its pages to the pool); under
+      'fcfs' the last request of the running list (the latest (re)admitted). If the request preempts itself,
+      no further running request is scheduled in this step; after any preemption nothing is admitted.
+    pdjax extensions, off by default: `min_prefill_tokens` (a decode cap while prefill work waits), and
+    `max_num_partial_prefills` / `max_long_partial_prefills`: at the end of every schedule() at most that many
+    running requests are in the prefill phase (num_computed_tokens < prefill_end), and of them at most
     max_long_partial_prefills have `is_long_prefill` (more than the threshold of uncached prefill at
     admission). A long request that would break the long limit is skipped, letting shorter ones behind it in.
     """
     name = "vllm_v1"
 
+    def __init__(self, config: SchedulerConfig):
+        super().__init__(config)
+        self._full_isl = config.scheduler_reserve_full_isl
+        self._watermark_if_running = True
+
     def _schedule(self, out: SchedulerOutput, now: float) -> None:
         budget = self._budget
+        # vLLM: the long-prefill cap exists to keep one prefill from starving others; alone, it is not applied
+        self._chunk_cap = self._long if len(self.running) + len(self.waiting) + len(self.swapped) > 1 else 0
         guard = self.config.min_prefill_tokens
         decode_cap = budget - guard if guard and self._prefill_pending() else budget
         n_dec = 0
@@ -179,13 +256,20 @@ class VllmV1Scheduler(Scheduler):
                     out.num_decode_tokens += 1
                     budget -= 1
                     n_dec += 1
-                elif self._schedule_running(out, req, 1, now):
-                    budget -= 1
-                    n_dec += 1
+                    continue
+                n = 1
             else:
                 n = self._prefill_chunk(req, budget)
-                if n > 0 and self._schedule_running(out, req, n, now):
-                    budget -= n
+                if n <= 0:
+                    continue
+            ok, refund, refund_dec = self._grow_or_preempt(out, req, n, now)
+            budget += refund
+            n_dec -= refund_dec
+            if not ok:
+                break          # vLLM: the request could not be scheduled, stop the running pass
+            budget -= n
+            if c >= req.prefill_end:
+                n_dec += 1
         cfg = self.config
         max_decodes = decode_cap - n_dec if guard else None
         if not (cfg.max_num_partial_prefills or cfg.max_long_partial_prefills):
@@ -201,6 +285,65 @@ class VllmV1Scheduler(Scheduler):
                 counts[1] += int(r.is_long_prefill)
         budget -= self._resume_swapped(out, budget, now, prefill_counts=counts, max_decodes=max_decodes)
         self._admit_limited(out, budget, now, counts)
+
+    def _grow_or_preempt(self, out: SchedulerOutput, req: Request, n: int, now: float):
+        """Pages for `n` more tokens of running `req`, preempting by vLLM's rule while the pool is short; emits
+        `req` if it was not itself preempted. Returns (scheduled, tokens and decodes taken back out of the batch
+        from preempted requests already in it)."""
+        ps = self._ps
+        bm = self.block_manager
+        need = -(-(req.num_computed_tokens + n) // ps) - len(req.page_table)
+        refund = refund_dec = 0
+        while need > 0 and bm.num_free_pages < need:
+            victim = self._pick_victim_v1()
+            if victim.sched_step == self.step:
+                k, was_prefill = self._unemit(out, victim)
+                refund += k
+                refund_dec += not was_prefill
+            self._preempt(victim, out, now)
+            if victim is req:
+                return False, refund, refund_dec
+        if need > 0:
+            bm.allocate(req.page_table, need)
+        self._emit(out, req, n, now)
+        return True, refund, refund_dec
+
+    def _pick_victim_v1(self) -> Request:
+        """vLLM's victim: 'priority': max (priority, arrival_time) over all running requests, the first in running
+        order on a tie (Python's max); 'fcfs': the last of the running list (`self.running.pop()`)."""
+        if self._priority:
+            victim = vkey = None
+            for r in self.running:
+                if r.status is RUNNING:
+                    k = (r.priority, r.arrival_time)
+                    if vkey is None or k > vkey:
+                        victim, vkey = r, k
+            return victim
+        for r in reversed(self.running):
+            if r.status is RUNNING:
+                return r
+        raise RuntimeError("no running request to preempt")
+
+    def _unemit(self, out: SchedulerOutput, req: Request):
+        """Take `req` back out of this step's batch: returns (its tokens, whether they were prefill). Pages
+        allocated for those tokens beyond its computed ones go back to the pool."""
+        i = next(k for k, r in enumerate(out.reqs) if r is req)
+        n = out.num_new_tokens[i]
+        pre = out.is_prefill[i]
+        for lst in (out.reqs, out.req_ids, out.token_ids, out.num_computed_tokens, out.num_new_tokens,
+                    out.page_tables, out.do_sample, out.sampling, out.is_prefill):
+            del lst[i]
+        if pre:
+            out.num_prefill_tokens -= n
+        else:
+            out.num_decode_tokens -= n
+        req.schedule_times.pop()
+        req.sched_step = -1
+        keep = -(-req.num_computed_tokens // self._ps)
+        if len(req.page_table) > keep:   # a swap keeps only the pages of computed tokens
+            self.block_manager.free(req.page_table[keep:])
+            del req.page_table[keep:]
+        return n, pre
 
     def _admit_limited(self, out: SchedulerOutput, budget: int, now: float, counts: list) -> None:
         if not self.waiting or self._preempted_this_step:
@@ -302,7 +445,8 @@ class DecodeOnlyScheduler(SarathiScheduler):
 
 POLICY_CLASSES: Dict[str, Type[Scheduler]] = {
     cls.name: cls for cls in (VllmV0Scheduler, OrcaScheduler, DecodeFirstScheduler, SarathiScheduler,
-                              ChunkedOnlyScheduler, VllmV1Scheduler, PrefillOnlyScheduler, DecodeOnlyScheduler)
+                              ChunkedOnlyScheduler, ChunkedPrefillFirstScheduler, VllmV1Scheduler,
+                              PrefillOnlyScheduler, DecodeOnlyScheduler)
 }
 
 
