@@ -23,6 +23,7 @@ import platform
 import time
 
 from pdjax.config import SamplingParams, SchedulerConfig
+from pdjax.config.scheduler import POLICIES
 from pdjax.scheduler import Request, RequestStatus, make_scheduler
 
 VLLM_V1_US_PER_RUNNING_REQUEST = 17.0
@@ -102,26 +103,43 @@ def run_once(cfg: SchedulerConfig, args):
     return step_s, seqs, sched.num_preemptions, generated
 
 
+def int_at_least(low: int):
+    """argparse type: an int >= low; a bad value fails parsing with one line naming the flag and the value."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer (expected >= {low})") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is out of range, expected an integer >= {low}")
+        return value
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--policy", default="sarathi")
-    p.add_argument("--requests", type=int, default=256)
-    p.add_argument("--prompt_len", type=int, default=512)
-    p.add_argument("--output_len", type=int, default=128)
-    p.add_argument("--token_budget", type=int, default=2048)
-    p.add_argument("--max_num_seqs", type=int, default=64)
-    p.add_argument("--page_size", type=int, default=16)
-    p.add_argument("--num_pages", type=int, default=0, help="0: enough for max_num_seqs full requests")
+    p = argparse.ArgumentParser(prog="python -m experiments.bench_scheduler", description=__doc__.split("\n")[0])
+    p.add_argument("--policy", default="sarathi", choices=POLICIES)
+    p.add_argument("--requests", type=int_at_least(1), default=256)
+    p.add_argument("--prompt_len", type=int_at_least(1), default=512)
+    p.add_argument("--output_len", type=int_at_least(1), default=128)
+    p.add_argument("--token_budget", type=int_at_least(1), default=2048)
+    p.add_argument("--max_num_seqs", type=int_at_least(1), default=64)
+    p.add_argument("--page_size", type=int_at_least(1), default=16)
+    p.add_argument("--num_pages", type=int_at_least(0), default=0, help="0: enough for max_num_seqs full requests")
     p.add_argument("--prefix_caching", action="store_true")
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--repeat", type=int_at_least(1), default=5)
     args = p.parse_args(argv)
 
     max_len = args.prompt_len + args.output_len
     per_req = -(-max_len // args.page_size)
     num_pages = args.num_pages or int(args.max_num_seqs * per_req / 0.99) + 2
-    cfg = SchedulerConfig(policy=args.policy, token_budget=args.token_budget, max_num_seqs=args.max_num_seqs,
-                          max_model_len=max_len, page_size=args.page_size, num_pages=num_pages,
-                          enable_prefix_caching=args.prefix_caching)
+    try:      # combinations the flags cannot check one by one (e.g. a policy's own rules)
+        cfg = SchedulerConfig(policy=args.policy, token_budget=args.token_budget, max_num_seqs=args.max_num_seqs,
+                              max_model_len=max_len, page_size=args.page_size, num_pages=num_pages,
+                              enable_prefix_caching=args.prefix_caching)
+    except ValueError as e:
+        p.error(str(e))
     best = None
     for _ in range(args.repeat):
         res = run_once(cfg, args)

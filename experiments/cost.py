@@ -3,7 +3,8 @@
 python -m experiments.cost --model=yi-34b --hardware=a100-80gb-pcie --tp=2 --pp=1 \
     --batch=prefill:1021@0,decode:3@2048 [--batch=...] [--profile=a100|PATH.json] [--microbatches=1]
 
-Each --batch is a comma list of `prefill:<tokens>@<context before the chunk>` and `decode:<count>@<context>`.
+Each --batch is a comma list of `prefill:<tokens>@<context before the chunk>` and `decode:<count>@<context>`; a
+prefill's context + tokens and a decode's context + 1 must fit the model's max_position_embeddings.
 Prints JSON: the setup, and for each batch its predicted `time_s` and per-component breakdown (seconds).
 """
 from __future__ import annotations
@@ -35,6 +36,16 @@ def run(model: str, hardware: str, tp: int, pp: int, batches: list[str], profile
     hw = get_hardware_spec(hardware)
     params = CostParams() if profile == "default" else load_profile(profile).params
     parsed = [BatchComposition.parse(text) for text in batches]
+    limit = spec.max_position_embeddings
+    for text, batch in zip(batches, parsed):
+        for tokens, context in batch.prefills:
+            if tokens + context > limit:
+                raise ValueError(f"batch {text!r}: prefill:{tokens}@{context} reaches context {tokens + context}, "
+                                 f"expected <= max_position_embeddings={limit} of {model}")
+        for count, context in batch.decodes:
+            if context + 1 > limit:
+                raise ValueError(f"batch {text!r}: decode:{count}@{context} reaches context {context + 1}, "
+                                 f"expected <= max_position_embeddings={limit} of {model}")
     results = []
     for text, batch in zip(batches, parsed):
         cost = iteration_time(batch, spec, hw, tp, pp, params, num_microbatches=microbatches)

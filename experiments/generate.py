@@ -7,20 +7,27 @@ Prompts: a JSON list of token-id lists. OUT.json: {"tokens": [[...], ...]} in pr
 from __future__ import annotations
 
 import json
+import sys
 
 from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", "tiny-llama", "HF or orbax checkpoint directory, or a registry spec name.")
 flags.DEFINE_string("prompts", None, "JSON file: a list of token-id lists.")
-flags.DEFINE_integer("max_new_tokens", 16, "Greedy tokens to generate per prompt.")
+flags.DEFINE_integer("max_new_tokens", 16, "Greedy tokens to generate per prompt.", lower_bound=0)
 flags.DEFINE_string("out", None, "Output JSON path ({'tokens': [[...], ...]}).")
-flags.DEFINE_integer("chunk_size", 64, "Prefill chunk size in tokens.")
-flags.DEFINE_integer("token_budget", 0, "Most tokens per step (0: chunk_size x prompts, capped at 512).")
-flags.DEFINE_integer("page_size", 16, "KV cache page size in tokens.")
+flags.DEFINE_integer("chunk_size", 64, "Prefill chunk size in tokens.", lower_bound=1)
+flags.DEFINE_integer("token_budget", 0, "Most tokens per step (0: chunk_size x prompts, capped at 512; else at "
+                     "least chunk_size).", lower_bound=0)
+flags.DEFINE_integer("page_size", 16, "KV cache page size in tokens.", lower_bound=1)
 flags.DEFINE_string("dump_logits", None, "Optional .npy path for last-prompt-position logits.")
-flags.DEFINE_string("dtype", None, "Override params dtype (float32 | bfloat16).")
-flags.DEFINE_string("attention_impl", "auto", "auto | reference | pallas")
+flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Override params dtype.")
+flags.DEFINE_enum("attention_impl", "auto", ["auto", "reference", "pallas"], "Attention implementation.")
+# Every numeric flag is checked at parsing (lower_bound above, and this), so a bad value fails with one line
+# naming the flag before any model is loaded.
+flags.register_multi_flags_validator(
+    ["token_budget", "chunk_size"], lambda f: f["token_budget"] == 0 or f["token_budget"] >= f["chunk_size"],
+    message="--token_budget must be 0 (automatic) or >= --chunk_size")
 
 
 def main(argv):
@@ -30,10 +37,13 @@ def main(argv):
         raise app.UsageError("--prompts and --out are required")
     from pdjax.runtime.generate import run_generate  # noqa: PLC0415  (keeps --help fast)
 
-    tokens, _, runner = run_generate(
-        FLAGS.checkpoint, FLAGS.prompts, FLAGS.max_new_tokens, FLAGS.out, chunk_size=FLAGS.chunk_size,
-        token_budget=FLAGS.token_budget, page_size=FLAGS.page_size, dump_logits=FLAGS.dump_logits,
-        dtype=FLAGS.dtype, attention_impl=FLAGS.attention_impl)
+    try:    # bad inputs found while loading: the prompts file, the checkpoint (missing, truncated), lengths
+        tokens, _, runner = run_generate(
+            FLAGS.checkpoint, FLAGS.prompts, FLAGS.max_new_tokens, FLAGS.out, chunk_size=FLAGS.chunk_size,
+            token_budget=FLAGS.token_budget, page_size=FLAGS.page_size, dump_logits=FLAGS.dump_logits,
+            dtype=FLAGS.dtype, attention_impl=FLAGS.attention_impl)
+    except ValueError as e:
+        sys.exit(f"generate: {e}")
     print(json.dumps({"out": FLAGS.out, "num_prompts": len(tokens), "compile_count": runner.compile_count}))
 
 

@@ -50,7 +50,7 @@ def small_config():
             "scheduler": {"policy": "sarathi", "token_budget": 512, "max_num_seqs": 64, "max_model_len": 2048,
                           "page_size": 16, "num_pages": 1024},
             "workload": {"preset": "chat", "num_requests": 40, "rate": 1.0, "vocab_size": 32000,
-                         "max_model_len": 2048, "fit_to_model": True},
+                         "fit_to_model": True},
             "slo": {"tbt": 0.1}, "sim": {"hardware": "a100-80gb-sxm"}}
 
 

@@ -10,6 +10,10 @@ llama3, Qwen2 biases, tied embeddings, sliding window).
 
 Orbax: `save_params` writes `<dir>/params` (an orbax StandardCheckpointer tree of plain dicts, so the format
 does not depend on the dataclass types) and `<dir>/pdjax_spec.json`; `restore_params` reads both back exactly.
+
+A file that cannot be read back (truncated or corrupt: bad JSON, a safetensors header or tensor that does not
+fit its file, an orbax/TensorStore read error) raises CheckpointCorruptError, one line naming the checkpoint, the
+file or step that failed and the reader's own first line; the reader's exception is kept as __cause__.
 """
 from __future__ import annotations
 
@@ -29,6 +33,31 @@ from pdjax.models.llama import LayerParams, LlamaParams, check_runnable, init_pa
 
 SPEC_FILE = "pdjax_spec.json"
 ORBAX_SUBDIR = "params"
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint file could not be read: truncated or corrupt (the reader's error is the __cause__)."""
+
+
+def _reader_message(e: BaseException) -> str:
+    """The first line of the innermost explicit cause (TensorStore wraps the useful line in a long dump)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    lines = str(e).strip().splitlines()
+    line = f"{type(e).__name__}: {lines[0] if lines else ''}"
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+def _corrupt(checkpoint, what: str, e: BaseException) -> CheckpointCorruptError:
+    return CheckpointCorruptError(f"checkpoint {str(checkpoint)!r} is truncated or corrupt: {what} failed "
+                                  f"({_reader_message(e)})")
+
+
+def _read_json(checkpoint, path: pathlib.Path):
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _corrupt(checkpoint, f"reading {path.name}", e) from e
 
 # HF tensor name suffix (per layer) -> (our field, kind). kind: "in_heads" Linear [N*D, H] -> [H, N, D];
 # "out_heads" Linear [H, N*D] -> [N, D, H]; "linear" [out, in] -> [in, out]; "bias" [N*D] -> [N, D]; "vec".
@@ -226,26 +255,38 @@ def save_hf_checkpoint(directory, spec: ModelSpec, params: LlamaParams, *, num_s
 
 def load_hf_checkpoint(directory, dtype=None) -> Tuple[ModelSpec, LlamaParams]:
     """(spec, params) from an HF Llama-format directory (config.json + safetensors, sharded or single)."""
-    from safetensors import safe_open  # noqa: PLC0415
+    from safetensors import SafetensorError, safe_open  # noqa: PLC0415
     directory = pathlib.Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{directory} has no config.json (not an HF checkpoint directory)")
-    spec = spec_from_hf_config(json.loads(config_path.read_text()), name=directory.name)
+    spec = spec_from_hf_config(_read_json(directory, config_path), name=directory.name)
     index_path = directory / "model.safetensors.index.json"
     if index_path.is_file():
-        weight_map = json.loads(index_path.read_text())["weight_map"]
+        weight_map = _read_json(directory, index_path)["weight_map"]
         files = sorted(set(weight_map.values()))
     else:
         files = sorted(p.name for p in directory.glob("*.safetensors"))
         if not files:
             raise ValueError(f"{directory} has no *.safetensors files")
-    handles = {f: safe_open(str(directory / f), framework="np") for f in files}
+    handles = {}
+    for f in files:
+        try:
+            handles[f] = safe_open(str(directory / f), framework="np")
+        except SafetensorError as e:
+            raise _corrupt(directory, f"opening {f}", e) from e
     where = {}
     for f, h in handles.items():
         for name in h.keys():
             where[name] = f
-    params = params_from_hf_tensors(spec, lambda n: handles[where[n]].get_tensor(n), where.keys(), dtype)
+
+    def get_tensor(name):
+        try:
+            return handles[where[name]].get_tensor(name)
+        except SafetensorError as e:
+            raise _corrupt(directory, f"reading tensor {name!r} of {where[name]}", e) from e
+
+    params = params_from_hf_tensors(spec, get_tensor, where.keys(), dtype)
     return spec, params
 
 
@@ -294,12 +335,18 @@ def restore_params(directory) -> Tuple[ModelSpec, LlamaParams]:
     """(spec, params) written by `save_params`, restored exactly (same dtypes and values)."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
     directory = pathlib.Path(directory).absolute()
-    spec = spec_from_json((directory / SPEC_FILE).read_text())
-    with ocp.StandardCheckpointer() as ckptr:
-        meta = ckptr.metadata(directory / ORBAX_SUBDIR)
-        tree = getattr(meta, "item_metadata", meta)
-        abstract = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
-        restored = ckptr.restore(directory / ORBAX_SUBDIR, abstract)
+    try:
+        spec = spec_from_json((directory / SPEC_FILE).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _corrupt(directory, f"reading {SPEC_FILE}", e) from e
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            meta = ckptr.metadata(directory / ORBAX_SUBDIR)
+            tree = getattr(meta, "item_metadata", meta)
+            abstract = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
+            restored = ckptr.restore(directory / ORBAX_SUBDIR, abstract)
+    except Exception as e:  # noqa: BLE001  (orbax/TensorStore raise plain Exception, ValueError, JSON errors)
+        raise _corrupt(directory, f"restoring {ORBAX_SUBDIR}/ with orbax", e) from e
     return spec, params_from_dict(restored)
 
 
