@@ -194,7 +194,7 @@ def main(argv):
     del argv
     from pdjax.config.serving import serve_config_from_dict
     from pdjax.experiment.run import to_plain_dict
-    from pdjax.serving.run import build_runner
+    from pdjax.serving.build import build_runner
 
     if not FLAGS.out:
         raise app.UsageError("--out=PATH.json is required")

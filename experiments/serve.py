@@ -6,13 +6,14 @@
 import json
 import os
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
-from pdjax.experiment.run import run_experiment
+from pdjax.experiment import cli
+from pdjax.experiment.run import prepare_experiment, run_prepared
 from pdjax.metrics import summarize_table
 from pdjax.models import byte_tokenizer
-
+from pdjax.workload import describe_length_report
 
 
 def sample_text_output(workdir: str):
@@ -24,18 +25,29 @@ def sample_text_output(workdir: str):
         return None
     with open(path) as f:
         outputs = json.load(f)
+    if not outputs:
+        return None
     texts = {rid: byte_tokenizer.decode(ids) for rid, ids in outputs.items()}
     rid = max(texts, key=lambda r: (sum(ch.isalpha() for ch in texts[r]), r))   # the most wordy one
     return rid, texts[rid]
 
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/serve.py", "Serve config file.")
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/pdjax_serve", "Output directory of the run.")
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/pdjax_serve", "Output directory of the run (new, empty, or an "
+                               "earlier run's, whose outputs are replaced).")
 
 
 def main(argv):
-    del argv
-    summary = run_experiment(_CONFIG.value, _WORKDIR.value)
+    if len(argv) > 1:
+        raise cli.UserError(f"unexpected arguments {argv[1:]}; settings go in --config.KEY=VALUE flags")
+    try:
+        prep = prepare_experiment(_CONFIG.value, _WORKDIR.value)
+    except (ValueError, OSError) as e:
+        raise cli.UserError(cli.one_line(e)) from e
+    note = describe_length_report(prep.length_report)
+    if note:
+        print(note)
+    summary = run_prepared(prep)
     print(summarize_table(summary))
     sample = sample_text_output(_WORKDIR.value)
     if sample:
@@ -44,4 +56,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

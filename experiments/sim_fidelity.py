@@ -60,7 +60,7 @@ def run_fidelity(config_dict: Dict[str, Any], workdir: str, *, profile: str = ""
     from pdjax.scheduler import make_scheduler
     from pdjax.scheduler import request_from_workload
     from pdjax.serving.engine import ColocatedEngine
-    from pdjax.serving.run import build_runner
+    from pdjax.serving.build import build_runner
     from pdjax.sim.run import run_sim
     from pdjax.workload import make_workload
 

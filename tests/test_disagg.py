@@ -239,7 +239,7 @@ def test_engine_rejects_bad_wiring(runners):
 
 def test_build_from_serve_config(model, prompts, reference):
     """The config path: deployment block -> validated device assignment -> runners on their meshes."""
-    from pdjax.serving.disagg import build_disaggregated_engine
+    from pdjax.serving.build import build_disaggregated_engine
     spec, params = model
     cfg = serve_config_from_dict({
         "model": {"checkpoint": "tiny-mha", "attention_impl": "reference"}, "workload": {"preset": "chat"},
@@ -299,8 +299,7 @@ def test_run_real_with_a_disaggregated_deployment_writes_the_run_outputs(tmp_pat
         "scheduler": {"token_budget": BUDGET, "max_num_seqs": 8, "max_model_len": MAX_LEN, "page_size": PAGE_SIZE,
                       "num_pages": 48},
         "workload": {"kind": "synthetic", "prompt_len": {"kind": "fixed", "value": 20},
-                     "output_len": {"kind": "fixed", "value": 3}, "num_requests": 3, "vocab_size": 256,
-                     "max_model_len": MAX_LEN},
+                     "output_len": {"kind": "fixed", "value": 3}, "num_requests": 3, "vocab_size": 256},
         "deployment": {"kind": "disaggregated", "prefill": {"devices": [6]}, "decode": {"devices": [7]}}}
     summary = run_real(serve_config_from_dict(config), config, str(tmp_path))
     engine = summary["engine"]

@@ -64,6 +64,28 @@ def test_preemption_changes_timing_not_tokens(runner, mode):
     assert [result.output_tokens[f"r{i}"] for i in range(6)] == expected
 
 
+class _TokenClock:
+    """A deterministic engine clock: each executed step advances it by 1 ms plus 10 us per token (wall time on a
+    shared machine is too noisy to compare the decoders' gaps of two runs)."""
+
+    def __init__(self, runner):
+        self.runner, self.t = runner, 0.0
+
+    def clock(self):
+        return self.t
+
+    def sleep(self, seconds):
+        self.t += seconds
+
+    def dispatch(self, out, prev=None):
+        return self.runner.dispatch(out, prev=prev), out.num_prefill_tokens + out.num_decode_tokens
+
+    def collect(self, handle):
+        ids = self.runner.collect(handle[0])
+        self.t += 1e-3 + 1e-5 * handle[1]
+        return ids
+
+
 def test_long_prompt_stalls_decodes_under_vllm_v0_not_sarathi():
     """Four requests decode; a 1000-token prompt arrives. vllm_v0 runs it as one prefill-only iteration (a
     generation stall); sarathi with a 64-token budget keeps decoding every iteration."""
@@ -71,14 +93,15 @@ def test_long_prompt_stalls_decodes_under_vllm_v0_not_sarathi():
     max_len = 1024 + 64
     buckets = Buckets(tokens=(8, 64, max_len), seqs=(8,), pages=(max_len // PAGE,))
     runner = ModelRunner(spec, params, num_pages=256, page_size=PAGE, buckets=buckets, max_model_len=max_len)
-    runner.warmup()
     max_gap = {}
     for policy, budget in (("vllm_v0", max_len), ("sarathi", 64)):
         cfg = SchedulerConfig(policy=policy, token_budget=budget, max_num_seqs=8, max_model_len=max_len,
                               page_size=PAGE, num_pages=256)
         decoders = [Request(f"d{i}", [i + 1] * 8, SamplingParams(max_tokens=48), 0.0) for i in range(4)]
-        long = Request("long", [i % 500 + 1 for i in range(1000)], SamplingParams(max_tokens=2), 0.15)
-        result = ColocatedEngine(runner, make_scheduler(cfg)).run(decoders + [long])
+        long = Request("long", [i % 500 + 1 for i in range(1000)], SamplingParams(max_tokens=2), 0.01)
+        timed = _TokenClock(runner)
+        result = ColocatedEngine(timed, make_scheduler(cfg), clock=timed.clock, sleep=timed.sleep).run(
+            decoders + [long])
         gaps = [b - a for r in result.requests if r.request_id.startswith("d")
                 for a, b in zip(r.token_times, r.token_times[1:])]
         max_gap[policy] = max(gaps)
@@ -87,6 +110,10 @@ def test_long_prompt_stalls_decodes_under_vllm_v0_not_sarathi():
             assert biggest.num_prefill_tokens == 1000 and biggest.num_decode_tokens == 0
         else:
             assert biggest.num_tokens <= 64
+        decoding = [t for r in result.requests if r.request_id.startswith("d") for t in r.token_times]
+        stalled = [it for it in result.iterations if it.num_prefill_tokens and not it.num_decode_tokens
+                   and min(decoding) <= it.start_time < max(decoding)]   # a prefill-only step mid-decode
+        assert bool(stalled) == (policy == "vllm_v0"), (policy, stalled)
     assert max_gap["vllm_v0"] > 1.5 * max_gap["sarathi"], max_gap
 
 
@@ -110,7 +137,7 @@ def test_serve_entry_point_writes_consistent_outputs(tmp_path):
         "scheduler": {"policy": "sarathi", "token_budget": 64, "max_num_seqs": 8, "max_model_len": 128,
                       "page_size": 16, "num_pages": 64},
         "workload": {"kind": "synthetic", "preset": "chat", "arrival": "offline", "num_requests": 6,
-                     "vocab_size": 512, "max_model_len": 128, "fit_to_model": True, "max_output_len": 8},
+                     "vocab_size": 512, "fit_to_model": True, "max_output_len": 8},
         "slo": {"ttft": 5.0, "tbt": 1.0},
     }
     summary = run_experiment(config, str(tmp_path))

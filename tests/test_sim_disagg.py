@@ -254,7 +254,7 @@ def gpu_config(**deployment):
         "scheduler": {"policy": "sarathi", "token_budget": 512, "max_num_seqs": 64, "max_model_len": 4096,
                       "page_size": 16, "num_pages": 1024},
         "workload": {"preset": "chat", "num_requests": 30, "rate": 2.0, "vocab_size": 32000,
-                     "max_model_len": 4096, "fit_to_model": True},
+                     "fit_to_model": True},
         "slo": {"ttft": 2.0, "tpot": 0.1},
         "sim": {"hardware": "a100-80gb-sxm"},
         "deployment": {"kind": "disaggregated", **deployment},

@@ -24,7 +24,7 @@ def gpu_config(**sim):
         "engine": {"mode": "online", "progress": False},
         "scheduler": {"policy": "sarathi", "token_budget": 512, "max_num_seqs": 64, "max_model_len": 4096,
                       "page_size": 16, "num_pages": 1024},
-        "workload": {"preset": "chat", "num_requests": 40, "rate": 2.0, "vocab_size": 32000, "max_model_len": 4096,
+        "workload": {"preset": "chat", "num_requests": 40, "rate": 2.0, "vocab_size": 32000,
                      "fit_to_model": True},
         "slo": {"ttft": 2.0, "tbt": 0.2},
         "sim": {"hardware": "a100-80gb-sxm", **sim},
@@ -94,7 +94,7 @@ def test_frozen_profile_makes_host_cpu_runs_deterministic(tmp_path):
     config = gpu_config(hardware="host-cpu", profile=str(path))
     config["model"] = {"checkpoint": "tiny-llama"}
     config["scheduler"].update(max_model_len=1024, num_pages=512, token_budget=256, max_num_seqs=32)
-    config["workload"].update(max_model_len=1024, vocab_size=512, num_requests=20)
+    config["workload"].update(vocab_size=512, num_requests=20)
     setup = build_setup(serve_config_from_dict(config))
     assert setup.hardware == spec and setup.padding.dense_attention
     assert setup.padding.buckets.tokens == (16, 32, 64, 128, 256) and setup.padding.buckets.pages == (16, 64)

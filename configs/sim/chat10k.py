@@ -24,7 +24,6 @@ def get_config():
     c.workload.num_requests = 10000
     c.workload.rate = 1.5
     c.workload.vocab_size = 32000
-    c.workload.max_model_len = 8192
     c.workload.fit_to_model = False
     c.workload.max_output_len = 0
     c.slo.ttft = 0.0

@@ -42,7 +42,6 @@ def get_config(arg="1p1d-chat"):
     c.workload.num_requests = 512
     c.workload.rate = 2.0
     c.workload.vocab_size = 32000
-    c.workload.max_model_len = MAX_MODEL_LEN
     c.workload.fit_to_model = True        # chat's lengths (<= 8192) scaled to the 4096-token context
     c.workload.max_output_len = 0
     c.slo.ttft = TRACES[trace]["ttft"]

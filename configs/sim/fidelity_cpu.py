@@ -28,7 +28,6 @@ def get_config(arg="full"):
         c.engine.token_buckets = (16, 64)
         c.engine.seq_buckets = (8,)
         c.engine.page_buckets = (16,)
-        c.workload.max_model_len = 256
         c.workload.max_output_len = 24
         c.workload.num_requests = 16
         c.workload.rate = 6.0

@@ -36,7 +36,6 @@ def get_config(arg="yi34b"):
     c.workload.num_requests = 128
     c.workload.rate = 0.5
     c.workload.vocab_size = 32000
-    c.workload.max_model_len = m["max_model_len"]
     c.workload.fit_to_model = False
     c.workload.max_output_len = 0
     c.slo.ttft = 0.0

@@ -17,3 +17,37 @@ def config_file(anchor_file: str, rel_path: str, arg: Optional[str] = None) -> A
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config() if arg is None else module.get_config(arg)
+
+
+def config_block(cls, *, exclude=(), **values) -> Any:
+    """An ml_collections ConfigDict holding every field of dataclass `cls` (nested dataclasses as nested blocks),
+    at its default unless given in `values`, so every field can be set from the command line
+    (`--config.block.field=...`). A field whose default is None becomes a typed placeholder (settable, None
+    until set); `exclude` names fields the block leaves out (set elsewhere)."""
+    import dataclasses  # noqa: PLC0415
+    import typing  # noqa: PLC0415
+    import ml_collections  # noqa: PLC0415
+    from ml_collections import config_dict  # noqa: PLC0415
+
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise ValueError(f"config_block({cls.__name__}): unknown field(s) {unknown}")
+    block = ml_collections.ConfigDict()
+    for f in dataclasses.fields(cls):
+        if f.name in exclude:
+            continue
+        if f.name in values:
+            value = values[f.name]
+        elif f.default is not dataclasses.MISSING:
+            value = f.default
+        else:
+            value = f.default_factory()
+        if dataclasses.is_dataclass(value):
+            value = config_block(type(value), **{k.name: getattr(value, k.name) for k in dataclasses.fields(value)})
+        elif value is None:
+            args = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
+            simple = [a for a in args if a in (int, float, str, bool)]
+            value = config_dict.placeholder(simple[0]) if simple else ""
+        block[f.name] = value
+    return block

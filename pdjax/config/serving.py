@@ -29,8 +29,12 @@ class ModelConfig:
 class EngineConfig:
     """mode: 'online' (requests arrive at their trace times on the wall clock) or 'offline' (all at t=0).
     token_buckets / seq_buckets / page_buckets: padded sizes of the flat token axis, the sequence axis and the
-    page-table width (empty: pdjax.serving.run.default_buckets). async_scheduling: schedule and dispatch step k+1 while step k runs (see
-    pdjax/serving/engine.py; needs requests without stop tokens)."""
+    page-table width (empty: pdjax.serving.build.default_buckets). async_scheduling: schedule and dispatch step k+1
+    while step k runs (see pdjax/serving/engine.py; needs requests without stop tokens).
+    progress: progress bars (warm-up, serving) when stderr is a terminal.
+    fail_on_compile: raise at the first XLA compile after warm-up instead of flagging the iteration.
+    compilation_cache / compilation_cache_dir: JAX's persistent compilation cache ('' = ~/.cache/pdjax/xla, or
+    $XDG_CACHE_HOME/pdjax/xla), so a rerun with the same shapes loads its executables instead of compiling."""
     mode: str = "online"
     token_buckets: Tuple[int, ...] = ()
     seq_buckets: Tuple[int, ...] = ()
@@ -39,6 +43,9 @@ class EngineConfig:
     progress: bool = True
     async_scheduling: bool = False
     overlap: bool = True   # disaggregated engine: admit arrivals while steps run
+    fail_on_compile: bool = False
+    compilation_cache: bool = True
+    compilation_cache_dir: str = ""
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -128,13 +135,19 @@ def serve_config_from_dict(d: Mapping[str, Any]) -> ServeConfig:
     backend = coerce(str, d.get("backend", "real"), "backend")
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}, expected one of {BACKENDS}")
+    scheduler = dataclass_from_dict(SchedulerConfig, d.get("scheduler"), "scheduler")
+    workload = dict(d.get("workload") or {})
+    if "max_model_len" in workload:
+        raise ValueError("workload.max_model_len is not a serve config key: the run has one max_model_len, "
+                         "scheduler.max_model_len, and the workload's caps follow it")
+    workload["max_model_len"] = scheduler.max_model_len
     return ServeConfig(
         backend=backend,
         seed=coerce(int, d.get("seed", 0), "seed"),
         model=dataclass_from_dict(ModelConfig, d.get("model"), "model"),
         engine=dataclass_from_dict(EngineConfig, d.get("engine"), "engine"),
-        scheduler=dataclass_from_dict(SchedulerConfig, d.get("scheduler"), "scheduler"),
-        workload=dataclass_from_dict(WorkloadConfig, d.get("workload"), "workload"),
+        scheduler=scheduler,
+        workload=dataclass_from_dict(WorkloadConfig, workload, "workload"),
         slo=dataclass_from_dict(SLOConfig, d.get("slo"), "slo"),
         sim=dataclass_from_dict(SimConfig, d.get("sim"), "sim"),
         deployment=deployment_from_dict(d.get("deployment")),

@@ -1,9 +1,18 @@
-"""Run one serving experiment from a config dict on the backend it names, writing the standard run outputs."""
+"""Run one serving experiment from a config dict on the backend it names, writing the standard run outputs.
+
+Two phases, so every user error surfaces in the first second, before anything is compiled or simulated:
+`prepare_experiment` validates the config, makes the workdir ready (pdjax.metrics.prepare_run_dir) and builds
+the workload (reading trace and text files); `run_prepared` runs it. Both backends get the same workload and
+record in results.json under "workload" what was done to the source's lengths (scaling, caps).
+"""
 from __future__ import annotations
 
-from typing import Any, Mapping
+import dataclasses
+from typing import Any, Dict, List, Mapping
 
-from pdjax.config.serving import serve_config_from_dict
+from pdjax.config.serving import ServeConfig, serve_config_from_dict
+from pdjax.metrics import prepare_run_dir
+from pdjax.workload import length_report, make_workload
 
 
 def to_plain_dict(config: Any) -> dict:
@@ -17,12 +26,35 @@ def to_plain_dict(config: Any) -> dict:
     return config
 
 
-def run_experiment(config: Any, workdir: str) -> dict:
-    """Validate `config` (configs/serve.py layout), run it on its backend, write outputs; returns the summary."""
+@dataclasses.dataclass
+class PreparedExperiment:
+    cfg: ServeConfig
+    config: Dict[str, Any]          # the plain config dict, written to config.json
+    workdir: str
+    workload: List[Any]             # WorkloadRequests
+    length_report: Dict[str, Any]   # pdjax.workload.length_report
+
+
+def prepare_experiment(config: Any, workdir: str) -> PreparedExperiment:
+    """Validate `config` (configs/serve.py layout), ready `workdir`, build the workload. Raises ValueError (or
+    OSError for unreadable files) naming the bad key, value or path; nothing has been run or compiled then."""
     config = to_plain_dict(config)
     cfg = serve_config_from_dict(config)
-    if cfg.backend == "real":
+    prepare_run_dir(workdir)
+    workload = make_workload(cfg.workload, seed=cfg.seed)
+    return PreparedExperiment(cfg, config, workdir, workload, length_report(cfg.workload, workload))
+
+
+def run_prepared(prep: PreparedExperiment) -> dict:
+    """Run a prepared experiment on its backend, write its outputs; returns the summary (results.json)."""
+    extra = {"workload": prep.length_report}
+    if prep.cfg.backend == "real":
         from pdjax.serving.run import run_real  # noqa: PLC0415  (imports JAX)
-        return run_real(cfg, config, workdir)
+        return run_real(prep.cfg, prep.config, prep.workdir, workload=prep.workload, extra=extra)
     from pdjax.sim.run import run_sim  # noqa: PLC0415
-    return run_sim(cfg, config, workdir)
+    return run_sim(prep.cfg, prep.config, prep.workdir, workload=prep.workload, extra=extra)
+
+
+def run_experiment(config: Any, workdir: str) -> dict:
+    """prepare_experiment then run_prepared; returns the summary."""
+    return run_prepared(prepare_experiment(config, workdir))

@@ -22,6 +22,7 @@ Throughput and goodput use the run duration: earliest arrival to the latest toke
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
 import numpy as np
@@ -183,6 +184,7 @@ def summarize_iterations(iterations: Sequence[IterationRecord]) -> Dict[str, Any
             "total_decode_tokens": int(sum(it.num_decode_tokens for it in its)),
             "mean_tokens_per_iteration": float(np.mean([it.num_tokens for it in its])),
             "mean_seqs_per_iteration": float(np.mean([it.num_seqs for it in its])),
+            "num_compiles": int(sum(it.num_compiles for it in its)),
             "num_mixed_iterations": sum(1 for it in its if it.num_prefill_tokens and it.num_decode_tokens),
         }
     out = one(iterations)
@@ -190,6 +192,22 @@ def summarize_iterations(iterations: Sequence[IterationRecord]) -> Dict[str, Any
     if len(instances) > 1:
         out["per_instance"] = {name: one([it for it in iterations if it.instance == name]) for name in instances}
     return out
+
+
+def rejection_kind(reason: str) -> str:
+    """A reject reason with its numbers and quoted values blanked ('prompt of N tokens exceeds
+    max_model_len=N'), so requests refused for the same rule count together."""
+    return re.sub(r"-?\d+(\.\d+)?", "N", re.sub(r"'[^']*'", "'...'", reason or "(no reason given)"))
+
+
+def rejection_counts(records: Sequence[RequestRecord]) -> Dict[str, int]:
+    """{rejection_kind: number of rejected requests}, most frequent first."""
+    counts: Dict[str, int] = {}
+    for r in records:
+        if r.finish_reason == "rejected":
+            kind = rejection_kind(r.reject_reason)
+            counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def summarize_run(records: Sequence[RequestRecord], iterations: Sequence[IterationRecord] = (),
@@ -205,6 +223,7 @@ def summarize_run(records: Sequence[RequestRecord], iterations: Sequence[Iterati
         "num_requests": len(records),
         "num_completed": len(done),
         "num_rejected": reasons.count("rejected"),
+        "rejections": rejection_counts(records),
         "num_aborted": reasons.count("aborted"),
         "num_unfinished": reasons.count("unfinished"),
         "num_preempted_requests": sum(1 for r in records if r.num_preemptions > 0),

@@ -28,6 +28,7 @@ class RequestRecord:
     num_preemptions: int = 0
     finish_reason: str = "length"
     token_times: List[float] = dataclasses.field(default_factory=list)
+    reject_reason: str = ""            # why a 'rejected' request was refused ('' otherwise)
 
     @property
     def completed(self) -> bool:
@@ -62,6 +63,7 @@ class IterationRecord:
     num_decode_tokens: int = 0
     num_seqs: int = 0
     instance: str = ""
+    num_compiles: int = 0      # XLA compiles JAX reported during this iteration (its time includes them)
 
     @property
     def step_time(self) -> float:
@@ -81,4 +83,4 @@ def request_record(req: Any) -> RequestRecord:
         finish_time=req.finish_time, num_prompt_tokens=int(req.num_prompt_tokens),
         num_output_tokens=int(req.num_output_tokens), num_preemptions=int(req.num_preemptions),
         finish_reason=req.finish_reason if req.finish_reason is not None else "unfinished",
-        token_times=[float(t) for t in req.token_times])
+        token_times=[float(t) for t in req.token_times], reject_reason=getattr(req, "reject_reason", None) or "")

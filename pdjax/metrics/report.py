@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import tempfile
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
 
 from pdjax.metrics.latency import STAT_KEYS, summarize_run, tbts, ttfts
@@ -22,10 +23,10 @@ from pdjax.metrics.plots import plot_cdf, plot_iteration_timeline
 from pdjax.metrics.records import IterationRecord, RequestRecord
 
 REQUEST_COLUMNS = ("request_id", "arrival_time", "first_scheduled_time", "first_token_time", "finish_time",
-                   "num_prompt_tokens", "num_output_tokens", "num_preemptions", "finish_reason")
+                   "num_prompt_tokens", "num_output_tokens", "num_preemptions", "finish_reason", "reject_reason")
 TOKEN_COLUMNS = ("request_id", "token_index", "time")
 ITERATION_COLUMNS = ("step", "start_time", "end_time", "step_time", "num_prefill_tokens", "num_decode_tokens",
-                     "num_seqs", "instance")
+                     "num_seqs", "instance", "num_compiles")
 PLOT_FILES = ("ttft_cdf.png", "tbt_cdf.png", "iteration_timeline.png")
 
 
@@ -119,12 +120,13 @@ def write_run_outputs(workdir: str, config_dict: Any, request_records: Sequence[
     write_json(os.path.join(workdir, "config.json"), config_dict)
     write_csv(os.path.join(workdir, "requests.csv"), REQUEST_COLUMNS, (
         (r.request_id, float(r.arrival_time), r.first_scheduled_time, r.first_token_time, r.finish_time,
-         r.num_prompt_tokens, r.num_output_tokens, r.num_preemptions, r.finish_reason) for r in request_records))
+         r.num_prompt_tokens, r.num_output_tokens, r.num_preemptions, r.finish_reason, r.reject_reason)
+        for r in request_records))
     write_csv(os.path.join(workdir, "token_times.csv"), TOKEN_COLUMNS, (
         (r.request_id, i, float(t)) for r in request_records for i, t in enumerate(r.token_times)))
     write_csv(os.path.join(workdir, "iterations.csv"), ITERATION_COLUMNS, (
         (it.step, float(it.start_time), float(it.end_time), float(it.step_time), it.num_prefill_tokens,
-         it.num_decode_tokens, it.num_seqs, it.instance) for it in iteration_records))
+         it.num_decode_tokens, it.num_seqs, it.instance, it.num_compiles) for it in iteration_records))
     if plots:
         plot_cdf(ttfts(request_records), "TTFT (s)", "TTFT CDF", _save_png(os.path.join(workdir, PLOT_FILES[0])))
         plot_cdf([1e3 * g for g in tbts(request_records)], "TBT (ms)", "TBT CDF (all gaps pooled)",
@@ -132,6 +134,38 @@ def write_run_outputs(workdir: str, config_dict: Any, request_records: Sequence[
         plot_iteration_timeline(iteration_records, _save_png(os.path.join(workdir, PLOT_FILES[2])))
     write_json(os.path.join(workdir, "results.json"), summary)
     return summary
+
+
+RUN_FILES = ("config.json", "results.json", "requests.csv", "token_times.csv", "iterations.csv", "outputs.json",
+             "error.txt") + PLOT_FILES
+
+
+def prepare_run_dir(workdir: str) -> None:
+    """Make `workdir` ready for a run before anything runs, so a bad path fails in the first second, not after
+    the run: it must be (or become) a writable directory. A run owns its files: an earlier run's outputs there
+    are removed (a stale outputs.json must never be read as this run's); any other file makes it refuse.
+    Raises ValueError naming the path and the problem."""
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ValueError(f"workdir={workdir!r} exists and is not a directory; expected a directory (new or empty)")
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"workdir={workdir!r} cannot be created: {e.strerror}") from None
+    entries = sorted(os.listdir(workdir))
+    ours = [e for e in entries if e in RUN_FILES or e.split(".tmp-")[0] in RUN_FILES]   # incl. a crash's temp files
+    foreign = [e for e in entries if e not in ours]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ValueError(f"workdir={workdir!r} holds files that are not a pdjax run's outputs ({shown}); expected "
+                         "a new or empty directory, or one holding an earlier run's outputs (they are replaced)")
+    try:
+        probe = tempfile.NamedTemporaryFile(dir=workdir, prefix=".probe", suffix=".tmp")
+        probe.close()
+    except OSError as e:
+        raise ValueError(f"workdir={workdir!r} is not writable: {e.strerror}") from None
+    # results.json first: a crash in between leaves an unfinished run, never a finished stale one.
+    for name in sorted(ours, key=lambda e: e != "results.json"):
+        os.remove(os.path.join(workdir, name))
 
 
 def is_finished_run(workdir: str) -> bool:
@@ -183,11 +217,11 @@ def load_run(workdir: str) -> RunData:
             first_token_time=_opt_float(row["first_token_time"]), finish_time=_opt_float(row["finish_time"]),
             num_prompt_tokens=int(row["num_prompt_tokens"]), num_output_tokens=int(row["num_output_tokens"]),
             num_preemptions=int(row["num_preemptions"]), finish_reason=row["finish_reason"],
-            token_times=token_times.get(row["request_id"], [])))
+            token_times=token_times.get(row["request_id"], []), reject_reason=row.get("reject_reason") or ""))
     iterations = [IterationRecord(
         step=int(row["step"]), start_time=float(row["start_time"]), end_time=float(row["end_time"]),
         num_prefill_tokens=int(row["num_prefill_tokens"]), num_decode_tokens=int(row["num_decode_tokens"]),
-        num_seqs=int(row["num_seqs"]), instance=row["instance"])
+        num_seqs=int(row["num_seqs"]), instance=row["instance"], num_compiles=int(row.get("num_compiles") or 0))
         for _, row in _read_rows(os.path.join(workdir, "iterations.csv"), ITERATION_COLUMNS)]
     with open(os.path.join(workdir, "config.json")) as f:
         config = json.load(f)
@@ -257,4 +291,10 @@ def summarize_table(summary: Mapping[str, Any]) -> str:
     slos = {k: v for k, v in (summary.get("slos") or {}).items() if v is not None and k.endswith("_s")}
     lines.append(f"SLOs {slos or 'none (completion only)'}: attainment "
                  f"{'-' if attainment is None else f'{attainment:.3f}'}  goodput {summary['goodput_rps']:.2f} req/s")
+    for kind, n in (summary.get("rejections") or {}).items():
+        lines.append(f"rejected {n}: {kind}")
+    compiles = (summary.get("iterations") or {}).get("num_compiles")
+    if compiles:
+        lines.append(f"WARNING: {compiles} XLA compile(s) during the run; the iterations that compiled are flagged "
+                     "in iterations.csv (num_compiles) and their latencies include compile time")
     return "\n".join(lines)

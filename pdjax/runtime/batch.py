@@ -25,6 +25,8 @@ class RaggedBatch:
     cu_q_lens: int32[S + 1]; kv_lens: int32[S] (context incl. this step); page_indices: int32[S, P]
     num_seqs: int32[] real sequences; sample_indices: int32[S] flat index of each sequence's last token
     temperature float32[S] (0 = greedy), top_k int32[S] (0 = off), top_p float32[S] (1 = off), seed uint32[S]
+    token_src: int32[T] -1 where token_ids holds the token; else the index into the previous step's sampled ids
+      of the token to feed (async scheduling: a sample that has not reached the host yet)
     """
     token_ids: np.ndarray
     positions: np.ndarray
@@ -38,6 +40,7 @@ class RaggedBatch:
     top_k: np.ndarray
     top_p: np.ndarray
     seed: np.ndarray
+    token_src: np.ndarray
 
     @property
     def shape_key(self) -> Tuple[int, int, int]:
@@ -54,7 +57,7 @@ def empty_batch(shape: Tuple[int, int, int]) -> RaggedBatch:
         kv_lens=np.zeros(s, np.int32), page_indices=np.zeros((s, p), np.int32),
         num_seqs=np.zeros((), np.int32), sample_indices=np.zeros(s, np.int32),
         temperature=np.zeros(s, np.float32), top_k=np.zeros(s, np.int32), top_p=np.ones(s, np.float32),
-        seed=np.zeros(s, np.uint32))
+        seed=np.zeros(s, np.uint32), token_src=np.full(t, -1, np.int32))
 
 
 def build_ragged_batch(token_ids: Sequence[Sequence[int]], num_computed_tokens: Sequence[int],

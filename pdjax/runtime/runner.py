@@ -8,12 +8,18 @@ functions, recorded with the (T, S, P) bucket of each trace; with fixed buckets 
 Swap preemption: `swap_out` pairs (host_slot, device_page) copy a device page (all layers, K and V) into a
 host numpy store; `swap_in` pairs copy a host slot back into a device page. Both read the state from before
 the call (device pages and host slots are all read first, then written), so a page or slot reused in the
-same call is handled whatever the order. Copies are padded to power-of-two counts to bound recompiles.
+same call is handled whatever the order. Copies move in chunks padded to SWAP_BUCKETS pages, so swapping
+compiles two shapes per direction, both precompiled by `warmup(swap=True)`.
+
+No compile after warm-up: every array the step sees is placed exactly as at warm-up (params and KV cache
+committed to the runner's mesh, a single-device mesh by default; the batch as host numpy; the previous step's
+ids as the step's own replicated output), so warm-up compiles each (T, S, P) bucket once and the run reuses it.
+`pdjax.runtime.compiles` counts what JAX actually compiled, to check.
 """
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +33,17 @@ from pdjax.runtime.batch import Buckets, RaggedBatch, build_ragged_batch, empty_
 from pdjax.runtime.step import make_forward_logits, make_step
 from pdjax.scheduler.output import SchedulerOutput
 
+SWAP_BUCKETS = (8, 64)   # pages per swap copy; more pages move in several copies of the largest
 
-def _pad_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+
+def swap_chunks(n: int):
+    """[(start, stop, padded size)] covering n pages in copies of SWAP_BUCKETS sizes."""
+    chunks, start = [], 0
+    while start < n:
+        stop = min(n, start + SWAP_BUCKETS[-1])
+        chunks.append((start, stop, next(b for b in SWAP_BUCKETS if b >= stop - start)))
+        start = stop
+    return chunks
 
 
 @jax.jit
@@ -48,13 +62,6 @@ def _scatter_pages(kv_cache: KVCache, pages, k, v):
                    v=tuple(put(a, v[i]) for i, a in enumerate(kv_cache.v)))
 
 
-@jax.jit
-def _substitute_tokens(token_ids, src_index, prev_ids):
-    """token_ids with token i replaced by prev_ids[src_index[i]] where src_index[i] >= 0 (on device)."""
-    taken = prev_ids[jnp.maximum(src_index, 0)].astype(token_ids.dtype)
-    return jnp.where(src_index >= 0, taken, token_ids)
-
-
 _scatter_pages_donated = jax.jit(_scatter_pages.__wrapped__, donate_argnums=(0,))
 
 
@@ -68,7 +75,8 @@ class ModelRunner:
         max_model_len / page_size pages.
       attention_impl: 'auto' | 'reference' | 'pallas' (see pdjax.kernels.get_attention_fn).
       kv_dtype: KV cache dtype (default: the params' dtype).
-      mesh: optional mesh (pdjax.runtime.mesh.make_mesh); params and cache get sharded on it.
+      mesh: optional mesh (pdjax.runtime.mesh.make_mesh); params and cache get sharded on it. Default: a
+        one-device mesh on jax.devices()[0].
       max_model_len: longest sequence allowed (default spec.max_position_embeddings).
     """
 
@@ -86,24 +94,22 @@ class ModelRunner:
         if buckets is None:
             buckets = Buckets.powers_of_two(512, 64, -(-self.max_model_len // self.page_size))
         self.buckets = buckets
-        self.mesh = mesh
         self.attention_fn = get_attention_fn(attention_impl)
         kv_dtype = kv_dtype or params.embed.dtype
-        out_shardings = logits_shardings = None
-        cache_sharding = None
-        if mesh is not None:
-            params = mesh_lib.shard_params(params, mesh, spec)
-            cache_sharding = mesh_lib.kv_cache_sharding(mesh, spec)
-            cache_shardings = mesh_lib.kv_cache_shardings(mesh, spec)
-            out_shardings = (mesh_lib.replicated(mesh), cache_shardings)
-            logits_shardings = out_shardings
-        self.params = params
-        self.kv_cache = init_kv_cache(spec, self.num_pages, self.page_size, kv_dtype, sharding=cache_sharding)
+        if mesh is None:
+            mesh = mesh_lib.make_mesh(jax.devices()[:1])
+        self.mesh = mesh
+        self.params = mesh_lib.shard_params(params, mesh, spec)
+        out_shardings = (mesh_lib.replicated(mesh), mesh_lib.kv_cache_shardings(mesh, spec))
+        self.kv_cache = init_kv_cache(spec, self.num_pages, self.page_size, kv_dtype,
+                                      sharding=mesh_lib.kv_cache_sharding(mesh, spec))
+        # The "previous step's ids" of a step that takes no token from one: placed like the step's output.
+        self._no_prev_ids = jax.device_put(np.zeros(buckets.max_seqs, np.int32), mesh_lib.replicated(mesh))
         self.traces: List[Tuple[str, Tuple[int, int, int]]] = []
-        self._step = make_step(spec, self.attention_fn, out_shardings=out_shardings,
+        self._step = make_step(spec, self.attention_fn, max_seqs=buckets.max_seqs, out_shardings=out_shardings,
                                on_trace=lambda b: self.traces.append(("step", b.shape_key)))
         self._forward_logits = make_forward_logits(
-            spec, self.attention_fn, out_shardings=logits_shardings,
+            spec, self.attention_fn, out_shardings=out_shardings,
             on_trace=lambda b: self.traces.append(("logits", b.shape_key)))
         self.host_pages: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
 
@@ -143,11 +149,12 @@ class ModelRunner:
         batch = self._prepare(sched_out)
         if batch is None:
             return None, np.zeros((0,), bool)
+        prev_ids = self._no_prev_ids
         if prev is not None and prev[1][0] is not None:
             src = self._sample_sources(sched_out, prev[0], batch.token_ids.shape[0])
             if src is not None:
-                batch = batch.replace(token_ids=_substitute_tokens(batch.token_ids, src, prev[1][0]))
-        ids, self.kv_cache = self._step(self.params, self.kv_cache, batch)
+                batch, prev_ids = batch.replace(token_src=src), prev[1][0]
+        ids, self.kv_cache = self._step(self.params, self.kv_cache, batch, prev_ids)
         return ids, np.asarray(sched_out.do_sample, bool)
 
     @staticmethod
@@ -176,7 +183,7 @@ class ModelRunner:
         ids, do_sample = handle
         if ids is None:
             return np.zeros((0,), np.int32)
-        ids = np.asarray(ids)[:do_sample.shape[0]].astype(np.int32)
+        ids = np.asarray(ids)[:do_sample.shape[0]].astype(np.int32)   # ids: int32[max_seqs]
         return np.where(do_sample, ids, -1).astype(np.int32)
 
     def execute(self, sched_out: SchedulerOutput) -> np.ndarray:
@@ -189,17 +196,27 @@ class ModelRunner:
         batch = self._prepare(sched_out)
         if batch is None:
             return np.zeros((0, self.spec.vocab_size), np.float32)
-        logits, self.kv_cache = self._forward_logits(self.params, self.kv_cache, batch)
+        logits, self.kv_cache = self._forward_logits(self.params, self.kv_cache, batch, self._no_prev_ids)
         return np.asarray(logits)[:sched_out.num_seqs]
 
-    def warmup(self, shapes: Optional[Sequence[Tuple[int, int, int]]] = None, *, logits: bool = False) -> float:
-        """Compile the step for `shapes` ((T, S, P) buckets; default all of them); returns seconds taken."""
+    def warmup(self, shapes: Optional[Sequence[Tuple[int, int, int]]] = None, *, logits: bool = False,
+               swap: bool = False, progress: Optional[Callable[[int], None]] = None) -> float:
+        """Compile the step for `shapes` ((T, S, P) buckets; default all of them), and with swap=True the swap
+        copies of every SWAP_BUCKETS size; returns seconds taken. progress(1) after each shape."""
         shapes = self.buckets.all_shapes() if shapes is None else shapes
         start = time.perf_counter()
         fn = self._forward_logits if logits else self._step
         for shape in shapes:
-            out, self.kv_cache = fn(self.params, self.kv_cache, empty_batch(tuple(shape)))
+            out, self.kv_cache = fn(self.params, self.kv_cache, empty_batch(tuple(shape)), self._no_prev_ids)
             jax.block_until_ready(out)
+            if progress is not None:
+                progress(1)
+        if swap:
+            for size in SWAP_BUCKETS:
+                k, v = _gather_pages(self.kv_cache, np.zeros(size, np.int32))
+                self.kv_cache = _scatter_pages_donated(  # pages out of range: writes nothing
+                    self.kv_cache, np.full(size, self.num_pages, np.int32), np.asarray(k), np.asarray(v))
+            jax.block_until_ready(self.kv_cache)
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------------------------------------------
@@ -211,27 +228,24 @@ class ModelRunner:
         missing = [slot for slot, _ in swap_in if slot not in self.host_pages]
         if missing:
             raise ValueError(f"swap_in of host slots {missing} that hold no swapped-out page")
-        out_data = None
-        if swap_out:
-            n = _pad_pow2(len(swap_out))
-            pages = np.zeros(n, np.int32)
-            pages[:len(swap_out)] = [p for _, p in swap_out]
-            k, v = _gather_pages(self.kv_cache, pages)
-            out_data = (np.asarray(k), np.asarray(v))
+        out_data = []   # (k, v) numpy [L, kvh, page_size, hd] per swapped-out page, read before any write
+        for a, b, size in swap_chunks(len(swap_out)):
+            pages = np.zeros(size, np.int32)
+            pages[:b - a] = [p for _, p in swap_out[a:b]]
+            k, v = (np.asarray(x) for x in _gather_pages(self.kv_cache, pages))
+            out_data += [(k[:, :, j].copy(), v[:, :, j].copy()) for j in range(b - a)]
         in_data = [self.host_pages[slot] for slot, _ in swap_in]
-        if swap_in:
-            n = _pad_pow2(len(swap_in))
-            pages = np.full(n, self.num_pages, np.int32)  # out of range -> dropped
-            pages[:len(swap_in)] = [p for _, p in swap_in]
+        for a, b, size in swap_chunks(len(swap_in)):
+            pages = np.full(size, self.num_pages, np.int32)  # out of range -> dropped
+            pages[:b - a] = [p for _, p in swap_in[a:b]]
             shape = in_data[0][0].shape  # [L, kvh, page_size, hd]
-            k = np.zeros(shape[:2] + (n,) + shape[2:], in_data[0][0].dtype)
+            k = np.zeros(shape[:2] + (size,) + shape[2:], in_data[0][0].dtype)
             v = np.zeros_like(k)
-            for j, (hk, hv) in enumerate(in_data):
+            for j, (hk, hv) in enumerate(in_data[a:b]):
                 k[:, :, j], v[:, :, j] = hk, hv
             self.kv_cache = _scatter_pages_donated(self.kv_cache, pages, k, v)
-        if out_data is not None:
-            for j, (slot, _) in enumerate(swap_out):
-                self.host_pages[slot] = (out_data[0][:, :, j].copy(), out_data[1][:, :, j].copy())
+        for (slot, _), data in zip(swap_out, out_data):
+            self.host_pages[slot] = data
 
     def free_host_slots(self, slots: Sequence[int]) -> None:
         for slot in slots:

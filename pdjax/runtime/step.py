@@ -1,15 +1,18 @@
-"""The functional step: step(params, kv_cache, batch) -> (sampled_token_ids int32[S], kv_cache).
+"""The functional step: step(params, kv_cache, batch, prev_ids) -> (sampled ids int32[max_seqs], kv_cache).
 
-`make_step` returns the jitted step with the KV cache donated (updated in place); only the sampled ids
-(int32[S]) are meant to come back to the host. `make_forward_logits` is the same forward returning float32
-logits [S, V] at each sequence's last token (for tests and --dump_logits). Logits are computed only at the
-S sample rows, never for all T tokens.
+`make_step` returns the jitted step with the KV cache donated (updated in place); only the sampled ids come back
+to the host. They are padded to a fixed `max_seqs` rows (the largest sequence bucket), so one step's output can
+feed the next step whatever its bucket: tokens with `batch.token_src[i] >= 0` are taken on the device from
+`prev_ids` (the previous step's output; async scheduling), so the sync and the async engine run the same
+compiled shapes. `make_forward_logits` is the same forward returning float32 logits [S, V] at each sequence's
+last token (for tests and --dump_logits). Logits are computed only at the S sample rows, never for all T tokens.
 """
 from __future__ import annotations
 
 from typing import Callable, Optional
 
 import jax
+import jax.numpy as jnp
 
 from pdjax.config.model_specs import ModelSpec
 from pdjax.models.llama import KVCache, LlamaParams, forward_hidden, logits_from_hidden
@@ -17,40 +20,47 @@ from pdjax.runtime.batch import RaggedBatch
 from pdjax.runtime.sampling import sample_tokens
 
 
-def forward_logits(params: LlamaParams, kv_cache: KVCache, batch: RaggedBatch, *, spec: ModelSpec,
+def fed_token_ids(batch: RaggedBatch, prev_ids):
+    """int32[T]: batch.token_ids with token i replaced by prev_ids[token_src[i]] where token_src[i] >= 0."""
+    taken = prev_ids[jnp.maximum(batch.token_src, 0)].astype(batch.token_ids.dtype)
+    return jnp.where(batch.token_src >= 0, taken, batch.token_ids)
+
+
+def forward_logits(params: LlamaParams, kv_cache: KVCache, batch: RaggedBatch, prev_ids, *, spec: ModelSpec,
                    attention_fn: Callable):
     """(float32 logits [S, V] at batch.sample_indices, updated kv_cache)."""
     hidden, kv_cache = forward_hidden(
-        params, kv_cache, batch.token_ids, batch.positions, batch.slot_mapping, batch.kv_lens,
+        params, kv_cache, fed_token_ids(batch, prev_ids), batch.positions, batch.slot_mapping, batch.kv_lens,
         batch.page_indices, batch.cu_q_lens, batch.num_seqs, spec=spec, attention_fn=attention_fn)
     return logits_from_hidden(params, hidden[batch.sample_indices]), kv_cache
 
 
-def step(params: LlamaParams, kv_cache: KVCache, batch: RaggedBatch, *, spec: ModelSpec,
-         attention_fn: Callable):
-    """(sampled token ids int32[S], updated kv_cache). The sampled token sits at position kv_len."""
-    logits, kv_cache = forward_logits(params, kv_cache, batch, spec=spec, attention_fn=attention_fn)
+def step(params: LlamaParams, kv_cache: KVCache, batch: RaggedBatch, prev_ids, *, spec: ModelSpec,
+         attention_fn: Callable, max_seqs: int):
+    """(sampled token ids int32[max_seqs] (rows past S are 0), updated kv_cache). A sampled token sits at
+    position kv_len."""
+    logits, kv_cache = forward_logits(params, kv_cache, batch, prev_ids, spec=spec, attention_fn=attention_fn)
     ids = sample_tokens(logits, batch.kv_lens, batch.temperature, batch.top_k, batch.top_p, batch.seed)
-    return ids, kv_cache
+    return jnp.zeros((max_seqs,), jnp.int32).at[:ids.shape[0]].set(ids.astype(jnp.int32)), kv_cache
 
 
-def _jit(fn, spec, attention_fn, on_trace, out_shardings):
-    def traced(params, kv_cache, batch):
+def _jit(fn, on_trace, out_shardings, **static):
+    def traced(params, kv_cache, batch, prev_ids):
         if on_trace is not None:
-            on_trace(batch)  # runs once per trace, i.e. once per compiled shape
-        return fn(params, kv_cache, batch, spec=spec, attention_fn=attention_fn)
+            on_trace(batch)  # runs once per trace (a compile can also happen without one: pdjax.runtime.compiles)
+        return fn(params, kv_cache, batch, prev_ids, **static)
 
     kwargs = {} if out_shardings is None else {"out_shardings": out_shardings}
     return jax.jit(traced, donate_argnums=(1,), **kwargs)
 
 
-def make_step(spec: ModelSpec, attention_fn: Callable, *, on_trace: Optional[Callable] = None,
+def make_step(spec: ModelSpec, attention_fn: Callable, *, max_seqs: int, on_trace: Optional[Callable] = None,
               out_shardings=None):
     """Jitted `step` with kv_cache donated. on_trace(batch) is called at each (re)trace."""
-    return _jit(step, spec, attention_fn, on_trace, out_shardings)
+    return _jit(step, on_trace, out_shardings, spec=spec, attention_fn=attention_fn, max_seqs=max_seqs)
 
 
 def make_forward_logits(spec: ModelSpec, attention_fn: Callable, *, on_trace: Optional[Callable] = None,
                         out_shardings=None):
     """Jitted `forward_logits` with kv_cache donated."""
-    return _jit(forward_logits, spec, attention_fn, on_trace, out_shardings)
+    return _jit(forward_logits, on_trace, out_shardings, spec=spec, attention_fn=attention_fn)

@@ -33,9 +33,9 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from pdjax.metrics import IterationRecord, request_record
-from pdjax.scheduler import Request, request_from_workload
+from pdjax.scheduler import Request
 from pdjax.scheduler.routing import InstanceRouter
-from pdjax.serving.engine import ArrivalQueue, EngineResult, TokenCallback
+from pdjax.serving.engine import ArrivalQueue, CompileTracker, EngineResult, TokenCallback
 from pdjax.serving.kv_transfer import StagedKV, scatter_kv_pages, transfer_kv
 
 
@@ -92,7 +92,8 @@ class DisaggregatedEngine:
     def __init__(self, prefill: Sequence[Instance], decode: Sequence[Instance], *, router: str = "round_robin",
                  clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep,
                  on_token: Optional[TokenCallback] = None, overlap: bool = True,
-                 transfer: Callable[..., StagedKV] = transfer_kv):
+                 transfer: Callable[..., StagedKV] = transfer_kv, compile_counter: Optional[Callable[[], int]] = None,
+                 fail_on_compile: bool = False):
         prefill, decode = list(prefill), list(decode)
         for group, role in ((prefill, "prefill"), (decode, "decode")):
             if not group:
@@ -111,6 +112,7 @@ class DisaggregatedEngine:
         self.decode_router = InstanceRouter(router, decode)
         self.clock, self.sleep, self.on_token, self.overlap = clock, sleep, on_token, overlap
         self.transfer = transfer
+        self.compiles = CompileTracker(compile_counter, fail_on_compile)
         self._staged: Dict[str, StagedKV] = {}
 
     @property
@@ -184,6 +186,7 @@ class DisaggregatedEngine:
         self._staged.clear()
         for inst in self.instances:
             inst.num_steps = 0
+        self.compiles.reset()
 
         def done(n: int) -> None:
             if n and progress is not None:
@@ -230,7 +233,8 @@ class DisaggregatedEngine:
                 finished = inst.scheduler.update(out, sampled, end)
                 iterations.append(IterationRecord(
                     step=inst.num_steps, start_time=start, end_time=end, num_prefill_tokens=out.num_prefill_tokens,
-                    num_decode_tokens=out.num_decode_tokens, num_seqs=out.num_seqs, instance=inst.name))
+                    num_decode_tokens=out.num_decode_tokens, num_seqs=out.num_seqs, instance=inst.name,
+                    num_compiles=self.compiles.new(f"{inst.name} iteration {inst.num_steps}")))
                 inst.num_steps += 1
                 if self.on_token is not None:
                     for rid, tok in zip(out.req_ids, sampled):
@@ -249,86 +253,3 @@ class DisaggregatedEngine:
             requests=[request_record(r) for r in arrivals.pending], iterations=iterations,
             output_tokens={r.request_id: list(r.output_token_ids) for r in arrivals.pending},
             duration_s=now(), host_overlap_s=overlap_total, transfers=transfers)
-
-
-# ----------------------------------------------------------------------------------------------------------
-def build_disaggregated_engine(cfg, *, devices: Optional[Sequence] = None, params=None, spec=None,
-                               on_token: Optional[TokenCallback] = None) -> DisaggregatedEngine:
-    """The engine of a ServeConfig whose `deployment.kind` is 'disaggregated': one ModelRunner per instance on
-    its own mesh (devices from `deployment.device_assignment`), schedulers from `instance_scheduler_config`.
-
-    devices: the device list indices refer to (default jax.devices()). params/spec: weights to use instead of
-    loading cfg.model.checkpoint (tests share one set)."""
-    import jax  # noqa: PLC0415
-    from pdjax.config.deployment import instance_scheduler_config, validate_deployment  # noqa: PLC0415
-    from pdjax.runtime.mesh import make_mesh  # noqa: PLC0415
-    from pdjax.runtime.runner import ModelRunner  # noqa: PLC0415
-    from pdjax.scheduler import make_scheduler  # noqa: PLC0415
-    from pdjax.serving.run import default_buckets, resolve_checkpoint  # noqa: PLC0415
-
-    dep = cfg.deployment
-    if dep.kind != "disaggregated":
-        raise ValueError(f"deployment.kind={dep.kind!r}: build_disaggregated_engine needs 'disaggregated'")
-    if params is None:
-        from pdjax.models.checkpoint import load_model  # noqa: PLC0415
-        spec, params = load_model(resolve_checkpoint(cfg.model.checkpoint), dtype=cfg.model.dtype, seed=cfg.seed)
-    elif spec is None:
-        raise ValueError("params given without their spec")
-    devices = list(jax.devices() if devices is None else devices)
-    assignment = validate_deployment(dep, spec, len(devices))
-    base = cfg.scheduler
-    if not base.vocab_size:   # reject out-of-vocabulary prompts instead of failing the step (as run_real)
-        base = dataclasses.replace(base, vocab_size=spec.vocab_size)
-    groups = {"prefill": [], "decode": []}
-    for role in ("prefill", "decode"):
-        group = getattr(dep, role)
-        sched_cfg = instance_scheduler_config(base, group, role)
-        buckets = default_buckets(dataclasses.replace(cfg, scheduler=sched_cfg))
-        for name in dep.instance_names(role):
-            mesh = make_mesh([devices[i] for i in assignment[name]], dp=group.dp, pp=group.pp, tp=group.tp)
-            runner = ModelRunner(spec, params, num_pages=sched_cfg.num_pages, page_size=sched_cfg.page_size,
-                                 buckets=buckets, attention_impl=cfg.model.attention_impl, mesh=mesh,
-                                 max_model_len=sched_cfg.max_model_len)
-            groups[role].append(Instance(name, role, runner, make_scheduler(sched_cfg)))
-    return DisaggregatedEngine(groups["prefill"], groups["decode"], router=dep.router,
-                               overlap=cfg.engine.overlap, on_token=on_token)
-
-
-def run_disaggregated(cfg, config_dict, workdir: str) -> Dict[str, Any]:
-    """run_real for a disaggregated deployment: build, warm up every instance, serve cfg's workload, write the
-    run outputs (iterations carry their instance names; results.json gets per-instance compile counts and the
-    KV transfer totals under "engine")."""
-    from pdjax.metrics import write_run_outputs  # noqa: PLC0415
-    from pdjax.workload import make_workload  # noqa: PLC0415
-
-    engine = build_disaggregated_engine(cfg)
-    compile_s = 0.0
-    if cfg.engine.warmup:
-        compile_s = sum(inst.runner.warmup() for inst in engine.instances)
-        compile_s += engine.warmup_transfers(cfg.scheduler.max_model_len)
-    compiles_at_start = {inst.name: inst.runner.compile_count for inst in engine.instances}
-    offline = cfg.engine.mode == "offline"
-    requests = [request_from_workload(w, eos_token_id=cfg.model.eos_token_id, offline=offline, seed=cfg.seed)
-                for w in make_workload(cfg.workload, seed=cfg.seed)]
-    bar = None
-    if cfg.engine.progress:
-        from tqdm import tqdm  # noqa: PLC0415
-        bar = tqdm(total=len(requests), desc="serve disaggregated", unit="req")
-    start = time.perf_counter()
-    result = engine.run(requests, progress=bar.update if bar is not None else None)
-    if bar is not None:
-        bar.close()
-    extra = {"engine": {
-        "backend": "real", "deployment": "disaggregated", "mode": cfg.engine.mode,
-        "instances": {inst.name: {"role": inst.role, "devices": [d.id for d in inst.runner.mesh.devices.flat],
-                                  "tp": int(inst.runner.mesh.shape["tensor"]),
-                                  "num_pages": inst.scheduler.config.num_pages,
-                                  "token_budget": inst.scheduler.config.token_budget,
-                                  "num_iterations": inst.num_steps,
-                                  "num_compiled_shapes": compiles_at_start[inst.name],
-                                  "compiles_during_run": inst.runner.compile_count - compiles_at_start[inst.name]}
-                      for inst in engine.instances},
-        "compile_s": compile_s, "wall_s": time.perf_counter() - start, "host_overlap_s": result.host_overlap_s,
-        "num_iterations": len(result.iterations), "kv_transfer": result.transfer_summary()}}
-    return write_run_outputs(workdir, config_dict, result.requests, result.iterations, cfg.slo.as_dict(),
-                             extra=extra)

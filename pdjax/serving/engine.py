@@ -14,6 +14,10 @@ step k's output (they never round-trip through the host). After step k's ids rea
 are patched and the tokens stamped. The device never waits for host scheduling, at the price of one constraint:
 finishing must be decidable without the token value (no stop tokens; requests run to max_tokens, as in
 benchmarks with ignore_eos). `host_overlap_s` reports the host time spent while a step was in flight.
+
+Compiles: with `compile_counter` (pdjax.runtime.compiles.count) every IterationRecord carries the number of XLA
+compiles JAX reported since the previous record, so a latency that includes a compile is never mistaken for a
+step; `fail_on_compile=True` raises at the first one instead.
 """
 from __future__ import annotations
 
@@ -35,6 +39,27 @@ class EngineResult:
     output_tokens: dict                 # request_id -> list of generated token ids
     duration_s: float
     host_overlap_s: float               # host work done while a step was in flight
+
+
+class CompileTracker:
+    """Compiles since the last call, from `counter` (pdjax.runtime.compiles.count; None: never any). Shared by
+    the colocated and the disaggregated engine; `fail=True` raises at the first compile instead."""
+
+    def __init__(self, counter: Optional[Callable[[], int]] = None, fail: bool = False):
+        self.counter, self.fail = counter, fail
+        self.reset()
+
+    def reset(self) -> None:
+        self._seen = self.counter() if self.counter is not None else 0
+
+    def new(self, where: str) -> int:
+        if self.counter is None:
+            return 0
+        seen, self._seen = self._seen, self.counter()
+        if self._seen > seen and self.fail:
+            raise RuntimeError(f"{self._seen - seen} XLA compile(s) during {where} after warm-up "
+                               "(engine.fail_on_compile=True): a shape, sharding or function was not precompiled")
+        return self._seen - seen
 
 
 class ArrivalQueue:
@@ -78,8 +103,10 @@ class ColocatedEngine:
 
     def __init__(self, runner, scheduler, *, clock: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep, on_token: Optional[TokenCallback] = None,
-                 async_scheduling: bool = False):
+                 async_scheduling: bool = False, compile_counter: Optional[Callable[[], int]] = None,
+                 fail_on_compile: bool = False):
         self.runner = runner
+        self.compiles = CompileTracker(compile_counter, fail_on_compile)
         self.scheduler = scheduler
         self.clock = clock
         self.sleep = sleep
@@ -98,6 +125,7 @@ class ColocatedEngine:
         self._iterations: List[IterationRecord] = []
         self._overlap = 0.0
         self._progress = progress
+        self.compiles.reset()
         arrivals = ArrivalQueue(requests, self.scheduler.add_request)
         arrivals.admit(self._now())
         loop = self._run_async if self.async_scheduling else self._run_sync
@@ -125,7 +153,7 @@ class ColocatedEngine:
         self._iterations.append(IterationRecord(
             step=len(self._iterations), start_time=start, end_time=end,
             num_prefill_tokens=out.num_prefill_tokens, num_decode_tokens=out.num_decode_tokens,
-            num_seqs=out.num_seqs))
+            num_seqs=out.num_seqs, num_compiles=self.compiles.new(f"iteration {len(self._iterations)}")))
         if self.on_token is not None:
             for rid, tok in zip(out.req_ids, sampled):
                 if tok >= 0:

@@ -1,84 +1,102 @@
-"""From a validated ServeConfig to a finished real-engine run: model, runner, scheduler, workload, outputs."""
+"""One real-engine run of a validated ServeConfig: build the requests (files read, nothing compiled yet), build
+the engine, warm up every compiled function the run will call, serve, write the outputs.
+
+The run's "engine" block in results.json counts compiles as JAX reports them (pdjax.runtime.compiles): the
+shapes built at warm-up, and `compiles_during_run`, which is 0 unless something escaped warm-up (the
+iterations that compiled are flagged in iterations.csv).
+"""
 from __future__ import annotations
 
-import dataclasses
 import os
-import pathlib
+import sys
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Sequence
 
-from pdjax.config.buckets import Buckets, engine_buckets
 from pdjax.config.serving import ServeConfig
 from pdjax.metrics import write_json, write_run_outputs
-from pdjax.scheduler import make_scheduler
-from pdjax.scheduler import request_from_workload
-from pdjax.serving.engine import ColocatedEngine
-from pdjax.workload import make_workload
+from pdjax.runtime import compiles
+from pdjax.serving.build import (build_colocated_engine, build_disaggregated_engine, build_requests,
+                                 default_buckets, resolve_checkpoint)
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def resolve_checkpoint(checkpoint: str) -> str:
-    """A relative checkpoint path is looked up in the working directory, then in the repo root (so the
-    default config works from anywhere); anything else (a spec name) is returned unchanged."""
-    if os.path.isabs(checkpoint) or os.path.exists(checkpoint):
-        return checkpoint
-    candidate = REPO_ROOT / checkpoint
-    return str(candidate) if candidate.exists() else checkpoint
+__all__ = ["run_real", "default_buckets", "resolve_checkpoint", "enable_compilation_cache"]
 
 
-def default_buckets(cfg: ServeConfig) -> Buckets:
-    """The step's shape buckets for `cfg` (pdjax.config.buckets.engine_buckets; the simulator pads the same)."""
-    sc, ec = cfg.scheduler, cfg.engine
-    return engine_buckets(sc.token_budget, sc.max_num_seqs, sc.max_model_len, sc.page_size,
-                          ec.token_buckets, ec.seq_buckets, ec.page_buckets)
+def enable_compilation_cache(cache_dir: str) -> str:
+    """Turn on JAX's persistent compilation cache in `cache_dir` ('' = a per-user default), caching every
+    executable however fast it compiled, so a second run with the same shapes loads instead of compiling.
+    Returns the directory used."""
+    import jax  # noqa: PLC0415
+    if not cache_dir:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        cache_dir = os.path.join(base, "pdjax", "xla")
+    os.makedirs(cache_dir, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return cache_dir
 
 
-def build_runner(cfg: ServeConfig, *, seed: Optional[int] = None):
-    """The ModelRunner of `cfg` (checkpoint or dummy weights), KV cache sized by cfg.scheduler."""
-    from pdjax.models.checkpoint import load_model  # noqa: PLC0415
-    from pdjax.runtime.runner import ModelRunner  # noqa: PLC0415
-    spec, params = load_model(resolve_checkpoint(cfg.model.checkpoint), dtype=cfg.model.dtype,
-                              seed=cfg.seed if seed is None else seed)
-    sc = cfg.scheduler
-    return ModelRunner(spec, params, num_pages=sc.num_pages, page_size=sc.page_size,
-                       buckets=default_buckets(cfg), attention_impl=cfg.model.attention_impl,
-                       max_model_len=sc.max_model_len)
+def progress_bar(cfg: ServeConfig, total: int, desc: str, unit: str):
+    """A tqdm bar on a terminal when cfg.engine.progress; None otherwise (logs and pipes stay clean)."""
+    if not (cfg.engine.progress and sys.stderr.isatty()):
+        return None
+    from tqdm import tqdm  # noqa: PLC0415
+    return tqdm(total=total, desc=desc, unit=unit, leave=False)
 
 
-def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str) -> Dict[str, Any]:
-    """Serve cfg's workload on the real engine and write the run outputs to `workdir`; returns the summary."""
-    if cfg.deployment.kind == "disaggregated":
-        from pdjax.serving.disagg import run_disaggregated  # noqa: PLC0415
-        return run_disaggregated(cfg, config_dict, workdir)
-    runner = build_runner(cfg)
-    compile_s = runner.warmup() if cfg.engine.warmup else 0.0
-    compiles_at_start = runner.compile_count
-    sched_cfg = cfg.scheduler
-    if not sched_cfg.vocab_size:   # reject out-of-vocabulary prompts instead of failing the step
-        sched_cfg = dataclasses.replace(sched_cfg, vocab_size=runner.spec.vocab_size)
-    scheduler = make_scheduler(sched_cfg)
-    offline = cfg.engine.mode == "offline"
-    workload = make_workload(cfg.workload, seed=cfg.seed)
-    requests = [request_from_workload(w, eos_token_id=cfg.model.eos_token_id, offline=offline, seed=cfg.seed)
-                for w in workload]
-    engine = ColocatedEngine(runner, scheduler, async_scheduling=cfg.engine.async_scheduling)
-    bar = None
-    if cfg.engine.progress:
-        from tqdm import tqdm  # noqa: PLC0415
-        bar = tqdm(total=len(requests), desc=f"serve {cfg.scheduler.policy}", unit="req")
-    start = time.perf_counter()
-    result = engine.run(requests, progress=bar.update if bar is not None else None)
+def _tick(bar) -> Optional[Callable[[int], None]]:
+    return bar.update if bar is not None else None
+
+
+def _warm_up(engine, cfg: ServeConfig, disaggregated: bool) -> float:
+    """Compile everything the run will execute: every step shape of every runner, the swap copies when
+    preemption swaps, and the KV transfer's page counts between every prefill/decode pair. Seconds taken."""
+    runners = [inst.runner for inst in engine.instances] if disaggregated else [engine.runner]
+    swap = cfg.scheduler.preemption_mode == "swap"
+    bar = progress_bar(cfg, sum(r.buckets.num_shapes for r in runners), "warm-up", "shape")
+    seconds = sum(r.warmup(swap=swap, progress=_tick(bar)) for r in runners)
+    if disaggregated:
+        seconds += engine.warmup_transfers(cfg.scheduler.max_model_len)
     if bar is not None:
         bar.close()
-    extra = {"engine": {
-        "backend": "real", "policy": cfg.scheduler.policy, "mode": cfg.engine.mode,
-        "async_scheduling": cfg.engine.async_scheduling, "compile_s": compile_s, "num_compiled_shapes": compiles_at_start,
-        "compiles_during_run": runner.compile_count - compiles_at_start,
+    return seconds
+
+
+def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str, *, workload: Optional[Sequence] = None,
+             extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Serve `workload` (WorkloadRequests; default cfg's) on the real engine and write the run outputs to
+    `workdir` (see pdjax.experiment.run for the checks before); `extra` joins results.json. Returns the summary."""
+    requests = build_requests(cfg, workload)
+    if cfg.engine.compilation_cache:
+        enable_compilation_cache(cfg.engine.compilation_cache_dir)
+    disaggregated = cfg.deployment.kind == "disaggregated"
+    build = build_disaggregated_engine if disaggregated else build_colocated_engine
+    engine = build(cfg, compile_counter=compiles.count)
+    mark = compiles.count()
+    compile_s = _warm_up(engine, cfg, disaggregated) if cfg.engine.warmup else 0.0
+    warm_mark = compiles.count()
+    bar = progress_bar(cfg, len(requests), f"serve {cfg.scheduler.policy}", "req")
+    start = time.perf_counter()
+    result = engine.run(requests, progress=_tick(bar))
+    if bar is not None:
+        bar.close()
+    during = compiles.since(warm_mark)
+    info = {
+        "backend": "real", "deployment": cfg.deployment.kind, "policy": cfg.scheduler.policy,
+        "mode": cfg.engine.mode, "async_scheduling": cfg.engine.async_scheduling, "compile_s": compile_s,
+        "num_compiled_shapes": warm_mark - mark, "compiles_during_run": len(during),
+        "compiled_during_run": sorted({e.fun_name for e in during}),
         "wall_s": time.perf_counter() - start, "host_overlap_s": result.host_overlap_s,
-        "num_iterations": len(result.iterations)}}
+        "num_iterations": len(result.iterations)}
+    if disaggregated:
+        info["instances"] = {
+            inst.name: {"role": inst.role, "devices": [d.id for d in inst.runner.mesh.devices.flat],
+                        "tp": int(inst.runner.mesh.shape["tensor"]), "num_pages": inst.scheduler.config.num_pages,
+                        "token_budget": inst.scheduler.config.token_budget, "num_iterations": inst.num_steps}
+            for inst in engine.instances}
+        info["kv_transfer"] = result.transfer_summary()
     # Before results.json (written last, the "run is complete" marker): the generated token ids per request.
     os.makedirs(workdir, exist_ok=True)
     write_json(os.path.join(workdir, "outputs.json"), result.output_tokens)
     return write_run_outputs(workdir, config_dict, result.requests, result.iterations, cfg.slo.as_dict(),
-                             extra=extra)
+                             extra={**(extra or {}), "engine": info})

@@ -189,15 +189,16 @@ def sim_info(result: SimResult, setup: SimSetup, cfg) -> dict:
     }
 
 
-def run_sim(cfg, config_dict, workdir: str, *, plots: bool = True) -> dict:
-    """Simulate `cfg` (a ServeConfig) and write the standard run outputs to `workdir`; returns the summary."""
+def run_sim(cfg, config_dict, workdir: str, *, plots: bool = True, workload=None, extra=None) -> dict:
+    """Simulate `cfg` (a ServeConfig) on `workload` (WorkloadRequests; default cfg's) and write the standard run
+    outputs to `workdir`; `extra` joins results.json. Returns the summary."""
     from pdjax.metrics import write_run_outputs  # noqa: PLC0415
 
-    result, setup = simulate_config(cfg)
+    result, setup = simulate_config(cfg, workload)
     engine = {"backend": "sim", "policy": cfg.scheduler.policy, "mode": cfg.engine.mode,
               "wall_s": result.wall_s, "num_iterations": result.num_iterations}
     if is_disaggregated(cfg):
         engine.update(deployment="disaggregated", policy="prefill_only+decode_only")
-    extra = {"engine": engine, "sim": sim_info(result, setup, cfg)}
+    extra = {**(extra or {}), "engine": engine, "sim": sim_info(result, setup, cfg)}
     return write_run_outputs(workdir, config_dict, result.requests, result.iterations, cfg.slo.as_dict(),
                              plots=plots, extra=extra)

@@ -27,11 +27,13 @@ class WorkloadConfig:
     rate: mean arrival rate in requests/s (sessions start at rate/num_turns, see below).
     trace_time_scale: trace arrival times are multiplied by it (0.5 replays twice as fast).
     preset: a name in presets.PRESETS; an explicit prompt_len/output_len overrides the preset's.
-    prompt_len / output_len: a LengthDist or a dict like {'kind': 'uniform', 'low': 8, 'high': 64}.
+    prompt_len / output_len: a LengthDist, a dict like {'kind': 'uniform', 'low': 8, 'high': 64}, or its
+      command-line string 'uniform:low=8,high=64' ('' or None: from the preset).
     scale: every sampled length is multiplied by it and rounded (min 1).
-    fit_to_model: multiply `scale` by max_model_len / the source's fit_total_tokens (preset.fit_total_tokens,
-      the sum of the explicit distributions' maxima, or the trace's P99 prompt+output total), so scale=1 maps
-      the source's long requests onto max_model_len. A plain bool, so `--config.workload.fit_to_model=True`
+    fit_to_model: synthetic sources only: multiply `scale` by max_model_len / the source's fit_total_tokens
+      (preset.fit_total_tokens, or the sum of the explicit distributions' maxima), so scale=1 maps the source's
+      long requests onto max_model_len. A trace always replays its own lengths (times `scale`, then the caps);
+      `length_report` says what was scaled or cut. A plain bool, so `--config.workload.fit_to_model=True`
       works with ml_collections' typed overrides.
     max_model_len / max_prompt_len / max_output_len: caps (0 = none) applied after scaling: the prompt is cut to
       min(max_prompt_len, max_model_len - 1), then the output to min(max_output_len, max_model_len - prompt).
@@ -53,8 +55,8 @@ class WorkloadConfig:
     rate: float = 1.0
     cv: float = 1.0
     preset: str = ""
-    prompt_len: Optional[Union[LengthDist, Mapping[str, Any]]] = None
-    output_len: Optional[Union[LengthDist, Mapping[str, Any]]] = None
+    prompt_len: Optional[Union[LengthDist, Mapping[str, Any], str]] = None
+    output_len: Optional[Union[LengthDist, Mapping[str, Any], str]] = None
     trace_path: str = ""
     trace_start: int = 0
     trace_time_scale: float = 1.0
@@ -96,7 +98,9 @@ class WorkloadConfig:
             bad("preset", f"'' or one of {sorted(PRESETS)}")
         for field in ("prompt_len", "output_len"):
             value = getattr(self, field)
-            if value is not None:
+            if value == "":
+                object.__setattr__(self, field, None)
+            elif value is not None:
                 try:
                     object.__setattr__(self, field, length_dist(value))
                 except (TypeError, ValueError) as e:

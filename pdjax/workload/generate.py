@@ -8,7 +8,7 @@ Request ids: 'r{i}' in arrival order for single-turn workloads, 's{session}t{tur
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -76,7 +76,8 @@ def _prompt(cfg: WorkloadConfig, seed: int, key: int, body_len: int) -> List[int
 
 def _single_turn(cfg: WorkloadConfig, seed: int, prompt_body: np.ndarray, outputs: np.ndarray,
                  arrivals: np.ndarray, trace_rows=None, block_len: int = 0) -> List[WorkloadRequest]:
-    prompt_lens, outputs = cap_lengths(prompt_body + cfg.shared_prefix_len, outputs, cfg)
+    uncapped_prompts, uncapped_outputs = prompt_body + cfg.shared_prefix_len, outputs
+    prompt_lens, outputs = cap_lengths(uncapped_prompts, uncapped_outputs, cfg)
     order = np.argsort(arrivals, kind="stable")
     requests = []
     for rank, i in enumerate(order):
@@ -95,7 +96,8 @@ def _single_turn(cfg: WorkloadConfig, seed: int, prompt_body: np.ndarray, output
         requests.append(WorkloadRequest(
             request_id=f"r{rank}", arrival_time=float(arrivals[i]), prompt_token_ids=prompt,
             max_tokens=int(outputs[i]), prefix_group="system" if cfg.shared_prefix_len else None,
-            shared_prefix_len=cfg.shared_prefix_len))
+            shared_prefix_len=cfg.shared_prefix_len, uncapped_prompt_len=int(uncapped_prompts[i]),
+            uncapped_output_len=int(uncapped_outputs[i])))
     return requests
 
 
@@ -113,7 +115,7 @@ def _sessions(cfg: WorkloadConfig, seed: int, prompt: LengthDist, output: Length
         tokens: List[int] = _token_ids(cfg, seed, STREAM_PREFIX, 0, cfg.shared_prefix_len)
         for turn in range(cfg.num_turns):
             key = session * cfg.num_turns + turn
-            body_len = int(bodies[turn])
+            body_len = uncapped_body = int(bodies[turn])
             if turn == 0 and cap is not None:
                 body_len = min(body_len, cap - len(tokens))
             next_prompt = tokens + _token_ids(cfg, seed, STREAM_BODY, key, body_len)
@@ -123,7 +125,9 @@ def _sessions(cfg: WorkloadConfig, seed: int, prompt: LengthDist, output: Length
             requests.append(WorkloadRequest(
                 request_id=f"s{session}t{turn}", arrival_time=float(starts[session] + turn * cfg.turn_gap_s),
                 prompt_token_ids=next_prompt, max_tokens=int(max_tokens), session_id=f"s{session}", turn=turn,
-                prefix_group="system" if cfg.shared_prefix_len else None, shared_prefix_len=cfg.shared_prefix_len))
+                prefix_group="system" if cfg.shared_prefix_len else None, shared_prefix_len=cfg.shared_prefix_len,
+                uncapped_prompt_len=len(next_prompt) + uncapped_body - body_len,
+                uncapped_output_len=int(answers[turn])))
             if len(requests) == cfg.num_requests:
                 break
             # The model's real answer is unknown here; a stand-in of its length keeps the prompt growth right.
@@ -141,7 +145,7 @@ def _from_trace(cfg: WorkloadConfig, seed: int, trace: Trace) -> List[WorkloadRe
                          f"{len(trace.rows) - cfg.trace_start}")
     prompts = np.array([r.prompt_len for r in rows], dtype=np.int64)
     outputs = np.array([r.output_len for r in rows], dtype=np.int64)
-    scale = _resolve_scale(cfg, int(np.ceil(np.percentile(prompts + outputs, 99))))
+    scale = float(cfg.scale)   # a trace replays its own lengths; fit_to_model is for synthetic sources
     if cfg.arrival == "trace":
         if not trace.has_arrivals:
             raise ValueError(f"workload.arrival='trace', but {trace.path} ({trace.format} format) has no arrival "
@@ -154,6 +158,40 @@ def _from_trace(cfg: WorkloadConfig, seed: int, trace: Trace) -> List[WorkloadRe
     block_len = max(1, int(round(trace.block_size * scale))) if trace.block_size else 0
     return _single_turn(cfg, seed, scale_lengths(prompts, scale), scale_lengths(outputs, scale), arrivals,
                         trace_rows=rows, block_len=block_len)
+
+
+def length_report(cfg: Any, requests: Sequence[WorkloadRequest]) -> Dict[str, Any]:
+    """What make_workload did to the source's lengths, for results.json and the console: the scale applied
+    (fit_to_model or `scale`), and how many prompts / outputs the caps cut.
+
+    {"source", "scale", "fit_to_model", "prompt_cap", "max_output_len", "num_requests", "num_prompts_cut",
+     "num_outputs_cut"}"""
+    cfg = WorkloadConfig.from_dict(cfg)
+    if cfg.kind == "trace":
+        source, scale = f"trace {cfg.trace_path}", float(cfg.scale)
+    else:
+        source = f"preset {cfg.preset}" if cfg.preset and cfg.prompt_len is None else "length distributions"
+        scale = _resolve_scale(cfg, _source_dists(cfg)[2])
+    return {
+        "source": source, "scale": scale, "fit_to_model": bool(cfg.fit_to_model and cfg.kind != "trace"),
+        "prompt_cap": cfg.prompt_cap, "max_output_len": cfg.max_output_len or None, "num_requests": len(requests),
+        "num_prompts_cut": sum(r.num_prompt_tokens < r.uncapped_prompt_len for r in requests),
+        "num_outputs_cut": sum(r.max_tokens < r.uncapped_output_len for r in requests)}
+
+
+def describe_length_report(report: Mapping[str, Any]) -> Optional[str]:
+    """One console line when the workload's lengths differ from its source's; None when replayed as they are."""
+    parts = []
+    if report["scale"] != 1.0:
+        why = " (fit_to_model: the source's long requests fill max_model_len)" if report["fit_to_model"] else ""
+        parts.append(f"lengths scaled x{report['scale']:.4g}{why}")
+    n = report["num_requests"]
+    if report["num_prompts_cut"]:
+        parts.append(f"{report['num_prompts_cut']} of {n} prompts cut to {report['prompt_cap']} tokens")
+    if report["num_outputs_cut"]:
+        parts.append(f"{report['num_outputs_cut']} of {n} outputs cut (max_output_len="
+                     f"{report['max_output_len'] or 0}, max_model_len)")
+    return f"workload {report['source']}: " + "; ".join(parts) if parts else None
 
 
 def make_workload(cfg: Any, seed: Optional[int] = None) -> List[WorkloadRequest]:

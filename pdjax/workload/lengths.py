@@ -72,10 +72,28 @@ class LengthDist:
         return self.high
 
 
-def length_dist(spec: Union[LengthDist, Mapping[str, Any]]) -> LengthDist:
-    """A LengthDist from itself or a dict such as {'kind': 'lognormal', 'median': 300, 'sigma': 1.0}."""
+def parse_length_dist(text: str) -> dict:
+    """The dict form of a command-line length distribution 'kind' or 'kind:key=value,key=value', e.g.
+    'fixed:value=20', 'uniform:low=8,high=64', 'lognormal:median=300,sigma=1.0,high=4096'."""
+    kind, _, rest = text.strip().partition(":")
+    out: dict = {"kind": kind.strip()}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"length distribution {text!r}: {item!r} is not key=value "
+                             "(expected e.g. 'uniform:low=8,high=64')")
+        number = float(value)
+        out[key.strip()] = int(number) if number.is_integer() and "." not in value else number
+    return out
+
+
+def length_dist(spec: Union[LengthDist, Mapping[str, Any], str]) -> LengthDist:
+    """A LengthDist from itself, a dict such as {'kind': 'lognormal', 'median': 300, 'sigma': 1.0}, or its
+    command-line string 'lognormal:median=300,sigma=1.0' (`parse_length_dist`)."""
     if isinstance(spec, LengthDist):
         return spec
+    if isinstance(spec, str):
+        spec = parse_length_dist(spec)
     if not isinstance(spec, Mapping):
         raise TypeError(f"length distribution {spec!r}: expected a LengthDist or a mapping with a 'kind' key")
     fields = {f.name for f in dataclasses.fields(LengthDist)}

@@ -14,6 +14,8 @@ class WorkloadRequest:
     stops a request there unless a stop token comes first).
     session_id / turn: multi-turn sessions (turn 0 is the first); prompt of turn k extends turn k-1's prompt.
     prefix_group: requests with the same group share a leading run of `shared_prefix_len` prompt tokens.
+    uncapped_prompt_len / uncapped_output_len: the lengths the source gave after scaling, before the caps
+      (0 = not recorded); a request whose lengths are below them was cut (see `length_report`).
     """
     request_id: str
     arrival_time: float
@@ -23,6 +25,8 @@ class WorkloadRequest:
     turn: int = 0
     prefix_group: Optional[str] = None
     shared_prefix_len: int = 0
+    uncapped_prompt_len: int = 0
+    uncapped_output_len: int = 0
 
     def __post_init__(self):
         if not self.prompt_token_ids:
