@@ -18,13 +18,24 @@ What one iteration costs (per device of an instance with TP degree `tp` and PP d
   roofline), plus a per-(sequence, head) cost (`attn_seq_head_s`, the work-item scheduling of paged decode
   kernels that dominates at short contexts); each attention kernel call (one for the prefills, one for the
   decodes) costs `attn_prefill_fixed_s` / `attn_decode_fixed_s`.
-- TP: two all-reduces per layer of `tokens · hidden` activations, alpha-beta ring:
-  `comm_fixed_s + 2(n−1)·hop_latency + 2(n−1)/n · bytes / (link_bw · comm_bandwidth_efficiency)`, the link being the
-  slowest one the group crosses (`HardwareSpec.group_link`).
+- TP: two all-reduces per layer of `tokens · hidden` activations, a ring over the slowest link the group
+  crosses (`HardwareSpec.group_link`) with latency and efficiency terms per link kind (`HardwareSpec.link_kind`:
+  NVLink pair, NVSwitch, PCIe, inter-node network), fitted per kind on NCCL measurements:
+  `comm_<kind>_fixed_s + (n−1)·comm_<kind>_step_s + 2(n−1)/n · bytes / (link_bw · comm_<kind>_bandwidth_efficiency
+  · NICs)`; a kind without fitted terms falls back to the generic alpha-beta ring `comm_fixed_s + 2(n−1)·hop_latency
+  + 2(n−1)/n · bytes / (link_bw · comm_bandwidth_efficiency)` (see `allreduce_time`).
 - PP: layers split into `pp` stages; the batch runs as `num_microbatches` microbatches (sequences dealt round
   robin); the critical path is every microbatch through the bottleneck stage plus `(pp − 1)` fills/drains
   (the bubble) plus `(pp − 1)` activation sends.
-- Host: `iteration_overhead_s + per_seq_overhead_s · sequences` (scheduling, input prep, sampling).
+- Host and floor, once per iteration: `total = host + max(device work, launch floor)`, where host =
+  `iteration_overhead_s + per_seq_overhead_s · sequences` (scheduling, input prep, sampling, output processing),
+  plus `tp_sync_s + tp_sync_per_seq_s · sequences` for an instance of several workers (the batch broadcast to
+  them), and the launch floor = kernels of the iteration (per layer: GEMMs, element-wise kernels, attention calls,
+  all-reduces; `kernels_per_iteration`) · `launch_overhead_s`: the device cannot finish before the host has
+  issued every kernel, which is what bounds small decode steps of deep models at high TP.
+- Architectures (`sharded_shapes`): Llama (RMSNorm, RoPE, SwiGLU: three GEMM matrices, no biases) and OPT
+  (LayerNorm, learned positions, ReLU MLP of 4x hidden: two GEMMs, full multi-head attention, biases on every
+  GEMM); FLOPs, bytes and KV sizes come from each one's own shapes. `param_count` counts the weights exactly.
 
 Efficiency factors live in `CostParams` (a "machine profile", JSON) and are fitted (pdjax.sim.calibration);
 nothing here is a per-shape table, so a profile fitted on one model and TP degree carries to others.
@@ -83,6 +94,28 @@ class CostParams:
     comm_fixed_s: float = 10e-6
     iteration_overhead_s: float = 1e-3
     per_seq_overhead_s: float = 1e-5
+    # Host floor of a multi-device instance (tp·pp > 1): the per-iteration broadcast of the batch to the workers
+    # and the gather of their results, fixed and per sequence (0: a single-process engine / no such cost).
+    tp_sync_s: float = 0.0
+    tp_sync_per_seq_s: float = 0.0
+    # Host time to issue one kernel: the device cannot finish an iteration before the host has launched all of
+    # its kernels (layers x kernels per layer + embedding, LM head, sampling). 0: no launch floor.
+    launch_overhead_s: float = 0.0
+    # Per link kind (see HardwareSpec.link_kind) all-reduce terms: fixed_s + (n - 1)·step_s + 2(n-1)/n · bytes /
+    # (link bandwidth · bandwidth_efficiency · NICs in parallel). A kind whose bandwidth_efficiency is 0 uses
+    # the generic alpha-beta ring (comm_fixed_s, the spec's hop latency, comm_bandwidth_efficiency).
+    comm_pair_fixed_s: float = 0.0
+    comm_pair_step_s: float = 0.0
+    comm_pair_bandwidth_efficiency: float = 0.0
+    comm_switch_fixed_s: float = 0.0
+    comm_switch_step_s: float = 0.0
+    comm_switch_bandwidth_efficiency: float = 0.0
+    comm_pcie_fixed_s: float = 0.0
+    comm_pcie_step_s: float = 0.0
+    comm_pcie_bandwidth_efficiency: float = 0.0
+    comm_network_fixed_s: float = 0.0
+    comm_network_step_s: float = 0.0
+    comm_network_bandwidth_efficiency: float = 0.0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -208,7 +241,8 @@ class BatchComposition:
 class CostBreakdown:
     """Predicted seconds of one iteration. total = linear + elementwise + attention + communication +
     pipeline_bubble + overhead. linear_flops_s / linear_memory_s: the two roofline terms summed over the GEMMs
-    (which one is larger says whether the linear layers are compute- or bandwidth-bound)."""
+    (which one is larger says whether the linear layers are compute- or bandwidth-bound). overhead = host_s plus
+    whatever the launch floor adds on top of the device work (launch_s − device time, when positive)."""
     total: float
     linear: float
     attention: float
@@ -220,6 +254,8 @@ class CostBreakdown:
     linear_memory_s: float
     num_tokens: int
     num_seqs: int
+    launch_s: float = 0.0     # host time to launch the iteration's kernels (the floor of the device part)
+    host_s: float = 0.0       # host scheduling / sync / per-sequence time (part of `overhead`)
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -232,16 +268,20 @@ def padded_tokens(tokens, tile: int):
 
 
 def gemm_terms(tokens, k, m, dtype_bytes: int, peak_flops: float, bandwidth: float, compute_units: int,
-               params: CostParams, minimum: Callable = min):
+               params: CostParams, minimum: Callable = min, bias: bool = False):
     """(compute seconds, memory seconds) of a [tokens, k] x [k, m] GEMM, tokens tile-padded for FLOPs.
 
     A GEMM whose output (padded tokens x m) is too small to give every compute unit
     `gemm_outputs_per_unit` elements runs at a lower rate: efficiency x occupancy^gemm_occupancy_exponent
-    (split-K and smaller tiles win back part of the idle units, hence the sub-linear exponent)."""
+    (split-K and smaller tiles win back part of the idle units, hence the sub-linear exponent).
+    bias: the GEMM adds a bias vector in its epilogue (OPT): m more weights read, tokens x m more adds."""
     padded = padded_tokens(tokens, params.gemm_token_tile)
     occupancy = minimum(1.0, padded * m / (compute_units * params.gemm_outputs_per_unit))
     flops = 2.0 * padded * k * m
     moved = (k * m + tokens * (k + m)) * dtype_bytes
+    if bias:
+        flops = flops + padded * m
+        moved = moved + m * dtype_bytes
     return (flops / (peak_flops * params.gemm_flops_efficiency * occupancy ** params.gemm_occupancy_exponent),
             moved / (bandwidth * params.gemm_bandwidth_efficiency))
 
@@ -285,11 +325,28 @@ def decode_attention_terms(count, context, heads, kv_heads, head_dim, dtype_byte
             count * heads * params.attn_seq_head_s)
 
 
-def allreduce_time(num_bytes, group: int, link_bandwidth: float, hop_latency: float, params: CostParams):
-    """Ring all-reduce of `num_bytes` per device over `group` devices (0 when group == 1)."""
+LINK_KINDS = ("pair", "switch", "pcie", "network")
+
+
+def allreduce_time(num_bytes, group: int, link_bandwidth: float, hop_latency: float, params: CostParams,
+                   kind: Optional[str] = None, nics: int = 1):
+    """Ring all-reduce of `num_bytes` per device over `group` devices (0 when group == 1).
+
+    kind (a LINK_KINDS entry, from HardwareSpec.link_kind) with fitted terms in `params`
+    (`comm_<kind>_bandwidth_efficiency` > 0): `comm_<kind>_fixed_s + (group - 1)·comm_<kind>_step_s +
+    2(group-1)/group · bytes / (link_bandwidth · efficiency · nics)`, where `nics` is the number of inter-node
+    links used in parallel (a group spanning nodes with d devices on each node runs d rings, each crossing the
+    node boundary on its own NIC; 1 inside a node). Otherwise the generic alpha-beta ring:
+    `comm_fixed_s + 2(group-1)·hop_latency + 2(group-1)/group · bytes / (link_bandwidth · comm_bandwidth_efficiency)`.
+    The latency terms are per link kind because NCCL's small-message time is protocol, not hops: on the NVSwitch
+    DGX an 8-GPU all-reduce of 16-64 kB takes ~30 µs, on the pairwise-NVLink PCIe box a 4-GPU one ~60 µs."""
     if group <= 1:
         return 0.0 * num_bytes
     steps = 2 * (group - 1)
+    efficiency = getattr(params, f"comm_{kind}_bandwidth_efficiency", 0.0) if kind else 0.0
+    if efficiency > 0:
+        return (getattr(params, f"comm_{kind}_fixed_s") + (group - 1) * getattr(params, f"comm_{kind}_step_s")
+                + steps / group * num_bytes / (link_bandwidth * efficiency * nics))
     return (params.comm_fixed_s + steps * hop_latency
             + steps / group * num_bytes / (link_bandwidth * params.comm_bandwidth_efficiency))
 
@@ -311,6 +368,7 @@ class ShardedShapes:
     layer_elementwise: tuple[tuple[str, int], ...]  # (kind, bytes per token): norms, RoPE, activation, add
     embedding_bytes_per_token: int
     dtype_bytes: int
+    gemm_bias: tuple[bool, ...] = (False, False, False, False)   # per GEMM: adds a bias (OPT: all four)
 
 
 def _check_parallel(model: ModelSpec, tp: int, pp: int):
@@ -322,6 +380,15 @@ def _check_parallel(model: ModelSpec, tp: int, pp: int):
 
 @functools.lru_cache(maxsize=256)
 def sharded_shapes(model: ModelSpec, tp: int = 1) -> ShardedShapes:
+    """Per-device GEMM shapes and element-wise traffic of one layer, from the architecture:
+
+    - llama: RMSNorm x2, RoPE on q and k, SwiGLU MLP (gate+up as one [h, 2i] GEMM, down), no biases (qkv_bias
+      models such as Qwen2: a bias on the QKV GEMM).
+    - opt: LayerNorm x2 (same traffic as RMSNorm: read and write the hidden vector; the affine parameters are
+      negligible), no RoPE (learned positions are added once, at the embedding), ReLU MLP of two GEMMs (fc1
+      [h, 4h], fc2 [4h, h]), full multi-head attention, a bias on every GEMM (q/k/v, out, fc1, fc2); the
+      embedding gathers a token row and a position row and writes their sum (3 hidden vectors per token).
+    """
     _check_parallel(model, tp, 1)
     b = model.dtype_bytes
     h, d = model.hidden_size, model.head_dim
@@ -336,9 +403,44 @@ def sharded_shapes(model: ModelSpec, tp: int = 1) -> ShardedShapes:
     if model.arch == "llama":
         elementwise.append(("rope", 2 * (heads + kv_heads) * d * b))
     elementwise += [("activation", (3 if gated else 2) * inter * b), ("residual", 3 * h * b)]
+    if model.arch == "opt":
+        bias, embedding = (True, True, True, True), 3 * h * b
+    else:
+        bias, embedding = (bool(model.qkv_bias), False, False, False), 2 * h * b
     return ShardedShapes(hidden=h, heads=heads, kv_heads=kv_heads, head_dim=d, gemms=gemms,
                          lm_head=(h, -(-model.vocab_size // tp)), layer_elementwise=tuple(elementwise),
-                         embedding_bytes_per_token=2 * h * b, dtype_bytes=b)
+                         embedding_bytes_per_token=embedding, dtype_bytes=b, gemm_bias=bias)
+
+
+def param_count(model: ModelSpec) -> int:
+    """Exact parameter count from the architecture (what the weights occupy), biases and positions included.
+
+    llama: q, k, v, o, gate, up, down weights, two RMSNorm weights per layer, the final norm, token embeddings
+    and an untied LM head (plus the QKV biases when qkv_bias). opt (HF OPTForCausalLM): q, k, v, out, fc1, fc2
+    weights and biases, two LayerNorms (weight + bias) per layer, the final LayerNorm, token embeddings tied to
+    the LM head, and learned positions with HF's offset of 2 rows (max_position_embeddings + 2 rows).
+    OPT-13B: 12,853,473,280; OPT-66B: 65,719,701,504; OPT-175B: 174,604,468,224 (paper: 12.85B / 66B / 175B).
+    """
+    h, i, d = model.hidden_size, model.intermediate_size, model.head_dim
+    q, kv = model.num_heads * d, model.num_kv_heads * d
+    attn = h * (q + 2 * kv) + q * h
+    if model.arch == "opt":
+        per_layer = attn + (q + 2 * kv) + h + 2 * h * i + i + h + 2 * 2 * h
+        emb = model.vocab_size * h * (1 if model.tie_word_embeddings else 2)
+        return model.num_layers * per_layer + emb + (model.max_position_embeddings + 2) * h + 2 * h
+    per_layer = attn + 3 * h * i + 2 * h + ((q + 2 * kv) if model.qkv_bias else 0)
+    emb = model.vocab_size * h * (1 if model.tie_word_embeddings else 2)
+    return model.num_layers * per_layer + emb + h
+
+
+def kernels_per_iteration(shapes: ShardedShapes, layers: int, tp: int, prefill: bool, decode: bool) -> int:
+    """Kernels the host launches for one iteration of one stage: per layer the GEMMs, the element-wise
+    kernels, one attention call per kind of work (prefills, decodes) and two all-reduces when tp > 1; once the
+    embedding, the LM head and the sampler."""
+    per_layer = len(shapes.gemms) + len(shapes.layer_elementwise) + int(prefill) + int(decode)
+    if tp > 1:
+        per_layer += 2
+    return layers * per_layer + 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,15 +452,19 @@ class _Plan:
     compute_units: int
     tp_link: tuple[float, float]
     pp_link: tuple[float, float]
+    tp_kind: str = "switch"
+    tp_nics: int = 1
 
 
 @functools.lru_cache(maxsize=256)
 def _plan(model: ModelSpec, hw: HardwareSpec, tp: int, pp: int) -> _Plan:
     _check_parallel(model, tp, pp)
+    kind = hw.link_kind(tp)
     return _Plan(shapes=sharded_shapes(model, tp), layers_per_stage=-(-model.num_layers // pp),
                  peak=hw.peak_flops(model.dtype), bandwidth=hw.hbm_bandwidth, compute_units=hw.compute_units,
                  tp_link=hw.group_link(tp),
-                 pp_link=hw.group_link(tp * pp))
+                 pp_link=hw.group_link(tp * pp), tp_kind=kind,
+                 tp_nics=min(tp, hw.devices_per_node) if kind == "network" else 1)
 
 
 def _stage_components(batch: BatchComposition, plan: _Plan, params: CostParams, tp: int):
@@ -369,8 +475,8 @@ def _stage_components(batch: BatchComposition, plan: _Plan, params: CostParams, 
     tokens = batch.num_tokens
     layers = plan.layers_per_stage
     linear = flops_s = memory_s = 0.0
-    for k, m in s.gemms:
-        c, mem = gemm_terms(tokens, k, m, s.dtype_bytes, peak, bw, plan.compute_units, params)
+    for (k, m), bias in zip(s.gemms, s.gemm_bias):
+        c, mem = gemm_terms(tokens, k, m, s.dtype_bytes, peak, bw, plan.compute_units, params, bias=bias)
         flops_s += c
         memory_s += mem
         linear += (c if c > mem else mem) + params.kernel_fixed_s
@@ -408,18 +514,35 @@ def _stage_components(batch: BatchComposition, plan: _Plan, params: CostParams, 
     comm = 0.0
     if tp > 1:
         comm = layers * 2 * allreduce_time(tokens * s.hidden * s.dtype_bytes, tp, plan.tp_link[0], plan.tp_link[1],
-                                           params)
+                                           params, plan.tp_kind, plan.tp_nics)
     return linear, elementwise, attention, comm, flops_s, memory_s
+
+
+def host_time(params: CostParams, num_seqs: int, workers: int = 1) -> float:
+    """Host seconds of one iteration outside the device work: scheduling and input preparation
+    (`iteration_overhead_s`), per-sequence work (`per_seq_overhead_s`: batch building, sampling, output
+    processing; this is what makes large decode batches cost more than their FLOPs and bytes), and, for an
+    instance of several workers (tp·pp > 1), the broadcast of the batch to them (`tp_sync_s`, `tp_sync_per_seq_s`)."""
+    host = params.iteration_overhead_s + params.per_seq_overhead_s * num_seqs
+    if workers > 1:
+        host = host + params.tp_sync_s + params.tp_sync_per_seq_s * num_seqs
+    return host
+
+
+def per_seq_host_s(params: CostParams, workers: int = 1) -> float:
+    """The per-sequence part of `host_time` (seconds per sequence)."""
+    return params.per_seq_overhead_s + (params.tp_sync_per_seq_s if workers > 1 else 0.0)
 
 
 def iteration_time(batch: BatchComposition, model: ModelSpec, hw: HardwareSpec, tp: int = 1, pp: int = 1,
                    params: Optional[CostParams] = None, num_microbatches: int = 1) -> CostBreakdown:
-    """Predicted wall time (seconds) of one engine iteration running `batch` on an instance of tp·pp devices."""
+    """Predicted wall time (seconds) of one engine iteration running `batch` on an instance of tp·pp devices:
+    host_time + max(device work, kernel-launch floor) -- the floor and the host terms once per iteration."""
     params = CostParams() if params is None else params
     plan = _plan(model, hw, tp, pp)
-    overhead = params.iteration_overhead_s + params.per_seq_overhead_s * batch.num_seqs
+    overhead = host_time(params, batch.num_seqs, tp * pp)
     if batch.num_tokens == 0:
-        return CostBreakdown(overhead, 0.0, 0.0, 0.0, overhead, 0.0, 0.0, 0.0, 0.0, 0, 0)
+        return CostBreakdown(overhead, 0.0, 0.0, 0.0, overhead, 0.0, 0.0, 0.0, 0.0, 0, 0, 0.0, overhead)
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches={num_microbatches!r}, expected >= 1")
     micro = [batch] if num_microbatches == 1 or pp == 1 else batch.split_round_robin(num_microbatches)
@@ -441,10 +564,19 @@ def iteration_time(batch: BatchComposition, model: ModelSpec, hw: HardwareSpec, 
                         params)
         comm += (pp - 1) * send
         bubble = (pp - 1) * slowest
-    total = linear + elementwise + attention + comm + bubble + overhead
+    device = linear + elementwise + attention + comm + bubble
+    launch = 0.0
+    if params.launch_overhead_s > 0:
+        launch = params.launch_overhead_s * len(micro) * kernels_per_iteration(
+            plan.shapes, plan.layers_per_stage, tp, bool(batch.prefills), bool(batch.decodes))
+    total = (device if device >= launch else launch) + overhead
+    host = overhead
+    if launch > device:
+        overhead = overhead + (launch - device)
     return CostBreakdown(total=total, linear=linear, attention=attention, communication=comm, overhead=overhead,
                          elementwise=elementwise, pipeline_bubble=bubble, linear_flops_s=flops_s,
-                         linear_memory_s=memory_s, num_tokens=batch.num_tokens, num_seqs=batch.num_seqs)
+                         linear_memory_s=memory_s, num_tokens=batch.num_tokens, num_seqs=batch.num_seqs,
+                         launch_s=launch, host_s=host)
 
 
 # --------------------------------------------------------------------------------------------------- memory
@@ -479,7 +611,7 @@ def kv_cache_capacity_tokens(model: ModelSpec, hw: HardwareSpec, tp: int = 1, pp
     if activation_reserve is None:
         tokens = model.max_position_embeddings if max_num_batched_tokens is None else max_num_batched_tokens
         activation_reserve = activation_bytes(model, tp, tokens, max_num_seqs)
-    param_bytes = model.num_params() * model.dtype_bytes / (tp * pp)
+    param_bytes = param_count(model) * model.dtype_bytes / (tp * pp)
     free = mem_util * hw.hbm_capacity - param_bytes - activation_reserve
     b = model.dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
     per_token = 2 * (-(-model.num_layers // pp)) * (-(-model.num_kv_heads // tp)) * model.head_dim * b

@@ -94,6 +94,20 @@ class HardwareSpec:
             return self.pairwise_bandwidth, self.intra_node_latency
         return self.intra_node_bandwidth, self.intra_node_latency
 
+    def link_kind(self, group_size: int) -> str:
+        """The kind of the slowest link a ring of `group_size` consecutive devices crosses (what `group_link`
+        returns the figures of): 'network' (beyond one node), 'pair' (an NVLink bridge pair of a pairwise box),
+        'switch' (NVSwitch), 'pcie' (PCIe, incl. the hop between pairs of a pairwise box), 'torus' (TPU ICI),
+        'memory' (host CPU). The cost model keeps fitted all-reduce terms per kind."""
+        if group_size < 1:
+            raise ValueError(f"link_kind: group_size={group_size}, expected >= 1")
+        if group_size > self.devices_per_node:
+            return "network"
+        topology = self.intra_node_topology
+        if topology == "pairwise":
+            return "pair" if group_size <= 2 else "pcie"
+        return {"switch": "switch", "pcie": "pcie", "torus": "torus", "none": "memory"}[topology]
+
     def replace(self, **changes) -> "HardwareSpec":
         return dataclasses.replace(self, **changes)
 

@@ -11,11 +11,11 @@ page of its sequence's table, so a step costs what its *bucket* costs, not what 
   layers on T_pad tokens. The fitted efficiencies absorb the rest.
 - `dense_attention=False` (Pallas kernels, GPU/TPU): attention does the real work; only the linear layers see
   the token padding, costed as T_pad − T extra one-token decodes at context 0.
-- In both padded modes `per_seq_overhead_s` counts the real sequences (the composition's stand-in sequences
-  are padded work): time = iteration_time(padded composition) + per_seq_overhead_s · (S − composition seqs).
+- In both padded modes the per-sequence host cost (`cost_model.per_seq_host_s`) counts the real sequences (the composition's stand-in sequences
+  are padded work): time = iteration_time(padded composition) + per_seq_host_s · (S − composition seqs).
 - No padding (None): the real composition (GPU profiles fitted on operator data, e.g. profiles/a100.json).
 
-Buckets are derived from the serve config with `engine_buckets`, the rule of pdjax.serving.run.default_buckets
+Buckets are derived from the serve config with `engine_buckets`, the rule of pdjax.serving.build.default_buckets
 (tests check the two agree).
 
 A *sim profile* is a machine-profile JSON (pdjax.sim.calibration schema) with two optional extra keys that
@@ -102,11 +102,12 @@ class CachedIterationTime:
         self.model, self.hw, self.tp, self.params = model, hw, tp, params
         self.plan = _plan(model, hw, tp, 1)
         self._count_terms: dict = {}
+        self._launch: dict = {}
 
     def __call__(self, batch: BatchComposition) -> float:
         tokens, seqs = batch.num_tokens, batch.num_seqs
         p = self.params
-        overhead = p.iteration_overhead_s + p.per_seq_overhead_s * seqs
+        overhead = cm.host_time(p, seqs, self.tp)
         if tokens == 0:
             return overhead
         terms = self._count_terms.get((tokens, seqs))
@@ -114,7 +115,16 @@ class CachedIterationTime:
             lin, ew, _, com, _, _ = cm._stage_components(batch, self.plan, p, self.tp)
             terms = self._count_terms[(tokens, seqs)] = (lin, ew, com)
         lin, ew, com = terms
-        return lin + ew + self._attention(batch) + com + 0.0 + overhead
+        device = lin + ew + self._attention(batch) + com + 0.0
+        if p.launch_overhead_s > 0:
+            kinds = (bool(batch.prefills), bool(batch.decodes))
+            launch = self._launch.get(kinds)
+            if launch is None:
+                launch = self._launch[kinds] = p.launch_overhead_s * 1 * cm.kernels_per_iteration(
+                    self.plan.shapes, self.plan.layers_per_stage, self.tp, *kinds)
+            if launch > device:
+                device = launch
+        return device + overhead
 
     def _attention(self, batch: BatchComposition) -> float:
         plan, p = self.plan, self.params
@@ -152,7 +162,7 @@ def make_step_time(model: ModelSpec, hw: HardwareSpec, tp: int = 1, pp: int = 1,
             return iteration_time(batch, model, hw, tp, pp, params, num_microbatches).total
     exact_microbatches = pp > 1 and num_microbatches > 1
 
-    per_seq = params.per_seq_overhead_s
+    per_seq = cm.per_seq_host_s(params, tp * pp)
 
     def step_time(out) -> float:
         if padding is not None:

@@ -1,0 +1,95 @@
+"""DistServe placement search in simulation (pdjax.sim.placement): ranked placements and colocated baselines.
+
+python -m experiments.placement --model=opt-13b --hardware=a100-80gb-sxm --gpus_per_node=4 --budget=4 \
+    --trace=../shared/data/traces/sarathi_sharegpt_8k_filtered_llama2_tok.csv --num_requests=300 \
+    --ttft=0.2 --tpot=0.1 --attainment=0.9 --workers=2
+
+Workload: with --trace, DistServe's filtering: the trace's rows whose prompt + output fit --max_model_len, as
+empirical prompt and output length distributions (sampled independently, Poisson arrivals); without it, the
+--preset (e.g. chat) capped at --max_model_len. Prints JSON: the problem, the ranking (per-GPU goodput), the best
+disaggregated and colocated placements, and the wall time.
+"""
+from __future__ import annotations
+
+import csv
+import json
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "opt-13b", "Model spec name.")
+flags.DEFINE_string("hardware", "a100-80gb-sxm", "Hardware spec of a node's GPUs.")
+flags.DEFINE_integer("gpus_per_node", 0, "GPUs per node (0: the spec's).")
+flags.DEFINE_float("intra_node_gbps", 0.0, "Intra-node link GB/s per GPU per direction (0: the spec's).")
+flags.DEFINE_float("inter_node_gbps", 0.0, "Inter-node link GB/s per GPU per direction (0: the spec's).")
+flags.DEFINE_integer("budget", 4, "GPU budget.")
+flags.DEFINE_string("trace", "", "Trace CSV (num_prefill_tokens, num_decode_tokens) for the lengths.")
+flags.DEFINE_string("preset", "chat", "Workload preset when no --trace is given.")
+flags.DEFINE_integer("num_requests", 300, "Requests per simulation.")
+flags.DEFINE_integer("max_model_len", 2048, "Max prompt + output tokens (OPT: 2048).")
+flags.DEFINE_integer("seed", 0, "Workload seed.")
+flags.DEFINE_float("ttft", 0.2, "TTFT SLO (s).")
+flags.DEFINE_float("tpot", 0.1, "TPOT SLO (s).")
+flags.DEFINE_float("attainment", 0.9, "SLO attainment target.")
+flags.DEFINE_list("affinity", ["high", "low"], "DistServe placement families to search.")
+flags.DEFINE_list("colocated", ["sarathi", "vllm_v0"], "Colocated policies to compare.")
+flags.DEFINE_integer("workers", 2, "Processes.")
+flags.DEFINE_string("profile", "", "Machine profile (default: the shipped one for the hardware).")
+flags.DEFINE_integer("top", 10, "Rows of the ranking to print (0: all).")
+
+
+def trace_workload(path: str, max_model_len: int, num_requests: int, seed: int) -> dict:
+    """Empirical length distributions of the trace rows with prompt + output <= max_model_len (DistServe's
+    filtering), as a WorkloadConfig dict."""
+    prompts, outputs = [], []
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            p, d = int(row["num_prefill_tokens"]), int(row["num_decode_tokens"])
+            if p + d <= max_model_len:
+                prompts.append(p)
+                outputs.append(d)
+    if not prompts:
+        raise ValueError(f"--trace={path!r}: no row fits max_model_len={max_model_len}")
+    return {"kind": "synthetic", "arrival": "poisson", "num_requests": num_requests, "seed": seed,
+            "prompt_len": {"kind": "empirical", "samples": tuple(prompts)},
+            "output_len": {"kind": "empirical", "samples": tuple(outputs)}, "max_model_len": max_model_len}
+
+
+def run(model: str, hardware: str, budget: int, workload: dict, ttft: float, tpot: float, attainment: float = 0.9,
+        gpus_per_node: int = 0, intra_node_gbps: float = 0.0, inter_node_gbps: float = 0.0, workers: int = 2,
+        affinity=("high", "low"), colocated=("sarathi", "vllm_v0"), profile: str = "", max_model_len: int = 2048,
+        top: int = 0) -> dict:
+    from pdjax.sim.placement import NodeType, PlacementProblem, search  # noqa: PLC0415
+
+    node = NodeType(hardware, gpus_per_node=gpus_per_node, intra_node_bandwidth=intra_node_gbps * 1e9,
+                    inter_node_bandwidth=inter_node_gbps * 1e9)
+    problem = PlacementProblem(model=model, node=node, gpu_budget=budget, workload=workload, ttft_s=ttft,
+                               tpot_s=tpot, attainment=attainment, profile=profile, max_model_len=max_model_len)
+    result = search(problem, workers=workers, affinities=tuple(affinity), colocated=tuple(colocated))
+    if top:
+        result["ranking"] = result["ranking"][:top]
+    spec = node.spec()
+    result["problem"] = {"model": model, "hardware": spec.name, "gpus_per_node": spec.devices_per_node,
+                         "budget": budget, "ttft_s": ttft, "tpot_s": tpot, "attainment": attainment,
+                         "num_requests": workload.get("num_requests")}
+    return result
+
+
+def main(argv):
+    del argv
+    if FLAGS.trace:
+        workload = trace_workload(FLAGS.trace, FLAGS.max_model_len, FLAGS.num_requests, FLAGS.seed)
+    else:
+        workload = {"preset": FLAGS.preset, "num_requests": FLAGS.num_requests, "seed": FLAGS.seed,
+                    "max_model_len": FLAGS.max_model_len}
+    try:
+        out = run(FLAGS.model, FLAGS.hardware, FLAGS.budget, workload, FLAGS.ttft, FLAGS.tpot, FLAGS.attainment,
+                  FLAGS.gpus_per_node, FLAGS.intra_node_gbps, FLAGS.inter_node_gbps, FLAGS.workers,
+                  FLAGS.affinity, FLAGS.colocated, FLAGS.profile, FLAGS.max_model_len, FLAGS.top)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    app.run(main)

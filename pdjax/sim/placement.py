@@ -1,0 +1,509 @@
+"""DistServe-style placement search in simulation: which prefill/decode layouts, instance counts and device
+placement give the highest per-GPU goodput under TTFT/TPOT SLOs at an attainment target, beside colocated
+candidates (sarathi, vllm_v0) on the same GPUs.
+
+My reading of DistServe (Zhong et al., OSDI'24, §4.1-4.2, Algorithms 1 and 2):
+- Algorithm 1, *high node-affinity* (the cluster's inter-node network is fast enough that the KV transfer is
+  negligible wherever the two instances sit): prefill and decode are optimized independently. For every
+  intra-op degree (TP, at most the GPUs of one node) and inter-op degree (PP, up to #nodes · GPUs per node / TP)
+  whose shards fit in GPU memory, simulate the phase's goodput and divide by the GPUs it uses; keep the best
+  prefill and the best decode configuration, then replicate each enough to carry the traffic rate
+  (n = ⌈R / goodput_prefill⌉, m = ⌈R / goodput_decode⌉). Instances may sit on any nodes.
+- Algorithm 2, *low node-affinity* (slow cross-node network): the KV transfer must stay inside a node, so prefill
+  and decode share the inter-op degree and their corresponding pipeline stages are colocated: an *instance
+  segment* = one stage of the prefill instance (TP_p GPUs) plus the same layers of the decode instance (TP_d GPUs)
+  on one node (TP_p + TP_d ≤ GPUs per node). For every PP degree and every intra-node (TP_p, TP_d) that fits,
+  simulate the prefill+decode pair and keep the best goodput per GPU; replicate the pair to carry the rate.
+  KV moves stage to stage over the node's link (NVLink).
+
+What this module does with that (a GPU budget instead of a traffic rate, and whole-deployment simulation):
+- Candidates. `high`: every (prefill layout, n prefill instances, decode layout, m decode instances) with
+  n·GPUs_p + m·GPUs_d ≤ budget, TP ≤ GPUs per node and every pipeline stage's TP group inside one node
+  (instances packed first-fit onto nodes, prefill first). `low`: every (PP, TP_p, TP_d, k pairs) with
+  TP_p + TP_d ≤ GPUs per node and k·PP·(TP_p + TP_d) ≤ budget, each segment on one node. `colocated`: policy
+  (sarathi, vllm_v0) x layout x replicas within the budget. Layouts: TP dividing the model's heads, KV heads and
+  MLP width; PP dividing the layer count; the weights and one max-length request's KV must fit
+  (`kv_cache_capacity_tokens`). Candidates that simulate identically (same layouts, counts and transfer links)
+  are kept once (on one node, every `low` candidate is also a `high` one).
+- Each candidate is simulated whole (the real prefill_only/decode_only schedulers through
+  `pdjax.sim.disagg.simulate_disaggregated`; colocated ones through `pdjax.sim.simulator.simulate`) with the KV
+  transfer over the link its placement gives: same node -> the node's link (NVLink pair, NVSwitch or PCIe),
+  else the inter-node network; streams = min(devices of the two instances) (low affinity: per stage, so the
+  streams are PP·min(TP_p, TP_d), all inside nodes). Link figures come from the node type.
+- Goodput: the highest arrival rate whose SLO attainment (share of requests meeting both TTFT and TPOT) is at
+  least the target, by doubling then bisection on the rate (same seed: arrivals rescaled, lengths unchanged);
+  reported per GPU (rate / GPUs the candidate uses), as DistServe ranks placements.
+- Parallelism: candidates are evaluated in a process pool (fork; each worker asks the kernel to kill it when the
+  parent dies, PR_SET_PDEATHSIG, and the pool is shut down with its queued work cancelled on any exit).
+  Every evaluation is deterministic, so the ranking is the same serially and in parallel.
+Not modelled here: Splitwise's mixed pool; DistServe's online re-planning. No JAX.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import math
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from pdjax.config.model_specs import ModelSpec, get_model_spec
+from pdjax.config.scheduler import SchedulerConfig
+from pdjax.sim.cost_model import CostParams, kv_bytes, kv_cache_capacity_tokens
+from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
+
+AFFINITIES = ("high", "low")
+COLOCATED_POLICIES = ("sarathi", "vllm_v0")
+
+
+# --------------------------------------------------------------------------------------------------- problem
+@dataclasses.dataclass(frozen=True)
+class NodeType:
+    """A node: `hardware` (a registry spec name) with optional overrides of GPUs per node and link figures
+    (bytes/s per device per direction, seconds per hop; 0 / negative = the spec's)."""
+    hardware: str = "a100-80gb-sxm"
+    gpus_per_node: int = 0
+    intra_node_bandwidth: float = 0.0
+    intra_node_latency: float = -1.0
+    inter_node_bandwidth: float = 0.0
+    inter_node_latency: float = -1.0
+
+    def spec(self) -> HardwareSpec:
+        hw = get_hardware_spec(self.hardware)
+        changes: Dict[str, Any] = {}
+        if self.gpus_per_node:
+            changes["devices_per_node"] = int(self.gpus_per_node)
+        if self.intra_node_bandwidth > 0:
+            changes["intra_node_bandwidth"] = float(self.intra_node_bandwidth)
+            if hw.intra_node_topology == "pairwise":
+                changes["pairwise_bandwidth"] = max(float(self.intra_node_bandwidth), hw.pairwise_bandwidth)
+        if self.intra_node_latency >= 0:
+            changes["intra_node_latency"] = float(self.intra_node_latency)
+        if self.inter_node_bandwidth > 0:
+            changes["inter_node_bandwidth"] = float(self.inter_node_bandwidth)
+        if self.inter_node_latency >= 0:
+            changes["inter_node_latency"] = float(self.inter_node_latency)
+        return hw.replace(name=f"{hw.name}-node{changes.get('devices_per_node', hw.devices_per_node)}",
+                          **changes) if changes else hw
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementProblem:
+    """What to place. workload: a WorkloadConfig dict (its `rate` is replaced by the probed rates). SLOs in
+    seconds; attainment in (0, 1]. Scheduler knobs per role; page_size shared."""
+    model: str
+    node: NodeType
+    gpu_budget: int
+    workload: Mapping[str, Any]
+    ttft_s: float
+    tpot_s: float
+    attainment: float = 0.9
+    profile: str = ""                   # a profile name/path; '' = the shipped one for the hardware
+    mem_util: float = 0.9
+    max_model_len: int = 2048
+    page_size: int = 16
+    prefill_token_budget: int = 2048    # DistServe batches prefills up to a token limit (L_m)
+    decode_max_num_seqs: int = 256
+    sarathi_token_budget: int = 512
+    max_pp: int = 8
+    rel_tol: float = 0.05               # bisection stops when the bracket is within rel_tol of its low end
+    max_probes: int = 14
+
+    def __post_init__(self):
+        if not isinstance(self.gpu_budget, int) or self.gpu_budget < 1:
+            raise ValueError(f"gpu_budget={self.gpu_budget!r}, expected a positive int")
+        if not 0 < self.attainment <= 1:
+            raise ValueError(f"attainment={self.attainment!r}, expected in (0, 1]")
+        if not (self.ttft_s > 0 and self.tpot_s > 0):
+            raise ValueError(f"ttft_s={self.ttft_s!r}, tpot_s={self.tpot_s!r}: expected seconds > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp
+
+    def __str__(self) -> str:
+        return f"tp{self.tp}pp{self.pp}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """One candidate. kind: 'high' | 'low' (disaggregated) or 'colocated' (policy sarathi / vllm_v0; `prefill`
+    is its layout and `num_prefill` its replicas). devices: per instance (prefill ones, then decode ones), the
+    device indices in stage-major order (stage 0's TP group first). links: per (prefill i, decode j) the KV
+    transfer's (bandwidth, latency, streams)."""
+    kind: str
+    policy: str
+    prefill: Layout
+    num_prefill: int
+    decode: Optional[Layout]
+    num_decode: int
+    devices: Tuple[Tuple[int, ...], ...]
+    links: Tuple[Tuple[float, float, int], ...] = ()
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(len(d) for d in self.devices)
+
+    @property
+    def name(self) -> str:
+        if self.kind == "colocated":
+            return f"colocated-{self.policy} {self.num_prefill}x{self.prefill}"
+        return f"disagg-{self.kind} P {self.num_prefill}x{self.prefill} + D {self.num_decode}x{self.decode}"
+
+    def key(self) -> tuple:
+        """What the simulation depends on (candidates with equal keys simulate identically)."""
+        return (self.kind == "colocated", self.policy, self.prefill, self.num_prefill, self.decode, self.num_decode,
+                self.links)
+
+
+# --------------------------------------------------------------------------------------------------- enumeration
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(model: ModelSpec, hw: HardwareSpec, problem: PlacementProblem) -> List[Layout]:
+    """(tp, pp) an instance can use: tp <= GPUs per node dividing heads, KV heads and MLP width; pp dividing the
+    layers (<= max_pp); tp·pp <= budget; weights plus one max-length request's KV fit (mem_util)."""
+    out = []
+    for tp in _divisors(hw.devices_per_node):
+        if model.num_heads % tp or model.num_kv_heads % tp or model.intermediate_size % tp:
+            continue
+        for pp in _divisors(model.num_layers):
+            if pp > problem.max_pp or tp * pp > problem.gpu_budget:
+                continue
+            try:
+                cap = kv_cache_capacity_tokens(model, hw, tp, pp, problem.mem_util,
+                                               max_num_batched_tokens=problem.prefill_token_budget,
+                                               max_num_seqs=problem.decode_max_num_seqs)
+            except ValueError:
+                continue
+            if cap >= problem.max_model_len:
+                out.append(Layout(tp, pp))
+    return out
+
+
+class _Nodes:
+    """First-fit allocation of TP groups (each inside one node) on nodes of `per_node` GPUs."""
+
+    def __init__(self, num_nodes: int, per_node: int):
+        self.per_node = per_node
+        self.free = [list(range(n * per_node, (n + 1) * per_node)) for n in range(num_nodes)]
+
+    def take(self, count: int, node: Optional[int] = None) -> Optional[Tuple[int, ...]]:
+        nodes = range(len(self.free)) if node is None else [node]
+        for n in nodes:
+            if len(self.free[n]) >= count:
+                got, self.free[n] = self.free[n][:count], self.free[n][count:]
+                return tuple(got)
+        return None
+
+
+def _place_instances(groups: Sequence[Layout], budget: int, per_node: int) -> Optional[List[Tuple[int, ...]]]:
+    nodes = _Nodes(-(-budget // per_node), per_node)
+    out = []
+    used = 0
+    for layout in groups:
+        devices: Tuple[int, ...] = ()
+        for _ in range(layout.pp):
+            got = nodes.take(layout.tp)
+            if got is None:
+                return None
+            devices += got
+        used += len(devices)
+        out.append(devices)
+    return out if used <= budget else None
+
+
+def _link(hw: HardwareSpec, src: Sequence[int], dst: Sequence[int], streams: int) -> Tuple[float, float, int]:
+    """(bandwidth, latency, streams) of moving KV from devices `src` to `dst`: the slowest device pair's link
+    (pairs matched in order, `streams` of them)."""
+    worst_bw, worst_lat = math.inf, 0.0
+    for a, b in zip(src[:streams], dst[:streams]):
+        if a // hw.devices_per_node != b // hw.devices_per_node:
+            bw, lat = hw.inter_node_bandwidth, hw.inter_node_latency
+        elif hw.intra_node_topology == "pairwise" and a // 2 == b // 2:
+            bw, lat = hw.pairwise_bandwidth, hw.intra_node_latency
+        else:
+            bw, lat = hw.intra_node_bandwidth, hw.intra_node_latency
+        worst_bw, worst_lat = min(worst_bw, bw), max(worst_lat, lat)
+    return worst_bw, worst_lat, streams
+
+
+def _stage_pairs(src: Sequence[int], dst: Sequence[int], ps: Layout, ds: Layout) -> Tuple[List[int], List[int]]:
+    """Device pairs of a transfer when both sides have the same PP: stage s of the prefill sends its layers' KV
+    to stage s of the decode, min(tp_p, tp_d) streams per stage."""
+    k = min(ps.tp, ds.tp)
+    a, b = [], []
+    for s in range(ps.pp):
+        a += list(src[s * ps.tp:s * ps.tp + k])
+        b += list(dst[s * ds.tp:s * ds.tp + k])
+    return a, b
+
+
+def _links(hw, devices, num_prefill, prefill: Layout, decode: Layout) -> Tuple[Tuple[float, float, int], ...]:
+    out = []
+    for i in range(num_prefill):
+        for j in range(num_prefill, len(devices)):
+            src, dst = devices[i], devices[j]
+            if prefill.pp == decode.pp:
+                a, b = _stage_pairs(src, dst, prefill, decode)
+                out.append(_link(hw, a, b, len(a)))
+            else:
+                out.append(_link(hw, src, dst, min(len(src), len(dst))))
+    return tuple(out)
+
+
+def enumerate_placements(problem: PlacementProblem, affinities: Sequence[str] = AFFINITIES,
+                         colocated: Sequence[str] = COLOCATED_POLICIES) -> List[Placement]:
+    """Every candidate of the module docstring, deduplicated, in a deterministic order."""
+    model, hw = get_model_spec(problem.model), problem.node.spec()
+    per_node, budget = hw.devices_per_node, problem.gpu_budget
+    options = layouts(model, hw, problem)
+    found: Dict[tuple, Placement] = {}
+
+    def add(p: Optional[Placement]):
+        if p is not None and p.num_gpus <= budget and p.key() not in found:
+            found[p.key()] = p
+
+    if "high" in affinities:
+        for lp, ld in itertools.product(options, options):
+            for n in range(1, budget // lp.gpus + 1):
+                for m in range(1, (budget - n * lp.gpus) // ld.gpus + 1):
+                    devices = _place_instances([lp] * n + [ld] * m, budget, per_node)
+                    if devices is None:
+                        continue
+                    add(Placement("high", "disagg", lp, n, ld, m, tuple(devices), _links(hw, devices, n, lp, ld)))
+    if "low" in affinities:
+        for lp, ld in itertools.product(options, options):
+            if lp.pp != ld.pp or lp.tp + ld.tp > per_node:
+                continue
+            for k in range(1, budget // (lp.gpus + ld.gpus) + 1):
+                nodes = _Nodes(-(-budget // per_node), per_node)
+                pre, dec, ok = [], [], True
+                for _ in range(k):
+                    a: Tuple[int, ...] = ()
+                    b: Tuple[int, ...] = ()
+                    for _ in range(lp.pp):       # one segment: a prefill stage and a decode stage on one node
+                        seg = next((n for n in range(len(nodes.free)) if len(nodes.free[n]) >= lp.tp + ld.tp), None)
+                        if seg is None:
+                            ok = False
+                            break
+                        a += nodes.take(lp.tp, seg)
+                        b += nodes.take(ld.tp, seg)
+                    if not ok:
+                        break
+                    pre.append(a)
+                    dec.append(b)
+                if ok:
+                    devices = tuple(pre + dec)
+                    add(Placement("low", "disagg", lp, k, ld, k, devices, _links(hw, devices, k, lp, ld)))
+    for policy in colocated:
+        for layout in options:
+            for r in range(1, budget // layout.gpus + 1):
+                devices = _place_instances([layout] * r, budget, per_node)
+                if devices is not None:
+                    add(Placement("colocated", policy, layout, r, None, 0, tuple(devices)))
+    return list(found.values())
+
+
+# --------------------------------------------------------------------------------------------------- simulation
+def _params(problem: PlacementProblem) -> CostParams:
+    from pdjax.sim.run import shipped_profile_for  # noqa: PLC0415
+    from pdjax.sim.step_cost import load_sim_profile  # noqa: PLC0415
+    path = problem.profile or shipped_profile_for(problem.node.hardware)
+    return load_sim_profile(path).machine.params if path else CostParams()
+
+
+def _scheduler(problem: PlacementProblem, policy: str, pages: int) -> SchedulerConfig:
+    """prefill_only: DistServe's prefill token limit; decode_only: room for every running sequence; sarathi: its
+    chunk budget; vllm_v0: whole prompts (the max model length)."""
+    budget = {"prefill_only": problem.prefill_token_budget, "sarathi": problem.sarathi_token_budget,
+              "vllm_v0": max(problem.max_model_len, problem.prefill_token_budget),
+              "decode_only": max(problem.decode_max_num_seqs, problem.prefill_token_budget)}[policy]
+    return SchedulerConfig(policy=policy, token_budget=budget, max_num_seqs=problem.decode_max_num_seqs,
+                           max_model_len=problem.max_model_len, page_size=problem.page_size, num_pages=pages)
+
+
+def _pages(problem, model, hw, layout: Layout, sched_budget: int) -> int:
+    cap = kv_cache_capacity_tokens(model, hw, layout.tp, layout.pp, problem.mem_util,
+                                   max_num_batched_tokens=sched_budget, max_num_seqs=problem.decode_max_num_seqs)
+    return cap // problem.page_size
+
+
+def simulate_placement(problem: PlacementProblem, placement: Placement, rate: float):
+    """Run `placement` at `rate` req/s; returns the request records."""
+    from pdjax.scheduler import make_scheduler, request_from_workload  # noqa: PLC0415
+    from pdjax.sim.disagg import DisaggSimInstance, make_transfer_time, simulate_disaggregated  # noqa: PLC0415
+    from pdjax.sim.simulator import SimInstance, make_router, simulate  # noqa: PLC0415
+    from pdjax.sim.step_cost import make_step_time  # noqa: PLC0415
+    from pdjax.workload import make_workload  # noqa: PLC0415
+
+    model, hw, params = get_model_spec(problem.model), problem.node.spec(), _params(problem)
+    workload = dict(problem.workload, rate=float(rate))
+    requests = [request_from_workload(wr) for wr in make_workload(workload)]
+
+    def sched(policy: str, layout: Layout) -> SchedulerConfig:
+        probe = _scheduler(problem, policy, 1 << 30)
+        cfg = _scheduler(problem, policy, _pages(problem, model, hw, layout, probe.token_budget))
+        return dataclasses.replace(cfg, vocab_size=model.vocab_size)
+
+    if placement.kind == "colocated":
+        cfg = sched(placement.policy, placement.prefill)
+        step = make_step_time(model, hw, placement.prefill.tp, placement.prefill.pp, params)
+        instances = [SimInstance(f"replica{i}", make_scheduler(cfg), step) for i in range(placement.num_prefill)]
+        return simulate(requests, instances, make_router("round_robin")).requests
+    pcfg, dcfg = sched("prefill_only", placement.prefill), sched("decode_only", placement.decode)
+    pstep = make_step_time(model, hw, placement.prefill.tp, placement.prefill.pp, params)
+    dstep = make_step_time(model, hw, placement.decode.tp, placement.decode.pp, params)
+    prefill = [DisaggSimInstance(f"prefill{i}", "prefill", make_scheduler(pcfg), pstep)
+               for i in range(placement.num_prefill)]
+    decode = [DisaggSimInstance(f"decode{j}", "decode", make_scheduler(dcfg), dstep)
+              for j in range(placement.num_decode)]
+    fns = {}
+    for i in range(placement.num_prefill):
+        for j in range(placement.num_decode):
+            bw, lat, streams = placement.links[i * placement.num_decode + j]
+            fns[(f"prefill{i}", f"decode{j}")] = make_transfer_time(model, bw, lat, streams, params)
+
+    def transfer_time(src, dst, num_tokens: int) -> float:
+        return fns[(src.name, dst.name)](num_tokens)
+
+    result = simulate_disaggregated(requests, prefill, decode, transfer_time,
+                                    kv_bytes_of=lambda n: kv_bytes(model, n))
+    return result.requests
+
+
+def attainment_at(problem: PlacementProblem, placement: Placement, rate: float) -> float:
+    from pdjax.metrics.latency import SLOs, slo_attainment  # noqa: PLC0415
+    records = simulate_placement(problem, placement, rate)
+    return slo_attainment(records, SLOs(ttft_s=problem.ttft_s, tpot_s=problem.tpot_s)) or 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    placement: Placement
+    goodput_rps: float               # highest probed rate meeting the attainment target (0: none)
+    per_gpu_rps: float
+    probes: Tuple[Tuple[float, float], ...]    # (rate, attainment) in the order run
+    wall_s: float
+
+    def row(self) -> Dict[str, Any]:
+        p = self.placement
+        return {"placement": p.name, "kind": p.kind, "policy": p.policy, "num_gpus": p.num_gpus,
+                "prefill": str(p.prefill), "num_prefill": p.num_prefill,
+                "decode": str(p.decode) if p.decode else None, "num_decode": p.num_decode,
+                "devices": [list(d) for d in p.devices],
+                "kv_link_gbps": sorted({round(bw / 1e9, 1) for bw, _, _ in p.links}) or None,
+                "goodput_rps": round(self.goodput_rps, 4), "per_gpu_goodput_rps": round(self.per_gpu_rps, 4),
+                "num_probes": len(self.probes), "wall_s": round(self.wall_s, 2)}
+
+
+def evaluate(problem: PlacementProblem, placement: Placement) -> Evaluation:
+    """Highest rate meeting the attainment target: start at 0.5 req/s per GPU, double (or halve) until the
+    bracket holds, then bisect to rel_tol (at most max_probes simulations)."""
+    start = time.perf_counter()
+    probes: List[Tuple[float, float]] = []
+
+    def ok(rate: float) -> bool:
+        a = attainment_at(problem, placement, rate)
+        probes.append((rate, a))
+        return a >= problem.attainment
+
+    rate = 0.5 * placement.num_gpus
+    good, bad = 0.0, math.inf
+    if ok(rate):
+        good = rate
+        while len(probes) < problem.max_probes // 2:
+            rate *= 2
+            if ok(rate):
+                good = rate
+            else:
+                bad = rate
+                break
+    else:
+        bad = rate
+        while len(probes) < problem.max_probes // 2:
+            rate /= 2
+            if ok(rate):
+                good = rate
+                break
+            bad = rate
+    if good > 0 and math.isfinite(bad):
+        while bad - good > problem.rel_tol * good and len(probes) < problem.max_probes:
+            mid = 0.5 * (good + bad)
+            if ok(mid):
+                good = mid
+            else:
+                bad = mid
+    return Evaluation(placement, good, good / placement.num_gpus, tuple(probes), time.perf_counter() - start)
+
+
+# --------------------------------------------------------------------------------------------------- search
+def _die_with_parent() -> None:
+    """Pool initializer: the kernel sends SIGTERM to this worker when its parent exits (Linux)."""
+    try:
+        import ctypes  # noqa: PLC0415
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)          # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:                      # the parent already died before prctl
+        os._exit(1)
+
+
+class _Evaluate:
+    def __init__(self, problem: PlacementProblem):
+        self.problem = problem
+
+    def __call__(self, placement: Placement) -> Evaluation:
+        return evaluate(self.problem, placement)
+
+
+def rank(evaluations: Sequence[Evaluation]) -> List[Evaluation]:
+    """Best per-GPU goodput first; ties: fewer GPUs, then name."""
+    return sorted(evaluations, key=lambda e: (-round(e.per_gpu_rps, 9), e.placement.num_gpus, e.placement.name))
+
+
+def search(problem: PlacementProblem, *, workers: int = 1, affinities: Sequence[str] = AFFINITIES,
+           colocated: Sequence[str] = COLOCATED_POLICIES,
+           placements: Optional[Sequence[Placement]] = None) -> Dict[str, Any]:
+    """Evaluate every candidate (`placements`, default `enumerate_placements`) on `workers` processes (1: in this
+    process) and return {"ranking": [row, ...], "best_disaggregated", "best_colocated", "num_candidates",
+    "wall_s", "workers"}."""
+    start = time.perf_counter()
+    bad = [a for a in affinities if a not in AFFINITIES]
+    if bad:
+        raise ValueError(f"affinities {bad}: expected some of {AFFINITIES}")
+    if placements is None:
+        placements = enumerate_placements(problem, affinities, colocated)
+    if not placements:
+        raise ValueError(f"no placement of {problem.model} fits {problem.gpu_budget} GPU(s) of "
+                         f"{problem.node.hardware} (weights + one {problem.max_model_len}-token request)")
+    fn = _Evaluate(problem)
+    if workers <= 1:
+        evaluations = [fn(p) for p in placements]
+    else:
+        method = "spawn" if "jax" in sys.modules else "fork"
+        pool = concurrent.futures.ProcessPoolExecutor(max_workers=workers, initializer=_die_with_parent,
+                                                      mp_context=multiprocessing.get_context(method))
+        try:
+            evaluations = list(pool.map(fn, placements))
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+    ranked = rank(evaluations)
+    rows = [e.row() for e in ranked]
+    disagg = [r for r in rows if r["kind"] != "colocated"]
+    coloc = [r for r in rows if r["kind"] == "colocated"]
+    return {"ranking": rows, "best_disaggregated": disagg[0] if disagg else None,
+            "best_colocated": {p: next((r for r in coloc if r["policy"] == p), None) for p in colocated},
+            "num_candidates": len(rows), "wall_s": round(time.perf_counter() - start, 2), "workers": workers}

@@ -1,0 +1,65 @@
+"""DistServe placement search: candidates respect the budget and the node; serial and parallel rankings agree."""
+import pytest
+
+from pdjax.sim import placement as pl
+
+WORKLOAD = {"kind": "synthetic", "num_requests": 16, "seed": 0, "max_model_len": 1024,
+            "prompt_len": {"kind": "uniform", "low": 64, "high": 512},
+            "output_len": {"kind": "uniform", "low": 8, "high": 64}}
+
+
+def problem(budget=2, per_node=2, **kw):
+    return pl.PlacementProblem(model="opt-13b", node=pl.NodeType("a100-80gb-sxm", gpus_per_node=per_node),
+                               gpu_budget=budget, workload=WORKLOAD, ttft_s=0.5, tpot_s=0.1, max_model_len=1024,
+                               max_probes=6, rel_tol=0.25, **kw)
+
+
+@pytest.mark.parametrize("budget,per_node", [(2, 2), (4, 2), (8, 4), (3, 8)])
+def test_every_placement_fits_the_budget_and_the_node(budget, per_node):
+    prob = problem(budget, per_node)
+    cands = pl.enumerate_placements(prob)
+    assert cands and len({c.key() for c in cands}) == len(cands)
+    for c in cands:
+        assert c.num_gpus <= budget
+        flat = [d for devs in c.devices for d in devs]
+        assert len(set(flat)) == len(flat) and max(flat) < -(-budget // per_node) * per_node
+        layouts = [c.prefill] * c.num_prefill + ([c.decode] * c.num_decode if c.decode else [])
+        for layout, devs in zip(layouts, c.devices):
+            assert layout.tp <= per_node and len(devs) == layout.gpus
+            for s in range(layout.pp):              # every stage's TP group inside one node
+                assert len({d // per_node for d in devs[s * layout.tp:(s + 1) * layout.tp]}) == 1
+        if c.kind == "low":
+            for i in range(c.num_prefill):          # each stage's prefill and decode shards share a node
+                p, d = c.devices[i], c.devices[c.num_prefill + i]
+                for s in range(c.prefill.pp):
+                    assert p[s * c.prefill.tp] // per_node == d[s * c.decode.tp] // per_node
+    kinds = {c.kind for c in cands}
+    assert "colocated" in kinds and "high" in kinds
+
+
+def test_cross_node_placements_pay_the_network():
+    prob = problem(4, 2)
+    cands = [c for c in pl.enumerate_placements(prob) if c.kind == "high"]
+    hw = prob.node.spec()
+    assert any(bw == hw.inter_node_bandwidth for c in cands for bw, _, _ in c.links)
+    assert any(bw == hw.intra_node_bandwidth for c in cands for bw, _, _ in c.links)
+
+
+def test_serial_and_parallel_rankings_agree():
+    prob = problem(2, 2)
+    cands = [c for c in pl.enumerate_placements(prob, colocated=("sarathi",)) if c.num_gpus <= 2][:4]
+    serial = pl.search(prob, workers=1, placements=cands)
+    parallel = pl.search(prob, workers=2, placements=cands)
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]  # noqa: E731
+    assert strip(serial["ranking"]) == strip(parallel["ranking"])
+    assert serial["ranking"][0]["per_gpu_goodput_rps"] >= serial["ranking"][-1]["per_gpu_goodput_rps"]
+    assert all(r["num_gpus"] <= 2 for r in serial["ranking"])
+
+
+def test_bad_problems_are_named():
+    with pytest.raises(ValueError, match="gpu_budget=0"):
+        problem(0)
+    with pytest.raises(ValueError, match="attainment"):
+        problem(attainment=1.5)
+    with pytest.raises(ValueError, match="affinities"):
+        pl.search(problem(), affinities=("medium",))
