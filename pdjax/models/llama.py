@@ -15,13 +15,16 @@ Weight layouts (einsum friendly, "in" axis first, heads explicit so TP shards th
 RoPE follows HF `rotate_half` (first half / second half of the head dim, not interleaved pairs).
 The forward runs on the flat ragged token axis [T]: it writes this step's K/V with `write_kv`, then calls the
 injected attention fn (the seam of `pdjax.kernels`), so the Pallas kernels drop in unchanged.
+`forward_hidden` is the composition embed -> forward_layers -> final_norm; a pipeline stage
+(pdjax.runtime.pipeline) runs a slice of it: `embed` on the first stage, `forward_layers` on its own layer range
+and KV, `final_logits` on the last.
 """
 from __future__ import annotations
 
 import functools
 import math
 import zlib
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -157,8 +160,11 @@ def _init_params_jit(spec: ModelSpec, dtype) -> Callable:
     return jax.jit(init)
 
 
-def init_kv_cache(spec: ModelSpec, num_pages: int, page_size: int = 16, dtype=None, sharding=None) -> KVCache:
-    """Zeroed paged KV cache: per layer [num_kv_heads, num_pages, page_size, head_dim]; optional sharding."""
+def init_kv_cache(spec: ModelSpec, num_pages: int, page_size: int = 16, dtype=None, sharding=None,
+                  num_layers: Optional[int] = None) -> KVCache:
+    """Zeroed paged KV cache: per layer [num_kv_heads, num_pages, page_size, head_dim]; optional sharding.
+
+    num_layers: layers to allocate (default spec.num_layers; a pipeline stage allocates only its own)."""
     if not isinstance(num_pages, (int, np.integer)) or num_pages <= 0:
         raise ValueError(f"num_pages={num_pages!r}, expected a positive int")
     if not isinstance(page_size, (int, np.integer)) or page_size <= 0:
@@ -169,8 +175,8 @@ def init_kv_cache(spec: ModelSpec, num_pages: int, page_size: int = 16, dtype=No
         make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     else:
         make = lambda: jnp.zeros(shape, dtype)  # noqa: E731
-    return KVCache(k=tuple(make() for _ in range(spec.num_layers)),
-                   v=tuple(make() for _ in range(spec.num_layers)))
+    n = spec.num_layers if num_layers is None else int(num_layers)
+    return KVCache(k=tuple(make() for _ in range(n)), v=tuple(make() for _ in range(n)))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -254,25 +260,55 @@ def mlp_block(layer: LayerParams, x, spec: ModelSpec):
     return x + jnp.einsum("ti,ih->th", jax.nn.silu(gate) * up, layer.w_down)
 
 
+def embed(params, token_ids: jax.Array) -> jax.Array:
+    """Residual stream [T, H] of token ids int32[T] (params: anything with an `.embed` [V, H] table)."""
+    return params.embed[token_ids]
+
+
+def forward_layers(layers: Sequence[LayerParams], kv_cache: KVCache, x, positions, slot_mapping, kv_lens,
+                   page_indices, cu_q_lens, num_seqs, *, spec: ModelSpec, attention_fn: Callable):
+    """Run a contiguous range of decoder layers on the residual stream x [T, H].
+
+    `kv_cache` holds exactly those layers' pages (kv_cache.k[i] belongs to layers[i]), so a pipeline stage
+    passes its own layers and its own cache slice. Returns (x after the last layer, KVCache of the same layers
+    with this step's K/V written). Batch fields as in `forward_hidden`.
+    """
+    if len(layers) != len(kv_cache.k):
+        raise ValueError(f"forward_layers got {len(layers)} layers but a KV cache of {len(kv_cache.k)} layers")
+    cos, sin = rope_cos_sin(positions, spec)
+    meta = (slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs)
+    new_k, new_v = [], []
+    for li, layer in enumerate(layers):
+        x, k_pages, v_pages = _attention_block(layer, x, kv_cache.k[li], kv_cache.v[li], cos, sin, meta,
+                                               spec, attention_fn)
+        x = mlp_block(layer, x, spec)
+        new_k.append(k_pages)
+        new_v.append(v_pages)
+    return x, KVCache(k=tuple(new_k), v=tuple(new_v))
+
+
+def final_norm(params, x: jax.Array, spec: ModelSpec) -> jax.Array:
+    """The final RMSNorm of hidden states [N, H] (params: anything with a `.final_norm`)."""
+    return rms_norm(x, params.final_norm, spec.rms_norm_eps)
+
+
+def final_logits(params, x: jax.Array, spec: ModelSpec) -> jax.Array:
+    """float32 logits [N, V] of last-layer hidden states [N, H]: final norm, then lm_head (or tied embed)."""
+    return logits_from_hidden(params, final_norm(params, x, spec))
+
+
 def forward_hidden(params: LlamaParams, kv_cache: KVCache, token_ids, positions, slot_mapping, kv_lens,
                    page_indices, cu_q_lens, num_seqs, *, spec: ModelSpec, attention_fn: Callable):
     """Final-normed hidden states [T, H] of a ragged batch, and the KV cache with this step's K/V written.
 
     token_ids, positions, slot_mapping: int32[T]; kv_lens int32[S]; page_indices int32[S, P];
     cu_q_lens int32[S+1]; num_seqs int32[] (see pdjax/kernels/reference.py for the ragged layout).
+    The composition embed -> forward_layers (all layers) -> final_norm; a pipeline stage runs a slice of it.
     """
-    x = params.embed[token_ids]
-    cos, sin = rope_cos_sin(positions, spec)
-    meta = (slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs)
-    new_k, new_v = [], []
-    for li, layer in enumerate(params.layers):
-        x, k_pages, v_pages = _attention_block(layer, x, kv_cache.k[li], kv_cache.v[li], cos, sin, meta,
-                                               spec, attention_fn)
-        x = mlp_block(layer, x, spec)
-        new_k.append(k_pages)
-        new_v.append(v_pages)
-    x = rms_norm(x, params.final_norm, spec.rms_norm_eps)
-    return x, KVCache(k=tuple(new_k), v=tuple(new_v))
+    x = embed(params, token_ids)
+    x, kv_cache = forward_layers(params.layers, kv_cache, x, positions, slot_mapping, kv_lens, page_indices,
+                                 cu_q_lens, num_seqs, spec=spec, attention_fn=attention_fn)
+    return final_norm(params, x, spec), kv_cache
 
 
 def logits_from_hidden(params: LlamaParams, hidden: jax.Array) -> jax.Array:

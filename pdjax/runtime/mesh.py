@@ -5,7 +5,11 @@ Tensor parallelism (Megatron layout): query/KV heads and the MLP's gate/up colum
 parallel), so each layer needs one all-reduce after attention and one after the MLP; XLA's SPMD partitioner
 inserts them from these input shardings. The KV cache is split on its leading kv-head axis, matching the
 K/V projections, so attention stays local to each shard. Embeddings and norms are replicated; the lm_head is
-split on vocab when it divides. 'data' and 'stage' are carried for later DP/PP work and unused by the step.
+split on vocab when it divides. 'data' is carried for later DP work and unused by the step.
+
+Pipeline parallelism ('stage', pdjax.runtime.pipeline): stage s of a (data=1, stage=pp, tensor=tp) mesh runs on
+its own sub-mesh `stage_mesh(mesh, s)`, the (1, 1, tp) slice of the devices at stage index s with the same axis
+names, so every sharding above applies to it unchanged (a stage is a TP group holding a layer range).
 """
 from __future__ import annotations
 
@@ -41,26 +45,43 @@ def check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
             raise ValueError(f"spec {spec.name!r}: {name}={value} does not divide by tensor parallelism tp={tp}")
 
 
-def param_shardings(params: LlamaParams, mesh: Mesh, spec: ModelSpec) -> LlamaParams:
-    """A LlamaParams-shaped pytree of NamedSharding (None where the param is None)."""
-    tp = mesh.shape["tensor"]
-    check_tensor_parallel(spec, tp)
+def stage_mesh(mesh: Mesh, stage: int) -> Mesh:
+    """The sub-mesh of pipeline stage `stage`: devices mesh[:, stage, :] as a (data, 1, tensor) mesh with the
+    same axis names (so param_shardings / kv_cache_sharding apply to it as to any mesh)."""
+    pp = mesh.shape["stage"]
+    if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)) or not 0 <= stage < pp:
+        raise ValueError(f"stage={stage!r} outside [0, {pp}) of a mesh with stage={pp}")
+    return Mesh(mesh.devices[:, int(stage):int(stage) + 1, :], MESH_AXES)
 
+
+def stage_meshes(mesh: Mesh) -> tuple:
+    """`stage_mesh` of every stage, in order."""
+    return tuple(stage_mesh(mesh, s) for s in range(mesh.shape["stage"]))
+
+
+def layer_shardings(layer: LayerParams, mesh: Mesh) -> LayerParams:
+    """A LayerParams-shaped pytree of NamedSharding for one decoder layer (Megatron layout on 'tensor')."""
     def ns(*axes):
         return NamedSharding(mesh, P(*axes))
 
-    def layer_sharding(layer: LayerParams) -> LayerParams:
-        bias = None if layer.bq is None else ns("tensor", None)
-        return LayerParams(attn_norm=ns(), wq=ns(None, "tensor", None), wk=ns(None, "tensor", None),
-                           wv=ns(None, "tensor", None), wo=ns("tensor", None, None), mlp_norm=ns(),
-                           w_gate=ns(None, "tensor"), w_up=ns(None, "tensor"), w_down=ns("tensor", None),
-                           bq=bias, bk=bias, bv=bias)
+    bias = None if layer.bq is None else ns("tensor", None)
+    return LayerParams(attn_norm=ns(), wq=ns(None, "tensor", None), wk=ns(None, "tensor", None),
+                       wv=ns(None, "tensor", None), wo=ns("tensor", None, None), mlp_norm=ns(),
+                       w_gate=ns(None, "tensor"), w_up=ns(None, "tensor"), w_down=ns("tensor", None),
+                       bq=bias, bk=bias, bv=bias)
 
-    lm_head = None
-    if params.lm_head is not None:
-        lm_head = ns(None, "tensor") if spec.vocab_size % tp == 0 else ns()
-    return LlamaParams(embed=ns(), layers=tuple(layer_sharding(l) for l in params.layers),
-                       final_norm=ns(), lm_head=lm_head)
+
+def lm_head_sharding(mesh: Mesh, spec: ModelSpec) -> NamedSharding:
+    """lm_head [H, V]: vocab on 'tensor' when it divides, else replicated."""
+    return NamedSharding(mesh, P(None, "tensor") if spec.vocab_size % mesh.shape["tensor"] == 0 else P())
+
+
+def param_shardings(params: LlamaParams, mesh: Mesh, spec: ModelSpec) -> LlamaParams:
+    """A LlamaParams-shaped pytree of NamedSharding (None where the param is None)."""
+    check_tensor_parallel(spec, mesh.shape["tensor"])
+    lm_head = None if params.lm_head is None else lm_head_sharding(mesh, spec)
+    return LlamaParams(embed=replicated(mesh), layers=tuple(layer_shardings(l, mesh) for l in params.layers),
+                       final_norm=replicated(mesh), lm_head=lm_head)
 
 
 def kv_cache_sharding(mesh: Mesh, spec: ModelSpec) -> NamedSharding:
