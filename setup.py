@@ -25,5 +25,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8,<10", "hypothesis>=6.100,<7"],
+        # Sweeps on a cluster (python -m experiments.sweep --executor=ray); tested with ray 2.60.0.
+        "cluster": ["ray[default]>=2.40,<3"],
     },
 )

@@ -21,9 +21,10 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from experiments.ceilings import measure_ceilings, time_fn
+from pdjax.experiment import cli
 from pdjax.kernels import reference
 
 FLAGS = flags.DEFINE_bool("quick", False, "smallest grid, for a smoke run")
@@ -146,4 +147,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -13,10 +13,11 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from pdjax.config.sampling import SamplingParams
 from pdjax.config.scheduler import SchedulerConfig
+from pdjax.experiment import cli
 from pdjax.models.checkpoint import load_model
 from pdjax.runtime.batch import Buckets
 from pdjax.runtime.runner import ModelRunner
@@ -38,8 +39,12 @@ def _requests(vocab):
 
 
 def main(argv):
-    del argv
-    spec, params = load_model(_CKPT.value)
+    if len(argv) > 1:
+        raise cli.UserError(f"unexpected arguments {argv[1:]}")
+    try:
+        spec, params = load_model(_CKPT.value)
+    except (ValueError, OSError) as e:   # missing or corrupt checkpoint, unknown spec name
+        raise cli.UserError(cli.one_line(e)) from None
     max_len = 512
     buckets = Buckets(tokens=(16, 32, 64, _BUDGET.value), seqs=(_REQUESTS.value,), pages=(max_len // 16,))
     runner = ModelRunner(spec, params, num_pages=_REQUESTS.value * max_len // 16, page_size=16, buckets=buckets,
@@ -91,4 +96,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -31,10 +31,11 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from experiments.ceilings import host_copy_rate  # noqa: E402
+from pdjax.experiment import cli  # noqa: E402
 from pdjax.models.llama import KVCache  # noqa: E402
 from pdjax.runtime.mesh import make_mesh  # noqa: E402
 from pdjax.serving.kv_transfer import gather_kv_pages, scatter_kv_pages, staged_sharding, transfer_kv  # noqa: E402
@@ -139,4 +140,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -24,15 +24,16 @@ import sys
 import time
 from typing import Sequence, Tuple
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
+
+from pdjax.experiment import cli
 
 FLAGS = flags.FLAGS
 
 
 def _define_flags():
     """Flags exist only when this is the main module (experiments.sim_fidelity imports the functions below)."""
-    config_flags.DEFINE_config_file("config", "configs/serve.py", "Serve config (model, scheduler limits).")
+    cli.define_config_file("config", "configs/serve.py", "Serve config (model, scheduler limits).")
     flags.DEFINE_string("out", None, "Where to write the machine-profile JSON.")
     flags.DEFINE_integer("repeats", 5, "Timed runs per grid point (median kept).")
     flags.DEFINE_bool("quick", False, "A smaller grid (for tests).")
@@ -191,15 +192,19 @@ def calibrate(cfg, runner, *, repeats: int, quick: bool, out_path: str, log=None
 
 
 def main(argv):
-    del argv
     from pdjax.config.serving import serve_config_from_dict
     from pdjax.experiment.run import to_plain_dict
     from pdjax.serving.build import build_runner
 
+    if len(argv) > 1:
+        raise cli.UserError(f"unexpected arguments {argv[1:]}")
     if not FLAGS.out:
-        raise app.UsageError("--out=PATH.json is required")
-    cfg = serve_config_from_dict(to_plain_dict(FLAGS.config))
-    runner = build_runner(cfg)
+        raise cli.UserError("--out=PATH.json is required")
+    try:    # the config, and the checkpoint (missing, truncated)
+        cfg = serve_config_from_dict(to_plain_dict(FLAGS.config))
+        runner = build_runner(cfg)
+    except (ValueError, OSError) as e:
+        raise cli.UserError(cli.one_line(e)) from None
     t = time.perf_counter()
     runner.warmup()
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
@@ -210,4 +215,4 @@ def main(argv):
 
 if __name__ == "__main__":
     _define_flags()
-    app.run(main)
+    cli.run(main)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 
-from absl import app, flags
+from absl import flags
+
+from pdjax.experiment import cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "llama-2-7b", "Model spec name (pdjax.config.model_specs).")
@@ -57,13 +59,14 @@ def run(model: str, hardware: str, tp: int, pp: int, batches: list[str], profile
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise cli.UserError(f"unexpected arguments {argv[1:]}")
     try:
         out = run(FLAGS.model, FLAGS.hardware, FLAGS.tp, FLAGS.pp, FLAGS.batch, FLAGS.profile, FLAGS.microbatches)
     except ValueError as e:
-        raise app.UsageError(str(e)) from None
+        raise cli.UserError(cli.one_line(e)) from None
     print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

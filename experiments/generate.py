@@ -7,9 +7,10 @@ Prompts: a JSON list of token-id lists. OUT.json: {"tokens": [[...], ...]} in pr
 from __future__ import annotations
 
 import json
-import sys
 
-from absl import app, flags
+from absl import flags
+
+from pdjax.experiment import cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", "tiny-llama", "HF or orbax checkpoint directory, or a registry spec name.")
@@ -32,9 +33,9 @@ flags.register_multi_flags_validator(
 
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        raise cli.UserError(f"unexpected arguments {argv[1:]}")
     if not FLAGS.prompts or not FLAGS.out:
-        raise app.UsageError("--prompts and --out are required")
+        raise cli.UserError("--prompts and --out are required")
     from pdjax.runtime.generate import run_generate  # noqa: PLC0415  (keeps --help fast)
 
     try:    # bad inputs found while loading: the prompts file, the checkpoint (missing, truncated), lengths
@@ -42,10 +43,10 @@ def main(argv):
             FLAGS.checkpoint, FLAGS.prompts, FLAGS.max_new_tokens, FLAGS.out, chunk_size=FLAGS.chunk_size,
             token_budget=FLAGS.token_budget, page_size=FLAGS.page_size, dump_logits=FLAGS.dump_logits,
             dtype=FLAGS.dtype, attention_impl=FLAGS.attention_impl)
-    except ValueError as e:
-        sys.exit(f"generate: {e}")
+    except (ValueError, OSError) as e:   # a bad prompts file or checkpoint: one line naming it
+        raise cli.UserError(cli.one_line(e)) from None
     print(json.dumps({"out": FLAGS.out, "num_prompts": len(tokens), "compile_count": runner.compile_count}))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -7,7 +7,6 @@ import json
 import os
 
 from absl import flags
-from ml_collections import config_flags
 
 from pdjax.experiment import cli
 from pdjax.experiment.run import prepare_experiment, run_prepared
@@ -32,7 +31,7 @@ def sample_text_output(workdir: str):
     return rid, texts[rid]
 
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/serve.py", "Serve config file.")
+_CONFIG = cli.define_config_file("config", "configs/serve.py", "Serve config file.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/pdjax_serve", "Output directory of the run (new, empty, or an "
                                "earlier run's, whose outputs are replaced).")
 

@@ -21,10 +21,11 @@ import sys
 import time
 from typing import Any, Dict, Optional
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/sim/fidelity_cpu.py", "Serve config of the workload.")
+from pdjax.experiment import cli
+
+_CONFIG = cli.define_config_file("config", "configs/sim/fidelity_cpu.py", "Serve config of the workload.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/pdjax_sim_fidelity", "Outputs: real/, sim/, profile.json.")
 _PROFILE = flags.DEFINE_string("profile", "", "Use this sim profile instead of calibrating now.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Calibration: timed runs per grid point.")
@@ -134,13 +135,22 @@ def run_fidelity(config_dict: Dict[str, Any], workdir: str, *, profile: str = ""
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise cli.UserError(f"unexpected arguments {argv[1:]}")
+    from pdjax.config.serving import serve_config_from_dict
     from pdjax.experiment.run import to_plain_dict
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
-    report = run_fidelity(to_plain_dict(_CONFIG.value), _WORKDIR.value, profile=_PROFILE.value,
+    config = to_plain_dict(_CONFIG.value)
+    try:
+        serve_config_from_dict({**config, "backend": "real"})
+    except ValueError as e:
+        raise cli.UserError(cli.one_line(e)) from None
+    if _PROFILE.value and not os.path.isfile(_PROFILE.value):
+        raise cli.UserError(f"--profile={_PROFILE.value!r} is not a file")
+    report = run_fidelity(config, _WORKDIR.value, profile=_PROFILE.value,
                           repeats=_REPEATS.value, quick=_QUICK.value, log=log)
     print(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

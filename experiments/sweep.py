@@ -7,6 +7,17 @@ A rerun skips the finished points. If a finished point's stored config.json diff
 differing keys; --rerun_changed reruns such points instead. A failing point does not stop the sweep: its
 traceback goes to POINT/error.txt, summary.csv marks it failed, and the sweep exits 1 at the end naming the failed
 points (a rerun retries them). SIGTERM and Ctrl-C stop the worker processes of a --parallel sweep.
+
+On a cluster, with Ray (pip install -e ".[cluster]"):
+
+    python -m experiments.sweep --config=... --workdir=/shared/disk/ablation --executor=ray [--ray_address=HOST:PORT]
+
+Each point is a Ray task asking for what its config needs: a simulator point 1 CPU; a real-engine point the devices
+of its deployment (1 for colocated, prefill + decode groups for disaggregated) as GPUs, TPU chips (the "TPU"
+resource) or CPUs, by --platform (auto: $JAX_PLATFORMS, else what the cluster has). Without --ray_address a local
+Ray cluster is started (--parallel CPUs when given, else every core) and stopped at the end. A point whose worker
+dies is resubmitted up to --max_retries times, then recorded as failed; the rest is as above. On several machines
+--workdir must be a disk they all share.
 """
 import signal
 import sys
@@ -15,9 +26,10 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from pdjax.config.serving import serve_config_from_dict
+from pdjax.experiment import cli
 from pdjax.experiment.run import run_experiment, to_plain_dict
-from pdjax.experiment.sweep import (SweepConfigChanged, SweepFailed, run_sweep, sweep_columns,
-                                    write_sweep_plots)
+from pdjax.experiment.sweep import (EXECUTORS, PLATFORMS, SweepConfigChanged, SweepFailed, run_sweep,
+                                    sweep_columns, write_sweep_plots)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Sweep config file (configs/sweeps/NAME.py[:ARG]).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Sweep directory: one subdirectory per point.")
@@ -25,6 +37,16 @@ _PARALLEL = flags.DEFINE_integer("parallel", 1, "Points run at once, each in its
 _RERUN_CHANGED = flags.DEFINE_bool(
     "rerun_changed", False, "Rerun finished points whose stored config.json differs from their config now "
     "(default: refuse, naming the point and the differing keys).")
+_EXECUTOR = flags.DEFINE_enum(
+    "executor", "local", EXECUTORS, "local: in this process, or --parallel processes; ray: one Ray task per point.")
+_RAY_ADDRESS = flags.DEFINE_string(
+    "ray_address", "", "--executor=ray: the Ray cluster to join (HOST:PORT, or 'auto'); empty: start a local one.")
+_MAX_RETRIES = flags.DEFINE_integer(
+    "max_retries", 2, "--executor=ray: resubmissions of a point whose worker died before it is recorded as failed.",
+    lower_bound=0)
+_PLATFORM = flags.DEFINE_enum(
+    "platform", "auto", PLATFORMS, "--executor=ray: what real-engine points ask Ray for (gpu: GPUs, tpu: TPU "
+    "chips, cpu: CPUs); auto: $JAX_PLATFORMS, else what the cluster has.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -36,22 +58,31 @@ def _exit_on_sigterm(signum, frame):
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    ray = _EXECUTOR.value == "ray"
+    if not ray:
+        for name in ("ray_address", "max_retries", "platform"):
+            if flags.FLAGS[name].present:
+                raise cli.UserError(f"--{name} is for --executor=ray")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     sweep = to_plain_dict(_CONFIG.value)
+    workdir = _WORKDIR.value
     try:
-        rows = run_sweep(sweep, _WORKDIR.value, run_experiment, parallel=_PARALLEL.value,
-                         validate=serve_config_from_dict, rerun_changed=_RERUN_CHANGED.value)
+        rows = run_sweep(sweep, workdir, run_experiment, parallel=_PARALLEL.value, validate=serve_config_from_dict,
+                         rerun_changed=_RERUN_CHANGED.value, executor=_EXECUTOR.value,
+                         ray_address=_RAY_ADDRESS.value or None, max_retries=_MAX_RETRIES.value,
+                         platform=_PLATFORM.value,
+                         ray_num_cpus=_PARALLEL.value if ray and flags.FLAGS["parallel"].present else None)
     except SweepConfigChanged as e:
-        sys.exit(f"sweep: {e}")
+        raise cli.UserError(str(e)) from None
     except (ValueError, KeyError) as e:     # a bad grid or point config, found before any point runs
-        sys.exit(f"sweep: {e.args[0] if isinstance(e, KeyError) and e.args else e}")
+        raise cli.UserError(cli.one_line(e)) from None
     except SweepFailed as e:
-        write_sweep_plots(e.rows, sweep_columns(sweep), _WORKDIR.value)
-        print(f"{len(e.rows)} points; summary: {_WORKDIR.value}/summary.csv")
+        write_sweep_plots(e.rows, sweep_columns(sweep), workdir)
+        print(f"{len(e.rows)} points; summary: {workdir}/summary.csv")
         sys.exit(str(e))
-    write_sweep_plots(rows, sweep_columns(sweep), _WORKDIR.value)
-    print(f"{len(rows)} points; summary: {_WORKDIR.value}/summary.csv")
+    write_sweep_plots(rows, sweep_columns(sweep), workdir)
+    print(f"{len(rows)} points; summary: {workdir}/summary.csv")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -21,7 +21,9 @@ import os
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
+
+from pdjax.experiment import cli
 
 _OUT = flags.DEFINE_string("out", "checkpoints/tiny-byte", "output checkpoint directory")
 _SPEC = flags.DEFINE_string("spec", "tiny-byte", "registry model spec to train")
@@ -40,7 +42,8 @@ _SAMPLE_PROMPTS = ("The ", "def ", "A class ")
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise cli.UserError(f"unexpected arguments {argv[1:]}")
     import jax  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
@@ -52,10 +55,13 @@ def main(argv):
     from pdjax.runtime.runner import ModelRunner  # noqa: PLC0415
     from pdjax.workload.tokens import load_text_bytes  # noqa: PLC0415
 
-    spec = get_model_spec(_SPEC.value)
-    if spec.vocab_size < tok.VOCAB_SIZE:
-        raise app.UsageError(f"spec {spec.name!r} has vocab_size={spec.vocab_size}, expected >= {tok.VOCAB_SIZE}")
-    train_data, val_data = tr.split_train_val(load_text_bytes(_TEXT_PATH.value), _VAL_FRACTION.value)
+    try:    # a bad spec name, text path or split: one line
+        spec = get_model_spec(_SPEC.value)
+        if spec.vocab_size < tok.VOCAB_SIZE:
+            raise ValueError(f"spec {spec.name!r} has vocab_size={spec.vocab_size}, expected >= {tok.VOCAB_SIZE}")
+        train_data, val_data = tr.split_train_val(load_text_bytes(_TEXT_PATH.value), _VAL_FRACTION.value)
+    except (ValueError, OSError) as e:
+        raise cli.UserError(cli.one_line(e)) from None
     cfg = tr.TrainConfig(steps=_STEPS.value, batch=_BATCH.value, seq_len=_SEQ_LEN.value, lr=_LR.value,
                          warmup_steps=_WARMUP.value, weight_decay=_WD.value, seed=_SEED.value,
                          log_every=_LOG_EVERY.value)
@@ -102,4 +108,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

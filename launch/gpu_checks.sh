@@ -10,6 +10,7 @@
 set -u
 OUT=${1:-${OUT:-/tmp/pdjax_gpu}}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)      # a relative OUT_DIR is relative to the caller's directory, not to the repo
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 marker=gpu

@@ -97,7 +97,7 @@ def test_generate_cli_names_the_truncated_checkpoint_in_one_line(orbax_copy, tmp
     out = subprocess.run([sys.executable, "-m", "experiments.generate", f"--checkpoint={orbax_copy}",
                           f"--prompts={tmp_path / 'p.json'}", f"--out={tmp_path / 'o.json'}"],
                          capture_output=True, text=True, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert out.returncode == 1
+    assert out.returncode == 2
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"generate: checkpoint {str(orbax_copy)!r} is truncated or corrupt")
+    assert last.startswith(f"error: checkpoint {str(orbax_copy)!r} is truncated or corrupt")
     assert "Traceback" not in out.stderr

@@ -80,8 +80,8 @@ def test_cost_refuses_a_context_beyond_the_model_maximum(batch, ok):
 def test_cost_cli_context_error_is_one_line():
     out = _run(["experiments.cost", "--model=yi-34b", "--batch=decode:8@100", "--batch=prefill:4096@1"])
     assert out.returncode != 0
-    assert out.stderr.strip().splitlines()[-1] == (
-        "batch 'prefill:4096@1': prefill:4096@1 reaches context 4097, expected <= max_position_embeddings=4096 "
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+        "error: batch 'prefill:4096@1': prefill:4096@1 reaches context 4097, expected <= max_position_embeddings=4096 "
         "of yi-34b")
 
 
@@ -122,9 +122,9 @@ def test_sweep_cli_refuses_a_changed_config_then_reruns_with_the_flag(tmp_path):
     first = _run(base)
     assert first.returncode == 0, first.stderr[-2000:]
     changed = _run(base[:-1] + ["--config.base.workload.num_requests=8"])
-    assert changed.returncode == 1
+    assert changed.returncode == 2
     assert changed.stderr.strip().splitlines()[-1] == (
-        f"sweep: point token_budget=256 in {tmp_path} was run with a different config (workload.num_requests: "
+        f"error: point token_budget=256 in {tmp_path} was run with a different config (workload.num_requests: "
         "6 -> 8) (and 4 more points); pass --rerun_changed to rerun changed points, or use another --workdir")
     rerun = _run(base[:-1] + ["--config.base.workload.num_requests=8", "--rerun_changed"])
     assert rerun.returncode == 0, rerun.stderr[-2000:]

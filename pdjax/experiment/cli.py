@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 import logging as py_logging
 import sys
-from typing import Callable, NoReturn
+from typing import Callable, NoReturn, Optional
 
 from absl import app, flags, logging
 
@@ -53,6 +53,16 @@ def quiet_logging() -> None:
     py_logging.getLogger().setLevel(max(py_logging.WARNING, logging.get_absl_logger().getEffectiveLevel()))
     for noisy in ("jax._src.xla_bridge", "absl", "orbax", "orbax.checkpoint"):
         py_logging.getLogger(noisy).setLevel(py_logging.WARNING)
+
+
+def define_config_file(name: str, default: Optional[str], help_string: str):
+    """config_flags.DEFINE_config_file, with a bad `--NAME.key=value` override reported as one line. (With a
+    default file, ml_collections applies the overrides in sys.argv right here, at import, before `run`.)"""
+    from ml_collections import config_flags  # noqa: PLC0415
+    try:
+        return config_flags.DEFINE_config_file(name, default, help_string)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        fail(f"bad command-line flag: {one_line(e)}")
 
 
 def run(main: Callable) -> None:

@@ -15,6 +15,12 @@ A failing point does not stop the sweep: its directory gets error.txt (the trace
 summary.csv marks it status=failed with the error line, the other points run, and SweepFailed is raised at the
 end; a rerun retries it. With parallel > 1 the points run in spawned worker processes that die with the sweep
 process (even on SIGKILL) and are terminated when it is interrupted (see pdjax.sim.capacity.die_with_parent).
+
+executor='ray' runs each point as a Ray task instead (a local Ray cluster, or an existing one at `ray_address`),
+with the resources its deployment needs (`point_resources`); everything else is the same: finished points are
+skipped by the same config check, a failing point is recorded, summary.csv is written by the same code from the
+points' results.json. A point whose worker process dies (killed, out of memory, its node lost) is resubmitted up
+to `max_retries` times, then recorded as failed with the error, and the sweep goes on.
 """
 from __future__ import annotations
 
@@ -27,6 +33,8 @@ import json
 import os
 import re
 import shutil
+import socket
+import time
 import traceback
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -201,7 +209,7 @@ def _run_point(run_fn: Callable[[Dict[str, Any], str], Any], cfg: Dict[str, Any]
                final_dir: str) -> Tuple[str, Optional[str]]:
     """Run one point into a fresh temporary directory, renamed to final_dir when done. Returns ('ok', None), or
     ('failed', error line) after an exception: the traceback goes to final_dir/error.txt (no results.json)."""
-    tmp_dir = f"{final_dir}.partial-{os.getpid()}"
+    tmp_dir = f"{final_dir}.partial-{_safe(socket.gethostname())}-{os.getpid()}"   # unique on a shared disk
     shutil.rmtree(tmp_dir, ignore_errors=True)
     try:
         os.makedirs(tmp_dir)      # empty, created right before the run
@@ -243,14 +251,187 @@ def _run_parallel(todo: Sequence[Tuple[str, Dict[str, Any]]], workdir: str, run_
     stop_pool(pool, abort=False)
 
 
+# ------------------------------------------------------------------------------------------------ Ray executor
+EXECUTORS = ("local", "ray")
+PLATFORMS = ("auto", "cpu", "gpu", "tpu")
+
+
+def sweep_platform(platform: str, cluster_resources: Mapping[str, float]) -> str:
+    """The accelerator platform real-backend points run on: `platform` unless 'auto'; then the first entry of
+    $JAX_PLATFORMS when set (cpu; cuda/rocm/gpu -> gpu; tpu), else what the Ray cluster has: GPUs -> gpu, TPU
+    chips -> tpu, else cpu."""
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform={platform!r}, expected one of {PLATFORMS}")
+    if platform != "auto":
+        return platform
+    first = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
+    named = {"cpu": "cpu", "cuda": "gpu", "gpu": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(first)
+    if named:
+        return named
+    if cluster_resources.get("GPU", 0) > 0:
+        return "gpu"
+    if cluster_resources.get("TPU", 0) > 0:
+        return "tpu"
+    return "cpu"
+
+
+def point_devices(cfg: Mapping[str, Any]) -> int:
+    """Accelerator devices a real-backend point uses: its deployment's devices (every instance of the groups its
+    kind uses, pp x tp each), or more when an explicit `devices` list names a higher index."""
+    from pdjax.config.deployment import deployment_from_dict  # noqa: PLC0415  (no JAX)
+    deployment = deployment_from_dict(cfg.get("deployment"))
+    highest = [max(getattr(deployment, role).devices) + 1 for role in ("colocated", "prefill", "decode")
+               if hasattr(deployment, role) and getattr(deployment, role).devices]
+    return max([deployment.num_devices] + highest)
+
+
+def point_resources(cfg: Mapping[str, Any], platform: str, max_node_cpus: Optional[float] = None) -> Dict[str, Any]:
+    """The Ray task options (resources) of one point, derived from its config:
+    - backend 'sim': 1 CPU (the simulator is one Python process);
+    - backend 'real', N devices (`point_devices`: what its deployment uses): on GPU `num_gpus=N` (+ 1 CPU for the host loop), on TPU the
+      custom resource 'TPU': N chips (+ 1 CPU), on CPU `num_cpus=N` (its devices are host threads), capped at
+      `max_node_cpus` (the biggest node's CPUs) so a point with more fake CPU devices than cores still runs."""
+    if cfg.get("backend", "real") == "sim":
+        return {"num_cpus": 1}
+    n = point_devices(cfg)
+    if platform == "gpu":
+        return {"num_cpus": 1, "num_gpus": n}
+    if platform == "tpu":
+        return {"num_cpus": 1, "resources": {"TPU": n}}
+    return {"num_cpus": min(n, int(max_node_cpus)) if max_node_cpus else n}
+
+
+def _point_task_options(cfg: Mapping[str, Any], platform: str, max_node_cpus: Optional[float]) -> Dict[str, Any]:
+    """point_resources plus, for a real-backend point, a fresh worker process per point (max_calls=1: JAX's
+    device memory and XLA_FLAGS are per process) and, on CPU, as many host devices as the deployment uses."""
+    options = point_resources(cfg, platform, max_node_cpus)
+    if cfg.get("backend", "real") != "sim":
+        options["max_calls"] = 1
+        if platform == "cpu":
+            flags = os.environ.get("XLA_FLAGS", "")
+            if "xla_force_host_platform_device_count" not in flags:
+                flags = f"{flags} --xla_force_host_platform_device_count={max(point_devices(cfg), 1)}".strip()
+            options["runtime_env"] = {"env_vars": {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}}
+    return options
+
+
+def _resource_demand(options: Mapping[str, Any]) -> Dict[str, float]:
+    demand = {"CPU": float(options.get("num_cpus", 1))}
+    if options.get("num_gpus"):
+        demand["GPU"] = float(options["num_gpus"])
+    demand.update({k: float(v) for k, v in (options.get("resources") or {}).items()})
+    return demand
+
+
+def _check_feasible(todo_options: Sequence[Tuple[str, Mapping[str, Any]]], nodes: Sequence[Mapping[str, Any]],
+                    where: str) -> None:
+    """Raise ValueError before anything runs when a point asks for more than any node of the cluster has (Ray
+    would otherwise keep the task pending forever)."""
+    alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
+    for name, options in todo_options:
+        demand = _resource_demand(options)
+        if not any(all(res.get(k, 0) >= v for k, v in demand.items()) for res in alive):
+            have = "; ".join(", ".join(f"{k}={v:g}" for k, v in sorted(r.items()) if k in ("CPU", "GPU", "TPU"))
+                             for r in alive) or "no nodes"
+            raise ValueError(f"sweep point {name} needs {', '.join(f'{k}={v:g}' for k, v in demand.items())} on "
+                             f"one node; no node of the Ray cluster ({where}) has that (nodes: {have})")
+
+
+_WORKER_DIED = ("WorkerCrashedError", "NodeDiedError", "OutOfMemoryError", "LocalRayletDiedError",
+                "ObjectLostError", "OwnerDiedError", "RaySystemError", "ActorDiedError")
+
+
+def _run_ray(todo: Sequence[Tuple[str, Dict[str, Any]]], workdir: str, run_fn, log: Callable[[str], None], *,
+             address: Optional[str], max_retries: int, platform: str, num_cpus: Optional[int]) -> None:
+    """Run the points as Ray tasks; see run_sweep. Starts (and stops) a local cluster unless Ray is initialized
+    already or `address` names a cluster to join."""
+    import ray  # noqa: PLC0415  (run_sweep checked that it is installed)
+
+    started = not ray.is_initialized()
+    if started:
+        t0 = time.perf_counter()
+        kwargs = {"address": address} if address else {"num_cpus": num_cpus, "include_dashboard": False}
+        ray.init(logging_level="WARNING", **kwargs)
+        log(f"sweep: Ray {'cluster ' + address + ' joined' if address else 'local cluster started'} in "
+            f"{time.perf_counter() - t0:.1f} s")
+    pending: Dict[Any, Tuple[str, Dict[str, Any], Dict[str, Any], int]] = {}
+    try:
+        nodes = [n for n in ray.nodes() if n.get("Alive", True)]
+        platform = sweep_platform(platform, ray.cluster_resources())
+        max_cpus = max((n.get("Resources", {}).get("CPU", 0) for n in nodes), default=0) or None
+        options = [(name, _point_task_options(cfg, platform, max_cpus)) for name, cfg in todo]
+        _check_feasible(options, nodes, address or ray.get_runtime_context().gcs_address)
+        remote = ray.remote(_run_point)
+
+        def submit(name, cfg, opts, attempt):
+            for leftover in _partial_dirs(workdir, name):   # of an attempt whose worker died
+                shutil.rmtree(leftover, ignore_errors=True)
+            ref = remote.options(max_retries=0, retry_exceptions=False, **opts).remote(
+                run_fn, cfg, os.path.join(workdir, name))
+            pending[ref] = (name, cfg, opts, attempt)
+
+        for (name, cfg), (_, opts) in zip(todo, options):
+            submit(name, cfg, opts, 0)
+        errors: Dict[str, List[str]] = {}
+        while pending:
+            (ref,), _ = ray.wait(list(pending), num_returns=1)
+            name, cfg, opts, attempt = pending.pop(ref)
+            try:
+                status, error = ray.get(ref)
+            except ray.exceptions.RayError as e:
+                kind = type(e).__name__
+                errors.setdefault(name, []).append(f"attempt {attempt + 1}: {kind}: {str(e).strip()}")
+                died = kind in _WORKER_DIED
+                if died and attempt < max_retries:
+                    log(f"sweep: the worker of {name} died ({kind}: {_first_line(e)}); retry {attempt + 1} of "
+                        f"{max_retries}")
+                    submit(name, cfg, opts, attempt + 1)
+                    continue
+                for leftover in _partial_dirs(workdir, name):
+                    shutil.rmtree(leftover, ignore_errors=True)
+                what = (f"the point's worker process died on all {attempt + 1} attempts (killed, or out of memory?)"
+                        if died else "the point's Ray task failed")
+                _record_failure(os.path.join(workdir, name), cfg,
+                                f"{what}:\n" + "\n".join(errors[name]) + f"\n{kind}: {what}\n")
+                status, error = "failed", f"{kind}: {what}"
+            _log_point(log, name, status, error)
+    except BaseException:   # an error, Ctrl-C or SystemExit (SIGTERM): stop the points still running
+        for ref in pending:
+            try:
+                ray.cancel(ref, force=True)
+            except Exception:   # noqa: BLE001  (finished or gone meanwhile)
+                pass
+        raise
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    line = lines[0] if lines else type(error).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def _partial_dirs(workdir: str, name: str) -> List[str]:
+    prefix = f"{name}.partial-"
+    try:
+        return [os.path.join(workdir, e) for e in os.listdir(workdir) if e.startswith(prefix)]
+    except FileNotFoundError:
+        return []
+
+
 def _log_point(log: Callable[[str], None], name: str, status: str, error: Optional[str]) -> None:
     log(f"sweep: finished {name}" if status == "ok" else f"sweep: FAILED {name}: {error}")
 
 
 def run_sweep(sweep: Mapping[str, Any], workdir: str, run_fn: Callable[[Dict[str, Any], str], Any], *,
               parallel: int = 1, validate: Optional[Callable[[Dict[str, Any]], Any]] = None,
-              rerun_changed: bool = False, log: Callable[[str], None] = print) -> List[Dict[str, Any]]:
-    """Run every unfinished point (in `parallel` spawned processes when > 1), then write summary.csv.
+              rerun_changed: bool = False, log: Callable[[str], None] = print, executor: str = "local",
+              ray_address: Optional[str] = None, max_retries: int = 2, platform: str = "auto",
+              ray_num_cpus: Optional[int] = None) -> List[Dict[str, Any]]:
+    """Run every unfinished point (in `parallel` spawned processes when > 1, or as Ray tasks with
+    executor='ray'), then write summary.csv.
 
     run_fn(config_dict, point_workdir) must write results.json (and config.json, the config it ran) into
     point_workdir, which exists and is empty; it must be picklable (a module-level function) when parallel > 1.
@@ -262,10 +443,27 @@ def run_sweep(sweep: Mapping[str, Any], workdir: str, run_fn: Callable[[Dict[str
     A point that raises is recorded (error.txt with the traceback in its directory, status 'failed' in
     summary.csv), the other points still run, and SweepFailed is raised at the end, after summary.csv is
     written; a failed point is retried on the next run. Returns the summary rows (all points ok).
+
+    executor='ray': each point is a Ray task with `point_resources` (platform: see `sweep_platform`); Ray is
+    used as initialized by the caller, else the cluster at `ray_address` is joined, else a local one is started
+    (with `ray_num_cpus` CPUs, default all) and stopped at the end. A point whose worker dies is resubmitted up
+    to `max_retries` times, then recorded as failed. run_fn must be picklable by Ray (a module-level function of
+    an installed module). For a cluster of several machines `workdir` must be on a disk they all share.
     """
     points = expand_grid(sweep)
     if not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1:
         raise ValueError(f"parallel={parallel!r}, expected an int >= 1")
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor={executor!r}, expected one of {EXECUTORS}")
+    if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
+        raise ValueError(f"max_retries={max_retries!r}, expected an int >= 0")
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform={platform!r}, expected one of {PLATFORMS}")
+    if executor == "ray":
+        try:
+            import ray  # noqa: F401, PLC0415
+        except ImportError:
+            raise ValueError("executor 'ray' needs Ray: pip install -e '.[cluster]'") from None
     if validate is not None:
         for name, _, cfg in points:
             try:
@@ -294,7 +492,10 @@ def run_sweep(sweep: Mapping[str, Any], workdir: str, run_fn: Callable[[Dict[str
         log(f"sweep: rerunning {name}: config changed ({_short(diff)})")
     log(f"sweep: {len(points)} points, {len(points) - len(todo)} already done, {len(todo)} to run"
         + (f" ({retried} failed before, retried)" if retried else ""))
-    if parallel > 1 and len(todo) > 1:
+    if executor == "ray" and todo:
+        _run_ray(todo, workdir, run_fn, log, address=ray_address, max_retries=max_retries, platform=platform,
+                 num_cpus=ray_num_cpus)
+    elif parallel > 1 and len(todo) > 1:
         _run_parallel(todo, workdir, run_fn, parallel, log)
     else:
         for name, cfg in todo:

@@ -1,0 +1,110 @@
+"""launch/: the local N-process launcher (dry run, for real, a failing process, the timeout, a real
+jax.distributed run on CPU), the Cloud TPU pod and SLURM launchers' dry-run command lines."""
+import os
+import pathlib
+import shlex
+import subprocess
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+LOCAL = str(REPO / "launch" / "local.py")
+CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PROJECT", "REPO_DIR", "JAX_PORT",
+                                                              "PROCS_PER_NODE") and not k.startswith("SLURM_")}
+
+
+def _local(*args, timeout=60):
+    return subprocess.run([sys.executable, LOCAL, *args], capture_output=True, text=True, timeout=timeout,
+                          env=CLEAN_ENV)
+
+
+def test_local_dry_run_prints_each_process_command_line():
+    out = _local("-n", "2", "--port", "1234", "--devices_per_process", "4", "--dry_run", "--",
+                 "python3", "-m", "experiments.serve", "--workdir=/tmp/a b")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        f"JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_COORDINATOR_ADDRESS=127.0.0.1:1234 "
+        f"JAX_NUM_PROCESSES=2 JAX_PROCESS_ID={i} python3 -m experiments.serve '--workdir=/tmp/a b'" for i in (0, 1)]
+
+
+def test_local_runs_every_process_with_its_settings():
+    code = ("import os; e = os.environ; os.write(1, ' '.join(['process', e['JAX_PROCESS_ID'], e['JAX_NUM_PROCESSES'], "
+            "e['JAX_COORDINATOR_ADDRESS'], e['JAX_PLATFORMS'], e['XLA_FLAGS']]).encode() + b'\\n')")   # one write
+    out = _local("-n", "3", "--port", "23456", "--devices_per_process", "2", "--", sys.executable, "-c", code)
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == [
+        f"process {i} 3 127.0.0.1:23456 cpu --xla_force_host_platform_device_count=2" for i in range(3)]
+
+
+def test_local_ends_all_processes_when_one_fails():
+    code = ("import os, sys, time; i = int(os.environ['JAX_PROCESS_ID']); print(os.getpid(), flush=True); "
+            "time.sleep(0.5); sys.exit(3) if i == 1 else time.sleep(120)")
+    start = time.monotonic()
+    out = _local("-n", "3", "--grace", "2", "--", sys.executable, "-c", code)
+    assert time.monotonic() - start < 30
+    assert out.returncode == 3
+    assert out.stderr.strip().splitlines()[-1] == "launch/local.py: process 1 of 3 exited with status 3; ended the others"
+    for pid in map(int, out.stdout.split()):     # none of the sleepers is left
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+def test_local_timeout_ends_everything():
+    start = time.monotonic()
+    out = _local("-n", "2", "--timeout", "1", "--grace", "1", "--", "sleep", "120")
+    assert time.monotonic() - start < 20
+    assert out.returncode == 124
+    assert "timed out after 1 s; ended processes [0, 1]" in out.stderr
+
+
+def test_local_argument_errors():
+    out = _local("-n", "0", "--", "true")
+    assert out.returncode == 2 and "--num_processes=0, expected >= 1" in out.stderr
+    out = _local("-n", "2")
+    assert out.returncode == 2 and "no command given" in out.stderr
+
+
+def test_local_processes_form_one_jax_distributed_runtime():
+    code = ("import os, jax; jax.distributed.initialize(num_processes=int(os.environ['JAX_NUM_PROCESSES']), "
+            "process_id=int(os.environ['JAX_PROCESS_ID'])); "
+            "os.write(1, f'process {jax.process_index()} {jax.process_count()} {jax.device_count()} "
+            "{jax.local_device_count()}\\n'.encode())")
+    out = _local("-n", "2", "--devices_per_process", "2", "--timeout", "120", "--", sys.executable, "-c", code,
+                 timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert sorted(line for line in out.stdout.splitlines() if line.startswith("process")) == [
+        "process 0 2 4 2", "process 1 2 4 2"]
+
+
+def test_tpu_pod_dry_run():
+    env = {**CLEAN_ENV, "DRY_RUN": "1", "PROJECT": "my-project"}
+    out = subprocess.run(["bash", str(REPO / "launch" / "tpu_pod.sh"), "my-tpu", "us-west4-a", "python3", "-m",
+                          "experiments.serve", "--workdir=/tmp/a b"], env=env, capture_output=True, text=True,
+                         check=True)
+    assert shlex.split(out.stdout) == [
+        "gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-tpu", "--zone=us-west4-a", "--worker=all",
+        "--command=cd pdjax && python3 -m experiments.serve --workdir=/tmp/a\\ b", "--project=my-project"]
+    bad = subprocess.run(["bash", str(REPO / "launch" / "tpu_pod.sh"), "my-tpu"], env=env, capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "usage:" in bad.stderr
+
+
+def test_slurm_dry_run():
+    sbatch = str(REPO / "launch" / "slurm.sbatch")
+    env = {**CLEAN_ENV, "DRY_RUN": "1", "SLURM_JOB_NODELIST": "gpu[07-08],gpu11", "SLURM_JOB_NUM_NODES": "3",
+           "PATH": "/usr/bin:/bin"}    # no scontrol: the script's own node-list parsing
+    out = subprocess.run(["bash", sbatch, "python3", "-m", "experiments.serve", "--workdir=/w"], env=env,
+                         capture_output=True, text=True, check=True)
+    assert shlex.split(out.stdout) == [
+        "srun", "--ntasks=3", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+        "--export=ALL,JAX_COORDINATOR_ADDRESS=gpu07:62345,JAX_NUM_PROCESSES=3",
+        "bash", "-c", 'export JAX_PROCESS_ID=$SLURM_PROCID; exec "$@"', "pdjax-task",
+        "python3", "-m", "experiments.serve", "--workdir=/w"]
+    env.update(SLURM_JOB_NODELIST="node5", SLURM_JOB_NUM_NODES="2", PROCS_PER_NODE="4", JAX_PORT="7000")
+    out = subprocess.run(["bash", sbatch, "true"], env=env, capture_output=True, text=True, check=True)
+    words = shlex.split(out.stdout)
+    assert words[1:3] == ["--ntasks=8", "--ntasks-per-node=4"]
+    assert words[4] == "--export=ALL,JAX_COORDINATOR_ADDRESS=node5:7000,JAX_NUM_PROCESSES=8"
+    assert words[7] == 'export JAX_PROCESS_ID=$SLURM_PROCID; export CUDA_VISIBLE_DEVICES=$SLURM_LOCALID; exec "$@"'
+    del env["SLURM_JOB_NODELIST"]
+    bad = subprocess.run(["bash", sbatch, "true"], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "not inside a SLURM allocation" in bad.stderr
