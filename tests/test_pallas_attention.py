@@ -247,7 +247,9 @@ def test_tpu_kernel_lowers_to_mosaic(monkeypatch):
 
 def test_dispatch():
     assert get_attention_fn("reference") is reference.ragged_paged_attention
-    assert get_attention_fn("auto") is reference.ragged_paged_attention  # tests run on CPU
+    from pdjax.kernels import blocked
+    assert get_attention_fn("auto") is blocked.ragged_paged_attention  # tests run on CPU: the blocked XLA path
+    assert get_attention_fn("blocked") is blocked.ragged_paged_attention
     fn = get_attention_fn("pallas")
     assert fn.func is pallas_gpu.ragged_paged_attention and fn.keywords == {"interpret": True}
     assert pallas_attention.get_pallas_attention_fn("gpu") is pallas_gpu.ragged_paged_attention

@@ -1,0 +1,210 @@
+"""Offline throughput benchmark: the colocated engine on P prompts of L tokens, N greedy output tokens each.
+
+    python -m experiments.bench_throughput [--checkpoint=SPEC_OR_DIR] [--num_prompts=32] [--prompt_len=128]
+        [--output_len=64] [--policy=sarathi] [--token_budget=2048] [--attention_impl=auto]
+
+Default model: a 4-layer Llama, hidden 256, 8 query / 2 KV heads (head_dim 32), MLP 768, vocab 512, float32,
+dummy weights (`bench_spec`, defined here, not in the registry). --checkpoint takes a registry spec name (dummy
+weights) or a checkpoint directory. Prompts are random token ids; every request runs to exactly N output
+tokens (no stop token), all arriving at t=0.
+
+Compile first: the scheduler is dry-run on the same requests (it is pure Python and the schedule does not depend
+on token values when requests run to max_tokens), the (T, S, P) shapes it produces are precompiled
+(`compile_s`), then the engine serves the requests (`serving_s`, the engine's wall time); `compiles_during_run`
+should be 0.
+
+Token counts (written down, checked by tests/test_bench_throughput.py):
+    prompt_tokens    = P * L      (all prefilled; no prefix caching, no preemption at the default size)
+    output_tokens    = P * N      (generated; the first of each request comes from its last prefill position)
+    tokens           = P * (L + N) = prompt_tokens + output_tokens   -> tokens_per_s = tokens / serving_s
+    fed_tokens       = sum over steps of the tokens fed = P * (L + N - 1) without preemption
+                       (prefill_tokens_fed + decode_tokens_fed; the last output token is never fed back)
+Roofline: per executed step, max(FLOPs / matmul rate, bytes / copy bandwidth) with the ceilings measured in the
+same run (`experiments/ceilings.py`, before and after serving, the higher of the two: load from other jobs on a
+shared machine only lowers a measurement), summed over the steps; ratio = roofline_s / serving_s (1.0 = at the ceiling).
+FLOPs = 2 * non-embedding params * fed tokens + causal attention (4 * layers * q_heads * head_dim per
+query-key pair: each query token at position p sees p + 1 keys) + 2 * embedding params per sequence (lm_head
+rows). Bytes = all weights + the KV read (each sequence's context including this step) + the KV written.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import List, Optional
+
+import jax
+import numpy as np
+from absl import app, flags
+
+from experiments.ceilings import measure_ceilings
+from pdjax.config.buckets import engine_buckets
+from pdjax.config.model_specs import ModelSpec
+from pdjax.config.sampling import SamplingParams
+from pdjax.config.scheduler import SchedulerConfig
+from pdjax.models.llama import init_params
+from pdjax.runtime.runner import ModelRunner
+from pdjax.scheduler import Request, make_scheduler
+from pdjax.serving.engine import ColocatedEngine
+
+_CKPT = flags.DEFINE_string("checkpoint", "", "Checkpoint dir or registry spec name ('' = the 4-layer bench spec).")
+_P = flags.DEFINE_integer("num_prompts", 32, "P: number of prompts (requests).")
+_L = flags.DEFINE_integer("prompt_len", 128, "L: tokens per prompt.")
+_N = flags.DEFINE_integer("output_len", 64, "N: greedy output tokens per request.")
+_POLICY = flags.DEFINE_string("policy", "sarathi", "Scheduler policy.")
+_BUDGET = flags.DEFINE_integer("token_budget", 2048, "Tokens per iteration (scheduler token budget).")
+_PAGE = flags.DEFINE_integer("page_size", 16, "KV page size.")
+_IMPL = flags.DEFINE_string("attention_impl", "auto", "Attention implementation (pdjax.kernels.ATTENTION_IMPLS).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the dummy weights and the prompts.")
+
+
+def bench_spec() -> ModelSpec:
+    """The default model: 4 layers, hidden 256, 8 query / 2 KV heads, vocab 512, float32."""
+    return ModelSpec(name="bench-llama-4l", vocab_size=512, hidden_size=256, intermediate_size=768, num_layers=4,
+                     num_heads=8, num_kv_heads=2, head_dim=32, max_position_embeddings=2048, dtype="float32")
+
+
+def validate(num_prompts: int, prompt_len: int, output_len: int, token_budget: int, page_size: int) -> None:
+    """Raise ValueError with a one-line message naming the flag."""
+    for name, value in (("num_prompts", num_prompts), ("prompt_len", prompt_len), ("output_len", output_len),
+                        ("token_budget", token_budget), ("page_size", page_size)):
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"--{name}={value!r}: expected an integer >= 1")
+
+
+def _load(checkpoint: str, seed: int):
+    if not checkpoint:
+        spec = bench_spec()
+        return spec, init_params(spec, seed)
+    from pdjax.models.checkpoint import load_model  # noqa: PLC0415
+    from pdjax.serving.run import resolve_checkpoint  # noqa: PLC0415
+    return load_model(resolve_checkpoint(checkpoint), seed=seed)
+
+
+def _requests(vocab: int, num_prompts: int, prompt_len: int, output_len: int, seed: int) -> List[Request]:
+    rng = np.random.default_rng(seed)
+    return [Request(f"r{i}", [int(t) for t in rng.integers(0, vocab, prompt_len)],
+                    SamplingParams(max_tokens=output_len), 0.0) for i in range(num_prompts)]
+
+
+def _dry_run_shapes(cfg: SchedulerConfig, requests: List[Request], runner: ModelRunner):
+    """The (T, S, P) buckets the engine will run, from the scheduler alone (placeholder sampled tokens)."""
+    sched = make_scheduler(cfg)
+    for req in requests:
+        sched.add_request(req)
+    shapes, step = set(), 0
+    while sched.has_unfinished():
+        out = sched.schedule(float(step))
+        if out.is_empty:
+            raise RuntimeError("the scheduler returned an empty batch with requests left (too few KV pages?)")
+        shapes.add(tuple(runner.build_batch(out).shape_key))
+        sched.update(out, [0 if s else -1 for s in out.do_sample], float(step))
+        step += 1
+    return sorted(shapes)
+
+
+def step_cost(out, spec: ModelSpec, sizes: dict) -> tuple:
+    """(FLOPs, bytes) of one executed SchedulerOutput (module docstring)."""
+    attn_pairs = 0
+    kv_read = 0
+    for start, n in zip(out.num_computed_tokens, out.num_new_tokens):
+        attn_pairs += n * start + n * (n + 1) // 2  # query at position start + j sees start + j + 1 keys
+        kv_read += start + n
+    fed = sum(out.num_new_tokens)
+    flops = (2 * sizes["body_params"] * fed + 4 * spec.num_layers * spec.num_heads * spec.head_dim * attn_pairs
+             + 2 * sizes["embed_params"] * len(out.num_new_tokens))
+    moved = sizes["param_bytes"] + (kv_read + fed) * sizes["kv_bytes_per_token"]
+    return float(flops), float(moved)
+
+
+def run(checkpoint: str = "", num_prompts: int = 32, prompt_len: int = 128, output_len: int = 64, *,
+        policy: str = "sarathi", token_budget: int = 2048, page_size: int = 16, attention_impl: str = "auto",
+        seed: int = 0, ceilings: Optional[dict] = None) -> dict:
+    validate(num_prompts, prompt_len, output_len, token_budget, page_size)
+    spec, params = _load(checkpoint, seed)
+    max_model_len = prompt_len + output_len
+    if max_model_len > spec.max_position_embeddings:
+        raise ValueError(f"--prompt_len + --output_len = {max_model_len} exceeds the model's "
+                         f"max_position_embeddings={spec.max_position_embeddings}")
+    pages_per_seq = -(-max_model_len // page_size)
+    num_pages = num_prompts * pages_per_seq + 1
+    cfg = SchedulerConfig(policy=policy, token_budget=max(token_budget, 1), max_num_seqs=num_prompts,
+                          max_model_len=max_model_len, page_size=page_size, num_pages=num_pages)
+    buckets = engine_buckets(cfg.token_budget, cfg.max_num_seqs, max_model_len, page_size)
+    runner = ModelRunner(spec, params, num_pages=num_pages, page_size=page_size, buckets=buckets,
+                         attention_impl=attention_impl, max_model_len=max_model_len)
+
+    measured = [ceilings or measure_ceilings(jax.default_backend())]
+    shapes = _dry_run_shapes(cfg, _requests(spec.vocab_size, num_prompts, prompt_len, output_len, seed), runner)
+    compile_s = runner.warmup(shapes)
+    compiled = runner.compile_count
+
+    sched = make_scheduler(cfg)
+    recorded = []
+    schedule = sched.schedule
+    sched.schedule = lambda now: recorded.append(schedule(now)) or recorded[-1]
+    engine = ColocatedEngine(runner, sched)
+    requests = _requests(spec.vocab_size, num_prompts, prompt_len, output_len, seed)
+    start = time.perf_counter()
+    result = engine.run(requests)
+    wall_s = time.perf_counter() - start
+    serving_s = result.duration_s
+
+    if ceilings is None:  # the best of before and after the run: other jobs on a shared machine only lower it
+        measured.append(measure_ceilings(jax.default_backend()))
+    ceilings = {k: max(c[k] for c in measured) for k in ("matmul_flops", "copy_bandwidth_Bps")}
+    ceilings.update({k: measured[0].get(k) for k in ("matmul", "copy_bytes")})
+    leaves = jax.tree_util.tree_leaves(params)
+    embed_params = spec.vocab_size * spec.hidden_size
+    sizes = {"param_bytes": sum(x.size * x.dtype.itemsize for x in leaves), "embed_params": embed_params,
+             "body_params": sum(x.size for x in leaves) - embed_params * (1 if spec.tie_word_embeddings else 2),
+             "kv_bytes_per_token": spec.kv_bytes_per_token(np.dtype(params.embed.dtype).itemsize)}
+    executed = [out for out in recorded if not out.is_empty]
+    costs = [step_cost(out, spec, sizes) for out in executed]
+    compute_s = sum(f / ceilings["matmul_flops"] for f, _ in costs)
+    memory_s = sum(b / ceilings["copy_bandwidth_Bps"] for _, b in costs)
+    roofline_s = sum(max(f / ceilings["matmul_flops"], b / ceilings["copy_bandwidth_Bps"]) for f, b in costs)
+
+    output_tokens = sum(len(t) for t in result.output_tokens.values())
+    prefill_fed = sum(it.num_prefill_tokens for it in result.iterations)
+    decode_fed = sum(it.num_decode_tokens for it in result.iterations)
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    tokens = prompt_tokens + output_tokens
+    return {
+        "model": spec.name, "checkpoint": checkpoint or None, "dtype": str(params.embed.dtype),
+        "backend": jax.default_backend(), "device": str(jax.devices()[0]),
+        "attention_impl": attention_impl, "policy": policy, "token_budget": cfg.token_budget,
+        "page_size": page_size, "num_prompts": num_prompts, "prompt_len": prompt_len, "output_len": output_len,
+        "compile_s": compile_s, "num_compiled_shapes": compiled, "shapes": ["x".join(map(str, s)) for s in shapes],
+        "compiles_during_run": runner.compile_count - compiled,
+        "serving_s": serving_s, "wall_s": wall_s, "num_steps": len(result.iterations),
+        "completed": sum(r.finish_time is not None for r in requests),
+        "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "tokens": tokens,
+        "prefill_tokens_fed": prefill_fed, "decode_tokens_fed": decode_fed, "fed_tokens": prefill_fed + decode_fed,
+        "tokens_per_s": tokens / serving_s, "output_tokens_per_s": output_tokens / serving_s,
+        "fed_tokens_per_s": (prefill_fed + decode_fed) / serving_s,
+        "step_s": {"mean": float(np.mean([it.step_time for it in result.iterations])),
+                   "max": float(np.max([it.step_time for it in result.iterations]))},
+        "roofline_s": roofline_s, "roofline_compute_s": compute_s, "roofline_memory_s": memory_s,
+        "ratio": roofline_s / serving_s,
+        "ceilings": {"matmul_flops_per_s": ceilings["matmul_flops"],
+                     "memory_bandwidth_bytes_per_s": ceilings["copy_bandwidth_Bps"],
+                     "matmul": ceilings.get("matmul"), "copy_bytes": ceilings.get("copy_bytes")},
+        "total_flops": sum(f for f, _ in costs), "total_bytes": sum(b for _, b in costs),
+    }
+
+
+def main(argv):
+    del argv
+    try:
+        validate(_P.value, _L.value, _N.value, _BUDGET.value, _PAGE.value)
+    except ValueError as e:
+        print(f"bench_throughput: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(json.dumps(run(_CKPT.value, _P.value, _L.value, _N.value, policy=_POLICY.value,
+                         token_budget=_BUDGET.value, page_size=_PAGE.value, attention_impl=_IMPL.value,
+                         seed=_SEED.value), indent=1))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,42 @@
+"""experiments/bench_throughput on a tiny setting: the JSON's counts agree with its definitions (module docstring)."""
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from experiments import bench_throughput
+
+CEILINGS = {"matmul_flops": 1e11, "copy_bandwidth_Bps": 1e10}  # fixed, so the test skips measuring them
+
+
+def test_tiny_run_fields_are_consistent():
+    p, l, n = 3, 21, 4
+    d = bench_throughput.run("tiny-llama", p, l, n, token_budget=32, ceilings=CEILINGS)
+    assert d["completed"] == p and d["compiles_during_run"] == 0 and d["num_compiled_shapes"] == len(d["shapes"])
+    assert d["prompt_tokens"] == p * l and d["output_tokens"] == p * n and d["tokens"] == p * (l + n)
+    assert d["prefill_tokens_fed"] == p * l and d["decode_tokens_fed"] == p * (n - 1)
+    assert d["fed_tokens"] == p * (l + n - 1)
+    assert d["num_steps"] >= -(-p * l // 32) + n - 1
+    assert d["tokens_per_s"] == pytest.approx(d["tokens"] / d["serving_s"])
+    assert d["output_tokens_per_s"] == pytest.approx(p * n / d["serving_s"])
+    assert d["roofline_s"] == pytest.approx(d["ratio"] * d["serving_s"])
+    assert max(d["roofline_compute_s"], d["roofline_memory_s"]) <= d["roofline_s"] + 1e-12
+    assert d["roofline_s"] <= d["roofline_compute_s"] + d["roofline_memory_s"] + 1e-12
+    assert d["compile_s"] > 0 and d["serving_s"] > 0
+    assert d["ceilings"]["matmul_flops_per_s"] == CEILINGS["matmul_flops"]
+
+
+@pytest.mark.parametrize("flag", ["num_prompts", "prompt_len", "output_len"])
+def test_flags_validated_with_one_line_error(flag):
+    with pytest.raises(ValueError, match=f"^--{flag}=0: expected an integer >= 1$"):
+        bench_throughput.run("tiny-llama", **{"num_prompts": 2, "prompt_len": 4, "output_len": 2, flag: 0})
+
+
+def test_cli_rejects_bad_flag_in_one_line():
+    proc = subprocess.run([sys.executable, "-m", "experiments.bench_throughput", "--output_len=0"],
+                          capture_output=True, text=True, timeout=120,
+                          cwd=pathlib.Path(__file__).resolve().parents[1])
+    assert proc.returncode == 2 and proc.stdout == ""
+    errors = [line for line in proc.stderr.splitlines() if "bench_throughput" in line]
+    assert errors == ["bench_throughput: --output_len=0: expected an integer >= 1"]
