@@ -12,10 +12,9 @@ The run has one max_model_len, scheduler.max_model_len; the workload's caps foll
 """
 import ml_collections
 
-from pdjax.config.deployment import DeploymentConfig
 from pdjax.config.files import config_block
 from pdjax.config.scheduler import SchedulerConfig
-from pdjax.config.serving import EngineConfig, ModelConfig, SimConfig, SLOConfig
+from pdjax.config.serving import EngineConfig, ModelConfig, SLOConfig, deployment_block, sim_block
 from pdjax.workload import WorkloadConfig
 
 
@@ -37,11 +36,15 @@ def get_config():
         fit_to_model=True,          # the preset's long requests fill max_model_len (synthetic sources only)
         max_output_len=64)
     c.slo = config_block(SLOConfig, ttft=1.0, tbt=0.2, tpot=0.1)
-    # colocated: one instance on one device (the groups below are unused). disaggregated: prefill and decode
-    # instances on disjoint device groups, KV moved once per request (pdjax/serving/disagg.py), e.g.
+    # One deployment block for both backends (--config.backend=sim simulates exactly it).
+    # colocated: deployment.colocated.num_instances replicas, each (pp, tp) on pp*tp devices, behind
+    #   deployment.router, e.g. --config.deployment.colocated.num_instances=2 --config.deployment.colocated.tp=2
+    # disaggregated: prefill and decode instances on disjoint device groups, KV moved once per request, e.g.
     #   --config.deployment.kind=disaggregated --config.deployment.prefill.tp=2 --config.deployment.decode.tp=1
-    # (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8). 0 = the scheduler block's value;
-    # devices=() places groups automatically (prefill first).
-    c.deployment = config_block(DeploymentConfig)
-    c.sim = config_block(SimConfig, hardware="host-cpu", num_pages=0)
+    # (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8). The other kind's groups are unused.
+    # num_pages / token_budget / max_num_seqs 0 = the scheduler block's value; devices=() places groups
+    # automatically (colocated from device 0; prefill first, then decode).
+    c.deployment = deployment_block()
+    # Simulator only (hardware, cost profile, KV memory): what the real engine has no use for.
+    c.sim = sim_block(hardware="host-cpu", num_pages=0)
     return c

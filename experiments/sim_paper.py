@@ -31,14 +31,15 @@ import os
 import sys
 from typing import Any, Dict, List
 
-from absl import app, flags
+from absl import flags
 
 from pdjax.config.files import config_file
+from pdjax.experiment import cli
 
 _TABLE = flags.DEFINE_enum("table", "all", ["all", "ablation", "chunking", "capacity", "mixing", "tile", "disagg"],
                            "Which table.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/pdjax_sim_paper", "Sweep/capacity outputs.")
-_PARALLEL = flags.DEFINE_integer("parallel", 2, "Processes for sweep points / capacity probes.")
+_PARALLEL = flags.DEFINE_integer("parallel", 2, "Processes for sweep points / capacity probes.", lower_bound=1)
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 
@@ -174,7 +175,7 @@ def table_disagg() -> Dict[str, Any]:
                        "tpot_p50_s": s["tpot"]["p50"], "tpot_p99_s": s["tpot"]["p99"],
                        "slo_attainment": s["slo_attainment"], "goodput_rps": s["goodput_rps"],
                        "num_preemptions": s["num_preemptions"]}
-                transfers = getattr(result, "transfer_summary", None)
+                transfers = getattr(result, "transfer_stats", None)    # disaggregated runs only
                 row["kv_transfer_p99_s"] = transfers()["transfer_s"]["p99"] if transfers else None
                 rows.append(row)
                 if s["slo_attainment"] >= DISAGG_MIN_ATTAINMENT:
@@ -218,7 +219,8 @@ def render(name: str, table: Any) -> str:
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise cli.UserError(f"unexpected arguments {argv[1:]}")
     names = (["ablation", "chunking", "capacity", "mixing", "tile", "disagg"] if _TABLE.value == "all"
              else [_TABLE.value])
     result = {}
@@ -235,4 +237,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

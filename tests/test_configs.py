@@ -1,4 +1,5 @@
-"""Every shipped config file loads and validates (each sweep point too), and bad values fail at start-up."""
+"""Every shipped config file loads and validates (each sweep point too) and simulates a few requests of exactly its
+deployment, and bad values fail at start-up."""
 import pathlib
 
 import pytest
@@ -25,6 +26,25 @@ def test_shipped_config_validates(path, arg):
     points = [cfg for _, _, cfg in expand_grid(config)] if "grid" in config else [config]
     for cfg in points:
         serve_config_from_dict(cfg)
+
+
+@pytest.mark.parametrize("path,arg", CONFIGS)
+def test_shipped_config_simulates_a_few_requests(path, arg):
+    """Any serve config runs with --config.backend=sim (configs/README.md): its deployment, simulated."""
+    from pdjax.sim.run import simulate_config
+    config = to_plain_dict(config_file(str(ROOT / "README.md"), path, arg))
+    if "grid" in config:
+        config = next(cfg for _, _, cfg in expand_grid(config))
+    config["backend"] = "sim"
+    config["workload"]["num_requests"] = 4
+    cfg = serve_config_from_dict(config)
+    result, setup = simulate_config(cfg)
+    assert len(result.requests) == 4 and all(r.completed for r in result.requests)
+    dep = cfg.deployment
+    assert setup.kind == dep.kind and set(setup.groups) == set(dep.roles)
+    for role in dep.roles:
+        g, want = setup.groups[role], dep.group(role)
+        assert (g.num_instances, g.pp, g.tp) == (want.num_instances, want.pp, want.tp)
 
 
 def test_every_config_file_is_covered():

@@ -78,7 +78,7 @@ def test_simulator_runs_an_opt_model():
         "backend": "sim", "model": {"checkpoint": "opt-13b"},
         "scheduler": {"policy": "sarathi", "token_budget": 512, "max_num_seqs": 32, "max_model_len": 2048},
         "workload": {"preset": "chat", "num_requests": 12, "rate": 2.0},
-        "sim": {"hardware": "a100-80gb-sxm", "tp": 2}})
+        "sim": {"hardware": "a100-80gb-sxm"}, "deployment": {"colocated": {"tp": 2}}})
     result, setup = simulate_config(cfg)
     assert setup.model.name == "opt-13b" and setup.model.arch == "opt"
     assert len(result.requests) == 12 and all(r.completed for r in result.requests)

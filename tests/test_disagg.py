@@ -1,6 +1,7 @@
 """Disaggregated engine on 8 fake CPU devices (tiny-mha, dummy weights): greedy outputs equal the colocated
-engine and `generate`, across TP layouts, N instances, decode backpressure and decode-side rejection; plus the
-deployment config's start-up validation (no JAX needed there)."""
+engine and `generate`, across TP and pipeline layouts (prefill tp2 x pp2 -> decode tp1 x pp2, pp2 -> pp1,
+pp1 -> pp2), N instances, decode backpressure and decode-side rejection, with no page leaks and (after warm-up)
+no compiles; plus the deployment config's start-up validation (no JAX needed there)."""
 import numpy as np
 import pytest
 
@@ -108,6 +109,24 @@ def runners(model):
 
 
 @pytest.fixture(scope="module")
+def pipeline_runners(model):
+    """PipelineRunners (pp > 1) for transfers between pipeline layouts; devices disjoint within each pairing
+    below (and from runners["d_tp1"] on device 2 only where paired with it)."""
+    import jax
+    from pdjax.runtime.mesh import make_mesh
+    from pdjax.runtime.pipeline import PipelineRunner
+    spec, params = model
+    devs = jax.devices()
+
+    def make(ids, pp, tp):
+        return PipelineRunner(spec, params, num_pages=48, page_size=PAGE_SIZE, buckets=_buckets(),
+                              attention_impl="reference", mesh=make_mesh([devs[i] for i in ids], pp=pp, tp=tp),
+                              max_model_len=MAX_LEN)
+
+    return {"p_tp2_pp2": make((4, 5, 6, 7), 2, 2), "d_tp1_pp2": make((0, 1), 2, 1), "p_pp2": make((6, 7), 2, 1)}
+
+
+@pytest.fixture(scope="module")
 def reference(runners, prompts):
     from pdjax.runtime.generate import generate
     tokens, _ = generate(runners["plain"], prompts, max(MAX_TOKENS), chunk_size=16, token_budget=BUDGET)
@@ -183,6 +202,30 @@ def test_disaggregated_matches_generate_across_tp_layouts(runners, prompts, refe
     for inst in (prefill, decode):
         bm = inst.scheduler.block_manager
         assert bm.num_free_pages == inst.scheduler.config.num_pages
+
+
+@pytest.mark.parametrize("src,dst", [("p_tp2_pp2", "d_tp1_pp2"), ("p_pp2", "d_tp1"), ("p_tp1", "d_tp1_pp2")],
+                         ids=["tp2xpp2->tp1xpp2", "pp2->pp1", "pp1->pp2"])
+def test_disaggregated_matches_generate_across_pipeline_layouts(runners, pipeline_runners, prompts, reference,
+                                                               src, dst):
+    """Every layer's KV goes to the decode stage holding it, resharded to that stage's TP layout; greedy tokens
+    equal generate on one device (and the colocated engine, test above); no page leaks on either side."""
+    from pdjax.runtime import compiles
+    from pdjax.serving.disagg import DisaggregatedEngine
+    pick = lambda key: pipeline_runners.get(key) or runners[key]  # noqa: E731
+    prefill, decode = _instance("prefill0", pick(src)), _instance("decode0", pick(dst))
+    engine = DisaggregatedEngine([prefill], [decode], compile_counter=compiles.count, fail_on_compile=True)
+    for inst in engine.instances:
+        inst.runner.warmup()
+    engine.warmup_transfers(MAX_LEN)
+    result = engine.run(_requests(prompts, gap=0.01))     # fail_on_compile: nothing compiles mid-run
+    assert _ints(result.output_tokens) == reference
+    _check_records(result, EXPECTED_LENGTHS)
+    assert sorted(t.request_id for t in result.transfers) == [f"r{i}" for i, m in enumerate(MAX_TOKENS) if m > 1]
+    assert {it.instance for it in result.iterations} == {"prefill0", "decode0"}
+    assert prefill.scheduler.num_held == 0 and not engine._staged
+    for inst in (prefill, decode):
+        assert inst.scheduler.block_manager.num_free_pages == inst.scheduler.config.num_pages
 
 
 def test_two_prefill_and_two_decode_instances_round_robin(runners, prompts, reference):
@@ -309,3 +352,39 @@ def test_run_real_with_a_disaggregated_deployment_writes_the_run_outputs(tmp_pat
     with open(tmp_path / "iterations.csv") as f:
         assert {row["instance"] for row in csv.DictReader(f)} == {"prefill0", "decode0"}
     assert json.loads((tmp_path / "results.json").read_text())["num_completed"] == 3
+
+
+def test_run_real_disaggregated_pipeline_layouts_compile_nothing_after_warm_up(tmp_path):
+    """prefill tp2 x pp2 -> decode tp1 x pp2 through run_real with warm-up: every step shape of every stage and
+    every transfer (per-stage gathers, per-layer copies, per-stage scatters) compiled up front; tokens equal
+    generate on one device."""
+    import json
+    from pdjax.runtime.batch import Buckets
+    from pdjax.runtime.generate import generate
+    from pdjax.runtime.runner import ModelRunner
+    from pdjax.serving.build import build_requests, load_weights
+    from pdjax.serving.run import run_real
+    config = {
+        "model": {"checkpoint": "tiny-mha", "attention_impl": "reference"},
+        "engine": {"mode": "offline", "warmup": True, "progress": False, "compilation_cache": False,
+                   "token_buckets": [BUDGET], "seq_buckets": [8], "page_buckets": [MAX_LEN // PAGE_SIZE]},
+        "scheduler": {"token_budget": BUDGET, "max_num_seqs": 8, "max_model_len": MAX_LEN, "page_size": PAGE_SIZE,
+                      "num_pages": 48},
+        "workload": {"kind": "synthetic", "prompt_len": {"kind": "fixed", "value": 20},
+                     "output_len": {"kind": "fixed", "value": 3}, "num_requests": 3, "vocab_size": 256},
+        "deployment": {"kind": "disaggregated", "prefill": {"pp": 2, "tp": 2}, "decode": {"pp": 2}}}
+    cfg = serve_config_from_dict(config)
+    summary = run_real(cfg, config, str(tmp_path))
+    engine = summary["engine"]
+    assert summary["num_completed"] == 3
+    assert engine["compiles_during_run"] == 0, engine["compiled_during_run"]
+    assert {n: (i["role"], i["devices"], i["pp"], i["tp"]) for n, i in engine["instances"].items()} == {
+        "prefill0": ("prefill", [0, 1, 2, 3], 2, 2), "decode0": ("decode", [4, 5], 2, 1)}
+    assert all(i["num_iterations"] > 0 for i in engine["instances"].values())
+    assert engine["kv_transfer"]["num_transfers"] == 3
+    spec, params = load_weights(cfg)
+    one = ModelRunner(spec, params, num_pages=48, page_size=PAGE_SIZE, buckets=_buckets(),
+                      attention_impl="reference", max_model_len=MAX_LEN)
+    reqs = build_requests(cfg)
+    want, _ = generate(one, [r.prompt_token_ids for r in reqs], 3, chunk_size=16, token_budget=BUDGET)
+    assert json.loads((tmp_path / "outputs.json").read_text()) == {r.request_id: w for r, w in zip(reqs, want)}

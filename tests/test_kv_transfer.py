@@ -1,11 +1,12 @@
-"""KV transfer between two device groups on fake CPU devices: exact page contents across TP layouts, byte
-accounting, padding, and bad input."""
+"""KV transfer between two device groups on fake CPU devices: exact page contents across TP and pipeline layouts
+(each layer lands on the destination stage holding it), byte accounting, padding, warm-up, and bad input."""
 import jax
 import numpy as np
 import pytest
 
 from pdjax.models.llama import KVCache
-from pdjax.runtime.mesh import make_mesh
+from pdjax.config.pipeline import stage_layer_ranges
+from pdjax.runtime.mesh import make_mesh, stage_meshes
 from pdjax.serving.kv_transfer import kv_bytes, scatter_kv_pages, transfer_kv
 
 LAYERS, KV_HEADS, PAGES, PAGE_SIZE, HEAD_DIM = 2, 4, 12, 8, 16
@@ -48,8 +49,8 @@ def test_transfer_reshards_and_pages_arrive_exactly(src_ids, src_tp, dst_ids, ds
 
     staged = transfer_kv(src, src_pages, dst_mesh, num_tokens=num_tokens)
     # Staged on the decode group only, kv heads split over its tensor axis.
-    assert {s.device.id for s in staged.k.addressable_shards} == set(dst_ids)
-    assert staged.k.addressable_shards[0].data.shape[1] == KV_HEADS // dst_tp
+    assert {s.device.id for s in staged.k[0].addressable_shards} == set(dst_ids)
+    assert staged.k[0].addressable_shards[0].data.shape[0] == KV_HEADS // dst_tp
     assert staged.num_pages == need
 
     new = scatter_kv_pages(dst, dst_pages, staged)
@@ -75,11 +76,10 @@ def test_byte_accounting_and_padding():
     itemsize = np.dtype(np.float32).itemsize
     assert staged.kv_bytes == 2 * LAYERS * tokens * KV_HEADS * HEAD_DIM * itemsize
     assert staged.num_pages_sent == 4
-    assert staged.moved_bytes == staged.k.nbytes + staged.v.nbytes == 2 * LAYERS * 4 * PAGE_SIZE * KV_HEADS * \
-        HEAD_DIM * itemsize
+    assert staged.moved_bytes == staged.nbytes == 2 * LAYERS * 4 * PAGE_SIZE * KV_HEADS * HEAD_DIM * itemsize
     assert staged.seconds > 0
     exact = transfer_kv(src, [4, 5, 6], dst_mesh, num_tokens=tokens, pad_pages=False)
-    assert exact.num_pages_sent == 3 and exact.moved_bytes == exact.k.nbytes + exact.v.nbytes
+    assert exact.num_pages_sent == 3 and exact.moved_bytes == exact.nbytes
     # The padding page is dropped at the scatter: only the 3 table pages change.
     new = np.asarray(scatter_kv_pages(dst, [0, 1, 2, 3], staged).k[0])
     assert new[:, :3].any() and not new[:, 3:].any()
@@ -104,3 +104,99 @@ def test_bad_input_names_the_problem():
     other = KVCache(k=tuple(x[:2] for x in dst.k), v=tuple(x[:2] for x in dst.v))   # 2 kv heads, not 4
     with pytest.raises(ValueError, match="does not fit a cache"):
         scatter_kv_pages(other, [0, 1], staged)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Between pipeline layouts: each layer's pages land on the destination stage holding that layer
+# ------------------------------------------------------------------------------------------------------------
+PP_LAYERS = 3   # uneven splits: pp2 -> [2, 1], pp3 -> [1, 1, 1]
+
+
+def _stage_caches(ids, pp, tp, seed=None):
+    """Per-stage caches of a (1, pp, tp) mesh over devices `ids` (stage s holds layers stage_layer_ranges[s] on
+    its sub-mesh, kv heads on 'tensor'), random (seed) or zeros; plus the stage meshes and numpy copies per layer."""
+    mesh = make_mesh([jax.devices()[i] for i in ids], pp=pp, tp=tp)
+    subs = stage_meshes(mesh)
+    rng = np.random.default_rng(seed)
+    shape = (KV_HEADS, PAGES, PAGE_SIZE, HEAD_DIM)
+    make = (lambda: rng.standard_normal(shape).astype(np.float32)) if seed is not None else \
+        (lambda: np.zeros(shape, np.float32))
+    host_k = [make() for _ in range(PP_LAYERS)]
+    host_v = [make() for _ in range(PP_LAYERS)]
+    caches = []
+    for sub, (a, b) in zip(subs, stage_layer_ranges(PP_LAYERS, pp)):
+        put = lambda xs: tuple(jax.device_put(x, kv_cache_layout(sub)) for x in xs)  # noqa: E731
+        caches.append(KVCache(k=put(host_k[a:b]), v=put(host_v[a:b])))
+    return caches, subs, (host_k, host_v)
+
+
+@pytest.mark.parametrize("src_pp,src_tp,dst_pp,dst_tp", [
+    (2, 2, 2, 1),    # prefill tp2 x pp2 -> decode tp1 x pp2
+    (2, 1, 1, 1),    # pp2 -> pp1
+    (1, 1, 2, 1),    # pp1 -> pp2
+    (2, 2, 1, 4),    # pp2 -> pp1 and tp2 -> tp4 at once
+    (1, 2, 3, 1),    # pp1 tp2 -> pp3 tp1 (one layer per stage)
+    (3, 1, 2, 2),    # pp3 -> pp2 tp2
+], ids=lambda x: str(x))
+def test_transfer_between_pipeline_layouts_pages_land_exactly(src_pp, src_tp, dst_pp, dst_tp):
+    n_src = src_pp * src_tp
+    src, _, (src_k, src_v) = _stage_caches(range(n_src), src_pp, src_tp, seed=4)
+    dst, dst_subs, _ = _stage_caches(range(n_src, n_src + dst_pp * dst_tp), dst_pp, dst_tp)
+    src_pages, dst_pages = [7, 2, 9], [3, 10, 5, 1]
+    num_tokens = 19   # 3 pages, padded to 4 sent
+
+    staged = transfer_kv(src, src_pages, dst_subs, num_tokens=num_tokens)
+    assert staged.layer_ranges == stage_layer_ranges(PP_LAYERS, dst_pp) and staged.num_pages_sent == 4
+    ranges = stage_layer_ranges(PP_LAYERS, dst_pp)
+    for layer in range(PP_LAYERS):   # staged on the destination stage holding the layer, its TP layout
+        stage = next(s for s, (a, b) in enumerate(ranges) if a <= layer < b)
+        want = kv_cache_layout(dst_subs[stage])
+        assert staged.k[layer].sharding.is_equivalent_to(want, 4)
+        assert staged.v[layer].sharding == staged.k[layer].sharding
+    assert staged.moved_bytes == staged.nbytes
+
+    new = scatter_kv_pages(dst, dst_pages, staged)
+    assert isinstance(new, list) and len(new) == dst_pp
+    for s, (cache, (a, b)) in enumerate(zip(new, ranges)):
+        assert len(cache.k) == b - a
+        for i, layer in enumerate(range(a, b)):
+            for got_arr, want_host in ((cache.k[i], src_k[layer]), (cache.v[i], src_v[layer])):
+                assert got_arr.sharding.is_equivalent_to(kv_cache_layout(dst_subs[s]), 4)   # stays on its stage
+                got = np.asarray(got_arr)
+                for sp, dp in zip(src_pages, dst_pages[:3]):
+                    np.testing.assert_array_equal(got[:, dp], want_host[:, sp])
+                untouched = [p for p in range(PAGES) if p not in dst_pages[:3]]
+                assert not got[:, untouched].any(), f"layer {layer}: pages outside the table changed"
+    # The source is unchanged.
+    np.testing.assert_array_equal(np.asarray(src[-1].v[-1]), src_v[-1])
+
+
+def test_pipeline_transfer_compiles_nothing_once_warm():
+    from pdjax.runtime import compiles
+    src, _, _ = _stage_caches(range(4), 2, 2, seed=5)
+    box = {"dst": _stage_caches(range(4, 6), 2, 1)[0]}
+    dst_subs = _stage_caches(range(4, 6), 2, 1)[1]
+
+    def move(n):
+        staged = transfer_kv(src, list(range(n)), dst_subs, num_tokens=n * PAGE_SIZE)
+        box["dst"] = scatter_kv_pages(box["dst"], list(range(n)), staged)
+
+    for n in (1, 2, 4):
+        move(n)
+    jax.block_until_ready(box["dst"])
+    mark = compiles.count()
+    for n in (3, 1, 4, 2):    # 3 pads to 4
+        move(n)
+    jax.block_until_ready(box["dst"])
+    assert compiles.since(mark) == []
+
+
+def test_pipeline_layout_mismatch_is_refused():
+    src, _, _ = _stage_caches(range(2), 2, 1, seed=6)
+    dst_pp2, subs2, _ = _stage_caches(range(2, 4), 2, 1)
+    dst_pp1, subs1, _ = _stage_caches(range(4, 5), 1, 1)
+    staged = transfer_kv(src, [0], subs2, num_tokens=3)
+    with pytest.raises(ValueError, match=r"in stages \[\(0, 2\), \(2, 3\)\] does not fit a cache of 3 layers"):
+        scatter_kv_pages(dst_pp1, [0], staged)
+    with pytest.raises(ValueError, match=r"stages hold \[1, 2\] layers, expected the pipeline split \[2, 1\]"):
+        transfer_kv([KVCache(k=src[1].k, v=src[1].v), KVCache(k=src[0].k, v=src[0].v)], [0], subs1, num_tokens=3)

@@ -63,3 +63,17 @@ def test_bad_problems_are_named():
         problem(attainment=1.5)
     with pytest.raises(ValueError, match="affinities"):
         pl.search(problem(), affinities=("medium",))
+
+
+@pytest.mark.parametrize("budget,per_node", [(4, 2), (8, 4)])
+def test_every_placement_is_a_deployment_block(budget, per_node):
+    """A ranking row's `deployment` runs the same placement from a serve config (same instances and devices)."""
+    from pdjax.config.deployment import deployment_from_dict, validate_deployment
+    from pdjax.config.model_specs import get_model_spec
+    spec = get_model_spec("opt-13b")
+    for c in pl.enumerate_placements(problem(budget, per_node)):
+        dep = deployment_from_dict(c.deployment())
+        assert dep.kind == ("colocated" if c.kind == "colocated" else "disaggregated")
+        assignment = validate_deployment(dep, spec, -(-budget // per_node) * per_node)
+        names = [n for role in dep.roles for n in dep.instance_names(role)]
+        assert [assignment[n] for n in names] == [tuple(d) for d in c.devices]

@@ -39,11 +39,16 @@ class Checker:
     It also keeps a shadow KV cache holding, per page slot, the token whose KV a real runner would have
     written there (applying the swap copies like a runner), and checks that every scheduled request's pages
     hold exactly its context: this catches wrong prefix-cache hits, pages reused while still needed, and
-    swaps that lose or misplace KV.
+    swaps that lose or misplace KV. With batches in flight (drive(max_in_flight > 1)) the shadow is written in
+    dispatch order, the device's order, and the checker also asserts that no request is in two in-flight
+    batches and that no in-flight request is preempted.
     """
 
     def __init__(self, sched):
         self.s = sched
+        self.in_flight = set()          # request ids of dispatched, not yet applied batches
+        self.max_in_flight_seen = 0
+        self.batches_in_flight = 0
         self.cfg = sched.config
         self.decoders_before = []
         self.sealed = False
@@ -72,12 +77,31 @@ class Checker:
     def before(self, now):
         if not self.s.running and not self.s.swapped:
             self.sealed = False      # the batch drained: a new one may form
-        self.decoders_before = [r for r in self.s.running if r.num_computed_tokens >= r.prefill_end]
+        # Decodes that must run in this step. With batches in flight, a decode short of pages whose victim is in
+        # flight waits for that batch (base.py), so only decodes with room in their pages (or nothing in flight)
+        # are owed a slot.
+        ps = self.cfg.page_size
+        self.decoders_before = [r for r in self.s.running if r.num_computed_tokens >= r.prefill_end
+                                and r.request_id not in self.in_flight
+                                and (not self.in_flight or r.num_computed_tokens < len(r.page_table) * ps)]
         self.prefill_pending = self.s._prefill_pending()
+
+    def update(self, out, now):
+        if not out.req_ids:
+            return
+        assert set(out.req_ids) <= self.in_flight
+        self.in_flight -= set(out.req_ids)
+        self.batches_in_flight -= 1
 
     def step(self, out, now):
         s, cfg = self.s, self.cfg
         ps = cfg.page_size
+        assert not set(out.req_ids) & self.in_flight, "a request in two in-flight batches"
+        assert not set(out.preempted_req_ids) & self.in_flight, "an in-flight request was preempted"
+        if out.req_ids:
+            self.in_flight |= set(out.req_ids)
+            self.batches_in_flight += 1
+            self.max_in_flight_seen = max(self.max_in_flight_seen, self.batches_in_flight)
         assert out.total_tokens <= cfg.token_budget
         assert out.num_seqs <= cfg.max_num_seqs
         assert len(set(out.req_ids)) == out.num_seqs, "a request scheduled twice in one batch"
@@ -193,19 +217,23 @@ def scenario(draw):
     seed = draw(st.integers(0, 2**31))
     n = draw(st.integers(1, 16))
     spread = draw(st.sampled_from([0.0, 0.05, 0.3]))
-    return cfg, seed, n, spread
+    max_in_flight = draw(st.integers(1, 4))    # pipeline stages: batches in flight (pdjax.scheduler.batch_queue)
+    return cfg, seed, n, spread, max_in_flight
 
 
 def run_scenario(sc):
-    cfg, seed, n, spread = sc
+    cfg, seed, n, spread, max_in_flight = sc
     rng = random.Random(seed)
     prefixes = [[rng.randrange(50) for _ in range(cfg.max_model_len)] for _ in range(2)]
     reqs = make_requests(rng, n, cfg.max_model_len + 2, 24, prefixes=prefixes, spread=spread,
                          stop_token=rng.choice([None, 3]), priorities=cfg.ordering == "priority")
     sched = make_scheduler(cfg)
     chk = Checker(sched)
-    drive(sched, reqs, before_schedule=chk.before, on_step=chk.step, max_steps=20000)
+    drive(sched, reqs, before_schedule=chk.before, on_step=chk.step, on_update=chk.update, max_steps=20000,
+          max_in_flight=max_in_flight)
+    assert chk.max_in_flight_seen <= max_in_flight and not chk.in_flight
     check_final(sched, reqs)
+    return chk
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -242,9 +270,10 @@ def test_prefill_starvation_guard(policy):
     assert first_prefill_chunk(8) == (8, 9)        # guard: 8 tokens reserved for the waiting prefill
 
 
+@pytest.mark.parametrize("max_in_flight", [1, 3], ids=["pp1", "3_in_flight"])
 @pytest.mark.parametrize("policy", COLOCATED)
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_memory_pressure_forces_preemption_and_loses_nothing(policy, mode):
+def test_memory_pressure_forces_preemption_and_loses_nothing(policy, mode, max_in_flight):
     chunk = policy in CHUNKING_POLICIES
     cfg = SchedulerConfig(policy=policy, token_budget=64 if chunk else 128, max_num_seqs=8, max_model_len=128,
                           page_size=4, num_pages=40, watermark=0.0, preemption_mode=mode,
@@ -254,7 +283,8 @@ def test_memory_pressure_forces_preemption_and_loses_nothing(policy, mode):
                           SamplingParams(max_tokens=40), 0.0)) for i in range(12)]
     sched = make_scheduler(cfg)
     chk = Checker(sched)
-    outs = drive(sched, reqs, before_schedule=chk.before, on_step=chk.step)
+    outs = drive(sched, reqs, before_schedule=chk.before, on_step=chk.step, on_update=chk.update,
+                 max_in_flight=max_in_flight)
     if policy != "prefill_only":   # prefill_only holds no decodes, so 40 pages always suffice for chunks
         assert sched.num_preemptions > 0
         if mode == "swap":
@@ -269,7 +299,7 @@ def _decode_then_long_prompt(policy, budget):
     long = [(0.05, Request("long", list(range(1, 1001)), SamplingParams(max_tokens=4), 0.05))]
     sched = make_scheduler(cfg)
     chk = Checker(sched)
-    outs = drive(sched, short + long, before_schedule=chk.before, on_step=chk.step)
+    outs = drive(sched, short + long, before_schedule=chk.before, on_step=chk.step, on_update=chk.update)
     check_final(sched, short + long)
     return outs
 
@@ -401,8 +431,10 @@ def test_disaggregated_pipeline_random(seed, n, d_pages_extra, mode, d_seqs, cac
         chk_p.before(0.0)
         out = P.schedule(0.0)
         chk_p.step(out, 0.0)
-        for r in P.update(out, [fake_token(rid, c + k) if s else -1 for rid, c, k, s in
-                                zip(out.req_ids, out.num_computed_tokens, out.num_new_tokens, out.do_sample)], 0.0):
+        finished = P.update(out, [fake_token(rid, c + k) if s else -1 for rid, c, k, s in
+                                  zip(out.req_ids, out.num_computed_tokens, out.num_new_tokens, out.do_sample)], 0.0)
+        chk_p.update(out, 0.0)
+        for r in finished:
             if r.finish_reason == "handoff":
                 assert D.add_handoff(r, 0.0)
                 in_flight.append([rng.randint(0, 3), r])
@@ -417,6 +449,7 @@ def test_disaggregated_pipeline_random(seed, n, d_pages_extra, mode, d_seqs, cac
         chk_d.step(out, 0.0)
         D.update(out, [fake_token(rid, c + k) if s else -1 for rid, c, k, s in
                        zip(out.req_ids, out.num_computed_tokens, out.num_new_tokens, out.do_sample)], 0.0)
+        chk_d.update(out, 0.0)
     assert not (P.has_unfinished() or D.has_unfinished() or in_flight), "pipeline did not drain"
     for s in (P, D):
         s.check_invariants()

@@ -17,8 +17,8 @@ from pdjax.config.scheduler import SchedulerConfig
 from pdjax.config.serving import serve_config_from_dict
 from pdjax.scheduler import Request, make_scheduler
 from pdjax.sim.cost_model import CostParams, kv_bytes, p2p_time
-from pdjax.sim.disagg import (DisaggSimInstance, build_disagg_setup, kv_link, make_transfer_time,
-                              setup_transfer_time, simulate_disaggregated)
+from pdjax.sim.build import build_setup, build_transfer_time
+from pdjax.sim.disagg import DisaggSimInstance, kv_link, make_transfer_time, simulate_disaggregated
 from pdjax.sim.hardware import get_hardware_spec
 
 TICK = 1.0 / 1024   # dyadic times: exact float sums
@@ -146,6 +146,10 @@ def test_transfers_on_one_link_are_serialized_unless_disabled():
     parallel, *_ = run(reqs, transfer=slow, serialize_transfers=False)
     assert all(t.queue_s == 0 for t in parallel.transfers)
     assert parallel.transfer_summary()["num_transfers"] == serial.transfer_summary()["num_transfers"] == 6
+    # The real engine's keys (pdjax.serving.disagg.DisaggregatedResult.transfer_summary), in the same units.
+    summary = serial.transfer_summary()
+    assert set(summary) == {"num_transfers", "kv_bytes", "moved_bytes", "seconds", "bandwidth_bytes_per_s"}
+    assert summary["seconds"] == pytest.approx(sum(t.seconds for t in serial.transfers))
 
 
 # --------------------------------------------------------------------------------------------------- timing
@@ -263,8 +267,12 @@ def gpu_config(**deployment):
 
 @pytest.mark.parametrize("change,match", [
     (lambda c: c["scheduler"].update(policy="vllm_v1"), "scheduler.policy='vllm_v1'"),
-    (lambda c: c["sim"].update(num_replicas=2), "sim.num_replicas=2"),
-    (lambda c: c["sim"].update(tp=2), "sim.tp=2"),
+    (lambda c: c["sim"].update(num_replicas=2), "sim.num_replicas is not a key any more: set "
+                                                 "deployment.colocated.num_instances"),
+    (lambda c: c["sim"].update(tp=2), "sim.tp is not a key any more: set deployment.colocated.tp"),
+    (lambda c: c["deployment"].update(decode={"dp": 2}), "deployment.decode.dp is not a key any more: replicas "
+                                                          "are deployment.decode.num_instances"),
+    (lambda c: c["deployment"].update(prefill={"pp": 41}), "deployment.prefill.pp=41 exceeds num_layers=40"),
     (lambda c: c["engine"].update(async_scheduling=True), "async_scheduling"),
     (lambda c: c["deployment"].update(decode={"tp": 3}), "deployment.decode.tp=3"),
 ])
@@ -272,7 +280,7 @@ def test_config_errors_are_clear(change, match):
     config = gpu_config()
     change(config)
     with pytest.raises(ValueError, match=match):
-        build_disagg_setup(serve_config_from_dict(config))
+        build_setup(serve_config_from_dict(config))
 
 
 def test_instance_and_argument_errors():
@@ -305,7 +313,7 @@ def test_pages_and_links_from_the_config():
     from pdjax.sim.cost_model import kv_cache_capacity_tokens
     cfg = serve_config_from_dict(gpu_config(prefill={"tp": 2, "token_budget": 2048},
                                             decode={"num_instances": 2, "num_pages": 777}))
-    setup = build_disagg_setup(cfg)
+    setup = build_setup(cfg)
     model, hw = get_model_spec("llama-2-13b"), get_hardware_spec("a100-80gb-sxm")
     g = setup.groups["prefill"]
     cap = kv_cache_capacity_tokens(model, hw, 2, 1, 0.9, max_num_batched_tokens=2048, max_num_seqs=64)
@@ -314,9 +322,9 @@ def test_pages_and_links_from_the_config():
     assert setup.groups["decode"].scheduler_config.num_pages == 777
     assert setup.groups["decode"].devices == ((2,), (3,))
     # Placement picks the link: decode on another node -> the inter-node network, slower than NVSwitch.
-    near = setup_transfer_time(setup)
+    near = build_transfer_time(setup)
     far_cfg = serve_config_from_dict(gpu_config(prefill={"devices": [0]}, decode={"devices": [8]}))
-    far = setup_transfer_time(build_disagg_setup(far_cfg))
+    far = build_transfer_time(build_setup(far_cfg))
     p, d = instances()
     p[0].name, d[0].name = "prefill0", "decode0"
     assert far(p[0], d[0], 1000) > near(p[0], d[0], 1000) > 0
@@ -328,12 +336,18 @@ def test_run_sim_writes_outputs_with_transfer_stats(tmp_path):
     summary = run_sim(serve_config_from_dict(config), config, str(tmp_path), plots=False)
     on_disk = json.loads((tmp_path / "results.json").read_text())
     assert on_disk["num_completed"] == summary["num_completed"] == 30
-    kv = on_disk["sim"]["kv_transfer"]
-    assert 0 < kv["num_transfers"] <= 30 and kv["kv_bytes"] > 0
-    assert kv["transfer_s"]["p99"] >= kv["transfer_s"]["mean"] > 0
+    kv = on_disk["engine"]["kv_transfer"]      # where and as the real engine writes it
+    assert set(kv) == {"num_transfers", "kv_bytes", "moved_bytes", "seconds", "bandwidth_bytes_per_s"}
+    assert 0 < kv["num_transfers"] <= 30 and kv["kv_bytes"] == kv["moved_bytes"] > 0
+    assert kv["bandwidth_bytes_per_s"] == pytest.approx(kv["moved_bytes"] / kv["seconds"])
+    stats = on_disk["sim"]["kv_transfer_stats"]
+    assert stats["transfer_s"]["p99"] >= stats["transfer_s"]["mean"] > 0
     assert on_disk["engine"]["deployment"] == "disaggregated"
     iters = (tmp_path / "iterations.csv").read_text()
     assert "prefill0" in iters and "decode0" in iters
+    instances = on_disk["engine"]["instances"]
+    assert {n: i["role"] for n, i in instances.items()} == {"prefill0": "prefill", "decode0": "decode"}
+    assert instances["prefill0"]["token_budget"] == 2048 and instances["decode0"]["devices"] == [1]
 
 
 def test_disagg_paper_config_validates_and_imports_no_jax():

@@ -13,11 +13,11 @@ from pdjax.experiment.run import run_experiment
 from pdjax.sim.calibration import MachineProfile
 from pdjax.sim.cost_model import CostParams, kv_cache_capacity_tokens
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
-from pdjax.sim.run import build_setup, resolve_model, shipped_profile_for
+from pdjax.sim.build import build_setup, resolve_model, shipped_profile_for
 from pdjax.sim.step_cost import load_sim_profile, save_sim_profile
 
 
-def gpu_config(**sim):
+def gpu_config(deployment=None, **sim):
     return {
         "backend": "sim", "seed": 3,
         "model": {"checkpoint": "llama-2-7b"},
@@ -28,6 +28,7 @@ def gpu_config(**sim):
                      "fit_to_model": True},
         "slo": {"ttft": 2.0, "tbt": 0.2},
         "sim": {"hardware": "a100-80gb-sxm", **sim},
+        "deployment": {"kind": "colocated", **(deployment or {})},
     }
 
 
@@ -57,9 +58,12 @@ def test_kv_pages_rule():
     capacity = kv_cache_capacity_tokens(model, hw, 1, 1, 0.9, max_num_batched_tokens=512, max_num_seqs=64)
     assert setup.kv_capacity_tokens == capacity
     assert setup.scheduler_config.num_pages == capacity // 16 != cfg.scheduler.num_pages
-    # Explicit sim.num_pages wins; TP2 doubles per-replica KV room (params and KV heads split over 2 devices).
+    # Explicit sim.num_pages wins (a group's num_pages over it); TP2 doubles per-replica KV room (params and KV
+    # heads split over 2 devices).
     assert build_setup(serve_config_from_dict(gpu_config(num_pages=777))).scheduler_config.num_pages == 777
-    tp2 = build_setup(serve_config_from_dict(gpu_config(tp=2)))
+    both = gpu_config({"colocated": {"num_pages": 555}}, num_pages=777)
+    assert build_setup(serve_config_from_dict(both)).scheduler_config.num_pages == 555
+    tp2 = build_setup(serve_config_from_dict(gpu_config({"colocated": {"tp": 2}})))
     assert tp2.scheduler_config.num_pages > 2 * setup.scheduler_config.num_pages
     # host-cpu: the scheduler's num_pages as given (what the CPU engine allocates).
     cpu = build_setup(serve_config_from_dict(gpu_config(hardware="host-cpu")))
@@ -97,7 +101,7 @@ def test_frozen_profile_makes_host_cpu_runs_deterministic(tmp_path):
     config["workload"].update(vocab_size=512, num_requests=20)
     setup = build_setup(serve_config_from_dict(config))
     assert setup.hardware == spec and setup.padding.dense_attention
-    assert setup.padding.buckets.tokens == (16, 32, 64, 128, 256) and setup.padding.buckets.pages == (16, 64)
+    assert setup.padding.buckets.tokens == (16, 32, 64, 128, 256) and setup.padding.buckets.pages == (64,)
     a = run_experiment(config, str(tmp_path / "a"))
     b = run_experiment(config, str(tmp_path / "b"))
     for name in ("requests.csv", "token_times.csv", "iterations.csv"):
@@ -117,17 +121,19 @@ def test_bad_profile_padding_key_is_named(tmp_path):
 
 
 def test_sim_config_validation_names_the_key():
-    with pytest.raises(ValueError, match="sim.router='random'"):
-        serve_config_from_dict(gpu_config(router="random"))
+    with pytest.raises(ValueError, match="deployment.router='random'"):
+        serve_config_from_dict(gpu_config({"router": "random"}))
+    with pytest.raises(ValueError, match="'least_outstanding_tokens' is now 'least_loaded'"):
+        serve_config_from_dict(gpu_config({"router": "least_outstanding_tokens"}))
     with pytest.raises(ValueError, match="sim.num_pages=-1"):
         serve_config_from_dict(gpu_config(num_pages=-1))
-    with pytest.raises(ValueError, match="sim.tp=0"):
-        serve_config_from_dict(gpu_config(tp=0))
+    with pytest.raises(ValueError, match="deployment.colocated: tp=0"):
+        serve_config_from_dict(gpu_config({"colocated": {"tp": 0}}))
 
 
 def test_sweep_on_the_sim_backend(tmp_path):
     from pdjax.experiment.sweep import run_sweep
-    sweep = {"name": "t", "base": gpu_config(num_replicas=2, router="least_outstanding_tokens"),
+    sweep = {"name": "t", "base": gpu_config({"router": "least_loaded", "colocated": {"num_instances": 2}}),
              "grid": {"policy": ("scheduler.policy", ["sarathi", "vllm_v0"])}}
     sweep["base"]["scheduler"]["token_budget"] = 4096
     sweep["base"]["workload"]["num_requests"] = 24
@@ -143,7 +149,8 @@ def test_sweep_on_the_sim_backend(tmp_path):
 def test_simulator_modules_import_no_jax():
     import subprocess
     import sys
-    code = ("import sys; import pdjax.sim.simulator, pdjax.sim.run, pdjax.sim.step_cost, pdjax.sim.capacity; "
+    code = ("import sys; import pdjax.sim.simulator, pdjax.sim.run, pdjax.sim.build, pdjax.sim.disagg, "
+            "pdjax.sim.step_cost, pdjax.sim.capacity, pdjax.scheduler.instances, pdjax.scheduler.routing; "
             "from pdjax.experiment.run import run_experiment; "
             "print('jax' in sys.modules, 'flax' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -151,21 +158,17 @@ def test_simulator_modules_import_no_jax():
 
 
 def test_unsupported_modes_fail_clearly():
-    config = gpu_config()
-    config["deployment"] = {"kind": "disaggregated"}
-    try:
-        cfg = serve_config_from_dict(config)
-    except ValueError:
-        pytest.skip("this deployment block needs more keys to validate")
-    with pytest.raises(ValueError, match="deployment.kind='disaggregated'"):
-        build_setup(cfg)
+    config = gpu_config({"kind": "disaggregated"})
+    config["scheduler"]["policy"] = "chunked_only"
+    with pytest.raises(ValueError, match="scheduler.policy='chunked_only' with deployment.kind='disaggregated'"):
+        build_setup(serve_config_from_dict(config))
 
 
 @pytest.mark.parametrize("policy", ["sarathi", "vllm_v0", "orca", "chunked_only", "vllm_v1", "decode_first"])
 def test_both_backends_build_the_same_scheduler_from_one_config(policy):
     import dataclasses
     from pdjax.scheduler import make_scheduler
-    from pdjax.sim.run import build_instances
+    from pdjax.sim.build import build_instances
     config = gpu_config(hardware="host-cpu")
     config["scheduler"]["policy"] = policy
     config["scheduler"]["token_budget"] = 4096
@@ -173,7 +176,7 @@ def test_both_backends_build_the_same_scheduler_from_one_config(policy):
     # What pdjax.serving.run.run_real builds: the scheduler block, vocab_size filled from the model.
     real = make_scheduler(dataclasses.replace(cfg.scheduler, vocab_size=get_model_spec("llama-2-7b").vocab_size))
     setup = build_setup(cfg)
-    sim = build_instances(cfg, setup)[0].scheduler
+    sim = build_instances(setup)["colocated"][0].scheduler
     assert type(sim) is type(real) and type(sim).name == policy
     assert sim.config == real.config                    # host-cpu: num_pages as given, nothing else changes
     gpu = build_setup(serve_config_from_dict({**config, "sim": {"hardware": "a100-80gb-sxm"}}))

@@ -59,6 +59,8 @@ class FakeRunner:
         self.device_free = 0.0
 
     def dispatch(self, out, prev=None):
+        if out.is_empty:                 # swap copies only (nothing to time: the simulator models none)
+            return out, self.clock.t
         self.record(out, self.clock.t)
         start = max(self.clock.t, self.device_free)
         self.device_free = start + self.step_time(out)
@@ -68,6 +70,39 @@ class FakeRunner:
         out, end = handle
         self.clock.t = max(self.clock.t, end)
         return placeholder_sample(out)
+
+
+def dyadic_stage_times(pp: int):
+    """Toy per-stage times and sends in whole ticks for a pp-stage pipeline: stage s costs its share of the
+    token work plus s ticks (unequal stages), a send 1 tick per 64 tokens."""
+    def stage_times(out):
+        ctx_pages = sum((c + n) // 64 for c, n in zip(out.num_computed_tokens, out.num_new_tokens))
+        stages = tuple(TICK * (1 + s + (out.total_tokens // 8 + ctx_pages) // pp) for s in range(pp))
+        return stages, tuple(TICK * (1 + out.total_tokens // 64) for _ in range(pp - 1))
+    return stage_times
+
+
+class FakePipelineRunner(FakeRunner):
+    """FakeRunner on a pp-stage fake device: each stage is a resource running batches in dispatch order; batch k
+    starts stage s at max(its end on stage s-1 + the send, the end of batch k-1 on stage s)."""
+
+    def __init__(self, clock: FakeClock, stage_times, record, pp: int):
+        super().__init__(clock, None, record)
+        self.stage_times, self.pp = stage_times, pp
+        self.stage_free = [0.0] * pp
+
+    def dispatch(self, out, prev=None):
+        if out.is_empty:
+            return out, self.clock.t
+        self.record(out, self.clock.t)
+        stages, sends = self.stage_times(out)
+        ready = self.clock.t
+        for s in range(self.pp):
+            if s:
+                ready += sends[s - 1]
+            ready = max(ready, self.stage_free[s]) + stages[s]
+            self.stage_free[s] = ready
+        return out, ready
 
 
 def snapshot(out, t):
@@ -115,6 +150,71 @@ def test_simulator_reproduces_engine_schedule(name, async_scheduling):
         assert sum(r.num_preemptions for r in sim_result.requests) > 0, "the case is meant to preempt"
     # Async: step 2 is scheduled while step 1 runs (same host time); sync: only after step 1 ends.
     assert (sim_log[1][0] == sim_log[0][0]) == async_scheduling
+    assert sim_result.pipeline is None if async_scheduling else sim_result.pipeline["bubble_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("name", sorted(SCHED_CONFIGS))
+def test_simulator_reproduces_pipelined_engine(name, pp):
+    """pp stages with up to pp batches in flight: the engine's batch-queue loop over a fake pipelined device and the
+    simulator's stage resources give the same SchedulerOutputs, iteration records (overlapping) and requests."""
+    cfg = SchedulerConfig(max_model_len=512, page_size=16, **{"num_pages": 256, **SCHED_CONFIGS[name]})
+    stage_times = dyadic_stage_times(pp)
+    engine_log, sim_log = [], []
+    clock = FakeClock()
+    runner = FakePipelineRunner(clock, stage_times, lambda out, t: engine_log.append(snapshot(out, t)), pp)
+    engine = ColocatedEngine(runner, make_scheduler(cfg), clock=clock.clock, sleep=clock.sleep, max_in_flight=pp)
+    engine_result = engine.run(make_requests(40, seed=1))
+
+    inst = SimInstance("a", make_scheduler(cfg), stage_times=stage_times, max_in_flight=pp)
+    sim_result = simulate(make_requests(40, seed=1), [inst],
+                          on_schedule=lambda inst, out, t: sim_log.append(snapshot(out, t)))
+    assert len(sim_log) == len(engine_log) > 40
+    for i, (a, b) in enumerate(zip(engine_log, sim_log)):
+        assert a == b, f"iteration {i} differs"
+    assert [r.__dict__ for r in sim_result.requests] == [r.__dict__ for r in engine_result.requests]
+    assert [(it.start_time, it.end_time, it.num_seqs) for it in sim_result.iterations] == \
+        [(it.start_time, it.end_time, it.num_seqs) for it in engine_result.iterations]
+    assert all(r.finish_reason == "length" for r in sim_result.requests)
+    if name == "sarathi_tight_memory":
+        assert sum(r.num_preemptions for r in sim_result.requests) > 0, "the case is meant to preempt"
+    # Batches really overlap: some iteration starts before the previous one ended.
+    its = sim_result.iterations
+    assert any(b.start_time < a.end_time for a, b in zip(its, its[1:]))
+    # No request in two in-flight batches: a request's consecutive schedules are an applied batch apart.
+    spans = {}
+    for it, entry in zip(its, sim_log):
+        for rid in entry[2]:
+            spans.setdefault(rid, []).append((it.start_time, it.end_time))
+    for rid, ss in spans.items():
+        assert all(b[0] >= a[1] for a, b in zip(ss, ss[1:])), f"{rid} in two in-flight batches"
+    stats = sim_result.pipeline
+    assert 0.0 < stats["bubble_fraction"] < 1.0
+    assert 1.0 < stats["mean_batches_in_flight"] <= pp
+    one = stats["instances"]["a"]
+    assert one["pp"] == pp and len(one["stage_busy_s"]) == pp
+    # busy seconds are the stage times of every batch
+    for s in range(pp):
+        want = sum(stage_times(_output_of(e))[0][s] for e in sim_log)
+        assert abs(one["stage_busy_s"][s] - want) < 1e-9
+
+
+def _output_of(entry):
+    from pdjax.scheduler import SchedulerOutput
+    out = SchedulerOutput(step=entry[1], req_ids=entry[2], num_computed_tokens=entry[4], num_new_tokens=entry[5])
+    out.num_prefill_tokens, out.num_decode_tokens = entry[9], entry[10]
+    return out
+
+
+def test_async_scheduling_refuses_batches_in_flight():
+    cfg = SchedulerConfig(policy="sarathi", token_budget=128, max_num_seqs=8, max_model_len=512, num_pages=256)
+    with pytest.raises(ValueError, match="async_scheduling=True with max_in_flight=2"):
+        ColocatedEngine(None, make_scheduler(cfg), async_scheduling=True, max_in_flight=2)
+    with pytest.raises(ValueError, match="max_in_flight=0"):
+        ColocatedEngine(None, make_scheduler(cfg), max_in_flight=0)
+    inst = SimInstance("a", make_scheduler(cfg), stage_times=dyadic_stage_times(2), max_in_flight=2)
+    with pytest.raises(ValueError, match="async_scheduling with pipeline stages"):
+        simulate(make_requests(3, seed=0), [inst], async_scheduling=True)
 
 
 def test_simulation_is_deterministic():

@@ -49,10 +49,11 @@ def get_config(arg="1p1d-chat"):
     c.slo.tpot = TRACES[trace]["tpot"]
     c.sim.hardware = "a100-80gb-sxm"
     c.sim.profile = ""                    # the shipped A100 profile
+    c.deployment.router = "round_robin"
     if layout == "2xtp1":
-        c.sim.num_replicas = 2
+        c.deployment.colocated.num_instances = 2
     elif layout == "1xtp2":
-        c.sim.tp = 2
+        c.deployment.colocated.tp = 2
     else:
         c.deployment.kind = "disaggregated"
         c.deployment.prefill.token_budget = MAX_MODEL_LEN

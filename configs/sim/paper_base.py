@@ -41,7 +41,7 @@ def get_config(arg="yi34b"):
     c.slo.ttft = 0.0
     c.slo.tbt = 0.0
     c.slo.tpot = 0.0
+    c.deployment.colocated.tp = m["tp"]
     c.sim.hardware = m["hardware"]
-    c.sim.tp = m["tp"]
     c.sim.profile = ""                    # the shipped A100 profile (fitted on Vidur's A100 operator data)
     return c

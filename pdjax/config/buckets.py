@@ -82,11 +82,12 @@ def engine_buckets(token_budget: int, max_num_seqs: int, max_model_len: int, pag
                    token_buckets: Sequence[int] = (), seq_buckets: Sequence[int] = (),
                    page_buckets: Sequence[int] = ()) -> Buckets:
     """The serving engine's buckets for a scheduler config: explicit lists when given, else tokens in powers of
-    two from 16 to the token budget, sequences {max_num_seqs // 4, max_num_seqs} and pages per sequence
-    {max_pages // 4, max_pages}. Few shapes keep warm-up compile time small."""
+    two from 16 to the token budget, sequences {max_num_seqs // 4, max_num_seqs} and one page bucket, max_pages
+    (the blocked and Pallas attention loop over each sequence's own pages, so a wider page table costs almost
+    nothing; only the dense jnp reference pays for it). Few shapes keep warm-up compile time small."""
     max_tokens = max(token_budget, 1)
     max_pages = -(-max_model_len // page_size)
     return Buckets(
         tokens=tuple(int(t) for t in token_buckets) or powers_of_two(min(16, max_tokens), max_tokens),
         seqs=tuple(int(s) for s in seq_buckets) or tuple(sorted({max(1, max_num_seqs // 4), max_num_seqs})),
-        pages=tuple(int(p) for p in page_buckets) or tuple(sorted({max(1, max_pages // 4), max_pages})))
+        pages=tuple(int(p) for p in page_buckets) or (max_pages,))

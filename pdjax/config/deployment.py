@@ -1,19 +1,30 @@
-"""DeploymentConfig: colocated (one instance) or disaggregated (prefill and decode instance groups on disjoint
-device sets), validated at start-up (no JAX).
+"""DeploymentConfig: where a run's instances sit, for both backends (no JAX). The real engine runs it and
+`--config.backend=sim` simulates exactly it.
+
+    kind = 'colocated'      deployment.colocated: num_instances replicas of (pp, tp), behind deployment.router
+    kind = 'disaggregated'  deployment.prefill and deployment.decode groups on disjoint device sets, each request's
+                            KV moved once from a prefill to a decode instance; the router picks a prefill instance
+                            for an arrival and a decode instance for a handoff
 
 Choices:
-- A group (`prefill` or `decode`) has `num_instances` identical instances; each instance gets its own
-  (dp, pp, tp) mesh over dp·pp·tp devices. Instances are named by role and index: 'prefill0', 'decode0', ...
-- Devices are integer indices into the platform's device list. `devices` of a group lists the devices of
-  all its instances in order (instance i takes the i-th run of dp·pp·tp); empty = automatic: prefill
-  instances take the first devices, decode instances the next ones. Explicit and automatic groups can be
-  mixed; automatic ones take the lowest indices no explicit group claimed.
-- Per-group scheduler overrides (`num_pages`, `token_budget`, `max_num_seqs`; 0 = take the value of the
-  `scheduler` block) let the prefill side use a large budget and the decode side many sequences.
-- `validate_deployment` checks what needs the model and the machine: enough devices, disjoint groups,
-  every tp dividing the model's heads, KV heads and MLP width.
-- The runner today uses only the 'tensor' axis: 'data' and 'stage' devices hold replicas (see
-  pdjax/runtime/mesh.py), so dp/pp > 1 cost devices without speeding anything up yet.
+- A group (InstanceGroupConfig) has `num_instances` identical instances (replicas: each its own scheduler and KV
+  cache, behind the router). Each instance's mesh is (data=1, stage=pp, tensor=tp) over pp·tp devices: the word
+  for replicas is `num_instances`, there is no `dp` (a config that sets `deployment.<group>.dp` fails naming
+  `deployment.<group>.num_instances`).
+- Roles and instance names (one vocabulary for engine and simulator; pdjax.scheduler.instances builds on it):
+  roles 'colocated', 'prefill', 'decode'; instances 'replica0', 'replica1', ... (colocated), 'prefill0', ...,
+  'decode0', ... The group of the other kind is unused (a colocated run ignores deployment.prefill/decode, a
+  disaggregated one deployment.colocated), so one config can switch kind from the command line.
+- Devices are integer indices into the platform's device list. `devices` of a group lists the devices of all
+  its instances in order (instance i takes the i-th run of pp·tp, stage-major: stage 0's tp devices first);
+  empty = automatic: colocated instances take devices 0.., prefill instances the first devices, decode instances
+  the next ones. Explicit and automatic groups can be mixed; automatic ones take the lowest indices no explicit
+  group claimed.
+- Per-group scheduler overrides (`num_pages`, `token_budget`, `max_num_seqs`; 0 = the `scheduler` block's
+  value; `instance_scheduler_config`): e.g. a large budget on the prefill side, many sequences on the decode side.
+- `validate_deployment` checks, at start-up, what needs the model and the machine, for every group the kind uses:
+  pp <= the model's layers (pdjax.config.pipeline), tp dividing the model's heads, KV heads and MLP width, enough
+  devices, explicit devices in range and groups disjoint. Every error names the key and the value.
 """
 from __future__ import annotations
 
@@ -21,9 +32,27 @@ import dataclasses
 from typing import Dict, List, Tuple
 
 from pdjax.config.parse import dataclass_from_dict
+from pdjax.config.pipeline import check_pipeline_parallel
 
 DEPLOYMENT_KINDS = ("colocated", "disaggregated")
-ROUTERS = ("round_robin", "least_loaded")
+ROUTERS = ("round_robin", "least_loaded")      # = pdjax.scheduler.routing.ROUTER_POLICIES
+ROLES = ("colocated", "prefill", "decode")
+ROLES_OF_KIND = {"colocated": ("colocated",), "disaggregated": ("prefill", "decode")}
+ROLE_POLICIES = {"prefill": "prefill_only", "decode": "decode_only"}   # colocated: the scheduler block's policy
+_NAME_PREFIX = {"colocated": "replica", "prefill": "prefill", "decode": "decode"}
+# Keys a group no longer has -> what replaces them (deployment_from_dict names it).
+REMOVED_GROUP_KEYS = {"dp": "num_instances"}
+
+
+def check_role(role: str) -> str:
+    if role not in ROLES:
+        raise ValueError(f"role={role!r}, expected one of {ROLES}")
+    return role
+
+
+def instance_name(role: str, index: int) -> str:
+    """The name of instance `index` of a role: 'replica0' (colocated), 'prefill0', 'decode0', ..."""
+    return f"{_NAME_PREFIX[check_role(role)]}{index}"
 
 
 def _positive_int(value, where: str) -> None:
@@ -33,11 +62,11 @@ def _positive_int(value, where: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class InstanceGroupConfig:
-    """One role's instances. dp/pp/tp: mesh of each instance. num_pages / token_budget / max_num_seqs:
-    scheduler overrides (0 = the scheduler block's value). devices: explicit device indices of all instances
-    (len == num_instances·dp·pp·tp) or empty for automatic placement."""
+    """One role's instances. num_instances: replicas (each its own scheduler and KV cache, behind the router).
+    pp/tp: pipeline stages and tensor-parallel degree of each instance (mesh data=1 x stage=pp x tensor=tp).
+    num_pages / token_budget / max_num_seqs: scheduler overrides (0 = the scheduler block's value).
+    devices: explicit device indices of all instances (len == num_instances·pp·tp) or () for automatic placement."""
     num_instances: int = 1
-    dp: int = 1
     pp: int = 1
     tp: int = 1
     num_pages: int = 0
@@ -46,7 +75,7 @@ class InstanceGroupConfig:
     devices: Tuple[int, ...] = ()
 
     def __post_init__(self):
-        for name in ("num_instances", "dp", "pp", "tp"):
+        for name in ("num_instances", "pp", "tp"):
             _positive_int(getattr(self, name), name)
         for name in ("num_pages", "token_budget", "max_num_seqs"):
             value = getattr(self, name)
@@ -59,13 +88,13 @@ class InstanceGroupConfig:
         if len(set(devices)) != len(devices):
             raise ValueError(f"devices={devices!r} lists a device twice")
         if devices and len(devices) != self.num_devices:
-            raise ValueError(f"devices={devices!r} has {len(devices)} entries, expected num_instances x dp x pp x "
-                             f"tp = {self.num_instances} x {self.dp} x {self.pp} x {self.tp} = {self.num_devices}")
+            raise ValueError(f"devices={devices!r} has {len(devices)} entries, expected num_instances x pp x tp = "
+                             f"{self.num_instances} x {self.pp} x {self.tp} = {self.num_devices}")
         object.__setattr__(self, "devices", devices)
 
     @property
     def devices_per_instance(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.pp * self.tp
 
     @property
     def num_devices(self) -> int:
@@ -74,48 +103,55 @@ class InstanceGroupConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DeploymentConfig:
-    """kind: 'colocated' (the ColocatedEngine; prefill/decode blocks unused) or 'disaggregated'.
-    router: how a new request picks a prefill instance and a handed-off one a decode instance
-    ('round_robin' or 'least_loaded': fewest outstanding tokens)."""
+    """kind: 'colocated' (the `colocated` group) or 'disaggregated' (the `prefill` and `decode` groups).
+    router: how an arrival picks a colocated or prefill instance, and a handed-off request a decode instance
+    ('round_robin', or 'least_loaded': pdjax.scheduler.routing's load of the role)."""
     kind: str = "colocated"
+    router: str = "round_robin"
+    colocated: InstanceGroupConfig = InstanceGroupConfig()
     prefill: InstanceGroupConfig = InstanceGroupConfig()
     decode: InstanceGroupConfig = InstanceGroupConfig()
-    router: str = "round_robin"
 
     def __post_init__(self):
         if self.kind not in DEPLOYMENT_KINDS:
             raise ValueError(f"deployment.kind={self.kind!r}, expected one of {DEPLOYMENT_KINDS}")
         if self.router not in ROUTERS:
-            raise ValueError(f"deployment.router={self.router!r}, expected one of {ROUTERS}")
-        for role in ("prefill", "decode"):
+            hint = " ('least_outstanding_tokens' is now 'least_loaded')" \
+                if self.router == "least_outstanding_tokens" else ""
+            raise ValueError(f"deployment.router={self.router!r}, expected one of {ROUTERS}{hint}")
+        for role in ROLES:
             if not isinstance(getattr(self, role), InstanceGroupConfig):
                 raise TypeError(f"deployment.{role}={getattr(self, role)!r}, expected an InstanceGroupConfig")
 
     @property
+    def roles(self) -> Tuple[str, ...]:
+        """The groups this kind uses, in placement order: ('colocated',) or ('prefill', 'decode')."""
+        return ROLES_OF_KIND[self.kind]
+
+    @property
     def num_devices(self) -> int:
-        return self.prefill.num_devices + self.decode.num_devices
+        return sum(self.group(role).num_devices for role in self.roles)
+
+    def group(self, role: str) -> InstanceGroupConfig:
+        return getattr(self, check_role(role))
 
     def instance_names(self, role: str) -> List[str]:
-        return [f"{role}{i}" for i in range(self._group(role).num_instances)]
-
-    def _group(self, role: str) -> InstanceGroupConfig:
-        if role not in ("prefill", "decode"):
-            raise ValueError(f"role={role!r}, expected 'prefill' or 'decode'")
-        return getattr(self, role)
+        return [instance_name(role, i) for i in range(self.group(role).num_instances)]
 
     def device_assignment(self, num_available: int) -> Dict[str, Tuple[int, ...]]:
-        """Instance name -> its device indices (mesh order), for a machine with `num_available` devices.
+        """Instance name -> its device indices (mesh order: stage-major), for a machine with `num_available`
+        devices; the groups of this kind only.
 
         Raises ValueError naming the problem: too few devices, an index out of range, or groups sharing a
         device."""
         if self.num_devices > num_available:
-            raise ValueError(
-                f"deployment needs {self.num_devices} devices (prefill {self.prefill.num_instances} x "
-                f"{self.prefill.devices_per_instance} + decode {self.decode.num_instances} x "
-                f"{self.decode.devices_per_instance}), only {num_available} available")
+            parts = " + ".join(f"{role} {self.group(role).num_instances} x pp {self.group(role).pp} x tp "
+                               f"{self.group(role).tp}" for role in self.roles)
+            raise ValueError(f"deployment needs {self.num_devices} devices ({parts}), only {num_available} "
+                             f"available")
         claimed: Dict[int, str] = {}
-        for role in ("prefill", "decode"):
-            for d in self._group(role).devices:
+        for role in self.roles:
+            for d in self.group(role).devices:
                 if d >= num_available:
                     raise ValueError(f"deployment.{role}.devices lists device {d}, only {num_available} "
                                      f"available (indices 0..{num_available - 1})")
@@ -125,8 +161,8 @@ class DeploymentConfig:
                 claimed[d] = role
         free = [d for d in range(num_available) if d not in claimed]
         out: Dict[str, Tuple[int, ...]] = {}
-        for role in ("prefill", "decode"):
-            group = self._group(role)
+        for role in self.roles:
+            group = self.group(role)
             if group.devices:
                 devices = list(group.devices)
             else:   # enough are free: the total was checked above and explicit groups are disjoint
@@ -137,33 +173,56 @@ class DeploymentConfig:
         return out
 
 
+def check_group_against_model(role: str, group: InstanceGroupConfig, spec) -> None:
+    """pp <= the model's layers and tp dividing its heads, KV heads and MLP width; ValueError naming the key."""
+    try:
+        check_pipeline_parallel(spec.num_layers, group.pp, group.tp)
+    except ValueError as e:
+        raise ValueError(f"deployment.{role}.{e} (model {spec.name!r})") from None
+    for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+        value = getattr(spec, name)
+        if value % group.tp:
+            raise ValueError(f"deployment.{role}.tp={group.tp} does not divide {name}={value} of model "
+                             f"{spec.name!r}")
+
+
 def validate_deployment(deployment: DeploymentConfig, spec, num_available: int) -> Dict[str, Tuple[int, ...]]:
-    """Check `deployment` against the model `spec` (a ModelSpec) and the machine; returns the device
-    assignment. Raises ValueError naming the bad value and what was expected."""
-    if deployment.kind == "disaggregated":
-        for role in ("prefill", "decode"):
-            tp = deployment._group(role).tp
-            for name in ("num_heads", "num_kv_heads", "intermediate_size"):
-                value = getattr(spec, name)
-                if value % tp:
-                    raise ValueError(f"deployment.{role}.tp={tp} does not divide {name}={value} of model "
-                                     f"{spec.name!r}")
+    """Check `deployment` against the model `spec` (a ModelSpec) and the machine (`num_available` devices);
+    returns the device assignment. Raises ValueError naming the bad value and what was expected."""
+    for role in deployment.roles:
+        check_group_against_model(role, deployment.group(role), spec)
     return deployment.device_assignment(num_available)
 
 
 def instance_scheduler_config(base, group: InstanceGroupConfig, role: str):
-    """The SchedulerConfig of one instance: `base` with the role's policy ('prefill_only' / 'decode_only')
-    and the group's non-zero overrides."""
-    policy = {"prefill": "prefill_only", "decode": "decode_only"}.get(role)
-    if policy is None:
-        raise ValueError(f"role={role!r}, expected 'prefill' or 'decode'")
-    changes = {"policy": policy}
+    """The SchedulerConfig of one instance: `base` with the role's policy ('prefill_only' / 'decode_only'; a
+    colocated instance keeps the scheduler block's) and the group's non-zero overrides."""
+    check_role(role)
+    changes = {}
+    if role in ROLE_POLICIES:
+        changes["policy"] = ROLE_POLICIES[role]
     for name in ("num_pages", "token_budget", "max_num_seqs"):
         if getattr(group, name):
             changes[name] = getattr(group, name)
-    return dataclasses.replace(base, **changes)
+    return dataclasses.replace(base, **changes) if changes else base
+
+
+def check_removed_group_keys(d) -> None:
+    """Fail naming the replacement when a group block of the `deployment` dict sets a removed key (`dp`)."""
+    for role in ROLES:
+        block = (d or {}).get(role)
+        if not isinstance(block, dict):
+            continue
+        for key, new in REMOVED_GROUP_KEYS.items():
+            if key in block:
+                raise ValueError(
+                    f"deployment.{role}.{key} is not a key any more: replicas are deployment.{role}.{new} (each "
+                    f"its own scheduler and KV cache, behind deployment.router); each instance's mesh is "
+                    f"(data=1, stage=pp, tensor=tp)")
 
 
 def deployment_from_dict(d) -> DeploymentConfig:
-    """DeploymentConfig from the nested dict of a config file's `deployment` block (unknown keys fail)."""
+    """DeploymentConfig from the nested dict of a config file's `deployment` block (unknown keys fail; removed
+    keys fail naming their replacement)."""
+    check_removed_group_keys(d)
     return dataclass_from_dict(DeploymentConfig, d, "deployment")

@@ -1,14 +1,19 @@
 """ServeConfig: one serving experiment (model, engine, scheduler, workload, SLOs, simulator), validated once.
 
 `serve_config_from_dict` turns the nested dict of an ml_collections config file into frozen dataclasses; an
-unknown key or a bad value fails here, at start-up, naming the key path.
+unknown key or a bad value fails here, at start-up, naming the key path, and a removed key (sim.tp, sim.pp,
+sim.num_replicas, sim.router, sim.num_microbatches, deployment.<group>.dp) names its replacement. `sim_block` /
+`deployment_block` build the config files' blocks so that a command-line override of a removed key says the same.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Tuple
+from typing import Any, Dict, Mapping, Tuple
 
-from pdjax.config.deployment import DeploymentConfig, deployment_from_dict
+import ml_collections
+
+from pdjax.config.deployment import REMOVED_GROUP_KEYS, ROLES, DeploymentConfig, deployment_from_dict
+from pdjax.config.files import config_block
 from pdjax.config.parse import coerce, dataclass_from_dict
 
 BACKENDS = ("real", "sim")
@@ -18,7 +23,7 @@ MODES = ("online", "offline")
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """checkpoint: a directory (HF safetensors or a pdjax orbax checkpoint) or a registry spec name (dummy
-    weights). attention_impl: 'auto' | 'reference' | 'pallas'. dtype: compute/param dtype for dummy weights."""
+    weights). attention_impl: 'auto' | 'blocked' | 'reference' | 'pallas'. dtype: compute/param dtype for dummy weights."""
     checkpoint: str = "tiny-llama"
     attention_impl: str = "auto"
     dtype: str = "float32"
@@ -70,39 +75,88 @@ class SLOConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SimConfig:
-    """Simulator backend: hardware name (pdjax.sim.hardware), TP/PP degrees, optional cost-profile JSON path
-    (empty: the shipped profile for the hardware, or first principles), replicas behind a router
-    ('round_robin' | 'least_outstanding_tokens').
+    """Simulator backend: only what the real engine has no use for. What runs where (instances, pp, tp, router)
+    is the `deployment` block, which the simulator simulates exactly.
 
+    hardware: a pdjax.sim.hardware name. profile: a cost-profile JSON path or shipped profile name (empty: the
+      shipped profile for the hardware, or first principles).
     model: registry spec name the cost model uses (empty: model.checkpoint when it is a spec name, or the
       checkpoint directory's name / pdjax_spec.json).
-    num_pages: KV pages per replica. 0 = automatic: from the cost model's KV capacity (memory minus params and
-      activations, `gpu_memory_utilization` of HBM) on a GPU/TPU, scheduler.num_pages on host-cpu (what the CPU
-      engine allocates). > 0 = exactly this many.
-    num_microbatches: PP microbatches per iteration (cost model; 1 = none).
+    num_pages: KV pages per instance (a group's deployment.<group>.num_pages wins). 0 = automatic: from the cost
+      model's KV capacity (memory minus params and activations, `gpu_memory_utilization` of HBM) at the group's
+      pp/tp on a GPU/TPU, scheduler.num_pages on host-cpu (what the CPU engine allocates). > 0 = exactly this many.
     """
     hardware: str = "a100-80gb-sxm"
-    tp: int = 1
-    pp: int = 1
     profile: str = ""
-    num_replicas: int = 1
-    router: str = "round_robin"
     model: str = ""
     num_pages: int = 0
     gpu_memory_utilization: float = 0.9
-    num_microbatches: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "pp", "num_replicas", "num_microbatches"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"sim.{name}={value!r}, expected a positive int")
-        if self.router not in ("round_robin", "least_outstanding_tokens"):
-            raise ValueError(f"sim.router={self.router!r}, expected 'round_robin' or 'least_outstanding_tokens'")
         if not isinstance(self.num_pages, int) or self.num_pages < 0:
             raise ValueError(f"sim.num_pages={self.num_pages!r}, expected an int >= 0 (0 = automatic)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"sim.gpu_memory_utilization={self.gpu_memory_utilization!r}, expected in (0, 1]")
+
+
+# Keys the sim block no longer has -> what replaces them (the deployment block serves both backends).
+REMOVED_SIM_KEYS = {
+    "tp": "deployment.colocated.tp",
+    "pp": "deployment.colocated.pp",
+    "num_replicas": "deployment.colocated.num_instances",
+    "router": "deployment.router",
+    "num_microbatches": None,
+}
+
+
+def removed_sim_key_message(key: str) -> str:
+    new = REMOVED_SIM_KEYS[key]
+    if new is None:   # num_microbatches
+        return (f"sim.{key} is not a key any more: pipeline batches in flight come from the schedule: up to pp "
+                f"batches, see deployment.<group>.pp")
+    return (f"sim.{key} is not a key any more: set {new} (one deployment block describes the placement for both "
+            f"backends; --config.backend=sim simulates exactly it)")
+
+
+def check_removed_sim_keys(sim) -> None:
+    """Fail naming the replacement when the `sim` dict sets a removed key."""
+    for key in REMOVED_SIM_KEYS:
+        if key in (sim or {}):
+            raise ValueError(removed_sim_key_message(key))
+
+
+class _RemovedKeysBlock(ml_collections.ConfigDict):
+    """A config block that answers a lookup of a removed key with the message naming its replacement, so a
+    command-line override of an old key (`--config.sim.tp=2`) fails at start-up saying what to set instead."""
+    _removed: Dict[str, str] = {}
+
+    def __getitem__(self, key):
+        if isinstance(key, str) and key in self._removed and key not in self._fields:
+            raise KeyError(self._removed[key])
+        return super().__getitem__(key)
+
+
+class SimBlock(_RemovedKeysBlock):
+    _removed = {key: removed_sim_key_message(key) for key in REMOVED_SIM_KEYS}
+
+
+class GroupBlock(_RemovedKeysBlock):
+    _removed = {key: f"deployment.<group>.{key} is not a key any more: replicas are deployment.<group>.{new}"
+                for key, new in REMOVED_GROUP_KEYS.items()}
+
+
+def sim_block(**values) -> ml_collections.ConfigDict:
+    """configs' `sim` block: every SimConfig field (config_block), old keys answered with their replacement."""
+    return SimBlock(config_block(SimConfig, **values).to_dict())
+
+
+def deployment_block(**values) -> ml_collections.ConfigDict:
+    """configs' `deployment` block: every DeploymentConfig field, each group a block of every
+    InstanceGroupConfig field (config_block), a group's old `dp` answered with its replacement."""
+    block = config_block(DeploymentConfig, **values)
+    for role in ROLES:
+        block[role] = GroupBlock(block[role].to_dict())
+    return block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +195,8 @@ def serve_config_from_dict(d: Mapping[str, Any]) -> ServeConfig:
         raise ValueError("workload.max_model_len is not a serve config key: the run has one max_model_len, "
                          "scheduler.max_model_len, and the workload's caps follow it")
     workload["max_model_len"] = scheduler.max_model_len
+    sim = d.get("sim")
+    check_removed_sim_keys(sim)
     return ServeConfig(
         backend=backend,
         seed=coerce(int, d.get("seed", 0), "seed"),
@@ -149,6 +205,6 @@ def serve_config_from_dict(d: Mapping[str, Any]) -> ServeConfig:
         scheduler=scheduler,
         workload=dataclass_from_dict(WorkloadConfig, workload, "workload"),
         slo=dataclass_from_dict(SLOConfig, d.get("slo"), "slo"),
-        sim=dataclass_from_dict(SimConfig, d.get("sim"), "sim"),
+        sim=dataclass_from_dict(SimConfig, sim, "sim"),
         deployment=deployment_from_dict(d.get("deployment")),
     )

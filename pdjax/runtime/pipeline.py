@@ -35,7 +35,8 @@ store keeps [num_layers, ...] arrays in layer order (the same host format as Mod
 
 KV between pipeline layouts: `split_kv_cache` / `merge_kv_cache` turn a per-layer cache into per-stage caches
 and back (no copies); with `pdjax.config.pipeline.relayout_plan` a transfer routes each layer's pages to the
-stage holding it in the destination layout.
+stage holding it in the destination layout (`pdjax.serving.kv_transfer.transfer_kv` reads `kv_stages` and
+`kv_stage_meshes`, the hooks ModelRunner has with one stage, and scatters into `kv_stages` stage by stage).
 """
 from __future__ import annotations
 
@@ -258,6 +259,22 @@ class PipelineRunner(ModelRunner):
                     layer = self.layer_ranges[s][0] + i % len(part.k)
                     raise ValueError(f"KV of layer {layer} is placed as {sharding}, expected stage {s}'s {want}")
         self.kv_caches = list(parts)
+
+    @property
+    def kv_stages(self) -> List[KVCache]:
+        """The per-stage caches (ModelRunner's hook for KV transfers; stage s holds layer_ranges[s])."""
+        return list(self.kv_caches)
+
+    @kv_stages.setter
+    def kv_stages(self, caches: Sequence[KVCache]) -> None:
+        caches = list(caches)
+        if len(caches) != self.pp:
+            raise ValueError(f"{len(caches)} stage caches given, the pipeline has pp={self.pp} stages")
+        self.kv_caches = caches
+
+    @property
+    def kv_stage_meshes(self) -> tuple:
+        return self.stage_meshes
 
     @property
     def params(self) -> LlamaParams:

@@ -73,7 +73,7 @@ class ModelRunner:
       num_pages, page_size: KV cache size (pages of page_size tokens).
       buckets: padded (T, S, P) sizes; default powers of two up to 512 tokens, 64 sequences and
         max_model_len / page_size pages.
-      attention_impl: 'auto' | 'reference' | 'pallas' (see pdjax.kernels.get_attention_fn).
+      attention_impl: 'auto' | 'blocked' | 'reference' | 'pallas' (see pdjax.kernels.get_attention_fn).
       kv_dtype: KV cache dtype (default: the params' dtype).
       mesh: optional mesh (pdjax.runtime.mesh.make_mesh); params and cache get sharded on it. Default: a
         one-device mesh on jax.devices()[0].
@@ -117,6 +117,23 @@ class ModelRunner:
     def compile_count(self) -> int:
         """Number of distinct compiled step/logits shapes so far (one trace each)."""
         return len(self.traces)
+
+    # KV by pipeline stage: what a KV transfer between instances reads and writes (pdjax.serving.kv_transfer).
+    # One stage holding every layer here; PipelineRunner overrides both with its stages.
+    @property
+    def kv_stages(self) -> List[KVCache]:
+        """The KV cache per pipeline stage, in stage order (stage s holds the layers
+        pdjax.config.pipeline.stage_layer_ranges(num_layers, pp)[s])."""
+        return [self.kv_cache]
+
+    @kv_stages.setter
+    def kv_stages(self, caches: Sequence[KVCache]) -> None:
+        (self.kv_cache,) = caches
+
+    @property
+    def kv_stage_meshes(self) -> tuple:
+        """The mesh each stage's KV lives on (kv heads on its 'tensor' axis), in stage order."""
+        return (self.mesh,)
 
     # ------------------------------------------------------------------------------------------------------
     def build_batch(self, sched_out: SchedulerOutput) -> RaggedBatch:

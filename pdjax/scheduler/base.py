@@ -25,6 +25,17 @@ Choices (the "why" of the hot path):
   `swap_out`) and keeps `num_computed_tokens`; it falls back to recompute when host slots run short.
 - Disaggregation hooks (used by the prefill_only / decode_only policies, see policies.py for the protocol):
   `release`, `held_page_table`, `add_handoff`, `mark_kv_arrived`.
+- Batches in flight (pipeline parallelism; pdjax.scheduler.batch_queue): an engine may call schedule() again
+  before it applied the previous outputs, as long as it applies every non-empty output with update(), in
+  schedule order (update refuses an older output than one already applied). A request is *in flight* from the
+  schedule() that emitted it to the update() that applies it: `req.sched_step > last applied step`. Every
+  policy builds its batch only from requests not in flight (their tokens are not computed yet), and an
+  in-flight request is never a preemption victim (its pages are being written): when the victim rule picks
+  one, nobody is preempted, the request short of pages is not scheduled in this step and nothing is admitted
+  (it retries once that batch is applied). Waiting rather than preempting itself keeps the victim order (a
+  request that would be spared at pp 1 is spared here too), which is what keeps two requests that do not fit
+  together from preempting each other forever. With one batch in flight at a time (every output applied
+  before the next schedule()) nothing is ever in flight at schedule() and every rule above is unchanged.
 """
 from __future__ import annotations
 
@@ -73,6 +84,9 @@ class Scheduler:
         self._admit_counter = 0
         self._preempted_this_step = False
         self._removed_from_running = False
+        self._applied_step = 0     # step of the last output applied by update()
+        self._last_emitted = 0     # step of the last non-empty output of schedule()
+        self._floor = 0            # this step: requests with sched_step > _floor are in flight (or just emitted)
         self.num_preemptions = 0
         self.num_swaps = 0
         # hot-path constants
@@ -149,14 +163,28 @@ class Scheduler:
         self._finish(req, "aborted", now)
         return req
 
+    @property
+    def has_in_flight(self) -> bool:
+        """Some non-empty output of schedule() is not applied by update() yet."""
+        return self._last_emitted > self._applied_step
+
+    def is_in_flight(self, req: Request) -> bool:
+        """`req` is in a scheduled, not yet applied batch (module docstring)."""
+        return self._applied_step < req.sched_step and req.status is RUNNING
+
     def schedule(self, now: float) -> SchedulerOutput:
-        """Pick this iteration's batch (see the policy's docstring)."""
+        """Pick this iteration's batch (see the policy's docstring) from the requests not in flight."""
         self.step += 1
         out = SchedulerOutput(step=self.step)
         self._preempted_this_step = False
+        # Running requests with sched_step > _floor are skipped by every pass: those in an unapplied batch (and
+        # those already emitted in this step). Nothing in flight: _floor = this step, the test never fires.
+        self._floor = self._applied_step if self._last_emitted > self._applied_step else self.step
         self._schedule(out, now)
         if self._preempted_this_step:
             self.running = [r for r in self.running if r.status is RUNNING]
+        if out.req_ids:
+            self._last_emitted = self.step
         return out
 
     def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[int], now: float) -> List[Request]:
@@ -165,6 +193,11 @@ class Scheduler:
         if len(sampled_token_ids) != len(reqs):
             raise ValueError(f"len(sampled_token_ids)={len(sampled_token_ids)}, expected one per scheduled "
                              f"request ({len(reqs)}), -1 where do_sample is False")
+        if reqs:
+            if output.step <= self._applied_step:
+                raise ValueError(f"update() of step {output.step} after step {self._applied_step} was applied: "
+                                 "outputs must be applied once each, in the order schedule() returned them")
+            self._applied_step = output.step
         finished = []
         ps = self._ps
         caching = self._caching
@@ -349,6 +382,11 @@ class Scheduler:
             bm = self.block_manager
             while bm.num_free_pages < need:
                 victim = self._pick_victim()
+                if victim is None:
+                    # The victim is in an in-flight batch (never preempted: its pages are being written): `req`
+                    # waits for that batch; nothing is admitted in this step, as after a preemption.
+                    self._preempted_this_step = True
+                    return False
                 self._preempt(victim, out, now)
                 if victim is req:
                     return False
@@ -369,8 +407,9 @@ class Scheduler:
         a_s, a_smp, a_pre = out.do_sample.append, out.sampling.append, out.is_prefill.append
         used = 0      # decode tokens of this pass, both paths
         n_fast = 0    # of which emitted inline (the slow path's _emit counts its own)
+        floor = self._floor
         for req in self.running:
-            if req.status is not RUNNING:
+            if req.status is not RUNNING or req.sched_step > floor:   # gone, or in flight
                 continue
             c = req.num_computed_tokens
             if c < req.prefill_end:
@@ -405,7 +444,9 @@ class Scheduler:
         out.num_decode_tokens += n_fast
         return budget - used
 
-    def _pick_victim(self) -> Request:
+    def _pick_victim(self) -> Optional[Request]:
+        """The victim by the module docstring's rule; None when it is in an in-flight batch (then nobody is
+        preempted: the requester waits for that batch)."""
         step = self.step
         victim = None
         vkey = None
@@ -416,6 +457,8 @@ class Scheduler:
                     victim, vkey = r, k
         if victim is None:
             raise RuntimeError("no preemptible request: every running request is already scheduled")
+        if victim.sched_step > self._floor:
+            return None
         return victim
 
     def _preempt(self, req: Request, out: SchedulerOutput, now: float) -> None:
@@ -548,10 +591,11 @@ class Scheduler:
 
     def _prefill_pass(self, out: SchedulerOutput, now: float, prefills: List[Request], budget: int) -> int:
         """Schedule the next chunk of each running prefill in `prefills` within `budget`; returns what is left."""
+        floor = self._floor
         for req in prefills:
             if budget <= 0:
                 break
-            if req.status is not RUNNING:
+            if req.status is not RUNNING or req.sched_step > floor:   # gone, or in flight
                 continue
             n = self._prefill_chunk(req, budget)
             if n <= 0:

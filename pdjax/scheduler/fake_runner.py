@@ -4,7 +4,10 @@ The fake runner "samples" a token that depends only on the request id and the po
 like a seeded sampler, so a request produces the same tokens whatever batches it ran in; this makes
 scheduling changes (prefix caching on/off, preemption) checkable on their outputs.
 The driver advances a fake clock by a simple linear step cost so that arrival-time behaviour (queueing,
-stalls) is reproducible; it is not a calibrated cost model (that is pdjax/sim's job).
+stalls) is reproducible; it is not a calibrated cost model (that is pdjax/sim's job). With `max_in_flight` > 1
+it runs the engine's batch-queue loop (pdjax.scheduler.batch_queue): batches are scheduled while fewer than
+max_in_flight are in flight and something can be scheduled, run back to back on one fake device, and applied
+oldest first.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import zlib
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from pdjax.scheduler.base import Scheduler
+from pdjax.scheduler.batch_queue import BatchQueue
 from pdjax.scheduler.output import SchedulerOutput
 from pdjax.scheduler.request import Request
 
@@ -36,17 +40,22 @@ def drive(sched: Scheduler, arrivals: Sequence[Tuple[float, Request]], *,
           step_time: Callable[[SchedulerOutput], float] = linear_step_time,
           before_schedule: Optional[Callable[[float], None]] = None,
           on_step: Optional[Callable[[SchedulerOutput, float], None]] = None,
-          vocab_size: int = 32000, max_steps: int = 1_000_000) -> List[SchedulerOutput]:
+          on_update: Optional[Callable[[SchedulerOutput, float], None]] = None,
+          vocab_size: int = 32000, max_steps: int = 1_000_000, max_in_flight: int = 1) -> List[SchedulerOutput]:
     """Run `sched` on a fake clock until every request finished; returns every SchedulerOutput.
 
     arrivals: (arrival_time, request) pairs; a request is added once the clock reaches its time. Handed-off
     requests of a prefill_only scheduler are released at once. before_schedule(now) runs before and
-    on_step(out, now) after each schedule() (before update()).
+    on_step(out, now) after each schedule(); on_update(out, now) after each update().
+    max_in_flight: batches dispatched and not yet applied at most (module docstring); a batch dispatched at t
+    runs from max(t, the end of the previous batch) for step_time(out).
     Raises RuntimeError after `max_steps` iterations (a livelock) or when nothing can ever be scheduled.
     """
     pending = sorted(arrivals, key=lambda a: a[0])
+    queue = BatchQueue(max_in_flight)
     i = 0
     now = 0.0
+    device_free = 0.0
     outputs = []
     idle_steps = 0
     for _ in range(max_steps):
@@ -58,22 +67,34 @@ def drive(sched: Scheduler, arrivals: Sequence[Tuple[float, Request]], *,
                 return outputs
             now = max(now, pending[i][0])
             continue
-        if before_schedule is not None:
-            before_schedule(now)
-        out = sched.schedule(now)
-        if on_step is not None:
-            on_step(out, now)
-        outputs.append(out)
-        if out.is_empty:
-            idle_steps += 1
-            if idle_steps > 1000:
-                raise RuntimeError(f"no progress for 1000 steps at t={now}: {sched.num_running} running, "
-                                   f"{sched.num_waiting} waiting")
-            now += step_time(out)
-            continue
-        idle_steps = 0
-        now += step_time(out)
+        if not queue.full:
+            if before_schedule is not None:
+                before_schedule(now)
+            out = sched.schedule(now)
+            if on_step is not None:
+                on_step(out, now)
+            outputs.append(out)
+            if out.is_empty:
+                if not queue:
+                    idle_steps += 1
+                    if idle_steps > 1000:
+                        raise RuntimeError(f"no progress for 1000 steps at t={now}: {sched.num_running} running, "
+                                           f"{sched.num_waiting} waiting")
+                    now += step_time(out)
+                    continue
+            else:
+                idle_steps = 0
+                end = (now if now > device_free else device_free) + step_time(out)
+                device_free = end
+                queue.push(out, end)
+                if not queue.full:
+                    continue
+        out, end = queue.pop()    # the oldest batch: wait for it and apply it
+        if end > now:
+            now = end
         for req in sched.update(out, fake_sample(out, vocab_size), now):
             if req.finish_reason == "handoff":
                 sched.release(req.request_id)
+        if on_update is not None:
+            on_update(out, now)
     raise RuntimeError(f"not finished after max_steps={max_steps}")

@@ -41,6 +41,9 @@ Disaggregation protocol (prefill instance P with a prefill_only scheduler, decod
    received KV into the first `num_computed_tokens` positions of its `page_tables` entry. The same step
    decodes the first token (the token fed is the first output token).
 D may preempt handed-off requests like any other; a recompute preemption re-prefills prompt + outputs on D.
+
+Batches in flight (pipeline parallelism, pdjax.scheduler.batch_queue): every policy above builds its batch from
+the requests that are not in an in-flight batch (the shared passes of base.py skip them) and never preempts one.
 """
 from __future__ import annotations
 
@@ -203,6 +206,9 @@ class VllmV1Scheduler(Scheduler):
       in this step's batch (taken back out: its tokens return to the budget and its pages to the pool); under
       'fcfs' the last request of the running list (the latest (re)admitted). If the request preempts itself,
       no further running request is scheduled in this step; after any preemption nothing is admitted.
+      Batches in flight (base.py): when that victim is in an in-flight batch, nobody is preempted; the request
+      is not scheduled, the running pass stops and nothing is admitted in this step (it retries once that batch
+      is applied).
     pdjax extensions, off by default: `min_prefill_tokens` (a decode cap while prefill work waits), and
     `max_num_partial_prefills` / `max_long_partial_prefills`: at the end of every schedule() at most that many
     running requests are in the prefill phase (num_computed_tokens < prefill_end), and of them at most
@@ -227,10 +233,11 @@ class VllmV1Scheduler(Scheduler):
         a_req, a_id, a_tok = out.reqs.append, out.req_ids.append, out.token_ids.append
         a_c, a_n, a_pt = out.num_computed_tokens.append, out.num_new_tokens.append, out.page_tables.append
         a_s, a_smp, a_pre = out.do_sample.append, out.sampling.append, out.is_prefill.append
+        floor = self._floor
         for req in self.running:
             if budget <= 0:
                 break
-            if req.status is not RUNNING:
+            if req.status is not RUNNING or req.sched_step > floor:   # gone, or in an in-flight batch
                 continue
             c = req.num_computed_tokens
             if c >= req.prefill_end:
@@ -296,6 +303,11 @@ class VllmV1Scheduler(Scheduler):
         refund = refund_dec = 0
         while need > 0 and bm.num_free_pages < need:
             victim = self._pick_victim_v1()
+            if self._floor < victim.sched_step < self.step:
+                # In an in-flight batch: never a victim (its pages are being written). `req` waits for that batch
+                # instead of preempting anyone, and nothing is admitted in this step (as after a preemption).
+                self._preempted_this_step = True
+                return False, refund, refund_dec
             if victim.sched_step == self.step:
                 k, was_prefill = self._unemit(out, victim)
                 refund += k
@@ -310,7 +322,8 @@ class VllmV1Scheduler(Scheduler):
 
     def _pick_victim_v1(self) -> Request:
         """vLLM's victim: 'priority': max (priority, arrival_time) over all running requests, the first in running
-        order on a tie (Python's max); 'fcfs': the last of the running list (`self.running.pop()`)."""
+        order on a tie (Python's max); 'fcfs': the last of the running list (`self.running.pop()`). The victim
+        may be in an in-flight batch (batches in flight, see base.py): the caller then waits instead."""
         if self._priority:
             victim = vkey = None
             for r in self.running:

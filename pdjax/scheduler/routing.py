@@ -1,37 +1,76 @@
-"""Routing requests across instances of one role (the disaggregated engine and its simulation share it).
+"""Routing requests across the instances of one role (the engines and the simulator share it).
 
-An instance is anything with `.role` ('prefill' or 'decode') and `.scheduler` (a pdjax Scheduler). Policies:
-'round_robin', or 'least_loaded' (prefill: fewest prompt tokens still to prefill; decode: fewest live requests);
-ties go to the lowest index, so routing is deterministic.
+An instance is anything with `.scheduler` (a pdjax Scheduler) and, unless the router is given its role, `.role`
+('colocated', 'prefill' or 'decode'; pdjax.scheduler.instances). Policies (`deployment.router`):
+- 'round_robin': instances in turn.
+- 'least_loaded': the instance with the least load, ties to the lowest index (deterministic). Load per role:
+    prefill    prompt tokens still to prefill (waiting and running requests);
+    decode     live requests (running plus waiting, incl. handed-off ones whose KV is on its way);
+    colocated  tokens still to compute: for every request it holds (running, waiting, swapped, and routed but
+               not yet admitted: an `inbox` when the instance has one, as the simulator's do), the prompt tokens
+               still to prefill plus the decode steps still to run, i.e. prompt + max_tokens - 1 minus the tokens
+               already computed (a recompute preemption adds its lost tokens back). This is the work queued on the
+               replica, which sets when a new request's prefill completes.
+  Loads are recomputed at each pick (O(requests held) per pick).
+A router is callable as `router(request, instances)` too, the simulator's routing protocol (the request does not
+change the pick).
 """
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from typing import Optional, Sequence
 
-ROUTER_POLICIES = ("round_robin", "least_loaded")
+from pdjax.config.deployment import ROLES, ROUTERS as ROUTER_POLICIES
+
+__all__ = ["ROUTER_POLICIES", "InstanceRouter"]
+
+
+def _remaining_tokens(req) -> int:
+    return len(req.prompt_token_ids) + req.max_tokens - 1 - req.num_computed_tokens
 
 
 class InstanceRouter:
-    """Picks an instance for a new request (prefill) or a handed-off one (decode)."""
+    """Picks an instance of one role for a new request (colocated, prefill) or a handed-off one (decode)."""
 
-    def __init__(self, policy: str, instances: Sequence):
+    def __init__(self, policy: str, instances: Sequence, role: Optional[str] = None):
         if policy not in ROUTER_POLICIES:
-            raise ValueError(f"router={policy!r}, expected 'round_robin' or 'least_loaded'")
+            raise ValueError(f"router={policy!r}, expected one of {ROUTER_POLICIES}")
         if not instances:
             raise ValueError("a router needs at least one instance")
+        roles = {role} if role is not None else {getattr(inst, "role", None) for inst in instances}
+        if len(roles) != 1 or not roles <= set(ROLES):
+            raise ValueError(f"router over instances of roles {sorted(map(str, roles))}: expected one role of "
+                             f"{ROLES} (pass role= for instances without a .role)")
         self.policy = policy
+        self.role = roles.pop()
         self.instances = list(instances)
         self._cycle = itertools.cycle(self.instances)
+        self._load = {"prefill": self.prefill_load, "decode": self.decode_load,
+                      "colocated": self.colocated_load}[self.role]
 
     @staticmethod
-    def load(inst) -> int:
+    def prefill_load(inst) -> int:
         s = inst.scheduler
-        if inst.role == "prefill":
-            return sum(len(r.all_token_ids) - r.num_computed_tokens for r in itertools.chain(s.running, s.waiting))
+        return sum(len(r.all_token_ids) - r.num_computed_tokens for r in itertools.chain(s.running, s.waiting))
+
+    @staticmethod
+    def decode_load(inst) -> int:
+        s = inst.scheduler
         return s.num_running + s.num_waiting
+
+    @staticmethod
+    def colocated_load(inst) -> int:
+        s = inst.scheduler
+        held = itertools.chain(s.running, s.waiting, getattr(s, "swapped", ()), getattr(inst, "inbox", ()))
+        return sum(_remaining_tokens(r) for r in held)
+
+    def load(self, inst) -> int:
+        return self._load(inst)
 
     def pick(self):
         if self.policy == "round_robin" or len(self.instances) == 1:
             return next(self._cycle)
-        return min(self.instances, key=self.load)   # min keeps the first of equals: deterministic
+        return min(self.instances, key=self._load)   # min keeps the first of equals: deterministic
+
+    def __call__(self, request=None, instances=None):
+        return self.pick()

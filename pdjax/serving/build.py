@@ -1,6 +1,11 @@
 """From a validated ServeConfig to the parts the real engines take: weights, runners on their meshes, schedulers,
-the requests. The engines (engine.py, disagg.py) take built parts and know nothing of configs; run.py composes
-build -> warm-up -> engine -> outputs.
+the requests. The engines (engine.py, cluster.py, disagg.py) take built parts and know nothing of configs; run.py
+composes build -> warm-up -> engine -> outputs.
+
+Every instance of a deployment group (num_instances, pp, tp) gets a (data=1, stage=pp, tensor=tp) mesh of its
+assigned devices: a PipelineRunner when pp > 1 (each stage a TP group holding its layers), a ModelRunner when
+pp == 1. One colocated instance runs on ColocatedEngine; colocated replicas and disaggregated groups run on the
+one multi-instance loop (pdjax.serving.cluster.ClusterEngine; DisaggregatedEngine is its prefill/decode form).
 """
 from __future__ import annotations
 
@@ -12,7 +17,8 @@ from typing import List, Optional, Sequence
 from pdjax.config.buckets import Buckets, engine_buckets
 from pdjax.config.serving import ServeConfig
 from pdjax.scheduler import Request, make_scheduler, request_from_workload
-from pdjax.serving.disagg import DisaggregatedEngine, Instance
+from pdjax.serving.cluster import ClusterEngine, Instance
+from pdjax.serving.disagg import DisaggregatedEngine
 from pdjax.serving.engine import ColocatedEngine, TokenCallback
 from pdjax.workload import make_workload
 
@@ -60,29 +66,25 @@ def _scheduler_config(cfg: ServeConfig, spec):
 
 
 def build_runner(cfg: ServeConfig, *, seed: Optional[int] = None, spec=None, params=None, mesh=None):
-    """The ModelRunner of `cfg` (checkpoint or dummy weights), KV cache sized by cfg.scheduler."""
+    """The runner of `cfg` (checkpoint or dummy weights), KV cache sized by cfg.scheduler: a PipelineRunner when
+    `mesh` has stage > 1 (pp pipeline stages, each a TP group), else a ModelRunner (default mesh: one device)."""
+    from pdjax.runtime.pipeline import PipelineRunner  # noqa: PLC0415
     from pdjax.runtime.runner import ModelRunner  # noqa: PLC0415
     if params is None:
         spec, params = load_weights(cfg if seed is None else dataclasses.replace(cfg, seed=seed))
     sc = cfg.scheduler
-    return ModelRunner(spec, params, num_pages=sc.num_pages, page_size=sc.page_size,
-                       buckets=default_buckets(cfg), attention_impl=cfg.model.attention_impl,
-                       max_model_len=sc.max_model_len, mesh=mesh)
+    cls = PipelineRunner if mesh is not None and int(mesh.shape["stage"]) > 1 else ModelRunner
+    return cls(spec, params, num_pages=sc.num_pages, page_size=sc.page_size, buckets=default_buckets(cfg),
+               attention_impl=cfg.model.attention_impl, max_model_len=sc.max_model_len, mesh=mesh)
 
 
-def build_colocated_engine(cfg: ServeConfig, *, on_token: Optional[TokenCallback] = None,
-                           compile_counter=None) -> ColocatedEngine:
-    runner = build_runner(cfg)
-    return ColocatedEngine(runner, make_scheduler(_scheduler_config(cfg, runner.spec)), on_token=on_token,
-                           async_scheduling=cfg.engine.async_scheduling, compile_counter=compile_counter,
-                           fail_on_compile=cfg.engine.fail_on_compile)
-
-
-def build_disaggregated_engine(cfg: ServeConfig, *, devices: Optional[Sequence] = None, params=None, spec=None,
-                               on_token: Optional[TokenCallback] = None,
-                               compile_counter=None) -> DisaggregatedEngine:
-    """The engine of a ServeConfig whose `deployment.kind` is 'disaggregated': one ModelRunner per instance on
-    its own mesh (devices from `deployment.device_assignment`), schedulers from `instance_scheduler_config`.
+def build_instances(cfg: ServeConfig, *, devices: Optional[Sequence] = None, params=None, spec=None
+                    ) -> List[Instance]:
+    """Every instance of cfg.deployment (colocated replicas, or prefill then decode instances), in name order:
+    each a runner on a (data=1, stage=pp, tensor=tp) mesh of exactly its assigned devices
+    (`deployment.device_assignment`; every device runs a stage's TP shard, none holds an idle copy) and a
+    scheduler from `instance_scheduler_config`. Raises ValueError naming the group when a layout cannot run
+    (pp above the layer count, tp not dividing heads / KV heads / MLP width).
 
     devices: the device list indices refer to (default jax.devices()). params/spec: weights to use instead of
     loading cfg.model.checkpoint (tests share one set)."""
@@ -91,23 +93,67 @@ def build_disaggregated_engine(cfg: ServeConfig, *, devices: Optional[Sequence] 
     from pdjax.runtime.mesh import make_mesh  # noqa: PLC0415
 
     dep = cfg.deployment
-    if dep.kind != "disaggregated":
-        raise ValueError(f"deployment.kind={dep.kind!r}: build_disaggregated_engine needs 'disaggregated'")
     if params is None:
         spec, params = load_weights(cfg)
     elif spec is None:
         raise ValueError("params given without their spec")
     devices = list(jax.devices() if devices is None else devices)
-    assignment = validate_deployment(dep, spec, len(devices))
+    assignment = validate_deployment(dep, spec, len(devices))   # pp <= layers, tp | heads, devices fit
     base = _scheduler_config(cfg, spec)
-    groups = {"prefill": [], "decode": []}
-    for role in ("prefill", "decode"):
-        group = getattr(dep, role)
+    instances = []
+    for role in dep.roles:
+        group = dep.group(role)
         inst_cfg = dataclasses.replace(cfg, scheduler=instance_scheduler_config(base, group, role))
         for name in dep.instance_names(role):
-            mesh = make_mesh([devices[i] for i in assignment[name]], dp=group.dp, pp=group.pp, tp=group.tp)
+            ids = list(assignment[name])
+            if len(ids) != group.pp * group.tp:
+                raise ValueError(f"{name}: assigned devices {ids}, expected pp x tp = {group.pp} x {group.tp} = "
+                                 f"{group.pp * group.tp} (every device must run a stage's TP shard)")
+            mesh = make_mesh([devices[d] for d in ids], dp=1, pp=group.pp, tp=group.tp)
             runner = build_runner(inst_cfg, spec=spec, params=params, mesh=mesh)
-            groups[role].append(Instance(name, role, runner, make_scheduler(inst_cfg.scheduler)))
-    return DisaggregatedEngine(groups["prefill"], groups["decode"], router=dep.router,
-                               overlap=cfg.engine.overlap, on_token=on_token, compile_counter=compile_counter,
-                               fail_on_compile=cfg.engine.fail_on_compile)
+            instances.append(Instance(name, role, runner, make_scheduler(inst_cfg.scheduler)))
+    return instances
+
+
+def build_engine(cfg: ServeConfig, *, devices: Optional[Sequence] = None, params=None, spec=None,
+                 on_token: Optional[TokenCallback] = None, compile_counter=None):
+    """The engine of cfg.deployment: a ColocatedEngine (sync or async scheduling) for one colocated instance,
+    a ClusterEngine of colocated replicas behind the router for several, a DisaggregatedEngine (the
+    ClusterEngine of prefill and decode instances) for a disaggregated deployment. Arguments as build_instances."""
+    dep, ec = cfg.deployment, cfg.engine
+    instances = build_instances(cfg, devices=devices, params=params, spec=spec)
+    common = dict(on_token=on_token, compile_counter=compile_counter, fail_on_compile=ec.fail_on_compile)
+    if dep.kind == "colocated" and len(instances) == 1:
+        (inst,) = instances
+        # A pipelined instance keeps one batch in flight per stage (async scheduling keeps one: see engine.py).
+        in_flight = 1 if ec.async_scheduling else getattr(inst.runner, "pp", 1)
+        return ColocatedEngine(inst.runner, inst.scheduler, async_scheduling=ec.async_scheduling,
+                               max_in_flight=in_flight, **common)
+    if ec.async_scheduling:
+        raise ValueError(f"engine.async_scheduling=True runs one colocated instance (ColocatedEngine); this "
+                         f"deployment has {len(instances)} instances ({', '.join(i.name for i in instances)}), "
+                         "served by the multi-instance loop, which schedules synchronously")
+    if dep.kind == "colocated":
+        return ClusterEngine(instances, router=dep.router, overlap=ec.overlap, **common)
+    return DisaggregatedEngine([i for i in instances if i.role == "prefill"],
+                               [i for i in instances if i.role == "decode"], router=dep.router,
+                               overlap=ec.overlap, **common)
+
+
+def build_colocated_engine(cfg: ServeConfig, *, on_token: Optional[TokenCallback] = None, compile_counter=None,
+                           **kwargs):
+    """build_engine for a 'colocated' deployment: ColocatedEngine (one instance) or ClusterEngine (replicas)."""
+    if cfg.deployment.kind != "colocated":
+        raise ValueError(f"deployment.kind={cfg.deployment.kind!r}: build_colocated_engine needs 'colocated'")
+    return build_engine(cfg, on_token=on_token, compile_counter=compile_counter, **kwargs)
+
+
+def build_disaggregated_engine(cfg: ServeConfig, *, devices: Optional[Sequence] = None, params=None, spec=None,
+                               on_token: Optional[TokenCallback] = None,
+                               compile_counter=None) -> DisaggregatedEngine:
+    """build_engine for a 'disaggregated' deployment: one runner per instance on its own (1, pp, tp) mesh
+    (devices from `deployment.device_assignment`), schedulers from `instance_scheduler_config`."""
+    if cfg.deployment.kind != "disaggregated":
+        raise ValueError(f"deployment.kind={cfg.deployment.kind!r}: build_disaggregated_engine needs 'disaggregated'")
+    return build_engine(cfg, devices=devices, params=params, spec=spec, on_token=on_token,
+                        compile_counter=compile_counter)

@@ -1,99 +1,28 @@
 """Disaggregated (prefill/decode) serving engine: prefill instances and decode instances on disjoint device
-groups, each with its own mesh, runner and scheduler, and one KV transfer per request between them.
+groups, each with its own mesh (any pp x tp layout), runner and scheduler, and one KV transfer per request between
+them (`transfer_kv`, which routes each layer to the decode stage holding it, resharded to that stage's TP layout).
 
-Per request (protocol of pdjax/scheduler/policies.py):
-  arrival -> router picks a prefill instance -> `add_request` -> prefill chunks (prefill_only scheduler) ->
-  first token sampled: finished with 'handoff' (TTFT is stamped here, on the prefill instance) ->
-  router picks a decode instance -> `add_handoff(req)` -> `transfer_kv` (the one cross-group copy, staged on
-  the decode devices) -> `mark_kv_arrived` -> prefill side `release` (its pages are free again) ->
-  decode_only scheduler admits it when a slot, budget and pages fit (backpressure) and lists it in
-  `kv_handoff_req_ids` -> before that step the staged pages are scattered into its new page table ->
-  decode steps stamp the later tokens.
-The Request object is shared by both sides (add_handoff mutates it), so its record holds the whole story.
-
-Loop (single host thread, mirroring ColocatedEngine): every round, each instance with work schedules and
-dispatches its step (JAX dispatch is async, and the groups' devices are disjoint, so prefill and decode steps
-run at the same time); then arrivals are admitted while the steps run (`overlap`); then each instance's result
-is collected in turn, its scheduler updated and its tokens stamped with the time its ids reached the host.
-Iteration records carry the instance name ('prefill0', 'decode0', ...) and a per-instance step index.
-
-Choices and limits:
-- The transfer is synchronous (its time is on the host's critical path between a prefill step's collect and
-  the next round); it is small next to a step for short prompts and is measured per request (`transfers`).
-  `warmup_transfers` compiles the gather / scatter for every padded page count before serving, so no
-  transfer compiles mid-run.
-- Routing: 'round_robin', or 'least_loaded' (prefill: fewest prompt tokens still to prefill; decode: fewest
-  live requests).
-- A request that finishes on its first token ('stop' / 'length') never reaches a decode instance.
+`DisaggregatedEngine` is the disaggregated configuration of the multi-instance loop
+(pdjax.serving.cluster.ClusterEngine: the per-request protocol, the loop, transfer warm-up and its limits are
+documented there); colocated replicas run on the same loop with instances of role 'colocated'.
 """
 from __future__ import annotations
 
-import dataclasses
-import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Sequence
 
-from pdjax.metrics import IterationRecord, request_record
-from pdjax.scheduler import Request
-from pdjax.scheduler.routing import InstanceRouter
-from pdjax.serving.engine import ArrivalQueue, CompileTracker, EngineResult, TokenCallback
-from pdjax.serving.kv_transfer import StagedKV, scatter_kv_pages, transfer_kv
+from pdjax.serving.cluster import ClusterEngine, ClusterResult, Instance, TransferRecord
+
+DisaggregatedResult = ClusterResult
+
+__all__ = ["DisaggregatedEngine", "DisaggregatedResult", "Instance", "TransferRecord"]
 
 
-@dataclasses.dataclass
-class Instance:
-    """One prefill or decode instance: a runner (ModelRunner with a `mesh` and a `kv_cache`) and a
-    scheduler ('prefill_only' or 'decode_only')."""
-    name: str
-    role: str            # 'prefill' | 'decode'
-    runner: Any
-    scheduler: Any
-    num_steps: int = 0
+class DisaggregatedEngine(ClusterEngine):
+    """A ClusterEngine of `prefill` instances (role 'prefill') and `decode` instances (role 'decode'); keyword
+    arguments as ClusterEngine (router, clock, sleep, on_token, overlap, transfer, compile_counter,
+    fail_on_compile)."""
 
-    def __post_init__(self):
-        want = {"prefill": "prefill_only", "decode": "decode_only"}.get(self.role)
-        if want is None:
-            raise ValueError(f"instance {self.name!r}: role={self.role!r}, expected 'prefill' or 'decode'")
-        if getattr(self.scheduler, "name", None) != want:
-            raise ValueError(f"instance {self.name!r} ({self.role}) needs a {want!r} scheduler, got "
-                             f"{getattr(self.scheduler, 'name', self.scheduler)!r}")
-
-
-@dataclasses.dataclass
-class TransferRecord:
-    """One request's KV transfer: source and destination instances, size, and wall time (seconds, on the
-    engine clock: start_time is relative to the run start)."""
-    request_id: str
-    src: str
-    dst: str
-    num_tokens: int
-    num_pages: int
-    kv_bytes: int
-    moved_bytes: int
-    start_time: float
-    seconds: float
-
-
-@dataclasses.dataclass
-class DisaggregatedResult(EngineResult):
-    transfers: List[TransferRecord]
-
-    def transfer_summary(self) -> Dict[str, float]:
-        """Totals over all transfers: count, bytes, seconds, and achieved bandwidth (moved bytes / s)."""
-        total_s = sum(t.seconds for t in self.transfers)
-        moved = sum(t.moved_bytes for t in self.transfers)
-        return {"num_transfers": len(self.transfers), "kv_bytes": sum(t.kv_bytes for t in self.transfers),
-                "moved_bytes": moved, "seconds": total_s,
-                "bandwidth_bytes_per_s": moved / total_s if total_s > 0 else 0.0}
-
-
-class DisaggregatedEngine:
-    """Drives prefill and decode instances (see the module docstring)."""
-
-    def __init__(self, prefill: Sequence[Instance], decode: Sequence[Instance], *, router: str = "round_robin",
-                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep,
-                 on_token: Optional[TokenCallback] = None, overlap: bool = True,
-                 transfer: Callable[..., StagedKV] = transfer_kv, compile_counter: Optional[Callable[[], int]] = None,
-                 fail_on_compile: bool = False):
+    def __init__(self, prefill: Sequence[Instance], decode: Sequence[Instance], **kwargs):
         prefill, decode = list(prefill), list(decode)
         for group, role in ((prefill, "prefill"), (decode, "decode")):
             if not group:
@@ -101,155 +30,8 @@ class DisaggregatedEngine:
             for inst in group:
                 if inst.role != role:
                     raise ValueError(f"instance {inst.name!r} has role {inst.role!r} but was given as {role}")
-        names = [i.name for i in prefill + decode]
-        if len(set(names)) != len(names):
-            raise ValueError(f"instance names must be unique, got {names}")
-        sizes = {i.name: i.scheduler.config.page_size for i in prefill + decode}
-        if len(set(sizes.values())) != 1:
-            raise ValueError(f"all instances need the same page_size (pages move whole), got {sizes}")
-        self.prefill, self.decode = prefill, decode
-        self.prefill_router = InstanceRouter(router, prefill)
-        self.decode_router = InstanceRouter(router, decode)
-        self.clock, self.sleep, self.on_token, self.overlap = clock, sleep, on_token, overlap
-        self.transfer = transfer
-        self.compiles = CompileTracker(compile_counter, fail_on_compile)
-        self._staged: Dict[str, StagedKV] = {}
+        super().__init__(prefill + decode, **kwargs)
 
     @property
-    def instances(self) -> List[Instance]:
-        return self.prefill + self.decode
-
-    def warmup_transfers(self, max_model_len: int) -> float:
-        """Compile the transfer's gather / cross-group copy / scatter for every padded page count a request of
-        up to `max_model_len` tokens can need, on every (prefill, decode) pair; returns seconds taken.
-
-        Writes junk into the leading pages of the decode caches: harmless before serving (a request only ever
-        reads KV positions it wrote itself or received)."""
-        start = time.perf_counter()
-        for src in self.prefill:
-            for dst in self.decode:
-                ps = src.runner.kv_cache.page_size
-                most = min(-(-max_model_len // ps), src.runner.kv_cache.num_pages, dst.runner.kv_cache.num_pages)
-                sizes, s = [], 1
-                while True:
-                    sizes.append(min(s, most))
-                    if s >= most:
-                        break
-                    s *= 2
-                for n in sizes:
-                    staged = self.transfer(src.runner.kv_cache, list(range(n)), dst.runner.mesh, num_tokens=n * ps)
-                    dst.runner.kv_cache = scatter_kv_pages(dst.runner.kv_cache, list(range(n)), staged)
-        for inst in self.decode:
-            inst.runner.kv_cache.k[0].block_until_ready()
-        return time.perf_counter() - start
-
-    # ------------------------------------------------------------------------------------------------------
-    def _handoff(self, src: Instance, req: Request, now: Callable[[], float],
-                 transfers: List[TransferRecord]) -> bool:
-        """Hand a prefilled request to a decode instance; False if the decode side rejected it (then it is
-        finished: its pages on the prefill side are freed)."""
-        rid = req.request_id
-        dst = self.decode_router.pick()
-        if not dst.scheduler.add_handoff(req, now()):
-            src.scheduler.release(rid)
-            return False
-        start = now()
-        staged = self.transfer(src.runner.kv_cache, src.scheduler.held_page_table(rid), dst.runner.mesh,
-                               num_tokens=req.num_computed_tokens)
-        self._staged[rid] = staged
-        dst.scheduler.mark_kv_arrived(rid)
-        src.scheduler.release(rid)
-        transfers.append(TransferRecord(
-            request_id=rid, src=src.name, dst=dst.name, num_tokens=staged.num_tokens, num_pages=staged.num_pages,
-            kv_bytes=staged.kv_bytes, moved_bytes=staged.moved_bytes, start_time=start, seconds=staged.seconds))
-        return True
-
-    def _load_handoffs(self, inst: Instance, out) -> None:
-        """Before a decode step: write each newly admitted request's staged KV into its page table."""
-        runner = inst.runner
-        index = {rid: i for i, rid in enumerate(out.req_ids)}
-        for rid in out.kv_handoff_req_ids:
-            staged = self._staged.pop(rid, None)
-            if staged is None:
-                raise RuntimeError(f"{inst.name}: request {rid!r} was admitted with no staged KV")
-            runner.kv_cache = scatter_kv_pages(runner.kv_cache, out.page_tables[index[rid]], staged)
-
-    def run(self, requests: Sequence[Request], *, progress: Optional[Callable[[int], None]] = None
-            ) -> DisaggregatedResult:
-        """Serve `requests` (scheduler Requests, arrival times relative to the start) until all finish."""
-        arrivals = ArrivalQueue(requests, lambda req: self.prefill_router.pick().scheduler.add_request(req))
-        iterations: List[IterationRecord] = []
-        transfers: List[TransferRecord] = []
-        t0 = self.clock()
-        now = lambda: self.clock() - t0  # noqa: E731
-        overlap_total = 0.0
-        self._staged.clear()
-        for inst in self.instances:
-            inst.num_steps = 0
-        self.compiles.reset()
-
-        def done(n: int) -> None:
-            if n and progress is not None:
-                progress(n)
-
-        def admit(t: float) -> None:
-            done(arrivals.admit(t))   # rejected at the door: done at once
-
-        def wait_for_arrival() -> None:
-            done(arrivals.wait(now, self.sleep))
-
-        admit(now())
-        while True:
-            busy = [inst for inst in self.instances if inst.scheduler.has_unfinished()]
-            if not busy:
-                if arrivals.exhausted:
-                    break
-                wait_for_arrival()
-                continue
-            launched = []
-            for inst in busy:
-                start = now()
-                out = inst.scheduler.schedule(start)
-                if out.is_empty:
-                    continue
-                if out.kv_handoff_req_ids:
-                    self._load_handoffs(inst, out)
-                handle = inst.runner.dispatch(out) if self.overlap else None
-                launched.append((inst, out, start, handle))
-            if not launched:
-                if arrivals.exhausted:
-                    state = {i.name: (i.scheduler.num_waiting, i.scheduler.num_running) for i in busy}
-                    raise RuntimeError(f"no instance can make progress and no arrivals are left: (waiting, "
-                                       f"running) per instance {state}")
-                wait_for_arrival()
-                continue
-            if self.overlap:
-                host_start = now()
-                admit(host_start)     # overlapped with the device steps
-                overlap_total += now() - host_start
-            for inst, out, start, handle in launched:
-                sampled = inst.runner.collect(handle) if self.overlap else inst.runner.execute(out)
-                end = now()
-                finished = inst.scheduler.update(out, sampled, end)
-                iterations.append(IterationRecord(
-                    step=inst.num_steps, start_time=start, end_time=end, num_prefill_tokens=out.num_prefill_tokens,
-                    num_decode_tokens=out.num_decode_tokens, num_seqs=out.num_seqs, instance=inst.name,
-                    num_compiles=self.compiles.new(f"{inst.name} iteration {inst.num_steps}")))
-                inst.num_steps += 1
-                if self.on_token is not None:
-                    for rid, tok in zip(out.req_ids, sampled):
-                        if tok >= 0:
-                            self.on_token(rid, int(tok), end)
-                n_done = 0
-                for req in finished:
-                    if req.finish_reason == "handoff":
-                        n_done += not self._handoff(inst, req, now, transfers)
-                    else:
-                        n_done += 1
-                done(n_done)
-            if not self.overlap:
-                admit(now())
-        return DisaggregatedResult(
-            requests=[request_record(r) for r in arrivals.pending], iterations=iterations,
-            output_tokens={r.request_id: list(r.output_token_ids) for r in arrivals.pending},
-            duration_s=now(), host_overlap_s=overlap_total, transfers=transfers)
+    def prefill_router(self):
+        return self.entry_router

@@ -7,6 +7,18 @@ decides who runs (that is the scheduler's job) and never builds device arrays (t
 Modes: online (requests join at their arrival time on the wall clock; the engine sleeps when nothing is
 runnable) and offline (everything arrives at t=0).
 
+Batches in flight (`max_in_flight`, pipeline parallelism: pass `runner.pp` for a PipelineRunner): the engine keeps
+up to max_in_flight dispatched, uncollected batches in a `pdjax.scheduler.BatchQueue` (vLLM V1's batch queue), so
+stage s of the pipeline runs batch k+1 while stage s+1 runs batch k:
+
+    while fewer than max_in_flight batches are in flight and schedule(now) is non-empty: dispatch it, queue it
+    then (queue full, or nothing more can be scheduled): collect the oldest, update the scheduler, stamp its tokens
+
+The scheduler builds each batch from requests not in flight (a request is in at most one in-flight batch, never
+a preemption victim) and results are applied in dispatch order (pdjax.scheduler.base). An IterationRecord keeps
+its batch's start (when it was scheduled) and end (when its ids reached the host and it was applied), so with
+max_in_flight > 1 the records of consecutive iterations overlap in time. max_in_flight=1 is the plain loop.
+
 Async scheduling (`async_scheduling=True`, as vLLM V1's async scheduler): while step k runs on the device, the
 host already updates the scheduler with placeholder tokens for step k, schedules step k+1 and builds and
 dispatches its batch; the decode inputs of step k+1 that are step k's samples are filled in on the device from
@@ -14,6 +26,11 @@ step k's output (they never round-trip through the host). After step k's ids rea
 are patched and the tokens stamped. The device never waits for host scheduling, at the price of one constraint:
 finishing must be decidable without the token value (no stop tokens; requests run to max_tokens, as in
 benchmarks with ignore_eos). `host_overlap_s` reports the host time spent while a step was in flight.
+Async scheduling and max_in_flight > 1 are refused together: async scheduling overlaps the host with the device
+by applying a batch speculatively the moment it is dispatched and feeding its samples to the very next batch on
+the device, which chains every request's consecutive batches (the next one cannot start its first stage before
+the previous one left the last), i.e. exactly the dependency a pipeline must avoid; the batch queue already
+overlaps host scheduling with the device (the host schedules batch k+1 while batch k runs). Use one or the other.
 
 Compiles: with `compile_counter` (pdjax.runtime.compiles.count) every IterationRecord carries the number of XLA
 compiles JAX reported since the previous record, so a latency that includes a compile is never mistaken for a
@@ -26,7 +43,7 @@ import time
 from typing import Callable, List, Optional, Sequence
 
 from pdjax.metrics import IterationRecord, RequestRecord, request_record
-from pdjax.scheduler import Request
+from pdjax.scheduler import BatchQueue, Request
 
 TokenCallback = Callable[[str, int, float], None]   # (request_id, token_id, time_s)
 PLACEHOLDER_TOKEN = 0
@@ -99,12 +116,21 @@ class ArrivalQueue:
 
 
 class ColocatedEngine:
-    """Drives `scheduler` and `runner` (pdjax.runtime.ModelRunner, or anything with dispatch/collect)."""
+    """Drives `scheduler` and `runner` (pdjax.runtime.ModelRunner / PipelineRunner, or anything with
+    dispatch/collect). max_in_flight: batches dispatched and not yet collected at most (module docstring; the
+    runner's pp for a PipelineRunner); raises ValueError for max_in_flight < 1 or > 1 with async scheduling."""
 
     def __init__(self, runner, scheduler, *, clock: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep, on_token: Optional[TokenCallback] = None,
                  async_scheduling: bool = False, compile_counter: Optional[Callable[[], int]] = None,
-                 fail_on_compile: bool = False):
+                 fail_on_compile: bool = False, max_in_flight: int = 1):
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise ValueError(f"max_in_flight={max_in_flight!r}, expected a positive int (the runner's pp stages)")
+        if async_scheduling and max_in_flight > 1:
+            raise ValueError(f"async_scheduling=True with max_in_flight={max_in_flight}: async scheduling feeds each "
+                             "batch's samples to the next batch on the device, which serializes a pipeline; use "
+                             "max_in_flight > 1 (batches in flight) or async scheduling, not both")
+        self.max_in_flight = max_in_flight
         self.runner = runner
         self.compiles = CompileTracker(compile_counter, fail_on_compile)
         self.scheduler = scheduler
@@ -162,27 +188,42 @@ class ColocatedEngine:
             self._progress(len(finished))
 
     def _run_sync(self, arrivals: ArrivalQueue) -> None:
+        """The batch-queue loop (module docstring); with max_in_flight == 1: schedule, run, update."""
         sched = self.scheduler
+        queue = BatchQueue(self.max_in_flight)
         while True:
-            if not sched.has_unfinished():
+            if not sched.has_unfinished():       # (in-flight requests are unfinished: the queue is empty here)
                 if arrivals.exhausted:
                     return
                 self._wait_for_arrival(arrivals)
                 continue
-            start = self._now()
-            arrivals.admit(start)    # a request that arrived during the last step joins this one
-            out = sched.schedule(start)
-            if out.is_empty:
-                self._wait_for_arrival(arrivals)
-                continue
-            handle = self.runner.dispatch(out)
-            host_start = self._now()
-            arrivals.admit(host_start)               # overlapped with the device step
-            self._overlap += self._now() - host_start
+            if not queue.full:
+                start = self._now()
+                arrivals.admit(start)    # a request that arrived during the last step joins this one
+                out = sched.schedule(start)
+                if not out.is_empty:
+                    queue.push(out, (self.runner.dispatch(out), start))
+                    host_start = self._now()
+                    arrivals.admit(host_start)               # overlapped with the device step
+                    self._overlap += self._now() - host_start
+                    if not queue.full:
+                        continue                             # fill the pipeline
+                else:
+                    self._copies_only(out)
+                    if not queue:
+                        self._wait_for_arrival(arrivals)
+                        continue
+            out, (handle, start) = queue.pop()               # the oldest batch: wait for it, apply it
             sampled = self.runner.collect(handle)
             end = self._now()
             finished = sched.update(out, sampled, end)
             self._record(out, sampled, start, end, finished)
+
+    def _copies_only(self, out) -> None:
+        """An empty batch that still carries swap copies (a request swapped itself out while every other one was
+        in flight) goes to the runner for its copies: a later batch swaps those pages back in."""
+        if out.swap_out or out.swap_in:
+            self.runner.collect(self.runner.dispatch(out))
 
     def _run_async(self, arrivals: ArrivalQueue) -> None:
         sched = self.scheduler
@@ -203,6 +244,8 @@ class ColocatedEngine:
             if out is not None and not out.is_empty:
                 prev = (in_flight[0], in_flight[1]) if in_flight is not None else None
                 handle = self.runner.dispatch(out, prev=prev)
+            elif out is not None:
+                self._copies_only(out)
             if in_flight is not None:
                 self._overlap += self._now() - host_start
                 out_prev, handle_prev, start_prev, _ = in_flight

@@ -1,14 +1,21 @@
 """KV transfer between device groups: the one place where data crosses from a prefill group to a decode group.
 
+Both sides may be pipelined (pp stages, each a TP group on its own sub-mesh holding a contiguous layer range:
+`pdjax.config.pipeline.stage_layer_ranges`) and the two layouts may differ in pp and tp at the same time
+(prefill tp2 x pp2 -> decode tp1 x pp2, pp2 -> pp1, pp1 -> pp2, ...). A side is given as its per-stage KV caches
+(source) or per-stage meshes (destination): `ModelRunner.kv_stages` / `kv_stage_meshes` (one stage) and
+`PipelineRunner`'s overrides; a single KVCache / Mesh means one stage holding every layer.
+
 A request's KV moves in three steps:
-1. `gather_kv_pages` (prefill side, jitted on the prefill mesh): its pages of every layer, stacked into
-   k, v [L, num_kv_heads, n, page_size, head_dim]; kv heads stay sharded on the prefill mesh's 'tensor'.
-2. `transfer_kv` (THE crossing): `jax.device_put` of that pair onto the decode mesh with the decode layout
-   (kv heads on the decode 'tensor' axis). The TP degrees may differ (prefill TP2 -> decode TP1 or TP4):
-   device_put reshards, moving every head to the decode device that owns it. Returns a `StagedKV` that
-   lives on the decode devices until the decode scheduler admits the request.
-3. `scatter_kv_pages` (decode side, jitted on the decode mesh, cache donated): writes the staged pages
-   into the pages the decode scheduler allocated at admission.
+1. `gather_kv_pages` (source side, jitted per source stage, on that stage's devices): the request's pages of the
+   stage's layers, one [num_kv_heads, n, page_size, head_dim] array per layer (kv heads stay sharded on the
+   stage's 'tensor'). Every stage's gather is enqueued before anything moves.
+2. `transfer_kv` (THE crossing): one batched `jax.device_put` of every layer onto the destination stage that holds
+   it (`relayout_plan`), with that stage's KV layout (kv heads on its 'tensor' axis): the TP degrees may differ,
+   device_put reshards, moving every head to the device that owns it. Returns a `StagedKV` (per layer, in layer
+   order, on the destination devices) that waits there until the decode scheduler admits the request.
+3. `scatter_kv_pages` (destination side, jitted per destination stage, that stage's cache donated): writes the
+   staged pages of the stage's layers into the pages the decode scheduler allocated at admission.
 
 Pages move whole (the tail of a partial last page is junk the decode side never reads: kv_lens mask it).
 Byte accounting, both reported:
@@ -18,19 +25,25 @@ Byte accounting, both reported:
   when `pad_pages` is on; padding bounds the number of compiled gather/scatter shapes to log2(max pages)).
 The transfer is synchronous: `transfer_kv` blocks until the staged arrays are ready, so its `seconds` is the
 wall time of gather + cross-group copy (not the scatter, which runs on the decode side before its step).
+Compiles: one gather per (source stage, padded page count) and one scatter per (destination stage, padded page
+count); `pdjax.serving.cluster.ClusterEngine.warmup_transfers` runs them all before serving.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from typing import List, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from pdjax.config.pipeline import relayout_plan, stage_layer_counts, stage_layer_ranges
 from pdjax.models.llama import KVCache
+
+StageCaches = Union[KVCache, Sequence[KVCache]]   # one cache (one stage) or per-stage caches in stage order
+StageMeshes = Union[Mesh, Sequence[Mesh]]         # one mesh (one stage) or per-stage meshes in stage order
 
 
 def _pad_pow2(n: int) -> int:
@@ -39,10 +52,12 @@ def _pad_pow2(n: int) -> int:
 
 @dataclasses.dataclass
 class StagedKV:
-    """A request's KV staged on the decode devices: k, v [L, num_kv_heads, n_sent, page_size, head_dim]
-    (kv heads sharded on the decode mesh's 'tensor'); the first `num_pages` of n_sent are real pages."""
-    k: jax.Array
-    v: jax.Array
+    """A request's KV staged on the decode devices: k[l], v[l] [num_kv_heads, n_sent, page_size, head_dim] per
+    layer in layer order, each on the destination stage holding layer l (kv heads sharded on its 'tensor');
+    `layer_ranges` are the destination stages' layer ranges; the first `num_pages` of n_sent are real pages."""
+    k: Tuple[jax.Array, ...]
+    v: Tuple[jax.Array, ...]
+    layer_ranges: Tuple[Tuple[int, int], ...]
     num_tokens: int
     num_pages: int
     kv_bytes: int
@@ -51,7 +66,15 @@ class StagedKV:
 
     @property
     def num_pages_sent(self) -> int:
-        return int(self.k.shape[2])
+        return int(self.k[0].shape[1])
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.layer_ranges)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.k + self.v)
 
 
 def kv_bytes(num_layers: int, num_tokens: int, num_kv_heads: int, head_dim: int, dtype) -> int:
@@ -60,16 +83,17 @@ def kv_bytes(num_layers: int, num_tokens: int, num_kv_heads: int, head_dim: int,
 
 
 def staged_sharding(mesh: Mesh) -> NamedSharding:
-    """Layout of staged k / v [L, kv_heads, n, page_size, head_dim] on `mesh`: kv heads on 'tensor', the
-    same split as the paged cache (pdjax.runtime.mesh.kv_cache_sharding), so the scatter is shard-local."""
-    return NamedSharding(mesh, P(None, "tensor", None, None, None))
+    """Layout of one staged layer [kv_heads, n, page_size, head_dim] on `mesh`: kv heads on 'tensor', the same
+    split as the paged cache (pdjax.runtime.mesh.kv_cache_sharding), so the scatter is shard-local."""
+    return NamedSharding(mesh, P("tensor", None, None, None))
 
 
 @jax.jit
 def gather_kv_pages(kv_cache: KVCache, pages):
-    """K and V of `pages` (int32[n]) for all layers: two arrays [L, num_kv_heads, n, page_size, head_dim]."""
+    """K and V of `pages` (int32[n]) for the cache's layers: two tuples of [num_kv_heads, n, page_size, head_dim]
+    arrays, one per layer."""
     take = lambda a: jnp.take(a, pages, axis=1, mode="clip")  # noqa: E731
-    return jnp.stack([take(a) for a in kv_cache.k]), jnp.stack([take(a) for a in kv_cache.v])
+    return tuple(take(a) for a in kv_cache.k), tuple(take(a) for a in kv_cache.v)
 
 
 def _scatter(kv_cache: KVCache, pages, k, v):
@@ -91,53 +115,86 @@ def _check_pages(pages: Sequence[int], num_pages: int, where: str) -> np.ndarray
     return arr.astype(np.int32)
 
 
-def transfer_kv(src_cache: KVCache, src_pages: Sequence[int], dst_mesh: Mesh, *, num_tokens: int,
+def as_stage_caches(caches: StageCaches, where: str) -> Tuple[List[KVCache], bool]:
+    """(per-stage caches, whether a single KVCache was given); checks the stages split the layers as
+    stage_layer_ranges does (the rule PipelineRunner places its stages by)."""
+    single = isinstance(caches, KVCache)
+    stages = [caches] if single else list(caches)
+    if not stages or not all(isinstance(c, KVCache) for c in stages):
+        raise ValueError(f"{where}: expected a KVCache or a non-empty sequence of per-stage KVCaches")
+    counts = tuple(len(c.k) for c in stages)
+    if any(n < 1 for n in counts) or counts != stage_layer_counts(sum(counts), len(stages)):
+        raise ValueError(f"{where}: stages hold {list(counts)} layers, expected the pipeline split "
+                         f"{list(stage_layer_counts(max(sum(counts), len(stages)), len(stages)))}")
+    return stages, single
+
+
+def transfer_kv(src_cache: StageCaches, src_pages: Sequence[int], dst: StageMeshes, *, num_tokens: int,
                 pad_pages: bool = True) -> StagedKV:
     """Move the KV of one request from the prefill group to the decode group (the only cross-group copy).
 
     Args:
-      src_cache: the prefill runner's paged cache (per layer [kv_heads, num_pages, page_size, head_dim],
-        sharded on the prefill mesh).
+      src_cache: the prefill side's paged cache (per layer [kv_heads, num_pages, page_size, head_dim]): one
+        KVCache on one mesh, or its per-stage caches (`runner.kv_stages`), each on its stage's devices.
       src_pages: the request's pages in token order; exactly ceil(num_tokens / page_size) of them are sent.
-      dst_mesh: the decode instance's mesh; the staged arrays get `staged_sharding(dst_mesh)`.
+      dst: the decode side's mesh, or its per-stage meshes (`runner.kv_stage_meshes`); layer l is staged on the
+        stage holding it (stage_layer_ranges(num_layers, len(dst))) with `staged_sharding` of that stage's mesh.
       num_tokens: tokens whose KV is valid (the prefill's num_computed_tokens).
       pad_pages: pad the page count to a power of two (bounded compiles; padding pages are dropped by
         `scatter_kv_pages` and counted in moved_bytes).
     """
-    page_size = src_cache.page_size
+    stages, _ = as_stage_caches(src_cache, "transfer_kv src_cache")
+    dst_meshes = [dst] if isinstance(dst, Mesh) else list(dst)
+    if not dst_meshes or not all(isinstance(m, Mesh) for m in dst_meshes):
+        raise ValueError("transfer_kv dst: expected a Mesh or a non-empty sequence of per-stage Meshes")
+    num_layers = sum(len(c.k) for c in stages)
+    if len(dst_meshes) > num_layers:
+        raise ValueError(f"transfer_kv dst: {len(dst_meshes)} stages for {num_layers} layers")
+    page_size = stages[0].page_size
     if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 1:
         raise ValueError(f"num_tokens={num_tokens!r}, expected a positive int")
     need = -(-int(num_tokens) // page_size)
     if len(src_pages) < need:
         raise ValueError(f"{num_tokens} tokens need {need} pages of {page_size}, src_pages has {len(src_pages)}")
-    pages = _check_pages(list(src_pages)[:need], src_cache.num_pages, "transfer_kv src_pages")
+    pages = _check_pages(list(src_pages)[:need], stages[0].num_pages, "transfer_kv src_pages")
     n_sent = _pad_pow2(need) if pad_pages else need
     padded = np.zeros(n_sent, np.int32)   # padding re-reads page 0: cheap, and dropped at the scatter
     padded[:need] = pages
-    k0 = src_cache.k[0]
-    num_layers, (kv_heads, _, _, head_dim) = len(src_cache.k), k0.shape
+    plan = relayout_plan(num_layers, len(stages), len(dst_meshes))
+    targets = [staged_sharding(dst_meshes[ds]) for _, _, _, ds, _ in plan]
+    k0 = stages[0].k[0]
+    kv_heads, head_dim = k0.shape[0], k0.shape[-1]
     start = time.perf_counter()
-    k, v = gather_kv_pages(src_cache, padded)
-    dst = staged_sharding(dst_mesh)
-    k, v = jax.device_put((k, v), dst)
+    gathered = [gather_kv_pages(c, padded) for c in stages]   # every source stage enqueued before any copy
+    k = [gathered[ss][0][si] for _, ss, si, _, _ in plan]
+    v = [gathered[ss][1][si] for _, ss, si, _, _ in plan]
+    k, v = jax.device_put((k, v), (targets, targets))        # per layer, to the stage that holds it
     jax.block_until_ready((k, v))
     seconds = time.perf_counter() - start
-    return StagedKV(k=k, v=v, num_tokens=int(num_tokens), num_pages=need,
+    return StagedKV(k=tuple(k), v=tuple(v), layer_ranges=stage_layer_ranges(num_layers, len(dst_meshes)),
+                    num_tokens=int(num_tokens), num_pages=need,
                     kv_bytes=kv_bytes(num_layers, int(num_tokens), kv_heads, head_dim, k0.dtype),
                     moved_bytes=kv_bytes(num_layers, n_sent * page_size, kv_heads, head_dim, k0.dtype),
                     seconds=seconds)
 
 
-def scatter_kv_pages(dst_cache: KVCache, dst_pages: Sequence[int], staged: StagedKV) -> KVCache:
+def scatter_kv_pages(dst_cache: StageCaches, dst_pages: Sequence[int], staged: StagedKV) -> StageCaches:
     """dst_cache (donated: do not use it afterwards) with the staged pages written into `dst_pages` (the
-    decode scheduler's page table; its first staged.num_pages entries receive the KV)."""
-    if staged.k.shape[2:] != (staged.num_pages_sent, dst_cache.page_size, dst_cache.k[0].shape[-1]) or \
-            staged.k.shape[:2] != (len(dst_cache.k), dst_cache.k[0].shape[0]):
-        raise ValueError(f"staged KV of shape {tuple(staged.k.shape)} does not fit a cache of {len(dst_cache.k)} "
-                         f"layers x {tuple(dst_cache.k[0].shape)} (expected [L, kv_heads, n, page_size, head_dim])")
+    decode scheduler's page table; its first staged.num_pages entries receive the KV). dst_cache is one KVCache
+    (one stage) or the per-stage caches (`runner.kv_stages`); returns the same kind."""
+    stages, single = as_stage_caches(dst_cache, "scatter_kv_pages dst_cache")
+    ranges = stage_layer_ranges(sum(len(c.k) for c in stages), len(stages))
+    first = stages[0].k[0]
+    want = (first.shape[0], staged.num_pages_sent, first.shape[2], first.shape[3])
+    if tuple(ranges) != tuple(staged.layer_ranges) or any(tuple(a.shape) != want for a in staged.k + staged.v):
+        raise ValueError(f"staged KV of {len(staged.k)} layers x {tuple(staged.k[0].shape)} in stages "
+                         f"{list(staged.layer_ranges)} does not fit a cache of {ranges[-1][1]} layers x "
+                         f"{tuple(first.shape)} in stages {list(ranges)} (expected per layer [kv_heads, n, "
+                         "page_size, head_dim], the same pipeline split)")
     if len(dst_pages) < staged.num_pages:
         raise ValueError(f"dst_pages has {len(dst_pages)} pages, the staged KV needs {staged.num_pages}")
-    pages = _check_pages(list(dst_pages)[:staged.num_pages], dst_cache.num_pages, "scatter_kv_pages dst_pages")
-    padded = np.full(staged.num_pages_sent, dst_cache.num_pages, np.int32)   # out of range -> dropped
+    pages = _check_pages(list(dst_pages)[:staged.num_pages], stages[0].num_pages, "scatter_kv_pages dst_pages")
+    padded = np.full(staged.num_pages_sent, stages[0].num_pages, np.int32)   # out of range -> dropped
     padded[:staged.num_pages] = pages
-    return _scatter_donated(dst_cache, padded, staged.k, staged.v)
+    out = [_scatter_donated(cache, padded, staged.k[a:b], staged.v[a:b]) for cache, (a, b) in zip(stages, ranges)]
+    return out[0] if single else out

@@ -12,11 +12,12 @@ import sys
 import time
 from typing import Any, Callable, Dict, Optional, Sequence
 
+import pdjax
+from pdjax.config.deployment import instance_name
 from pdjax.config.serving import ServeConfig
 from pdjax.metrics import write_json, write_run_outputs
 from pdjax.runtime import compiles
-from pdjax.serving.build import (build_colocated_engine, build_disaggregated_engine, build_requests,
-                                 default_buckets, resolve_checkpoint)
+from pdjax.serving.build import build_engine, build_requests, default_buckets, resolve_checkpoint
 
 __all__ = ["run_real", "default_buckets", "resolve_checkpoint", "enable_compilation_cache"]
 
@@ -48,14 +49,23 @@ def _tick(bar) -> Optional[Callable[[int], None]]:
     return bar.update if bar is not None else None
 
 
-def _warm_up(engine, cfg: ServeConfig, disaggregated: bool) -> float:
-    """Compile everything the run will execute: every step shape of every runner, the swap copies when
-    preemption swaps, and the KV transfer's page counts between every prefill/decode pair. Seconds taken."""
-    runners = [inst.runner for inst in engine.instances] if disaggregated else [engine.runner]
+def _instances(engine) -> list:
+    """(name, role, runner, scheduler, num_iterations) of every instance of `engine` (a ColocatedEngine is one
+    instance, 'replica0'; num_iterations is None there: the run's iteration count)."""
+    if hasattr(engine, "instances"):
+        return [(i.name, i.role, i.runner, i.scheduler, i.num_steps) for i in engine.instances]
+    return [(instance_name("colocated", 0), "colocated", engine.runner, engine.scheduler, None)]
+
+
+def _warm_up(engine, cfg: ServeConfig) -> float:
+    """Compile everything the run will execute: every step shape of every instance's runner (every pipeline
+    stage), the swap copies when preemption swaps, and the KV transfer's page counts between every
+    prefill/decode pair (every source stage's gather, every destination stage's scatter). Seconds taken."""
+    runners = [runner for _, _, runner, _, _ in _instances(engine)]
     swap = cfg.scheduler.preemption_mode == "swap"
     bar = progress_bar(cfg, sum(r.buckets.num_shapes for r in runners), "warm-up", "shape")
     seconds = sum(r.warmup(swap=swap, progress=_tick(bar)) for r in runners)
-    if disaggregated:
+    if hasattr(engine, "warmup_transfers"):
         seconds += engine.warmup_transfers(cfg.scheduler.max_model_len)
     if bar is not None:
         bar.close()
@@ -70,12 +80,12 @@ def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str, *, wor
     if cfg.engine.compilation_cache:
         enable_compilation_cache(cfg.engine.compilation_cache_dir)
     disaggregated = cfg.deployment.kind == "disaggregated"
-    build = build_disaggregated_engine if disaggregated else build_colocated_engine
-    engine = build(cfg, compile_counter=compiles.count)
+    engine = build_engine(cfg, compile_counter=compiles.count)
     mark = compiles.count()
-    compile_s = _warm_up(engine, cfg, disaggregated) if cfg.engine.warmup else 0.0
+    compile_s = _warm_up(engine, cfg) if cfg.engine.warmup else 0.0
     warm_mark = compiles.count()
     bar = progress_bar(cfg, len(requests), f"serve {cfg.scheduler.policy}", "req")
+    startup_s = time.time() - pdjax.IMPORT_TIME
     start = time.perf_counter()
     result = engine.run(requests, progress=_tick(bar))
     if bar is not None:
@@ -84,16 +94,18 @@ def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str, *, wor
     info = {
         "backend": "real", "deployment": cfg.deployment.kind, "policy": cfg.scheduler.policy,
         "mode": cfg.engine.mode, "async_scheduling": cfg.engine.async_scheduling, "compile_s": compile_s,
+        "startup_s": startup_s,
         "num_compiled_shapes": warm_mark - mark, "compiles_during_run": len(during),
         "compiled_during_run": sorted({e.fun_name for e in during}),
         "wall_s": time.perf_counter() - start, "host_overlap_s": result.host_overlap_s,
         "num_iterations": len(result.iterations)}
+    info["instances"] = {
+        name: {"role": role, "devices": [d.id for d in runner.mesh.devices.flat],
+               "tp": int(runner.mesh.shape["tensor"]), "pp": int(runner.mesh.shape["stage"]),
+               "num_pages": sched.config.num_pages, "token_budget": sched.config.token_budget,
+               "num_iterations": len(result.iterations) if steps is None else steps}
+        for name, role, runner, sched, steps in _instances(engine)}
     if disaggregated:
-        info["instances"] = {
-            inst.name: {"role": inst.role, "devices": [d.id for d in inst.runner.mesh.devices.flat],
-                        "tp": int(inst.runner.mesh.shape["tensor"]), "num_pages": inst.scheduler.config.num_pages,
-                        "token_budget": inst.scheduler.config.token_budget, "num_iterations": inst.num_steps}
-            for inst in engine.instances}
         info["kv_transfer"] = result.transfer_summary()
     # Before results.json (written last, the "run is complete" marker): the generated token ids per request.
     os.makedirs(workdir, exist_ok=True)

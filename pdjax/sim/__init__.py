@@ -7,7 +7,9 @@ calibration  fit_cost_params (whole iterations), fit_vidur_a100 (operator profil
 step_cost    the engine's padding (buckets) on top of the cost model, sim profiles, make_step_time.
 simulator    simulate(requests, instances, router): the engine loop (sync or async) on a virtual clock.
 disagg       simulate_disaggregated: prefill and decode pools with KV transfers over the hardware's links.
-run          run_sim(cfg, config_dict, workdir): the `backend=sim` of experiments.serve and sweeps.
+build        config -> parts: model, hardware, cost setup, instances of cfg.deployment, router, transfer times.
+run          run_sim(cfg, config_dict, workdir): build -> simulate -> outputs, the `backend=sim` of
+             experiments.serve and sweeps.
 capacity     parallel_capacity_search: DESIGN.md §4 capacity by bisection, probes in parallel processes.
 profiles/    shipped machine profiles (a100.json: `python -m experiments.fit_a100`; host-cpu.json:
              `python -m experiments.calibrate`).
@@ -16,13 +18,15 @@ from pdjax.sim.calibration import MachineProfile, fit_cost_params, load_profile,
 from pdjax.sim.capacity import parallel_capacity_search
 from pdjax.sim.cost_model import (BatchComposition, CostBreakdown, CostParams, iteration_time, kv_bytes,
                                   kv_cache_capacity_tokens, step_time_fn)
+from pdjax.sim.build import build_setup
 from pdjax.sim.disagg import simulate_disaggregated
 from pdjax.sim.hardware import HARDWARE_SPECS, HardwareSpec, get_hardware_spec, host_cpu
 from pdjax.sim.run import run_sim
-from pdjax.sim.simulator import SimInstance, SimResult, make_router, simulate
+from pdjax.sim.simulator import SimInstance, SimResult, simulate
 from pdjax.sim.step_cost import load_sim_profile, make_step_time
 
 __all__ = ["BatchComposition", "CostBreakdown", "CostParams", "HARDWARE_SPECS", "HardwareSpec", "MachineProfile",
-           "SimInstance", "SimResult", "fit_cost_params", "get_hardware_spec", "host_cpu", "iteration_time",
-           "kv_bytes", "kv_cache_capacity_tokens", "load_profile", "load_sim_profile", "make_router",
-           "make_step_time", "parallel_capacity_search", "run_sim", "save_profile", "simulate", "simulate_disaggregated", "step_time_fn"]
+           "SimInstance", "SimResult", "build_setup", "fit_cost_params", "get_hardware_spec", "host_cpu",
+           "iteration_time", "kv_bytes", "kv_cache_capacity_tokens", "load_profile", "load_sim_profile",
+           "make_step_time", "parallel_capacity_search", "run_sim", "save_profile", "simulate",
+           "simulate_disaggregated", "step_time_fn"]

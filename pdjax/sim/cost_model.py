@@ -579,6 +579,93 @@ def iteration_time(batch: BatchComposition, model: ModelSpec, hw: HardwareSpec, 
                          launch_s=launch, host_s=host)
 
 
+# --------------------------------------------------------------------------------------------------- pipeline stages
+def stage_link(hw: HardwareSpec, tp: int, boundary: int) -> tuple[float, float]:
+    """(bandwidth per device per direction, latency) of the activation send from stage `boundary` to stage
+    `boundary + 1` of an instance whose stages take consecutive blocks of `tp` devices (stage s on devices
+    [s·tp, (s+1)·tp), node = device // devices_per_node). Device i of one stage sends to device i of the next;
+    if any such pair sits on two nodes the send crosses the inter-node network, else it stays on the node's
+    intra-node link (the NVLink bridge when the pair is bridged on a pairwise box)."""
+    dpn = hw.devices_per_node
+    first = boundary * tp
+    pairs = [(d, d + tp) for d in range(first, first + tp)]
+    if any(a // dpn != b // dpn for a, b in pairs):
+        return hw.inter_node_bandwidth, hw.inter_node_latency
+    if hw.intra_node_topology == "pairwise" and all(a // 2 == b // 2 for a, b in pairs):
+        return hw.pairwise_bandwidth, hw.intra_node_latency
+    return hw.intra_node_bandwidth, hw.intra_node_latency
+
+
+def stage_times(batch: BatchComposition, model: ModelSpec, hw: HardwareSpec, tp: int = 1, pp: int = 1,
+                params: Optional[CostParams] = None) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(seconds of each pipeline stage, seconds of each activation send between stages s and s+1) for one batch
+    on an instance of pp stages of tp devices: what the simulator's pipeline (pdjax.sim.simulator) occupies
+    each stage with, so pipeline bubbles come out of its schedule instead of a formula.
+
+    Stage s runs its own layers only (`pdjax.config.pipeline.stage_layer_ranges`: vLLM's split), costed per
+    layer exactly as `iteration_time` costs a layer (GEMMs, element-wise kernels, attention, TP all-reduces);
+    stage 0 also runs the embedding, the last stage the LM head (one row per sequence). Each stage's device
+    time is floored by its own kernel launches (its layers' kernels, plus the embedding on stage 0 and the LM
+    head and sampler on the last). The host's per-iteration time (`host_time`: scheduling, input preparation,
+    sampling bookkeeping) precedes the launch of stage 0 and is counted on stage 0. A send moves the hidden
+    states of every token (tokens · hidden · dtype bytes; each device of the next stage receives them whole, as
+    pdjax.runtime.pipeline.send_activations places them) over the link between the two stages' devices
+    (`stage_link`) as a point-to-point copy (`p2p_time`). With pp == 1 the single stage's time equals
+    `iteration_time(...).total` up to float rounding."""
+    from pdjax.config.pipeline import stage_layer_counts  # noqa: PLC0415  (pure Python, no JAX)
+
+    params = CostParams() if params is None else params
+    plan = _plan(model, hw, tp, pp)
+    counts = stage_layer_counts(model.num_layers, pp)
+    host = host_time(params, batch.num_seqs, tp * pp)
+    tokens = batch.num_tokens
+    if tokens == 0:
+        return (host,) + (0.0,) * (pp - 1), (0.0,) * (pp - 1)
+    s = plan.shapes
+    peak, bw = plan.peak, plan.bandwidth
+    layer = 0.0      # one layer: linear + element-wise + attention + TP communication
+    for (k, m), bias in zip(s.gemms, s.gemm_bias):
+        c, mem = gemm_terms(tokens, k, m, s.dtype_bytes, peak, bw, plan.compute_units, params, bias=bias)
+        layer += (c if c > mem else mem) + params.kernel_fixed_s
+    layer += sum(elementwise_time(tokens, nbytes, kind, bw, params) for kind, nbytes in s.layer_elementwise)
+    attention = 0.0
+    for chunk, context in batch.prefills:
+        c, mem = prefill_attention_terms(chunk, context, s.heads, s.kv_heads, s.head_dim, s.dtype_bytes, peak, bw,
+                                         params)
+        attention += c + mem
+    if batch.decodes:
+        count = sum(n for n, _ in batch.decodes)
+        mean_context = sum(n * c for n, c in batch.decodes) / count
+        c, mem, items = decode_attention_terms(count, mean_context, s.heads, s.kv_heads, s.head_dim, s.dtype_bytes,
+                                               peak, bw, params)
+        attention += (c if c > mem else mem) + items
+    if batch.prefills:
+        attention += params.attn_prefill_fixed_s
+    if batch.decodes:
+        attention += params.attn_decode_fixed_s
+    layer += attention
+    if tp > 1:
+        layer += 2 * allreduce_time(tokens * s.hidden * s.dtype_bytes, tp, plan.tp_link[0], plan.tp_link[1], params,
+                                    plan.tp_kind, plan.tp_nics)
+    embedding = elementwise_time(tokens, s.embedding_bytes_per_token, "embedding", bw, params)
+    c, mem = gemm_terms(batch.num_seqs, s.lm_head[0], s.lm_head[1], s.dtype_bytes, peak, bw, plan.compute_units,
+                        params)
+    head = (c if c > mem else mem) + params.kernel_fixed_s
+    per_layer_kernels = kernels_per_iteration(s, 1, tp, bool(batch.prefills), bool(batch.decodes)) - 3
+    stages = []
+    for st, n in enumerate(counts):
+        first, last = st == 0, st == pp - 1
+        device = n * layer + (embedding if first else 0.0) + (head if last else 0.0)
+        if params.launch_overhead_s > 0:
+            launch = params.launch_overhead_s * (n * per_layer_kernels + int(first) + 2 * int(last))
+            if launch > device:
+                device = launch
+        stages.append(device + host if first else device)
+    send_bytes = tokens * s.hidden * s.dtype_bytes
+    sends = tuple(p2p_time(send_bytes, *stage_link(hw, tp, b), params) for b in range(pp - 1))
+    return tuple(stages), sends
+
+
 # --------------------------------------------------------------------------------------------------- memory
 def kv_bytes(model: ModelSpec, tokens: int, dtype_bytes: Optional[int] = None) -> int:
     """Bytes of K and V for `tokens` tokens of one request over all layers (all devices together)."""

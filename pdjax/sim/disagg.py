@@ -30,11 +30,22 @@ Choices (and why):
   `deployment.device_assignment` (explicit `devices` put groups on other nodes).
 - Transfers on one (prefill instance, decode instance) link are serialized by default (a FIFO transfer queue:
   a transfer starts when the link is free); `serialize_transfers=False` lets them overlap at full bandwidth.
-- KV pages per instance: the group's `num_pages` override, else `sim.num_pages`, else (GPU/TPU) the cost model's
-  capacity at that group's tp/pp, token budget and max_num_seqs, else `scheduler.num_pages`. Decode-side
-  staging of arriving KV is not counted against pages (the real engine stages it outside the page pool too).
+- Decode-side staging of arriving KV is not counted against pages (the real engine stages it outside the page
+  pool too). Pages per instance, links, step and transfer times come built (pdjax.sim.build: config -> parts);
+  this module knows nothing of configs.
 - Outputs: the same RequestRecord / IterationRecord lists as a real disaggregated run (instance names
-  'prefill0', 'decode0', ..., per-instance step indices) plus one TransferRecord per transfer.
+  'prefill0', 'decode0', ..., per-instance step indices) plus one TransferRecord per transfer;
+  `transfer_summary()` has the real engine's keys (DisaggregatedResult.transfer_summary: num_transfers,
+  kv_bytes, moved_bytes, seconds, bandwidth_bytes_per_s; moved_bytes = the KV bytes the cost model moved),
+  `transfer_stats()` the per-transfer time and link-queue percentiles.
+
+The loop (`simulate_disaggregated`) is a sequence of named steps at each event time t:
+  finish_steps(t)      every step ending at t: update its scheduler, record the iteration, hand off finished
+                       prefills (handoff: decode router -> add_handoff -> start_transfer on the link)
+  land_transfer(t)     the next KV arrival at t: mark_kv_arrived on the decode side, release on the prefill side
+                       (the two repeat until nothing more is due at t: a zero-time transfer can land at once)
+  admit_arrivals(t)    every arrival at t: prefill router -> add_request
+  start_steps(t)       every woken idle instance schedules and starts a step of step_time(out) seconds
 No JAX.
 """
 from __future__ import annotations
@@ -45,35 +56,27 @@ import itertools
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from pdjax.config.buckets import engine_buckets
-from pdjax.config.deployment import instance_scheduler_config
 from pdjax.metrics import IterationRecord, request_record, stats
-from pdjax.scheduler import make_scheduler
+from pdjax.scheduler.instances import Instance
 from pdjax.scheduler.routing import InstanceRouter
-from pdjax.sim.cost_model import CostParams, kv_bytes, kv_cache_capacity_tokens, p2p_time
-from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
+from pdjax.sim.cost_model import CostParams, kv_bytes, p2p_time
+from pdjax.sim.hardware import HardwareSpec
 from pdjax.sim.simulator import SimResult, placeholder_sample
-from pdjax.sim.step_cost import EnginePadding, make_step_time
 
 ROLES = ("prefill", "decode")
-_POLICY_OF_ROLE = {"prefill": "prefill_only", "decode": "decode_only"}
 
 
 # --------------------------------------------------------------------------------------------------- state
-class DisaggSimInstance:
-    """One simulated prefill or decode instance: its scheduler ('prefill_only' / 'decode_only') and step time
-    (SchedulerOutput -> seconds)."""
+class DisaggSimInstance(Instance):
+    """One simulated prefill or decode instance (pdjax.scheduler.instances.Instance): its scheduler
+    ('prefill_only' / 'decode_only') and step time (SchedulerOutput -> seconds)."""
 
     def __init__(self, name: str, role: str, scheduler, step_time: Callable[[Any], float]):
-        if role not in _POLICY_OF_ROLE:
+        if role not in ROLES:
             raise ValueError(f"instance {name!r}: role={role!r}, expected 'prefill' or 'decode'")
-        want = _POLICY_OF_ROLE[role]
-        if getattr(scheduler, "name", None) != want:
-            raise ValueError(f"instance {name!r} ({role}) needs a {want!r} scheduler, got "
-                             f"{getattr(scheduler, 'name', scheduler)!r}")
-        self.name, self.role, self.scheduler, self.step_time = name, role, scheduler, step_time
+        super().__init__(name, role, scheduler)
+        self.step_time = step_time
         self.in_flight: Optional[Tuple[Any, float]] = None   # (SchedulerOutput, start time) of the running step
-        self.num_steps = 0
 
     @property
     def busy(self) -> bool:
@@ -106,10 +109,18 @@ class TransferRecord:
 class DisaggSimResult(SimResult):
     transfers: List[TransferRecord] = dataclasses.field(default_factory=list)
 
-    def transfer_summary(self) -> Dict[str, Any]:
-        """count, total KV bytes, and stats ({'mean','p50','p90','p99'}) of transfer and link-queue seconds."""
-        return {"num_transfers": len(self.transfers), "kv_bytes": sum(t.kv_bytes for t in self.transfers),
-                "transfer_s": stats([t.seconds for t in self.transfers]),
+    def transfer_summary(self) -> Dict[str, float]:
+        """Totals over all transfers, with the real engine's keys (pdjax.serving.disagg.DisaggregatedResult):
+        count, KV bytes, bytes moved (= the KV bytes the cost model moved), seconds on the links, and the achieved
+        bandwidth (moved bytes / link seconds)."""
+        total_s = sum(t.seconds for t in self.transfers)
+        moved = sum(t.kv_bytes for t in self.transfers)
+        return {"num_transfers": len(self.transfers), "kv_bytes": moved, "moved_bytes": moved, "seconds": total_s,
+                "bandwidth_bytes_per_s": moved / total_s if total_s > 0 else 0.0}
+
+    def transfer_stats(self) -> Dict[str, Any]:
+        """Stats ({'mean', 'p50', 'p90', 'p99'}) of the per-transfer link seconds and link-queue seconds."""
+        return {"transfer_s": stats([t.seconds for t in self.transfers]),
                 "queue_s": stats([t.queue_s for t in self.transfers])}
 
 
@@ -150,6 +161,143 @@ def make_transfer_time(model, bandwidth: float, latency: float, streams: int = 1
 
 
 # --------------------------------------------------------------------------------------------------- simulation
+def _check_instances(prefill: List[DisaggSimInstance], decode: List[DisaggSimInstance]) -> None:
+    for group, role in ((prefill, "prefill"), (decode, "decode")):
+        if not group:
+            raise ValueError(f"simulate_disaggregated: needs at least one {role} instance")
+        for inst in group:
+            if inst.role != role:
+                raise ValueError(f"instance {inst.name!r} has role {inst.role!r} but was given as {role}")
+    names = [i.name for i in prefill + decode]
+    if len(set(names)) != len(names):
+        raise ValueError(f"instance names must be unique, got {names}")
+    sizes = {i.name: i.scheduler.config.page_size for i in prefill + decode}
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"all instances need the same page_size (pages move whole), got {sizes}")
+
+
+class _Cluster:
+    """The state of one disaggregated simulation and its steps (the module docstring's loop)."""
+
+    def __init__(self, requests, prefill, decode, transfer_time, kv_bytes_of, router, serialize_transfers,
+                 sample, on_schedule, max_iterations):
+        self.instances = prefill + decode
+        self.prefill_router = InstanceRouter(router, prefill)
+        self.decode_router = InstanceRouter(router, decode)
+        self.index_of = {id(inst): i for i, inst in enumerate(self.instances)}
+        self.transfer_time, self.kv_bytes_of = transfer_time, kv_bytes_of
+        self.serialize_transfers, self.sample, self.on_schedule = serialize_transfers, sample, on_schedule
+        self.max_iterations = max_iterations
+        self.pending = sorted(requests, key=lambda r: (r.arrival_time, r.request_id))
+        self.next_arrival = 0
+        self.iterations: List[IterationRecord] = []
+        self.transfers: List[TransferRecord] = []
+        self.completions: list = []        # heap of (end time, seq, instance index)
+        self.kv_arrivals: list = []        # heap of (end time, seq, TransferRecord, src index, dst index)
+        self.link_free: Dict[Tuple[int, int], float] = {}
+        self.seq = itertools.count()
+        self.waking = [False] * len(self.instances)
+
+    # ------------------------------------------------------------------------------------------- events
+    def next_event_time(self) -> float:
+        inf = float("inf")
+        t_arrival = self.pending[self.next_arrival].arrival_time if self.next_arrival < len(self.pending) else inf
+        t_done = self.completions[0][0] if self.completions else inf
+        t_kv = self.kv_arrivals[0][0] if self.kv_arrivals else inf
+        return min(t_arrival, t_done, t_kv)
+
+    def _due(self, heap: list, t: float) -> bool:
+        return bool(heap) and heap[0][0] <= t
+
+    def step_or_transfer_due(self, t: float) -> bool:
+        return self._due(self.completions, t) or self._due(self.kv_arrivals, t)
+
+    # ------------------------------------------------------------------------------------------- steps
+    def finish_steps(self, t: float) -> None:
+        """Every step ending at t: update, record the iteration, hand off the prefills it finished."""
+        while self._due(self.completions, t):
+            _, _, idx = heapq.heappop(self.completions)
+            inst = self.instances[idx]
+            out, start = inst.in_flight
+            inst.in_flight = None
+            finished = inst.scheduler.update(out, self.sample(out), t)
+            self.iterations.append(IterationRecord(
+                step=inst.num_steps, start_time=start, end_time=t, num_prefill_tokens=out.num_prefill_tokens,
+                num_decode_tokens=out.num_decode_tokens, num_seqs=len(out.req_ids), instance=inst.name))
+            inst.num_steps += 1
+            self.waking[idx] = True
+            if len(self.iterations) > self.max_iterations:
+                raise RuntimeError(f"simulation exceeded max_iterations={self.max_iterations}")
+            for req in finished:
+                if req.finish_reason == "handoff":
+                    self.handoff(idx, req, t)
+
+    def handoff(self, src_idx: int, req, t: float) -> None:
+        """A finished prefill: the decode router picks its instance; a rejection releases it on the prefill side
+        at once, else its KV transfer starts."""
+        dst = self.decode_router.pick()
+        if not dst.scheduler.add_handoff(req, t):
+            self.instances[src_idx].scheduler.release(req.request_id)
+            self.waking[src_idx] = True
+            return
+        self.start_transfer(src_idx, self.index_of[id(dst)], req, t)
+
+    def start_transfer(self, src_idx: int, dst_idx: int, req, t: float) -> None:
+        """Queue req's KV on the (src, dst) link (FIFO when serialized) and schedule its arrival."""
+        src, dst = self.instances[src_idx], self.instances[dst_idx]
+        tokens = req.num_computed_tokens
+        link = (src_idx, dst_idx)
+        start = max(t, self.link_free.get(link, t)) if self.serialize_transfers else t
+        end = start + self.transfer_time(src, dst, tokens)
+        self.link_free[link] = end
+        record = TransferRecord(req.request_id, src.name, dst.name, tokens, self.kv_bytes_of(tokens), t, start, end)
+        self.transfers.append(record)
+        heapq.heappush(self.kv_arrivals, (end, next(self.seq), record, src_idx, dst_idx))
+
+    def land_transfer(self, t: float) -> None:
+        """The next KV arrival due at t: the decode side may admit it, the prefill side frees its pages."""
+        if not self._due(self.kv_arrivals, t):
+            return
+        _, _, record, src_idx, dst_idx = heapq.heappop(self.kv_arrivals)
+        self.instances[dst_idx].scheduler.mark_kv_arrived(record.request_id)
+        self.instances[src_idx].scheduler.release(record.request_id)
+        self.waking[src_idx] = self.waking[dst_idx] = True
+
+    def admit_arrivals(self, t: float) -> None:
+        """Every arrival at t goes to the prefill instance the router picks (a rejection finishes it there)."""
+        while self.next_arrival < len(self.pending) and self.pending[self.next_arrival].arrival_time <= t:
+            req = self.pending[self.next_arrival]
+            self.next_arrival += 1
+            inst = self.prefill_router.pick()
+            inst.scheduler.add_request(req)
+            self.waking[self.index_of[id(inst)]] = True
+
+    def start_steps(self, t: float) -> None:
+        """Every woken instance that is idle schedules; a non-empty output runs for step_time(out) seconds. An
+        empty one leaves it blocked until an arrival, a KV arrival or a release wakes it."""
+        for idx, inst in enumerate(self.instances):
+            if not self.waking[idx]:
+                continue
+            self.waking[idx] = False
+            if inst.busy or not inst.scheduler.has_unfinished():
+                continue
+            out = inst.scheduler.schedule(t)
+            if out.is_empty:
+                continue
+            if self.on_schedule is not None:
+                self.on_schedule(inst, out, t)
+            inst.in_flight = (out, t)
+            heapq.heappush(self.completions, (t + inst.step_time(out), next(self.seq), idx))
+
+    def check_done(self, t: float) -> None:
+        stuck = {i.name: (i.scheduler.num_waiting, i.scheduler.num_running)
+                 for i in self.instances if i.scheduler.has_unfinished()}
+        if stuck:
+            raise RuntimeError(f"disaggregated simulation cannot make progress at t={t}: (waiting, running) per "
+                               f"instance {stuck}, no arrival or KV transfer left (a request larger than a decode "
+                               "instance's KV pages?)")
+
+
 def simulate_disaggregated(requests: Sequence, prefill: Sequence[DisaggSimInstance],
                            decode: Sequence[DisaggSimInstance],
                            transfer_time: Callable[[DisaggSimInstance, DisaggSimInstance, int], float], *,
@@ -161,280 +309,28 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[DisaggSimInstan
     finish (module docstring).
 
     transfer_time(src, dst, num_tokens) -> seconds of one KV transfer; kv_bytes_of(num_tokens) -> bytes (for the
-    records only). on_schedule(instance, out, now) is called after every non-empty schedule(). Raises
-    RuntimeError when requests are left that no instance can schedule, or after `max_iterations` iterations.
+    records only); router: a pdjax.scheduler.routing policy, used for both roles. on_schedule(instance, out,
+    now) is called after every non-empty schedule(). Raises RuntimeError when requests are left that no
+    instance can schedule, or after `max_iterations` iterations.
     """
     prefill, decode = list(prefill), list(decode)
-    for group, role in ((prefill, "prefill"), (decode, "decode")):
-        if not group:
-            raise ValueError(f"simulate_disaggregated: needs at least one {role} instance")
-        for inst in group:
-            if inst.role != role:
-                raise ValueError(f"instance {inst.name!r} has role {inst.role!r} but was given as {role}")
-    instances = prefill + decode
-    names = [i.name for i in instances]
-    if len(set(names)) != len(names):
-        raise ValueError(f"instance names must be unique, got {names}")
-    sizes = {i.name: i.scheduler.config.page_size for i in instances}
-    if len(set(sizes.values())) != 1:
-        raise ValueError(f"all instances need the same page_size (pages move whole), got {sizes}")
-
+    _check_instances(prefill, decode)
     wall_start = time.perf_counter()
-    prefill_router, decode_router = InstanceRouter(router, prefill), InstanceRouter(router, decode)
-    index_of = {id(inst): i for i, inst in enumerate(instances)}
-    pending = sorted(requests, key=lambda r: (r.arrival_time, r.request_id))
-    iterations: List[IterationRecord] = []
-    transfers: List[TransferRecord] = []
-    completions: list = []        # heap of (end time, instance index)
-    arrivals_of_kv: list = []     # heap of (end time, seq, TransferRecord, src index, dst index)
-    link_free: Dict[Tuple[int, int], float] = {}
-    seq = itertools.count()
-    waking = [False] * len(instances)
-    next_arrival, now, inf = 0, 0.0, float("inf")
-
-    def handoff(src_idx: int, req, t: float) -> None:
-        src = instances[src_idx]
-        dst = decode_router.pick()
-        if not dst.scheduler.add_handoff(req, t):
-            src.scheduler.release(req.request_id)
-            waking[src_idx] = True
-            return
-        dst_idx = index_of[id(dst)]
-        tokens = req.num_computed_tokens
-        start = max(t, link_free.get((src_idx, dst_idx), t)) if serialize_transfers else t
-        end = start + transfer_time(src, dst, tokens)
-        link_free[(src_idx, dst_idx)] = end
-        record = TransferRecord(req.request_id, src.name, dst.name, tokens, kv_bytes_of(tokens), t, start, end)
-        transfers.append(record)
-        heapq.heappush(arrivals_of_kv, (end, next(seq), record, src_idx, dst_idx))
-
-    def run_loop(idx: int, t: float) -> None:
-        inst = instances[idx]
-        sched = inst.scheduler
-        if inst.busy or not sched.has_unfinished():
-            return
-        out = sched.schedule(t)
-        if out.is_empty:
-            return                     # blocked: woken by an arrival, a KV arrival or a release
-        if on_schedule is not None:
-            on_schedule(inst, out, t)
-        inst.in_flight = (out, t)
-        heapq.heappush(completions, (t + inst.step_time(out), next(seq), idx))
-
+    c = _Cluster(requests, prefill, decode, transfer_time, kv_bytes_of, router, serialize_transfers, sample,
+                 on_schedule, max_iterations)
+    now = 0.0
     while True:
-        t_arrival = pending[next_arrival].arrival_time if next_arrival < len(pending) else inf
-        t_done = completions[0][0] if completions else inf
-        t_kv = arrivals_of_kv[0][0] if arrivals_of_kv else inf
-        now = min(t_arrival, t_done, t_kv)
-        if now == inf:
+        t = c.next_event_time()
+        if t == float("inf"):
             break
-        while (completions and completions[0][0] <= now) or (arrivals_of_kv and arrivals_of_kv[0][0] <= now):
-            while completions and completions[0][0] <= now:
-                _, _, idx = heapq.heappop(completions)
-                inst = instances[idx]
-                out, start = inst.in_flight
-                inst.in_flight = None
-                finished = inst.scheduler.update(out, sample(out), now)
-                iterations.append(IterationRecord(
-                    step=inst.num_steps, start_time=start, end_time=now, num_prefill_tokens=out.num_prefill_tokens,
-                    num_decode_tokens=out.num_decode_tokens, num_seqs=len(out.req_ids), instance=inst.name))
-                inst.num_steps += 1
-                waking[idx] = True
-                if len(iterations) > max_iterations:
-                    raise RuntimeError(f"simulation exceeded max_iterations={max_iterations}")
-                for req in finished:
-                    if req.finish_reason == "handoff":
-                        handoff(idx, req, now)
-            if arrivals_of_kv and arrivals_of_kv[0][0] <= now:
-                _, _, record, src_idx, dst_idx = heapq.heappop(arrivals_of_kv)
-                instances[dst_idx].scheduler.mark_kv_arrived(record.request_id)
-                instances[src_idx].scheduler.release(record.request_id)
-                waking[src_idx] = waking[dst_idx] = True
-        while next_arrival < len(pending) and pending[next_arrival].arrival_time <= now:
-            req = pending[next_arrival]
-            next_arrival += 1
-            inst = prefill_router.pick()
-            inst.scheduler.add_request(req)      # a rejection finishes req as 'rejected' (recorded as such)
-            waking[index_of[id(inst)]] = True
-        for idx in range(len(instances)):
-            if waking[idx]:
-                waking[idx] = False
-                run_loop(idx, now)
-
-    stuck = {i.name: (i.scheduler.num_waiting, i.scheduler.num_running)
-             for i in instances if i.scheduler.has_unfinished()}
-    if stuck:
-        raise RuntimeError(f"disaggregated simulation cannot make progress at t={now}: (waiting, running) per "
-                           f"instance {stuck}, no arrival or KV transfer left (a request larger than a decode "
-                           "instance's KV pages?)")
-    return DisaggSimResult(requests=[request_record(r) for r in pending], iterations=iterations,
-                           duration_s=max((it.end_time for it in iterations), default=0.0),
-                           wall_s=time.perf_counter() - wall_start, num_iterations=len(iterations),
-                           transfers=transfers)
-
-
-# --------------------------------------------------------------------------------------------------- configs
-@dataclasses.dataclass(frozen=True)
-class GroupSetup:
-    """One role's resolved instances: scheduler config (num_pages resolved), tp/pp, KV capacity (tokens, None
-    when num_pages was given), device indices per instance."""
-    role: str
-    scheduler_config: Any
-    tp: int
-    pp: int
-    kv_capacity_tokens: Optional[int]
-    devices: Tuple[Tuple[int, ...], ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class DisaggSetup:
-    model: Any
-    hardware: HardwareSpec
-    params: CostParams
-    profile: str
-    padding_profile: bool            # the profile costs steps at the engine's padded shapes
-    dense_attention: bool
-    groups: Dict[str, GroupSetup]
-    serialize_transfers: bool = True
-
-
-def _group_pages(cfg, group, sched_cfg, model, hw) -> Tuple[int, Optional[int]]:
-    if group.num_pages > 0:
-        return group.num_pages, None
-    if cfg.sim.num_pages > 0:
-        return cfg.sim.num_pages, None
-    if hw.kind == "cpu":
-        return cfg.scheduler.num_pages, None
-    capacity = kv_cache_capacity_tokens(model, hw, group.tp, group.pp, cfg.sim.gpu_memory_utilization,
-                                        max_num_batched_tokens=sched_cfg.token_budget,
-                                        max_num_seqs=sched_cfg.max_num_seqs)
-    return capacity // sched_cfg.page_size, capacity
-
-
-def check_disaggregated_config(cfg) -> None:
-    """Config errors of a disaggregated simulation, each naming the bad value and what was expected."""
-    dep = cfg.deployment
-    if dep.kind != "disaggregated":
-        raise ValueError(f"deployment.kind={dep.kind!r}: the disaggregated simulator needs 'disaggregated'")
-    if cfg.scheduler.policy not in ("sarathi", "prefill_only", "decode_only"):
-        raise ValueError(f"scheduler.policy={cfg.scheduler.policy!r} with deployment.kind='disaggregated': "
-                         "instances run 'prefill_only' / 'decode_only' (Sarathi-style chunking per role); "
-                         "expected 'sarathi' (the base the roles' policies are derived from)")
-    if cfg.sim.num_replicas != 1:
-        raise ValueError(f"sim.num_replicas={cfg.sim.num_replicas} with deployment.kind='disaggregated': "
-                         "instance counts come from deployment.prefill/decode.num_instances; expected 1")
-    if cfg.sim.tp != 1 or cfg.sim.pp != 1:
-        raise ValueError(f"sim.tp={cfg.sim.tp}, sim.pp={cfg.sim.pp} with deployment.kind='disaggregated': each "
-                         "group's layout is deployment.prefill/decode.tp/pp; expected sim.tp = sim.pp = 1")
-    if getattr(cfg.engine, "async_scheduling", False):
-        raise ValueError("engine.async_scheduling=True with deployment.kind='disaggregated': the disaggregated "
-                         "engine has a synchronous loop only; expected False")
-
-
-def build_disagg_setup(cfg) -> DisaggSetup:
-    """Resolve model, hardware, cost profile and each group's scheduler config / pages / devices."""
-    from pdjax.config.deployment import validate_deployment  # noqa: PLC0415
-    from pdjax.sim.run import resolve_model, resolve_profile  # noqa: PLC0415  (run.py imports this module lazily)
-
-    check_disaggregated_config(cfg)
-    dep = cfg.deployment
-    model = resolve_model(cfg)
-    profile, profile_name = resolve_profile(cfg)
-    hw = profile.hardware_spec if profile is not None and profile.hardware_spec is not None \
-        else get_hardware_spec(cfg.sim.hardware)
-    params = profile.machine.params if profile is not None else CostParams()
-    # Devices: as many as the deployment asks for, plus any explicit index beyond that (other nodes).
-    explicit = [d for role in ROLES for d in getattr(dep, role).devices]
-    assignment = validate_deployment(dep, model, max([dep.num_devices] + [d + 1 for d in explicit]))
-    base = cfg.scheduler
-    if not base.vocab_size:
-        base = dataclasses.replace(base, vocab_size=model.vocab_size)
-    groups = {}
-    for role in ROLES:
-        group = getattr(dep, role)
-        sched_cfg = instance_scheduler_config(base, group, role)
-        pages, capacity = _group_pages(cfg, group, sched_cfg, model, hw)
-        if pages != sched_cfg.num_pages:
-            sched_cfg = dataclasses.replace(sched_cfg, num_pages=pages)
-        groups[role] = GroupSetup(role, sched_cfg, group.tp, group.pp, capacity,
-                                  tuple(assignment[n] for n in dep.instance_names(role)))
-    padding = profile.padding if profile is not None else None
-    return DisaggSetup(model=model, hardware=hw, params=params, profile=profile_name,
-                       padding_profile=padding is not None,
-                       dense_attention=bool((padding or {}).get("dense_attention", True)), groups=groups)
-
-
-def build_disagg_instances(cfg, setup: DisaggSetup) -> Tuple[List[DisaggSimInstance], List[DisaggSimInstance]]:
-    out = {}
-    for role in ROLES:
-        g = setup.groups[role]
-        s = g.scheduler_config
-        padding = None
-        if setup.padding_profile:
-            buckets = engine_buckets(s.token_budget, s.max_num_seqs, s.max_model_len, s.page_size,
-                                     cfg.engine.token_buckets, cfg.engine.seq_buckets, cfg.engine.page_buckets)
-            padding = EnginePadding(buckets, s.page_size, setup.dense_attention)
-        step_time = make_step_time(setup.model, setup.hardware, g.tp, g.pp, setup.params, padding,
-                                   cfg.sim.num_microbatches)
-        out[role] = [DisaggSimInstance(f"{role}{i}", role, make_scheduler(s), step_time)
-                     for i in range(len(g.devices))]
-    return out["prefill"], out["decode"]
-
-
-def setup_transfer_time(setup: DisaggSetup) -> Callable[[DisaggSimInstance, DisaggSimInstance, int], float]:
-    """transfer_time(src, dst, num_tokens) for the instances of `setup` (links from their device placement)."""
-    devices = {f"{role}{i}": devs for role in ROLES for i, devs in enumerate(setup.groups[role].devices)}
-    layout = {role: setup.groups[role].tp * setup.groups[role].pp for role in ROLES}
-    cache: Dict[Tuple[str, str], Callable[[int], float]] = {}
-
-    def transfer_time(src: DisaggSimInstance, dst: DisaggSimInstance, num_tokens: int) -> float:
-        key = (src.name, dst.name)
-        fn = cache.get(key)
-        if fn is None:
-            # the KV lives on the tp·pp devices of one replica (dp copies hold the same pages)
-            bw, lat, streams = kv_link(setup.hardware, devices[src.name][:layout["prefill"]],
-                                       devices[dst.name][:layout["decode"]])
-            fn = cache[key] = make_transfer_time(setup.model, bw, lat, streams, setup.params)
-        return fn(num_tokens)
-    return transfer_time
-
-
-def simulate_disaggregated_config(cfg, workload=None) -> Tuple[DisaggSimResult, DisaggSetup]:
-    """Simulate a disaggregated ServeConfig (workload: WorkloadRequests, default make_workload(cfg.workload,
-    cfg.seed)); requests run to max_tokens, offline mode puts every arrival at 0 (as run_sim)."""
-    from pdjax.scheduler import request_from_workload  # noqa: PLC0415
-    from pdjax.workload import make_workload  # noqa: PLC0415
-
-    setup = build_disagg_setup(cfg)
-    if workload is None:
-        workload = make_workload(cfg.workload, cfg.seed)
-    offline = cfg.engine.mode == "offline"
-    requests = [request_from_workload(wr, offline=offline) for wr in workload]
-    prefill, decode = build_disagg_instances(cfg, setup)
-    result = simulate_disaggregated(requests, prefill, decode, setup_transfer_time(setup),
-                                    kv_bytes_of=lambda n: kv_bytes(setup.model, n), router=cfg.deployment.router,
-                                    serialize_transfers=setup.serialize_transfers)
-    return result, setup
-
-
-def disagg_sim_info(result: DisaggSimResult, setup: DisaggSetup, cfg) -> dict:
-    """The "sim" block of results.json for a disaggregated run."""
-    info = {
-        "iterations_per_s": result.iterations_per_s, "wall_s": result.wall_s,
-        "num_iterations": result.num_iterations, "simulated_duration_s": result.duration_s,
-        "model": setup.model.name, "hardware": setup.hardware.name, "profile": setup.profile,
-        "deployment": "disaggregated", "router": cfg.deployment.router,
-        "serialize_transfers": setup.serialize_transfers,
-        "groups": {role: {"num_instances": len(g.devices), "tp": g.tp, "pp": g.pp,
-                          "devices": [list(d) for d in g.devices], "num_pages": g.scheduler_config.num_pages,
-                          "kv_capacity_tokens": g.kv_capacity_tokens,
-                          "token_budget": g.scheduler_config.token_budget,
-                          "max_num_seqs": g.scheduler_config.max_num_seqs}
-                   for role, g in setup.groups.items()},
-        "kv_transfer": result.transfer_summary(),
-    }
-    steps: Dict[str, int] = {}
-    for it in result.iterations:
-        steps[it.instance] = steps.get(it.instance, 0) + 1
-    info["iterations_per_instance"] = steps
-    return info
+        now = t
+        while c.step_or_transfer_due(now):
+            c.finish_steps(now)
+            c.land_transfer(now)
+        c.admit_arrivals(now)
+        c.start_steps(now)
+    c.check_done(now)
+    return DisaggSimResult(requests=[request_record(r) for r in c.pending], iterations=c.iterations,
+                           duration_s=max((it.end_time for it in c.iterations), default=0.0),
+                           wall_s=time.perf_counter() - wall_start, num_iterations=len(c.iterations),
+                           transfers=c.transfers)

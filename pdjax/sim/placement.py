@@ -36,6 +36,8 @@ What this module does with that (a GPU budget instead of a traffic rate, and who
 - Parallelism: candidates are evaluated in a process pool (fork; each worker asks the kernel to kill it when the
   parent dies, PR_SET_PDEATHSIG, and the pool is shut down with its queued work cancelled on any exit).
   Every evaluation is deterministic, so the ranking is the same serially and in parallel.
+- Each ranking row carries `deployment`: the placement as a serve config's deployment block (groups, layouts,
+  devices), to run it with `experiments.serve` on either backend.
 Not modelled here: Splitwise's mixed pool; DistServe's online re-planning. No JAX.
 """
 from __future__ import annotations
@@ -159,6 +161,19 @@ class Placement:
         if self.kind == "colocated":
             return f"colocated-{self.policy} {self.num_prefill}x{self.prefill}"
         return f"disagg-{self.kind} P {self.num_prefill}x{self.prefill} + D {self.num_decode}x{self.decode}"
+
+    def deployment(self) -> Dict[str, Any]:
+        """This placement as a serve config's `deployment` block (pdjax.config.deployment), so that
+        `--config.backend=sim` (or the real engine) runs it: groups with their instances, layouts and devices."""
+        def group(layout: Layout, first: int, count: int) -> Dict[str, Any]:
+            devices = [d for inst in self.devices[first:first + count] for d in inst]
+            return {"num_instances": count, "pp": layout.pp, "tp": layout.tp, "devices": devices}
+        if self.kind == "colocated":
+            return {"kind": "colocated", "router": "round_robin",
+                    "colocated": group(self.prefill, 0, self.num_prefill)}
+        return {"kind": "disaggregated", "router": "round_robin",
+                "prefill": group(self.prefill, 0, self.num_prefill),
+                "decode": group(self.decode, self.num_prefill, self.num_decode)}
 
     def key(self) -> tuple:
         """What the simulation depends on (candidates with equal keys simulate identically)."""
@@ -318,7 +333,7 @@ def enumerate_placements(problem: PlacementProblem, affinities: Sequence[str] = 
 
 # --------------------------------------------------------------------------------------------------- simulation
 def _params(problem: PlacementProblem) -> CostParams:
-    from pdjax.sim.run import shipped_profile_for  # noqa: PLC0415
+    from pdjax.sim.build import shipped_profile_for  # noqa: PLC0415
     from pdjax.sim.step_cost import load_sim_profile  # noqa: PLC0415
     path = problem.profile or shipped_profile_for(problem.node.hardware)
     return load_sim_profile(path).machine.params if path else CostParams()
@@ -342,9 +357,11 @@ def _pages(problem, model, hw, layout: Layout, sched_budget: int) -> int:
 
 def simulate_placement(problem: PlacementProblem, placement: Placement, rate: float):
     """Run `placement` at `rate` req/s; returns the request records."""
+    from pdjax.config.deployment import instance_name  # noqa: PLC0415
     from pdjax.scheduler import make_scheduler, request_from_workload  # noqa: PLC0415
+    from pdjax.scheduler.routing import InstanceRouter  # noqa: PLC0415
     from pdjax.sim.disagg import DisaggSimInstance, make_transfer_time, simulate_disaggregated  # noqa: PLC0415
-    from pdjax.sim.simulator import SimInstance, make_router, simulate  # noqa: PLC0415
+    from pdjax.sim.simulator import SimInstance, simulate  # noqa: PLC0415
     from pdjax.sim.step_cost import make_step_time  # noqa: PLC0415
     from pdjax.workload import make_workload  # noqa: PLC0415
 
@@ -360,8 +377,9 @@ def simulate_placement(problem: PlacementProblem, placement: Placement, rate: fl
     if placement.kind == "colocated":
         cfg = sched(placement.policy, placement.prefill)
         step = make_step_time(model, hw, placement.prefill.tp, placement.prefill.pp, params)
-        instances = [SimInstance(f"replica{i}", make_scheduler(cfg), step) for i in range(placement.num_prefill)]
-        return simulate(requests, instances, make_router("round_robin")).requests
+        instances = [SimInstance(instance_name("colocated", i), make_scheduler(cfg), step)
+                     for i in range(placement.num_prefill)]
+        return simulate(requests, instances, InstanceRouter("round_robin", instances, role="colocated")).requests
     pcfg, dcfg = sched("prefill_only", placement.prefill), sched("decode_only", placement.decode)
     pstep = make_step_time(model, hw, placement.prefill.tp, placement.prefill.pp, params)
     dstep = make_step_time(model, hw, placement.decode.tp, placement.decode.pp, params)
@@ -402,7 +420,7 @@ class Evaluation:
         return {"placement": p.name, "kind": p.kind, "policy": p.policy, "num_gpus": p.num_gpus,
                 "prefill": str(p.prefill), "num_prefill": p.num_prefill,
                 "decode": str(p.decode) if p.decode else None, "num_decode": p.num_decode,
-                "devices": [list(d) for d in p.devices],
+                "devices": [list(d) for d in p.devices], "deployment": p.deployment(),
                 "kv_link_gbps": sorted({round(bw / 1e9, 1) for bw, _, _ in p.links}) or None,
                 "goodput_rps": round(self.goodput_rps, 4), "per_gpu_goodput_rps": round(self.per_gpu_rps, 4),
                 "num_probes": len(self.probes), "wall_s": round(self.wall_s, 2)}

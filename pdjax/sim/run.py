@@ -1,192 +1,110 @@
 """`run_sim`: one serving experiment on the simulator backend, writing the same outputs as a real run.
 
-Rules (each chosen so a simulated run answers "what would the real engine do with this config"):
-- Model: `sim.model` (a registry spec name) if set, else `model.checkpoint` when it is a spec name, else the
-  checkpoint directory's name when that is a spec name, else its `pdjax_spec.json`.
-- Hardware and cost profile: `sim.hardware`; the profile is `sim.profile` (a JSON path or a shipped profile
-  name) if set, else the shipped profile for the hardware (pdjax/sim/profiles/<hardware>.json, then
-  <family>.json: 'a100-80gb-pcie' -> a100.json), else first principles (CostParams defaults). A profile that
-  carries a frozen "hardware_spec" (host-cpu calibrations) is costed against that spec, not a re-measurement,
-  so results are deterministic. A profile with "padding" costs steps at the engine's padded bucket shapes,
-  buckets from the serve config exactly as the engine picks them (pdjax.sim.step_cost.engine_buckets).
-- KV pages per replica: `sim.num_pages` when > 0; else, on a GPU/TPU, the cost model's KV capacity
-  (`kv_cache_capacity_tokens` with gpu_memory_utilization, activations for token_budget and max_num_seqs) in
-  pages; else (host-cpu) `scheduler.num_pages` as given, which is what the CPU engine allocates.
-- scheduler.vocab_size 0 becomes the model's vocabulary, as in run_real (out-of-vocabulary prompts rejected).
-- Workload: `make_workload(cfg.workload, cfg.seed)`, offline mode puts every arrival at 0, as the engine does.
-  Requests carry no stop token (the simulator cannot know when a model would emit EOS): they run to max_tokens.
-- Scope: colocated deployments (replicas behind a router), the engine's synchronous loop or, with
-  engine.async_scheduling=True, its asynchronous one; deployment.kind='disaggregated' dispatches to
-  pdjax.sim.disagg (prefill and decode instances, one KV transfer per request; its rules are documented there).
-- Outputs: `write_run_outputs` (results.json, CSVs, plots) plus a "sim" block in results.json (speed in
-  simulated iterations per wall second, hardware, profile, pages, KV capacity).
+    build (pdjax.sim.build: config -> model, hardware, cost setup, instances, router, transfer times)
+      -> simulate (colocated: pdjax.sim.simulator.simulate; disaggregated: pdjax.sim.disagg.simulate_disaggregated)
+      -> outputs (write_run_outputs)
+
+The deployment simulated is exactly `cfg.deployment` (see pdjax.sim.build for every resolution rule): colocated
+replicas of (pp, tp) behind the router, with the engine's synchronous loop or, with engine.async_scheduling=True,
+its asynchronous one; or disaggregated prefill and decode groups with one KV transfer per request.
+
+Outputs: `write_run_outputs` (results.json, CSVs, plots) with
+- "engine": as the real engine writes it (backend, deployment, policy, mode, wall_s, num_iterations; per instance
+  its role, devices, pp, tp, num_pages, token_budget, num_iterations; disaggregated: `kv_transfer` with the real
+  engine's keys num_transfers, kv_bytes, moved_bytes, seconds, bandwidth_bytes_per_s);
+- "sim": the simulator's own (speed in simulated iterations per wall second, model, hardware, profile, router,
+  per group its layout, pages and KV capacity; colocated: pipeline-stage occupancy when the simulator reports it;
+  disaggregated: per-transfer time and link-queue percentiles).
 No JAX.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-import pathlib
-from typing import Any, List, Optional, Tuple
+from typing import Tuple
 
-from pdjax.config.model_specs import MODEL_SPECS, ModelSpec, RopeScaling, get_model_spec
-from pdjax.scheduler import make_scheduler, request_from_workload
-from pdjax.sim.calibration import PROFILES_DIR
-from pdjax.sim.cost_model import CostParams, kv_cache_capacity_tokens
-from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
-from pdjax.sim.simulator import SimInstance, SimResult, make_router, simulate
-from pdjax.config.buckets import engine_buckets
-from pdjax.sim.step_cost import EnginePadding, SimProfile, load_sim_profile, make_step_time
-
-
-@dataclasses.dataclass(frozen=True)
-class SimSetup:
-    """Everything a simulated run is built from (resolved once from a ServeConfig)."""
-    model: ModelSpec
-    hardware: HardwareSpec
-    params: CostParams
-    profile: str                 # what profile was used ('' = first principles)
-    padding: Optional[EnginePadding]
-    scheduler_config: Any        # SchedulerConfig with the resolved num_pages
-    kv_capacity_tokens: Optional[int]
-
-
-# --------------------------------------------------------------------------------------------------- resolution
-def resolve_model(cfg) -> ModelSpec:
-    """The cost model's ModelSpec (see the module docstring's rule)."""
-    if cfg.sim.model:
-        return get_model_spec(cfg.sim.model)
-    ckpt = cfg.model.checkpoint
-    if ckpt in MODEL_SPECS:
-        return MODEL_SPECS[ckpt]
-    name = pathlib.Path(ckpt).name
-    if name in MODEL_SPECS:
-        return MODEL_SPECS[name]
-    spec_file = pathlib.Path(ckpt) / "pdjax_spec.json"
-    if spec_file.is_file():
-        data = json.loads(spec_file.read_text())
-        if data.get("rope_scaling"):
-            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
-        return ModelSpec(**data)
-    raise ValueError(f"sim: cannot tell the model of model.checkpoint={ckpt!r} (not a registry spec name, no "
-                     f"pdjax_spec.json there); set sim.model to one of {sorted(MODEL_SPECS)}")
-
-
-def shipped_profile_for(hardware: str) -> Optional[pathlib.Path]:
-    """pdjax/sim/profiles/<hardware>.json, else <family>.json ('a100-80gb-pcie' -> a100.json), else None."""
-    key = hardware.strip().lower()
-    for name in (key, key.split("-")[0]):
-        path = PROFILES_DIR / f"{name}.json"
-        if path.is_file():
-            return path
-    return None
-
-
-def resolve_profile(cfg) -> Tuple[Optional[SimProfile], str]:
-    if cfg.sim.profile:
-        return load_sim_profile(cfg.sim.profile), cfg.sim.profile
-    path = shipped_profile_for(cfg.sim.hardware)
-    if path is None:
-        return None, ""
-    return load_sim_profile(path), str(path)
-
-
-def check_supported(cfg) -> None:
-    """The simulator replays the colocated engine's loops; say so for anything else."""
-    deployment = getattr(cfg, "deployment", None)
-    if deployment is not None and deployment.kind != "colocated":
-        raise ValueError(f"deployment.kind={deployment.kind!r}: build_setup resolves colocated deployments "
-                         f"(expected 'colocated'); a disaggregated one is built by "
-                         f"pdjax.sim.disagg.build_disagg_setup (simulate_config dispatches to it)")
-
-
-def build_setup(cfg) -> SimSetup:
-    """Resolve model, hardware, cost parameters, padding and KV pages of a ServeConfig (module docstring)."""
-    check_supported(cfg)
-    model = resolve_model(cfg)
-    profile, profile_name = resolve_profile(cfg)
-    sched = cfg.scheduler
-    if profile is not None and profile.hardware_spec is not None:
-        hw = profile.hardware_spec
-    else:
-        hw = get_hardware_spec(cfg.sim.hardware)
-    params = profile.machine.params if profile is not None else CostParams()
-    padding = None
-    if profile is not None and profile.padding is not None:
-        buckets = engine_buckets(sched.token_budget, sched.max_num_seqs, sched.max_model_len, sched.page_size,
-                                 cfg.engine.token_buckets, cfg.engine.seq_buckets, cfg.engine.page_buckets)
-        padding = EnginePadding(buckets, sched.page_size, bool(profile.padding.get("dense_attention", True)))
-    capacity = None
-    num_pages = sched.num_pages
-    if cfg.sim.num_pages > 0:
-        num_pages = cfg.sim.num_pages
-    elif hw.kind != "cpu":
-        capacity = kv_cache_capacity_tokens(model, hw, cfg.sim.tp, cfg.sim.pp, cfg.sim.gpu_memory_utilization,
-                                            max_num_batched_tokens=sched.token_budget,
-                                            max_num_seqs=sched.max_num_seqs)
-        num_pages = capacity // sched.page_size
-    changes = {}
-    if num_pages != sched.num_pages:
-        changes["num_pages"] = num_pages
-    if hasattr(sched, "vocab_size") and not sched.vocab_size:
-        changes["vocab_size"] = model.vocab_size     # as run_real: out-of-vocabulary prompts are rejected
-    sched_cfg = dataclasses.replace(sched, **changes) if changes else sched
-    return SimSetup(model=model, hardware=hw, params=params, profile=profile_name, padding=padding,
-                    scheduler_config=sched_cfg, kv_capacity_tokens=capacity)
-
-
-def build_instances(cfg, setup: SimSetup) -> List[SimInstance]:
-    step_time = make_step_time(setup.model, setup.hardware, cfg.sim.tp, cfg.sim.pp, setup.params, setup.padding,
-                               cfg.sim.num_microbatches)
-    return [SimInstance(f"replica{i}", make_scheduler(setup.scheduler_config), step_time)
-            for i in range(cfg.sim.num_replicas)]
+from pdjax.sim.build import (SimSetup, build_instances, build_requests, build_router, build_setup,
+                             build_transfer_time, kv_bytes_fn)
+from pdjax.sim.disagg import simulate_disaggregated
+from pdjax.sim.simulator import SimResult, simulate
 
 
 def is_disaggregated(cfg) -> bool:
-    deployment = getattr(cfg, "deployment", None)
-    return deployment is not None and deployment.kind == "disaggregated"
+    return cfg.deployment.kind == "disaggregated"
+
+
+def simulate_setup(setup: SimSetup, requests) -> SimResult:
+    """Simulate the built deployment `setup` on `requests` (scheduler Requests)."""
+    instances = build_instances(setup)
+    if setup.kind == "colocated":
+        replicas = instances["colocated"]
+        return simulate(requests, replicas, build_router(setup, replicas), async_scheduling=setup.async_scheduling)
+    return simulate_disaggregated(requests, instances["prefill"], instances["decode"], build_transfer_time(setup),
+                                  kv_bytes_of=kv_bytes_fn(setup), router=setup.router,
+                                  serialize_transfers=setup.serialize_transfers)
 
 
 def simulate_config(cfg, workload=None) -> Tuple[SimResult, SimSetup]:
-    """Simulate a ServeConfig (workload: WorkloadRequests, default make_workload(cfg.workload, cfg.seed)).
-    A disaggregated deployment returns pdjax.sim.disagg's (DisaggSimResult, DisaggSetup)."""
-    from pdjax.workload import make_workload  # noqa: PLC0415
-
-    if is_disaggregated(cfg):
-        from pdjax.sim.disagg import simulate_disaggregated_config  # noqa: PLC0415
-        return simulate_disaggregated_config(cfg, workload)
-
+    """Simulate a ServeConfig (workload: WorkloadRequests, default make_workload(cfg.workload, cfg.seed)); returns
+    the result (a DisaggSimResult for a disaggregated deployment) and the setup it was built from."""
     setup = build_setup(cfg)
-    if workload is None:
-        workload = make_workload(cfg.workload, cfg.seed)
-    offline = cfg.engine.mode == "offline"
-    requests = [request_from_workload(wr, offline=offline) for wr in workload]
-    instances = build_instances(cfg, setup)
-    result = simulate(requests, instances, make_router(cfg.sim.router),
-                      async_scheduling=bool(getattr(cfg.engine, "async_scheduling", False)))
-    return result, setup
+    return simulate_setup(setup, build_requests(cfg, workload)), setup
 
 
-def sim_info(result: SimResult, setup: SimSetup, cfg) -> dict:
-    if is_disaggregated(cfg):
-        from pdjax.sim.disagg import disagg_sim_info  # noqa: PLC0415
-        return disagg_sim_info(result, setup, cfg)
-    return {
+def iterations_per_instance(result: SimResult, setup: SimSetup) -> dict:
+    """Instance name -> simulated iterations (one colocated instance records its iterations under '')."""
+    counts = {name: 0 for g in setup.groups.values() for name in g.names}
+    for it in result.iterations:
+        name = it.instance or next(iter(counts))
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def engine_info(result: SimResult, setup: SimSetup, cfg) -> dict:
+    """results.json's "engine" block, keyed as the real engine's (pdjax.serving.run)."""
+    steps = iterations_per_instance(result, setup)
+    info = {"backend": "sim", "deployment": setup.kind, "policy": cfg.scheduler.policy, "mode": cfg.engine.mode,
+            "async_scheduling": setup.async_scheduling, "wall_s": result.wall_s,
+            "num_iterations": result.num_iterations,
+            "instances": {name: {"role": role, "devices": list(devs), "pp": g.pp, "tp": g.tp,
+                                 "num_pages": g.scheduler_config.num_pages,
+                                 "token_budget": g.scheduler_config.token_budget, "num_iterations": steps[name]}
+                          for role, g in setup.groups.items() for name, devs in zip(g.names, g.devices)}}
+    if setup.kind == "disaggregated":
+        info["policy"] = "prefill_only+decode_only"
+        info["kv_transfer"] = result.transfer_summary()
+    return info
+
+
+def sim_info(result: SimResult, setup: SimSetup, cfg=None) -> dict:
+    """results.json's "sim" block: the simulator's speed and what it resolved."""
+    info = {
         "iterations_per_s": result.iterations_per_s,
         "wall_s": result.wall_s,
         "num_iterations": result.num_iterations,
         "simulated_duration_s": result.duration_s,
         "model": setup.model.name,
         "hardware": setup.hardware.name,
-        "tp": cfg.sim.tp,
-        "pp": cfg.sim.pp,
-        "num_replicas": cfg.sim.num_replicas,
-        "router": cfg.sim.router,
         "profile": setup.profile,
-        "padding": dataclasses.asdict(setup.padding) if setup.padding else None,
-        "num_pages": setup.scheduler_config.num_pages,
-        "kv_capacity_tokens": setup.kv_capacity_tokens,
+        "deployment": setup.kind,
+        "router": setup.router,
+        "groups": {role: {"num_instances": g.num_instances, "pp": g.pp, "tp": g.tp,
+                          "devices": [list(d) for d in g.devices], "num_pages": g.scheduler_config.num_pages,
+                          "kv_capacity_tokens": g.kv_capacity_tokens,
+                          "token_budget": g.scheduler_config.token_budget,
+                          "max_num_seqs": g.scheduler_config.max_num_seqs,
+                          "padding": dataclasses.asdict(g.padding) if g.padding else None}
+                   for role, g in setup.groups.items()},
+        "iterations_per_instance": iterations_per_instance(result, setup),
     }
+    if setup.kind == "colocated":   # the one group's figures at the top, as before
+        g = setup.groups["colocated"]
+        info.update(num_pages=g.scheduler_config.num_pages, kv_capacity_tokens=g.kv_capacity_tokens)
+        if getattr(result, "pipeline", None):      # pdjax.sim.simulator's pipeline-stage occupancy
+            info["pipeline"] = result.pipeline
+    else:
+        info["serialize_transfers"] = setup.serialize_transfers
+        info["kv_transfer_stats"] = result.transfer_stats()
+    return info
 
 
 def run_sim(cfg, config_dict, workdir: str, *, plots: bool = True, workload=None, extra=None) -> dict:
@@ -195,10 +113,6 @@ def run_sim(cfg, config_dict, workdir: str, *, plots: bool = True, workload=None
     from pdjax.metrics import write_run_outputs  # noqa: PLC0415
 
     result, setup = simulate_config(cfg, workload)
-    engine = {"backend": "sim", "policy": cfg.scheduler.policy, "mode": cfg.engine.mode,
-              "wall_s": result.wall_s, "num_iterations": result.num_iterations}
-    if is_disaggregated(cfg):
-        engine.update(deployment="disaggregated", policy="prefill_only+decode_only")
-    extra = {**(extra or {}), "engine": engine, "sim": sim_info(result, setup, cfg)}
+    extra = {**(extra or {}), "engine": engine_info(result, setup, cfg), "sim": sim_info(result, setup, cfg)}
     return write_run_outputs(workdir, config_dict, result.requests, result.iterations, cfg.slo.as_dict(),
                              plots=plots, extra=extra)

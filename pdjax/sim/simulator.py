@@ -7,12 +7,26 @@ with ignore_eos does). Requests are routed to an instance on arrival by a global
 RequestRecord/IterationRecord lists the real engine produces, so every report, plot and sweep serves both backends.
 
 Each instance replays the loop of `pdjax.serving.engine.ColocatedEngine` exactly, so that fed the same clock and
-arrivals both produce the same SchedulerOutputs (tests/test_simulator.py checks this):
+arrivals both produce the same SchedulerOutputs (tests/test_simulator.py checks this), with the engine's batch
+queue (`pdjax.scheduler.BatchQueue`, up to `max_in_flight` batches dispatched and not yet applied):
     top:  no unfinished request -> wait for the next arrival, admit every arrival <= now, back to top
-          start = now; admit every arrival <= start; out = schedule(start)
-          empty -> admit arrivals <= now; if none were waiting, wait for the next arrival, admit; back to top
-          admit every arrival <= start          (the engine does this while the device step runs)
-          now = start + step_time(out); update(out, sampled, now); back to top
+          if fewer than max_in_flight batches are in flight:
+            start = now; admit every arrival <= start; out = schedule(start)
+            non-empty -> admit every arrival <= start (the engine does this while the device runs);
+                         dispatch out onto the stages (below); if the queue is still not full, back to top
+            empty, nothing in flight -> admit arrivals <= now; if none were waiting, wait for the next arrival
+                         and admit; back to top
+          wait for the oldest batch to end: now = max(now, its end); update(out, sampled, now); back to top
+With max_in_flight == 1 and one stage this is: now = start + step_time(out); update.
+
+Pipeline stages. An instance with pp stages (a step-time function with `.pp` > 1 and `.stage_times(out)`, see
+pdjax.sim.step_cost.PipelineStepTime, or `stage_times=` given) keeps up to pp batches in flight by default. Each
+stage is a resource: batch k occupies stage s from max(its end on stage s-1 + the activation send between the
+two stages' devices, the end of batch k-1 on stage s) for its stage time; stage 0 starts at max(dispatch time,
+stage 0 free). Bubbles thus come out of the schedule: a stage idles while the batch it needs is still upstream,
+and unequal batches leave the short ones waiting behind long ones. `SimResult.pipeline` reports, per instance,
+each stage's busy seconds and the bubble fraction = idle stage time / total stage time over the time the
+instance had a batch in flight (1 - sum(busy) / (pp x that time)), and the mean number of batches in flight.
 
 With `async_scheduling=True` the instance replays the engine's asynchronous loop instead (vLLM V1-style: while
 step k runs on the device, the host updates the scheduler for step k with placeholder tokens, admits, schedules
@@ -34,6 +48,7 @@ from collections import deque
 from typing import Callable, List, Optional, Sequence
 
 from pdjax.metrics import IterationRecord, RequestRecord, request_record
+from pdjax.scheduler.batch_queue import BatchQueue
 
 PLACEHOLDER_TOKEN = 0
 
@@ -45,6 +60,9 @@ class SimResult:
     duration_s: float            # simulated seconds until the last event
     wall_s: float                # real seconds the simulation took
     num_iterations: int
+    # Pipeline stages and batches in flight (module docstring): {"bubble_fraction", "stage_busy_s",
+    # "active_s", "mean_batches_in_flight", "instances": {name: the same per instance, with pp, max_in_flight}}
+    pipeline: Optional[dict] = None
 
     @property
     def iterations_per_s(self) -> float:
@@ -54,12 +72,30 @@ class SimResult:
 
 class SimInstance:
     """One serving instance: a scheduler, a step-time function (SchedulerOutput -> seconds) and its inbox of
-    routed, not yet admitted requests."""
+    routed, not yet admitted requests.
 
-    def __init__(self, name: str, scheduler, step_time: Callable[[object], float]):
+    Pipeline stages (module docstring): `stage_times(out) -> (per-stage seconds, per-boundary send seconds)`,
+    taken from `step_time.stage_times` when the step-time function has `.pp` > 1 (pdjax.sim.step_cost.PipelineStepTime);
+    None: one stage of step_time(out). max_in_flight: batches in flight at most (default: step_time's pp, else 1;
+    give it with an explicit `stage_times`)."""
+
+    def __init__(self, name: str, scheduler, step_time: Optional[Callable[[object], float]] = None, *,
+                 stage_times: Optional[Callable] = None, max_in_flight: Optional[int] = None):
+        if step_time is None and stage_times is None:
+            raise ValueError(f"SimInstance {name!r}: give step_time or stage_times")
         self.name = name
         self.scheduler = scheduler
         self.step_time = step_time
+        pp = int(getattr(step_time, "pp", 1)) if step_time is not None else 1
+        if stage_times is None and pp > 1:
+            stage_times = step_time.stage_times
+        self.stage_times = stage_times
+        self.queue = BatchQueue(pp if max_in_flight is None else max_in_flight)
+        self.stage_free: List[float] = []   # per stage: when it finishes the batches dispatched so far
+        self.stage_busy: List[float] = []   # per stage: seconds busy
+        self.active_s = 0.0            # seconds with at least one batch in flight
+        self.in_flight_s = 0.0         # sum over batches of their (dispatch, collect) spans
+        self._active_since = 0.0
         self.inbox: deque = deque()    # routed requests in arrival order, admitted at the engine's admit points
         self.in_flight = None          # (SchedulerOutput, start time[, end]) of the step being "executed"
         self.dispatched = None         # async: (out, start, end) queued on the device, its update still due
@@ -69,8 +105,42 @@ class SimInstance:
         self.num_routed = 0
 
     @property
+    def max_in_flight(self) -> int:
+        return self.queue.max_in_flight
+
+    @property
     def busy(self) -> bool:
+        """The host is blocked collecting a batch (sync: the oldest in-flight batch)."""
         return self.in_flight is not None
+
+    def run_stages(self, out, t: float) -> float:
+        """Occupy the stages with batch `out` dispatched at t; returns when it leaves the last stage."""
+        if self.stage_times is None:
+            stages, sends = (self.step_time(out),), ()
+        else:
+            stages, sends = self.stage_times(out)
+        if not self.stage_free:
+            self.stage_free = [0.0] * len(stages)
+            self.stage_busy = [0.0] * len(stages)
+        free, busy = self.stage_free, self.stage_busy
+        ready = t
+        for s, seconds in enumerate(stages):
+            if s:
+                ready = ready + sends[s - 1]
+            start = ready if ready > free[s] else free[s]
+            ready = start + seconds
+            free[s] = ready
+            busy[s] += seconds
+        return ready
+
+    def pipeline_stats(self) -> dict:
+        pp = len(self.stage_busy)
+        total = pp * self.active_s
+        return {"pp": pp, "max_in_flight": self.max_in_flight, "stage_busy_s": list(self.stage_busy),
+                "active_s": self.active_s,
+                "bubble_fraction": (1.0 - sum(self.stage_busy) / total) if total > 0 else 0.0,
+                "stage_busy_fraction": [b / self.active_s if self.active_s > 0 else 0.0 for b in self.stage_busy],
+                "mean_batches_in_flight": self.in_flight_s / self.active_s if self.active_s > 0 else 0.0}
 
 
 def round_robin_router():
@@ -122,6 +192,12 @@ def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, 
     """
     if not instances:
         raise ValueError("simulate: no instances")
+    if async_scheduling:
+        piped = [i.name for i in instances if i.max_in_flight > 1 or i.stage_times is not None]
+        if piped:
+            raise ValueError(f"simulate: async_scheduling with pipeline stages / batches in flight on instances "
+                             f"{piped}: the engine refuses that combination (pdjax.serving.engine); use one or the "
+                             "other")
     wall_start = time.perf_counter()
     router = router or round_robin_router()
     pending = sorted(requests, key=lambda r: (r.arrival_time, r.request_id))
@@ -184,25 +260,35 @@ def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, 
             inst.dispatched = new
 
     def run_loop(idx: int, t: float) -> None:
-        """The engine loop of instance `idx` at time t, until it starts a step or has to wait."""
+        """The engine's batch-queue loop of instance `idx` at time t, until the host blocks collecting the oldest
+        batch in flight or has to wait for an arrival."""
         inst = instances[idx]
         sched = inst.scheduler
+        queue = inst.queue
         while True:
             if not sched.has_unfinished():
                 if not admit(inst, t):
                     return                     # idle: woken by its next arrival
                 continue
-            admit(inst, t)
-            out = sched.schedule(t)
-            if out.is_empty:
-                if not admit(inst, t):
-                    return                     # blocked: woken by its next arrival
-                continue
-            admit(inst, t)
-            if on_schedule is not None:
-                on_schedule(inst, out, t)
-            inst.in_flight = (out, t)
-            heappush(completions, (t + inst.step_time(out), idx))
+            if not queue.full:
+                admit(inst, t)
+                out = sched.schedule(t)
+                if not out.is_empty:
+                    admit(inst, t)
+                    if on_schedule is not None:
+                        on_schedule(inst, out, t)
+                    if not queue:
+                        inst._active_since = t
+                    queue.push(out, (t, inst.run_stages(out, t)))
+                    if not queue.full:
+                        continue
+                elif not queue:
+                    if not admit(inst, t):
+                        return                 # blocked: woken by its next arrival
+                    continue
+            out, (start, end) = queue.peek()   # the host blocks collecting the oldest batch
+            inst.in_flight = (out, start)
+            heappush(completions, (end if end > t else t, idx))
             return
 
     while True:
@@ -218,6 +304,10 @@ def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, 
             out, start = inst.in_flight[0], inst.in_flight[1]
             inst.in_flight = None
             if not async_scheduling:
+                inst.queue.pop()
+                inst.in_flight_s += now - start
+                if not inst.queue:
+                    inst.active_s += now - inst._active_since
                 finished = inst.scheduler.update(out, sample(out), now)
                 for req in finished:
                     if req.finish_reason == "handoff":    # prefill_only: no decode side simulated, free pages
@@ -257,4 +347,17 @@ def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, 
                            "requests but schedule nothing and no arrivals are left")
     return SimResult(requests=[request_record(r) for r in pending], iterations=iterations,
                      duration_s=max((it.end_time for it in iterations), default=0.0),
-                     wall_s=time.perf_counter() - wall_start, num_iterations=len(iterations))
+                     wall_s=time.perf_counter() - wall_start, num_iterations=len(iterations),
+                     pipeline=None if async_scheduling else pipeline_summary(instances))
+
+
+def pipeline_summary(instances: Sequence[SimInstance]) -> dict:
+    """SimResult.pipeline: per instance and over all instances (stage seconds summed), see the module docstring."""
+    per = {inst.name or f"instance{i}": inst.pipeline_stats() for i, inst in enumerate(instances)}
+    busy = sum(sum(p["stage_busy_s"]) for p in per.values())
+    total = sum(p["pp"] * p["active_s"] for p in per.values())
+    active = sum(p["active_s"] for p in per.values())
+    return {"bubble_fraction": (1.0 - busy / total) if total > 0 else 0.0, "stage_busy_s": busy,
+            "stage_total_s": total,
+            "mean_batches_in_flight": (sum(inst.in_flight_s for inst in instances) / active) if active > 0 else 0.0,
+            "instances": per}

@@ -23,6 +23,12 @@ A *sim profile* is a machine-profile JSON (pdjax.sim.calibration schema) with tw
 time: `host_cpu()` re-measures a noisy machine, so the simulator must use the numbers the fit saw) and
 "padding" ({"dense_attention": bool}: cost steps at the engine's bucket shapes).
 
+Pipeline parallelism (pp > 1): `make_step_time` returns a `PipelineStepTime`, whose `stage_times(out)` gives the
+seconds of each stage (its layers only, `cost_model.stage_times`) and of each activation send; the simulator
+runs the stages as resources with up to pp batches in flight, so bubbles come out of the schedule (the old
+whole-iteration `num_microbatches` formula is not used here any more). Calling it gives one batch's latency
+alone through the pipeline (sum of stages and sends). pp == 1 keeps the plain function and its exact numbers.
+
 Speed: `compact_composition` groups decodes into at most two (count, context) groups with the exact same context
 sum, which gives the same cost-model time as the per-request composition (the model aggregates decodes by their
 mean context) at a fraction of the Python work.
@@ -38,7 +44,7 @@ from pdjax.config.buckets import Buckets
 from pdjax.config.model_specs import ModelSpec
 from pdjax.sim.calibration import MachineProfile, load_profile
 from pdjax.sim import cost_model as cm
-from pdjax.sim.cost_model import BatchComposition, CostParams, _plan, iteration_time
+from pdjax.sim.cost_model import BatchComposition, CostParams, _plan
 from pdjax.sim.hardware import HardwareSpec
 
 
@@ -148,19 +154,41 @@ class CachedIterationTime:
         return attention * plan.layers_per_stage
 
 
+class PipelineStepTime:
+    """The step time of a pp-stage instance (module docstring): `stage_times(out) -> (per-stage seconds,
+    per-boundary send seconds)` for the simulator's stage resources; calling it returns one batch's latency alone
+    through the pipeline. `pp` tells the simulator how many batches it may keep in flight."""
+
+    def __init__(self, model: ModelSpec, hw: HardwareSpec, tp: int, pp: int, params: CostParams,
+                 padding: Optional[EnginePadding] = None):
+        self.model, self.hw, self.tp, self.pp, self.params, self.padding = model, hw, tp, pp, params, padding
+        self._per_seq = cm.per_seq_host_s(params, tp * pp)
+
+    def stage_times(self, out) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
+        if self.padding is not None:
+            batch = padded_composition(out, self.padding)
+            stages, sends = cm.stage_times(batch, self.model, self.hw, self.tp, self.pp, self.params)
+            # host per-sequence cost counts the real sequences (see make_step_time); it sits on stage 0
+            extra = self._per_seq * (len(out.num_new_tokens) - batch.num_seqs)
+            return (stages[0] + extra,) + stages[1:], sends
+        return cm.stage_times(compact_composition(out), self.model, self.hw, self.tp, self.pp, self.params)
+
+    def __call__(self, out) -> float:
+        stages, sends = self.stage_times(out)
+        return sum(stages) + sum(sends)
+
+
 def make_step_time(model: ModelSpec, hw: HardwareSpec, tp: int = 1, pp: int = 1,
-                   params: Optional[CostParams] = None, padding: Optional[EnginePadding] = None,
-                   num_microbatches: int = 1) -> Callable[[Any], float]:
+                   params: Optional[CostParams] = None, padding: Optional[EnginePadding] = None
+                   ) -> Callable[[Any], float]:
     """A `SchedulerOutput -> seconds` function (the simulator's step_time): the cost model on the output's
-    composition, padded as the engine pads it when `padding` is given."""
+    composition, padded as the engine pads it when `padding` is given. pp > 1: a `PipelineStepTime` (per-stage
+    times; the simulator pipelines batches, so bubbles come from the simulated stage schedule)."""
     params = CostParams() if params is None else params
     _plan(model, hw, tp, pp)   # validate the layout now, not at the first step
-    if pp == 1:
-        cost = CachedIterationTime(model, hw, tp, params)
-    else:
-        def cost(batch: BatchComposition) -> float:
-            return iteration_time(batch, model, hw, tp, pp, params, num_microbatches).total
-    exact_microbatches = pp > 1 and num_microbatches > 1
+    if pp > 1:
+        return PipelineStepTime(model, hw, tp, pp, params, padding)
+    cost = CachedIterationTime(model, hw, tp, params)
 
     per_seq = cm.per_seq_host_s(params, tp * pp)
 
@@ -170,11 +198,7 @@ def make_step_time(model: ModelSpec, hw: HardwareSpec, tp: int = 1, pp: int = 1,
             # The padded composition's "sequences" are stand-ins for padded work; the host's per-sequence
             # cost (batch building, sampling bookkeeping) counts the real ones.
             return cost(batch) + per_seq * (len(out.num_new_tokens) - batch.num_seqs)
-        if exact_microbatches:
-            batch = BatchComposition.from_scheduler_output(out)
-        else:
-            batch = compact_composition(out)
-        return cost(batch)
+        return cost(compact_composition(out))
     return step_time
 
 

@@ -1,0 +1,42 @@
+"""Instances: one vocabulary for the real engines and the simulator (no JAX).
+
+An instance is a named scheduler in a role of the deployment (pdjax.config.deployment):
+- roles 'colocated' (a replica running the scheduler block's policy), 'prefill' (a 'prefill_only' scheduler)
+  and 'decode' (a 'decode_only' scheduler);
+- names 'replica0', 'replica1', ... (colocated), 'prefill0', ..., 'decode0', ... (`instance_name`), so results,
+  device assignments and iteration records of both backends name instances alike.
+`check_instance` is the role check both sides run; `Instance` is the plain base (name, role, scheduler, steps
+taken) that the simulator's disaggregated instances extend and the serving engines can adopt. Routing across the
+instances of a role: pdjax.scheduler.routing.
+"""
+from __future__ import annotations
+
+from pdjax.config.deployment import ROLE_POLICIES, ROLES, check_role, instance_name
+
+__all__ = ["ROLES", "ROLE_POLICIES", "Instance", "check_instance", "check_role", "instance_name"]
+
+
+def check_instance(name: str, role: str, scheduler) -> None:
+    """ValueError unless `role` is a role and `scheduler` runs a policy of it (prefill: 'prefill_only', decode:
+    'decode_only'; colocated: any other, a whole-request policy)."""
+    if role not in ROLES:
+        raise ValueError(f"instance {name!r}: role={role!r}, expected one of {ROLES}")
+    policy = getattr(scheduler, "name", scheduler)
+    want = ROLE_POLICIES.get(role)
+    if want is not None and policy != want:
+        raise ValueError(f"instance {name!r} ({role}) needs a {want!r} scheduler, got {policy!r}")
+    if want is None and policy in ROLE_POLICIES.values():
+        raise ValueError(f"instance {name!r} ({role}) needs a colocated policy, got {policy!r} (the policy of a "
+                         f"disaggregated deployment's role)")
+
+
+class Instance:
+    """A named scheduler in a role (checked by `check_instance`); num_steps counts its iterations."""
+
+    def __init__(self, name: str, role: str, scheduler):
+        check_instance(name, role, scheduler)
+        self.name, self.role, self.scheduler = name, role, scheduler
+        self.num_steps = 0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, {self.role!r})"

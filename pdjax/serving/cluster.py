@@ -1,0 +1,269 @@
+"""Multi-instance serving engine: one host loop driving many instances, each its own runner (on its own devices),
+scheduler and KV cache, behind the router (pdjax.scheduler.routing.InstanceRouter).
+
+Two configurations of the same loop:
+- colocated replicas (data parallelism): instances of role 'colocated', each a full colocated scheduler
+  (sarathi, vllm_v0, ...); a new request goes to one replica (router) and stays there until it finishes.
+- disaggregated (prefill/decode): instances of roles 'prefill' (prefill_only scheduler) and 'decode'
+  (decode_only); `DisaggregatedEngine` (disagg.py) is this configuration. Per request (protocol of
+  pdjax/scheduler/policies.py):
+  arrival -> router picks a prefill instance -> `add_request` -> prefill chunks -> first token sampled: finished
+  with 'handoff' (TTFT is stamped here, on the prefill instance) -> router picks a decode instance ->
+  `add_handoff(req)` -> `transfer_kv` (the one cross-group copy, staged on the decode devices, each layer on the
+  decode stage that holds it) -> `mark_kv_arrived` -> prefill side `release` (its pages are free again) ->
+  decode_only scheduler admits it when a slot, budget and pages fit (backpressure) and lists it in
+  `kv_handoff_req_ids` -> before that step the staged pages are scattered into its new page table, stage by
+  stage -> decode steps stamp the later tokens.
+  The Request object is shared by both sides (add_handoff mutates it), so its record holds the whole story.
+A cluster is one or the other (colocated instances never share it with prefill/decode ones); a single colocated
+instance runs here too, though pdjax.serving.engine.ColocatedEngine (sync or async scheduling) is its engine.
+
+Loop (single host thread, mirroring ColocatedEngine's sync loop): every round, each instance with work schedules
+and dispatches its step (JAX dispatch is async, and the instances' devices are disjoint, so their steps run at
+the same time); then arrivals are admitted while the steps run (`overlap`); then each instance's result is
+collected in turn, its scheduler updated and its tokens stamped with the time its ids reached the host.
+Iteration records carry the instance name ('replica0', 'prefill0', 'decode1', ...) and a per-instance step
+index. A pipelined instance (PipelineRunner) has one batch in flight per round here: its stages work in turn.
+
+Choices and limits:
+- The transfer is synchronous (its time is on the host's critical path between a prefill step's collect and
+  the next round); it is small next to a step for short prompts and is measured per request (`transfers`).
+  `warmup_transfers` compiles every source stage's gather, every copy and every destination stage's scatter for
+  every padded page count before serving, so no transfer compiles mid-run.
+- Routing: 'round_robin', or 'least_loaded' (InstanceRouter.load of the instance's role).
+- A request that finishes on its first token ('stop' / 'length') never reaches a decode instance.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from pdjax.metrics import IterationRecord, request_record
+from pdjax.scheduler import Request
+from pdjax.scheduler.instances import ROLE_POLICIES, ROLES, check_instance
+from pdjax.scheduler.routing import InstanceRouter
+from pdjax.serving.engine import ArrivalQueue, CompileTracker, EngineResult, TokenCallback
+from pdjax.serving.kv_transfer import StagedKV, scatter_kv_pages, transfer_kv
+
+@dataclasses.dataclass
+class Instance:
+    """One instance: a runner (ModelRunner or PipelineRunner, with a `mesh` and `kv_stages`) and a scheduler
+    ('prefill_only' for role 'prefill', 'decode_only' for 'decode', any colocated policy for 'colocated'; roles
+    and names as pdjax.scheduler.instances: 'replica0', 'prefill0', 'decode0', ...)."""
+    name: str
+    role: str            # 'colocated' | 'prefill' | 'decode'
+    runner: Any
+    scheduler: Any
+    num_steps: int = 0
+
+    def __post_init__(self):
+        check_instance(self.name, self.role, self.scheduler)
+        policy = getattr(self.scheduler, "name", self.scheduler)
+        if self.role == "colocated" and policy in ROLE_POLICIES.values():
+            raise ValueError(f"instance {self.name!r} (colocated) needs a colocated policy, got {policy!r}")
+
+
+@dataclasses.dataclass
+class TransferRecord:
+    """One request's KV transfer: source and destination instances, size, and wall time (seconds, on the
+    engine clock: start_time is relative to the run start)."""
+    request_id: str
+    src: str
+    dst: str
+    num_tokens: int
+    num_pages: int
+    kv_bytes: int
+    moved_bytes: int
+    start_time: float
+    seconds: float
+
+
+@dataclasses.dataclass
+class ClusterResult(EngineResult):
+    transfers: List[TransferRecord] = dataclasses.field(default_factory=list)
+
+    def transfer_summary(self) -> Dict[str, float]:
+        """Totals over all transfers: count, bytes, seconds, and achieved bandwidth (moved bytes / s)."""
+        total_s = sum(t.seconds for t in self.transfers)
+        moved = sum(t.moved_bytes for t in self.transfers)
+        return {"num_transfers": len(self.transfers), "kv_bytes": sum(t.kv_bytes for t in self.transfers),
+                "moved_bytes": moved, "seconds": total_s,
+                "bandwidth_bytes_per_s": moved / total_s if total_s > 0 else 0.0}
+
+
+class ClusterEngine:
+    """Drives colocated replicas, or prefill and decode instances (see the module docstring)."""
+
+    def __init__(self, instances: Sequence[Instance], *, router: str = "round_robin",
+                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep,
+                 on_token: Optional[TokenCallback] = None, overlap: bool = True,
+                 transfer: Callable[..., StagedKV] = transfer_kv, compile_counter: Optional[Callable[[], int]] = None,
+                 fail_on_compile: bool = False):
+        instances = list(instances)
+        if not instances:
+            raise ValueError("a cluster needs at least one instance")
+        names = [i.name for i in instances]
+        if len(set(names)) != len(names):
+            raise ValueError(f"instance names must be unique, got {names}")
+        by_role = {role: [i for i in instances if i.role == role] for role in ROLES}
+        self.colocated, self.prefill, self.decode = (by_role[r] for r in ROLES)
+        if self.colocated and (self.prefill or self.decode):
+            raise ValueError(f"colocated instances {[i.name for i in self.colocated]} cannot share a cluster with "
+                             "prefill/decode instances")
+        for role, other in (("prefill", "decode"), ("decode", "prefill")):
+            if by_role[other] and not by_role[role]:
+                raise ValueError(f"a disaggregated engine needs at least one {role} instance")
+        if self.prefill:
+            sizes = {i.name: i.scheduler.config.page_size for i in self.prefill + self.decode}
+            if len(set(sizes.values())) != 1:
+                raise ValueError(f"all instances need the same page_size (pages move whole), got {sizes}")
+        self.entry_router = InstanceRouter(router, self.colocated or self.prefill)
+        self.decode_router = InstanceRouter(router, self.decode) if self.decode else None
+        self.clock, self.sleep, self.on_token, self.overlap = clock, sleep, on_token, overlap
+        self.transfer = transfer
+        self.compiles = CompileTracker(compile_counter, fail_on_compile)
+        self._staged: Dict[str, StagedKV] = {}
+
+    @property
+    def instances(self) -> List[Instance]:
+        return self.colocated + self.prefill + self.decode
+
+    def warmup_transfers(self, max_model_len: int) -> float:
+        """Compile the transfer's per-stage gathers / cross-group copies / per-stage scatters for every padded
+        page count a request of up to `max_model_len` tokens can need, on every (prefill, decode) pair; returns
+        seconds taken (0 without such pairs).
+
+        Writes junk into the leading pages of the decode caches: harmless before serving (a request only ever
+        reads KV positions it wrote itself or received)."""
+        start = time.perf_counter()
+        for src in self.prefill:
+            for dst in self.decode:
+                src_stages = src.runner.kv_stages
+                ps = src_stages[0].page_size
+                most = min(-(-max_model_len // ps), src_stages[0].num_pages, dst.runner.kv_stages[0].num_pages)
+                sizes, s = [], 1
+                while True:
+                    sizes.append(min(s, most))
+                    if s >= most:
+                        break
+                    s *= 2
+                for n in sizes:
+                    staged = self.transfer(src.runner.kv_stages, list(range(n)), dst.runner.kv_stage_meshes,
+                                           num_tokens=n * ps)
+                    dst.runner.kv_stages = scatter_kv_pages(dst.runner.kv_stages, list(range(n)), staged)
+        for inst in self.decode:
+            for cache in inst.runner.kv_stages:
+                cache.k[0].block_until_ready()
+        return time.perf_counter() - start
+
+    # ------------------------------------------------------------------------------------------------------
+    def _handoff(self, src: Instance, req: Request, now: Callable[[], float],
+                 transfers: List[TransferRecord]) -> bool:
+        """Hand a prefilled request to a decode instance; False if the decode side rejected it (then it is
+        finished: its pages on the prefill side are freed)."""
+        rid = req.request_id
+        dst = self.decode_router.pick()
+        if not dst.scheduler.add_handoff(req, now()):
+            src.scheduler.release(rid)
+            return False
+        start = now()
+        staged = self.transfer(src.runner.kv_stages, src.scheduler.held_page_table(rid), dst.runner.kv_stage_meshes,
+                               num_tokens=req.num_computed_tokens)
+        self._staged[rid] = staged
+        dst.scheduler.mark_kv_arrived(rid)
+        src.scheduler.release(rid)
+        transfers.append(TransferRecord(
+            request_id=rid, src=src.name, dst=dst.name, num_tokens=staged.num_tokens, num_pages=staged.num_pages,
+            kv_bytes=staged.kv_bytes, moved_bytes=staged.moved_bytes, start_time=start, seconds=staged.seconds))
+        return True
+
+    def _load_handoffs(self, inst: Instance, out) -> None:
+        """Before a decode step: write each newly admitted request's staged KV into its page table."""
+        runner = inst.runner
+        index = {rid: i for i, rid in enumerate(out.req_ids)}
+        for rid in out.kv_handoff_req_ids:
+            staged = self._staged.pop(rid, None)
+            if staged is None:
+                raise RuntimeError(f"{inst.name}: request {rid!r} was admitted with no staged KV")
+            runner.kv_stages = scatter_kv_pages(runner.kv_stages, out.page_tables[index[rid]], staged)
+
+    def run(self, requests: Sequence[Request], *, progress: Optional[Callable[[int], None]] = None
+            ) -> ClusterResult:
+        """Serve `requests` (scheduler Requests, arrival times relative to the start) until all finish."""
+        arrivals = ArrivalQueue(requests, lambda req: self.entry_router.pick().scheduler.add_request(req))
+        iterations: List[IterationRecord] = []
+        transfers: List[TransferRecord] = []
+        t0 = self.clock()
+        now = lambda: self.clock() - t0  # noqa: E731
+        overlap_total = 0.0
+        self._staged.clear()
+        for inst in self.instances:
+            inst.num_steps = 0
+        self.compiles.reset()
+
+        def done(n: int) -> None:
+            if n and progress is not None:
+                progress(n)
+
+        def admit(t: float) -> None:
+            done(arrivals.admit(t))   # rejected at the door: done at once
+
+        def wait_for_arrival() -> None:
+            done(arrivals.wait(now, self.sleep))
+
+        admit(now())
+        while True:
+            busy = [inst for inst in self.instances if inst.scheduler.has_unfinished()]
+            if not busy:
+                if arrivals.exhausted:
+                    break
+                wait_for_arrival()
+                continue
+            launched = []
+            for inst in busy:
+                start = now()
+                out = inst.scheduler.schedule(start)
+                if out.is_empty:
+                    continue
+                if out.kv_handoff_req_ids:
+                    self._load_handoffs(inst, out)
+                handle = inst.runner.dispatch(out) if self.overlap else None
+                launched.append((inst, out, start, handle))
+            if not launched:
+                if arrivals.exhausted:
+                    state = {i.name: (i.scheduler.num_waiting, i.scheduler.num_running) for i in busy}
+                    raise RuntimeError(f"no instance can make progress and no arrivals are left: (waiting, "
+                                       f"running) per instance {state}")
+                wait_for_arrival()
+                continue
+            if self.overlap:
+                host_start = now()
+                admit(host_start)     # overlapped with the device steps
+                overlap_total += now() - host_start
+            for inst, out, start, handle in launched:
+                sampled = inst.runner.collect(handle) if self.overlap else inst.runner.execute(out)
+                end = now()
+                finished = inst.scheduler.update(out, sampled, end)
+                iterations.append(IterationRecord(
+                    step=inst.num_steps, start_time=start, end_time=end, num_prefill_tokens=out.num_prefill_tokens,
+                    num_decode_tokens=out.num_decode_tokens, num_seqs=out.num_seqs, instance=inst.name,
+                    num_compiles=self.compiles.new(f"{inst.name} iteration {inst.num_steps}")))
+                inst.num_steps += 1
+                if self.on_token is not None:
+                    for rid, tok in zip(out.req_ids, sampled):
+                        if tok >= 0:
+                            self.on_token(rid, int(tok), end)
+                n_done = 0
+                for req in finished:
+                    if req.finish_reason == "handoff":
+                        n_done += not self._handoff(inst, req, now, transfers)
+                    else:
+                        n_done += 1
+                done(n_done)
+            if not self.overlap:
+                admit(now())
+        return ClusterResult(
+            requests=[request_record(r) for r in arrivals.pending], iterations=iterations,
+            output_tokens={r.request_id: list(r.output_token_ids) for r in arrivals.pending},
+            duration_s=now(), host_overlap_s=overlap_total, transfers=transfers)

@@ -1,0 +1,273 @@
+"""From a validated ServeConfig to the parts the simulator takes: model, hardware, cost setup, instances with their
+schedulers and step times, the router, the KV-transfer times. `simulate` (pdjax.sim.simulator) and
+`simulate_disaggregated` (pdjax.sim.disagg) take these parts and know nothing of configs; pdjax.sim.run composes
+build -> simulate -> outputs. The simulated deployment is exactly `cfg.deployment` (the block the real engine runs).
+
+Rules (each chosen so a simulated run answers "what would the real engine do with this config"):
+- Model: `sim.model` (a registry spec name) if set, else `model.checkpoint` when it is a spec name, else the
+  checkpoint directory's name when that is a spec name, else its `pdjax_spec.json`.
+- Hardware and cost profile: `sim.hardware`; the profile is `sim.profile` (a JSON path or a shipped profile
+  name) if set, else the shipped profile for the hardware (pdjax/sim/profiles/<hardware>.json, then
+  <family>.json: 'a100-80gb-pcie' -> a100.json), else first principles (CostParams defaults). A profile that
+  carries a frozen "hardware_spec" (host-cpu calibrations) is costed against that spec, not a re-measurement,
+  so results are deterministic. A profile with "padding" costs steps at the engine's padded bucket shapes,
+  buckets from the serve config exactly as the engine picks them (pdjax.config.buckets.engine_buckets), per
+  group (its token budget and max_num_seqs).
+- Deployment: `validate_deployment` (pp <= layers, tp dividing heads / KV heads / MLP width, explicit devices
+  disjoint) on a simulated machine with as many devices as the deployment asks for, plus any explicit index
+  beyond that (other nodes). Colocated: `deployment.colocated.num_instances` replicas ('replica0', ...) of
+  (pp, tp) behind `deployment.router`; disaggregated: the prefill and decode groups, the router for both.
+- Schedulers: `instance_scheduler_config` of each group (colocated: the scheduler block's policy; prefill /
+  decode: prefill_only / decode_only), vocab_size 0 filled from the model as run_real does (out-of-vocabulary
+  prompts rejected).
+- KV pages per instance: the group's `num_pages` override; else `sim.num_pages` when > 0; else, on a GPU/TPU,
+  the cost model's KV capacity at the group's tp/pp (`kv_cache_capacity_tokens` with gpu_memory_utilization,
+  activations for its token_budget and max_num_seqs) in pages; else (host-cpu) `scheduler.num_pages` as given,
+  which is what the CPU engine allocates.
+- Step time: `make_step_time(model, hardware, tp, pp, params, padding)` of the group.
+- Disaggregated KV links: from the instances' devices (pdjax.sim.disagg.kv_link); transfers on one link are
+  serialized.
+- Workload: `make_workload(cfg.workload, cfg.seed)`, offline mode puts every arrival at 0, as the engine does.
+  Requests carry no stop token (the simulator cannot know when a model would emit EOS): they run to max_tokens.
+No JAX.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from pdjax.config.buckets import engine_buckets
+from pdjax.config.deployment import instance_scheduler_config, validate_deployment
+from pdjax.config.model_specs import MODEL_SPECS, ModelSpec, RopeScaling, get_model_spec
+from pdjax.config.deployment import ROLE_POLICIES
+from pdjax.scheduler import make_scheduler, request_from_workload
+from pdjax.scheduler.instances import check_instance
+from pdjax.scheduler.routing import InstanceRouter
+from pdjax.sim.calibration import PROFILES_DIR
+from pdjax.sim.cost_model import CostParams, kv_bytes, kv_cache_capacity_tokens
+from pdjax.sim.disagg import DisaggSimInstance, kv_link, make_transfer_time
+from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
+from pdjax.sim.simulator import SimInstance
+from pdjax.sim.step_cost import EnginePadding, SimProfile, load_sim_profile, make_step_time
+
+DISAGG_BASE_POLICIES = ("sarathi", "prefill_only", "decode_only")
+
+
+# --------------------------------------------------------------------------------------------------- setup
+@dataclasses.dataclass(frozen=True)
+class GroupSetup:
+    """One role's resolved instances: scheduler config (policy and num_pages resolved), pp/tp, KV capacity in
+    tokens (None when num_pages was given or on host-cpu), engine padding, device indices per instance."""
+    role: str
+    scheduler_config: Any
+    tp: int
+    pp: int
+    kv_capacity_tokens: Optional[int]
+    devices: Tuple[Tuple[int, ...], ...]
+    names: Tuple[str, ...]
+    padding: Optional[EnginePadding] = None
+
+    @property
+    def num_instances(self) -> int:
+        return len(self.names)
+
+
+@dataclasses.dataclass(frozen=True)
+class SimSetup:
+    """Everything a simulated run is built from (resolved once from a ServeConfig). kind: 'colocated' (one group,
+    'colocated') or 'disaggregated' ('prefill' and 'decode' groups)."""
+    model: ModelSpec
+    hardware: HardwareSpec
+    params: CostParams
+    profile: str                 # what profile was used ('' = first principles)
+    kind: str
+    router: str
+    groups: Dict[str, GroupSetup]
+    async_scheduling: bool = False
+    serialize_transfers: bool = True
+
+    # The colocated group's parts, for the common one-group case.
+    def _colocated(self) -> GroupSetup:
+        if self.kind != "colocated":
+            raise ValueError(f"deployment.kind={self.kind!r}: this setup has groups {sorted(self.groups)}, "
+                             "no single scheduler config")
+        return self.groups["colocated"]
+
+    @property
+    def scheduler_config(self):
+        return self._colocated().scheduler_config
+
+    @property
+    def kv_capacity_tokens(self) -> Optional[int]:
+        return self._colocated().kv_capacity_tokens
+
+    @property
+    def padding(self) -> Optional[EnginePadding]:
+        return self._colocated().padding
+
+
+# --------------------------------------------------------------------------------------------------- resolution
+def resolve_model(cfg) -> ModelSpec:
+    """The cost model's ModelSpec (see the module docstring's rule)."""
+    if cfg.sim.model:
+        return get_model_spec(cfg.sim.model)
+    ckpt = cfg.model.checkpoint
+    if ckpt in MODEL_SPECS:
+        return MODEL_SPECS[ckpt]
+    name = pathlib.Path(ckpt).name
+    if name in MODEL_SPECS:
+        return MODEL_SPECS[name]
+    spec_file = pathlib.Path(ckpt) / "pdjax_spec.json"
+    if spec_file.is_file():
+        data = json.loads(spec_file.read_text())
+        if data.get("rope_scaling"):
+            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+        return ModelSpec(**data)
+    raise ValueError(f"sim: cannot tell the model of model.checkpoint={ckpt!r} (not a registry spec name, no "
+                     f"pdjax_spec.json there); set sim.model to one of {sorted(MODEL_SPECS)}")
+
+
+def shipped_profile_for(hardware: str) -> Optional[pathlib.Path]:
+    """pdjax/sim/profiles/<hardware>.json, else <family>.json ('a100-80gb-pcie' -> a100.json), else None."""
+    key = hardware.strip().lower()
+    for name in (key, key.split("-")[0]):
+        path = PROFILES_DIR / f"{name}.json"
+        if path.is_file():
+            return path
+    return None
+
+
+def resolve_profile(cfg) -> Tuple[Optional[SimProfile], str]:
+    if cfg.sim.profile:
+        return load_sim_profile(cfg.sim.profile), cfg.sim.profile
+    path = shipped_profile_for(cfg.sim.hardware)
+    if path is None:
+        return None, ""
+    return load_sim_profile(path), str(path)
+
+
+def check_supported(cfg) -> None:
+    """What the simulator cannot replay, each error naming the value and what was expected."""
+    dep = cfg.deployment
+    if dep.kind == "colocated" and cfg.scheduler.policy in ROLE_POLICIES.values():
+        raise ValueError(f"scheduler.policy={cfg.scheduler.policy!r} with deployment.kind='colocated': it is the "
+                         "policy of a disaggregated deployment's role; expected a colocated policy (e.g. 'sarathi')")
+    if dep.kind == "disaggregated":
+        if cfg.scheduler.policy not in DISAGG_BASE_POLICIES:
+            raise ValueError(f"scheduler.policy={cfg.scheduler.policy!r} with deployment.kind='disaggregated': "
+                             "instances run 'prefill_only' / 'decode_only' (Sarathi-style chunking per role); "
+                             "expected 'sarathi' (the base the roles' policies are derived from)")
+        if cfg.engine.async_scheduling:
+            raise ValueError("engine.async_scheduling=True with deployment.kind='disaggregated': the disaggregated "
+                             "engine has a synchronous loop only; expected False")
+
+
+def _group_pages(cfg, group, sched_cfg, model, hw) -> Tuple[int, Optional[int]]:
+    """(num_pages, KV capacity in tokens or None) of one instance of `group` (module docstring rule)."""
+    if group.num_pages > 0:
+        return group.num_pages, None
+    if cfg.sim.num_pages > 0:
+        return cfg.sim.num_pages, None
+    if hw.kind == "cpu":
+        return cfg.scheduler.num_pages, None
+    capacity = kv_cache_capacity_tokens(model, hw, group.tp, group.pp, cfg.sim.gpu_memory_utilization,
+                                        max_num_batched_tokens=sched_cfg.token_budget,
+                                        max_num_seqs=sched_cfg.max_num_seqs)
+    return capacity // sched_cfg.page_size, capacity
+
+
+def _padding(cfg, profile: Optional[SimProfile], sched_cfg) -> Optional[EnginePadding]:
+    if profile is None or profile.padding is None:
+        return None
+    s = sched_cfg
+    buckets = engine_buckets(s.token_budget, s.max_num_seqs, s.max_model_len, s.page_size,
+                             cfg.engine.token_buckets, cfg.engine.seq_buckets, cfg.engine.page_buckets)
+    return EnginePadding(buckets, s.page_size, bool(profile.padding.get("dense_attention", True)))
+
+
+def build_setup(cfg) -> SimSetup:
+    """Resolve model, hardware, cost parameters and every group of the deployment (module docstring)."""
+    check_supported(cfg)
+    dep = cfg.deployment
+    model = resolve_model(cfg)
+    profile, profile_name = resolve_profile(cfg)
+    hw = profile.hardware_spec if profile is not None and profile.hardware_spec is not None \
+        else get_hardware_spec(cfg.sim.hardware)
+    params = profile.machine.params if profile is not None else CostParams()
+    # Devices: as many as the deployment asks for, plus any explicit index beyond that (other nodes).
+    explicit = [d for role in dep.roles for d in dep.group(role).devices]
+    assignment = validate_deployment(dep, model, max([dep.num_devices] + [d + 1 for d in explicit]))
+    base = cfg.scheduler
+    if not base.vocab_size:
+        base = dataclasses.replace(base, vocab_size=model.vocab_size)   # as run_real
+    groups = {}
+    for role in dep.roles:
+        group = dep.group(role)
+        sched_cfg = instance_scheduler_config(base, group, role)
+        pages, capacity = _group_pages(cfg, group, sched_cfg, model, hw)
+        if pages != sched_cfg.num_pages:
+            sched_cfg = dataclasses.replace(sched_cfg, num_pages=pages)
+        names = tuple(dep.instance_names(role))
+        groups[role] = GroupSetup(role, sched_cfg, group.tp, group.pp, capacity, tuple(assignment[n] for n in names),
+                                  names, _padding(cfg, profile, sched_cfg))
+    return SimSetup(model=model, hardware=hw, params=params, profile=profile_name, kind=dep.kind,
+                    router=dep.router, groups=groups, async_scheduling=bool(cfg.engine.async_scheduling))
+
+
+# --------------------------------------------------------------------------------------------------- parts
+def group_step_time(setup: SimSetup, role: str) -> Callable[[Any], float]:
+    g = setup.groups[role]
+    return make_step_time(setup.model, setup.hardware, g.tp, g.pp, setup.params, g.padding)
+
+
+def build_instances(setup: SimSetup) -> Dict[str, List[Any]]:
+    """Role -> its instances, each with a fresh scheduler: SimInstance replicas (colocated), DisaggSimInstance
+    (prefill, decode)."""
+    out: Dict[str, List[Any]] = {}
+    for role, g in setup.groups.items():
+        step_time = group_step_time(setup, role)
+        if role == "colocated":
+            out[role] = [SimInstance(name, make_scheduler(g.scheduler_config), step_time) for name in g.names]
+            for inst in out[role]:
+                check_instance(inst.name, role, inst.scheduler)
+        else:
+            out[role] = [DisaggSimInstance(name, role, make_scheduler(g.scheduler_config), step_time)
+                         for name in g.names]
+    return out
+
+
+def build_router(setup: SimSetup, instances: List[Any]) -> InstanceRouter:
+    """The colocated replicas' router (`simulate` calls it as router(request, instances))."""
+    return InstanceRouter(setup.router, instances, role="colocated")
+
+
+def build_transfer_time(setup: SimSetup) -> Callable[[DisaggSimInstance, DisaggSimInstance, int], float]:
+    """transfer_time(src, dst, num_tokens) for the instances of a disaggregated `setup` (links from their
+    device placement; the KV lives on the pp·tp devices of each instance)."""
+    devices = {name: devs for g in setup.groups.values() for name, devs in zip(g.names, g.devices)}
+    cache: Dict[Tuple[str, str], Callable[[int], float]] = {}
+
+    def transfer_time(src: DisaggSimInstance, dst: DisaggSimInstance, num_tokens: int) -> float:
+        key = (src.name, dst.name)
+        fn = cache.get(key)
+        if fn is None:
+            bw, lat, streams = kv_link(setup.hardware, devices[src.name], devices[dst.name])
+            fn = cache[key] = make_transfer_time(setup.model, bw, lat, streams, setup.params)
+        return fn(num_tokens)
+    return transfer_time
+
+
+def kv_bytes_fn(setup: SimSetup) -> Callable[[int], int]:
+    return lambda n: kv_bytes(setup.model, n)
+
+
+def build_requests(cfg, workload=None) -> list:
+    """Scheduler Requests of `workload` (WorkloadRequests; default make_workload(cfg.workload, cfg.seed)), no stop
+    token, every arrival at 0 in offline mode."""
+    from pdjax.workload import make_workload  # noqa: PLC0415
+    if workload is None:
+        workload = make_workload(cfg.workload, cfg.seed)
+    offline = cfg.engine.mode == "offline"
+    return [request_from_workload(wr, offline=offline) for wr in workload]
