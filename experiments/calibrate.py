@@ -9,11 +9,14 @@ offsets, decode batches x contexts, and mixed batches (decodes + one chunk). Eac
 SchedulerOutput, its bucket shape compiled first, then timed `--repeats` times in rounds over the grid (median
 kept: the machine is shared and noisy) through `runner.execute`, which is what one engine iteration runs.
 
-The engine pads every step to its (T, S, P) buckets; the fit sees each measurement as the padded work
-(pdjax.sim.step_cost.padded_composition, plus a per-real-sequence host cost: `fit_padded_engine`): on CPU the
-reference attention attends every padded token over every padded page (dense), on GPU/TPU the Pallas kernels do
-the real attention work and only the linear layers see the token padding. The profile stores that choice ("padding") and, for host-cpu, the measured HardwareSpec the
-efficiencies are relative to ("hardware_spec"), so the simulator reproduces the fit exactly.
+The engine pads every step to its (T, S, P) buckets; the fit sees each measurement as the work the padded step
+does under the attention implementation the runner actually runs (`engine_padding`; pdjax.sim.step_cost.
+padded_composition, plus a per-real-sequence host cost: `fit_padded_engine`): the jnp reference attends every
+padded token over every padded page (dense: cost by the page bucket); the blocked XLA path (the CPU default) and
+the Pallas kernels loop over each sequence's own pages (cost by the real context), and only the linear layers see
+the token padding. The profile stores that choice ("padding") and, for host-cpu, the measured HardwareSpec the
+efficiencies are relative to ("hardware_spec"), so the simulator reproduces the fit exactly; its "source" names
+the attention implementation and the buckets.
 Prints JSON: fit errors overall and per batch kind, measurement count, the machine's measured ceilings.
 """
 from __future__ import annotations
@@ -128,8 +131,15 @@ def fit_engine_profile(measured, spec, hw, padding, *, source: str, command: str
     # attn_seq_head_s too: in the dense (padded reference) composition it is a per-token attention cost
     # (softmax bookkeeping, masks, index math per query) that the byte and FLOP terms do not capture.
     names = ITERATION_FIT_PARAMS + ("attn_seq_head_s",)
+    if not padding.dense_attention and hw.kind == "cpu":
+        # Blocked XLA attention: each pass is a fori_loop of its own with a fixed cost per call (the chunk pass
+        # runs only when a batch holds a prefill chunk, the decode pass when it holds decodes); prefill-only,
+        # decode-only and mixed batches tell the two apart from the per-iteration overhead.
+        names = names + ("attn_prefill_fixed_s", "attn_decode_fixed_s")
+    # No tensor-core tiles on a CPU (the token axis is already padded to its bucket); GPUs round up to 64-128.
+    tiles = (1, 16) if padding.dense_attention or hw.kind == "cpu" else (1, 16, 64, 128)
     params, err = fit_padded_engine([out for _, out, _ in measured], [s for _, _, s in measured], spec, hw,
-                                    padding, names, tiles=(1, 16) if padding.dense_attention else (1, 16, 64, 128))
+                                    padding, names, tiles=tiles)
     groups = {}
     for kind in sorted({k for k, _, _ in measured}):
         e = np.array([x for x, (k, _, _) in zip(err, measured) if k == kind])
@@ -142,13 +152,24 @@ def fit_engine_profile(measured, spec, hw, padding, *, source: str, command: str
     return profile, report
 
 
-def engine_padding(runner):
-    """How `runner` pads steps (its buckets; dense attention when it runs the jnp reference kernel)."""
+def attention_impl(runner) -> str:
+    """The attention implementation `runner` runs: 'reference' (jnp oracle), 'blocked' (XLA, the CPU default) or
+    'pallas' (GPU/TPU kernels, or any other implementation that loops over each sequence's own pages)."""
     from pdjax.kernels import reference_attention
+    fn = runner.attention_fn
+    if fn is reference_attention:
+        return "reference"
+    if getattr(fn, "__module__", "") == "pdjax.kernels.blocked":
+        return "blocked"
+    return "pallas"
+
+
+def engine_padding(runner):
+    """How `runner` pads steps: its buckets, and dense attention only for the jnp reference kernel (which
+    attends every padded token over the whole page-table bucket); the blocked and Pallas kernels cost by the real
+    context of each sequence."""
     from pdjax.sim.step_cost import EnginePadding
-    b = runner.buckets
-    dense = runner.attention_fn is reference_attention
-    return EnginePadding(b, runner.page_size, dense)
+    return EnginePadding(runner.buckets, runner.page_size, attention_impl(runner) == "reference")
 
 
 def engine_grid(cfg, runner, quick: bool = False):
@@ -167,7 +188,9 @@ def fit_and_save(cfg, runner, measured, *, repeats: int, out_path: str, profile_
     padding = engine_padding(runner)
     dense = padding.dense_attention
     hw = get_hardware_spec(cfg.sim.hardware)     # host-cpu: measured now, and frozen into the profile
-    source = (f"pdjax engine ({'reference jnp' if dense else 'pallas'} attention), model {runner.spec.name}, "
+    impl = attention_impl(runner)
+    source = (f"pdjax engine ({impl} attention: {'dense over the page bucket' if dense else 'real context'}), "
+              f"model {runner.spec.name}, "
               f"{len(measured)} batch compositions x {repeats} repeats{note}, buckets {padding.buckets}")
     command = command or "python -m experiments.calibrate " + " ".join(sys.argv[1:])
     profile, report = fit_engine_profile(measured, runner.spec, hw, padding, source=source, command=command)
@@ -176,7 +199,8 @@ def fit_and_save(cfg, runner, measured, *, repeats: int, out_path: str, profile_
            for kind, out, s in measured]   # (new tokens, context before them, is_prefill) per sequence
     save_sim_profile(out_path, profile, hardware_spec=hw if hw.kind == "cpu" else None,
                      padding={"dense_attention": dense}, extra={"measurements": raw})
-    return {"profile": out_path, "hardware": hw.name, "model": runner.spec.name, "dense_attention": dense,
+    return {"profile": out_path, "hardware": hw.name, "model": runner.spec.name, "attention_impl": impl,
+            "dense_attention": dense,
             "fit": report, "profiling_s": profile_s,
             "machine_ceiling": {"matmul_flops_fp32": hw.peak_flops_fp32, "memory_bandwidth_bytes_s": hw.hbm_bandwidth},
             "fitted_params": {k: getattr(profile.params, k) for k in profile.fitted}}

@@ -163,3 +163,14 @@ def test_fit_cost_params_rejects_bad_input():
     with pytest.raises(ValueError, match="cannot fit \\['gemm_token_tile'\\]"):
         cal.fit_cost_params([(BatchComposition(((4, 0),)), 1e-3)], model, CPU_LIKE,
                             fit_names=("gemm_token_tile",))
+
+
+def test_shipped_host_cpu_profile_follows_the_blocked_engine():
+    """host-cpu is fitted on the CPU engine as it runs now: blocked attention (cost by real context, not dense
+    over the page bucket), the engine's one page bucket, with its provenance and raw measurements."""
+    from pdjax.sim.step_cost import load_sim_profile
+    profile = load_sim_profile(cal.PROFILES_DIR / "host-cpu.json")
+    assert profile.padding == {"dense_attention": False}
+    assert "blocked attention" in profile.machine.source and "pages=(64,)" in profile.machine.source
+    assert profile.machine.command and profile.hardware_spec is not None
+    assert profile.machine.fit["num_measurements"] >= 50 and profile.machine.fit["median_rel_error"] < 0.2

@@ -1,5 +1,7 @@
-"""Fidelity here (issue 6 "Must hold"): calibrate on the CPU engine, run one online workload for real and in
-simulation; simulated P50 TTFT, P50 TBT and P99 TBT within 25% of the real run.
+"""Fidelity here (issue 6 "Must hold"; issue 12 reports the tail): calibrate on the CPU engine, run one online
+workload for real and in simulation; simulated P50 TTFT, P50 TBT and P99 TBT within 25% of the real run, as the
+median over three seeds (issue 12's 10% target on the median P99 TBT is what `python -m experiments.sim_fidelity`
+reports; on a shared 2-core machine it is not reliably met, see experiments/README.md).
 
 The slow test is the must-hold check on configs/sim/fidelity_cpu.py (40 requests, ~2 minutes: compiling the
 engine's 20 bucket shapes dominates). Its accuracy needs a machine whose load does not change between the
@@ -17,7 +19,7 @@ import pytest
 
 pytest.importorskip("jax")
 
-from experiments.sim_fidelity import MUST_HOLD, run_fidelity  # noqa: E402
+from experiments.sim_fidelity import MUST_HOLD, format_table, run_fidelity, run_seeds, summarize  # noqa: E402
 from pdjax.config.files import config_file  # noqa: E402
 from pdjax.experiment.run import to_plain_dict  # noqa: E402
 
@@ -38,20 +40,43 @@ def check_consistent(report: dict) -> None:
     assert abs(real_it - sim_it) <= 0.25 * real_it, (real_it, sim_it)
     fit = report["calibration_fit"]
     assert fit["num_measurements"] >= 10 and fit["median_rel_error"] < 0.5
+    # The step replay re-costs every batch the engine ran (one per iteration) and classifies it.
+    replay = report["step_replay"]
+    assert replay is not None and replay["all"]["num_steps"] == real_it
+    assert sum(replay[k]["num_steps"] for k in ("steady", "shape_switch", "after_idle")) == real_it
+    assert report["metrics"]["ttft.p99"]["real"] > 0 and report["metrics"]["ttft.p99"]["sim"] > 0
 
 
 def test_fidelity_pipeline_small_run(tmp_path):
     report = run_fidelity(fidelity_config("small"), str(tmp_path), repeats=3, quick=True)
     check_consistent(report)
-    assert report["num_requests"] == 16
+    assert report["num_requests"] == 16 and report["seed"] == 0
     for name in ("real", "sim"):
         assert (tmp_path / name / "results.json").is_file()
+    # The per-seed table and the median / target line (one seed here: its own errors).
+    result = {"summary": summarize([report]), "runs": [report]}
+    assert result["summary"]["median_rel_error"]["tbt.p99"] == report["metrics"]["tbt.p99"]["rel_error"]
+    table = format_table(result)
+    assert "median P99 TBT error <= 10%" in table and ("PASS" in table or "FAIL" in table)
+
+
+def test_summarize_takes_the_median_over_seeds():
+    def fake(seed, err):
+        return {"seed": seed, "metrics": {m: {"real": 1.0, "sim": 1.0 + err, "rel_error": err}
+                                          for m in ("ttft.p50", "ttft.p90", "ttft.p99", "tbt.p50", "tbt.p90",
+                                                    "tbt.p99", "tpot.p50", "e2e.p50", "sched_delay.p50",
+                                                    "iterations.step_time.p50", "duration_s")}}
+    s = summarize([fake(0, 0.30), fake(1, 0.05), fake(2, 0.08)])
+    assert s["seeds"] == [0, 1, 2] and s["median_rel_error"]["tbt.p99"] == 0.08
+    assert s["target"]["pass"] and s["must_hold_within_25pct_median"]
 
 
 @pytest.mark.slow
 def test_fidelity_must_hold(tmp_path):
-    report = run_fidelity(fidelity_config("full"), str(tmp_path), repeats=5, quick=False)
-    check_consistent(report)
+    result = run_seeds(fidelity_config("full"), str(tmp_path), (0, 1, 2), repeats=5, quick=False)
+    for report in result["runs"]:
+        check_consistent(report)
+    median = result["summary"]["median_rel_error"]
     for metric in MUST_HOLD:
-        entry = report["metrics"][metric]
-        assert entry["rel_error"] <= 0.25, f"{metric}: real {entry['real']:.4f} s, sim {entry['sim']:.4f} s"
+        assert median[metric] <= 0.25, f"{metric}: median error over seeds {median[metric]:.3f}\n" + \
+            format_table(result)
