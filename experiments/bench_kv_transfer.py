@@ -13,6 +13,11 @@ Bandwidths are `moved_bytes / time` (whole pages, one way). The ceiling is measu
 large device_put between the two groups' first devices (the link), or, with a single device (the groups
 cannot be disjoint), the device's own copy rate, and the cases then run with both groups on that device
 (`same_device: true`, not a real cross-device number).
+Engine loop, synchronous vs asynchronous transfer (`engine`, --engine): a disaggregated ClusterEngine (prefill
+tp1 -> decode tp1 on two devices, a small dummy-weight Llama with a wide KV: 4 layers x 8 KV heads x 64) serves the
+same offline requests with `async_transfer=False` then True; per mode `host_blocked_s` (the prefill loop's time
+inside transfer calls: the whole copy when synchronous, the dispatch when asynchronous), the transfers' seconds and
+the run's wall time (median over --engine_reps runs after a warm run).
 Shapes: Llama-3-8B KV (32 layers, 8 KV heads, head_dim 128, 16-token pages, bf16) on accelerators; on CPU 8
 layers in float32 to keep the run short and small.
 """
@@ -42,6 +47,8 @@ from pdjax.serving.kv_transfer import gather_kv_pages, scatter_kv_pages, staged_
 
 _QUICK = flags.DEFINE_bool("quick", False, "shortest lengths only, for a smoke run")
 _REPS = flags.DEFINE_integer("reps", 5, "timed repetitions per case")
+_ENGINE = flags.DEFINE_bool("engine", True, "also time the engine loop with synchronous vs asynchronous transfer")
+_ENGINE_REPS = flags.DEFINE_integer("engine_reps", 3, "engine runs per transfer mode")
 
 KV_HEADS, HEAD_DIM, PAGE_SIZE = 8, 128, 16
 
@@ -74,6 +81,62 @@ def make_cache(mesh, num_layers: int, num_pages: int, dtype, seed: int) -> KVCac
     keys = jax.random.split(jax.random.PRNGKey(seed), 2 * num_layers)
     return KVCache(k=tuple(make(keys[i]) for i in range(num_layers)),
                    v=tuple(make(keys[num_layers + i]) for i in range(num_layers)))
+
+
+def engine_sync_vs_async(devices, reps: int, quick: bool) -> dict:
+    """The prefill loop's blocked time with synchronous vs asynchronous KV transfer (module docstring)."""
+    import dataclasses  # noqa: PLC0415
+    from pdjax.config.model_specs import get_model_spec  # noqa: PLC0415
+    from pdjax.config.sampling import SamplingParams  # noqa: PLC0415
+    from pdjax.config.scheduler import SchedulerConfig  # noqa: PLC0415
+    from pdjax.models.llama import init_params  # noqa: PLC0415
+    from pdjax.runtime.batch import Buckets  # noqa: PLC0415
+    from pdjax.runtime.runner import ModelRunner  # noqa: PLC0415
+    from pdjax.scheduler import Request, make_scheduler  # noqa: PLC0415
+    from pdjax.serving.cluster import ClusterEngine, Instance  # noqa: PLC0415
+    spec = dataclasses.replace(get_model_spec("tiny-mha"), name="bench-wide-kv", hidden_size=512, num_layers=4,
+                               num_heads=8, num_kv_heads=8, head_dim=64, intermediate_size=1024)
+    params = init_params(spec, seed=0)
+    page, max_len, budget, pages = 16, 1024, 512, 256
+    buckets = Buckets(tokens=(budget,), seqs=(8,), pages=(max_len // page,))
+    runners = [ModelRunner(spec, params, num_pages=pages, page_size=page, buckets=buckets,
+                           attention_impl="auto", mesh=make_mesh([d]), max_model_len=max_len)
+               for d in devices[:2]]
+    for r in runners:
+        r.warmup()
+    rng = np.random.default_rng(0)
+    lens = [int(n) for n in rng.integers(256, 513, 4 if quick else 8)]
+    prompts = [[int(t) for t in rng.integers(0, spec.vocab_size, n)] for n in lens]
+
+    def sched(policy):
+        return make_scheduler(SchedulerConfig(policy=policy, token_budget=budget, max_num_seqs=8,
+                                              max_model_len=max_len, page_size=page, num_pages=pages, watermark=0.0))
+
+    out = {"model_kv": {"layers": spec.num_layers, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+                        "page_size": page, "dtype": "float32"},
+           "prompt_tokens": lens, "max_tokens": 4, "modes": {}}
+    tokens = {}
+    for mode in ("sync", "async"):
+        runs = []
+        for rep in range(reps + 1):     # the first run warms the transfer shapes
+            engine = ClusterEngine([Instance("prefill0", "prefill", runners[0], sched("prefill_only")),
+                                    Instance("decode0", "decode", runners[1], sched("decode_only"))],
+                                   async_transfer=(mode == "async"))
+            if rep == 0:
+                engine.warmup_transfers(max_len)
+            reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=4), 0.0) for i, p in enumerate(prompts)]
+            result = engine.run(reqs)
+            summary = result.transfer_summary()
+            runs.append({"host_blocked_s": summary["host_blocked_s"], "transfer_seconds": summary["seconds"],
+                         "wall_s": result.duration_s, "moved_bytes": summary["moved_bytes"],
+                         "num_transfers": summary["num_transfers"]})
+            tokens[mode] = result.output_tokens
+        timed = runs[1:]
+        out["modes"][mode] = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
+    out["same_tokens"] = tokens["sync"] == tokens["async"]
+    s, a = out["modes"]["sync"]["host_blocked_s"], out["modes"]["async"]["host_blocked_s"]
+    out["blocked_time_ratio_async_over_sync"] = a / s if s > 0 else None
+    return out
 
 
 def main(_):
@@ -136,7 +199,9 @@ def main(_):
         "backend": backend, "device": str(devices[0].device_kind), "num_devices": len(devices),
         "same_device": same_device, "model_kv": {"layers": num_layers, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                                                 "page_size": PAGE_SIZE, "dtype": jnp.dtype(dtype).name},
-        "reps": reps, "ceiling": ceiling, "cases": cases}, indent=1))
+        "reps": reps, "ceiling": ceiling, "cases": cases,
+        "engine": (engine_sync_vs_async(devices, _ENGINE_REPS.value, _QUICK.value)
+                   if _ENGINE.value and len(devices) >= 2 else None)}, indent=1))
 
 
 if __name__ == "__main__":

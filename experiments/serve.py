@@ -2,9 +2,19 @@
 
     python -m experiments.serve --config=configs/serve.py --workdir=/tmp/serve
     python -m experiments.serve --config=configs/serve.py --config.scheduler.policy=vllm_v0 --workdir=...
+
+Several processes, one program (multi-controller JAX; launch/local.py, launch/slurm.sbatch set the environment):
+    python3 launch/local.py -n 2 --devices_per_process 4 -- python3 -m experiments.serve --workdir=/tmp/x
+--coordinator_address / --num_processes / --process_id default to JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+JAX_PROCESS_ID; with more than one process, jax.distributed is initialized before any JAX use, the deployment's
+device indices refer to the global device list, process 0 decides the time for all (identical schedules;
+pdjax/serving/distributed.py) and alone writes the outputs. A process that dies or cannot reach the coordinator
+ends the run within --distributed_timeout_s: the others exit 1 with an error naming the process, and no
+results.json is written.
 """
 import json
 import os
+import sys
 
 from absl import flags
 
@@ -32,21 +42,52 @@ def sample_text_output(workdir: str):
 
 
 _CONFIG = cli.define_config_file("config", "configs/serve.py", "Serve config file.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of the jax.distributed coordinator "
+                                   "(default $JAX_COORDINATOR_ADDRESS).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes of a multi-controller run (default "
+                                      "$JAX_NUM_PROCESSES, else 1).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (default $JAX_PROCESS_ID, else 0).")
+_DIST_TIMEOUT = flags.DEFINE_float("distributed_timeout_s", 60.0, "Seconds a process waits for the others (start-up, "
+                                   "each broadcast, barriers, heartbeats) before the run fails.")
+_DIGEST_DIR = flags.DEFINE_string("schedule_digest_dir", "", "If set, every process writes the digest of every "
+                                  "step's SchedulerOutput to DIR/schedule_p<process_id>.json (checks that all "
+                                  "processes scheduled identically).")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/pdjax_serve", "Output directory of the run (new, empty, or an "
                                "earlier run's, whose outputs are replaced).")
+
+
+def distributed_settings():
+    """The run's DistributedSettings from the flags (env defaults); a bad value is a UserError."""
+    from pdjax.serving.distributed import settings_from_env  # noqa: PLC0415
+    try:
+        return settings_from_env(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _DIST_TIMEOUT.value)
+    except ValueError as e:
+        raise cli.UserError(cli.one_line(e)) from e
 
 
 def main(argv):
     if len(argv) > 1:
         raise cli.UserError(f"unexpected arguments {argv[1:]}; settings go in --config.KEY=VALUE flags")
+    from pdjax.serving.distributed import DistributedError, initialize, make_coordinator  # noqa: PLC0415
+    settings = distributed_settings()
     try:
-        prep = prepare_experiment(_CONFIG.value, _WORKDIR.value)
-    except (ValueError, OSError) as e:
-        raise cli.UserError(cli.one_line(e)) from e
-    note = describe_length_report(prep.length_report)
-    if note:
-        print(note)
-    summary = run_prepared(prep)
+        initialize(settings)      # before any JAX use; no-op for one process
+        coordinator = make_coordinator(settings, record_digest=bool(_DIGEST_DIR.value))
+        try:
+            prep = prepare_experiment(_CONFIG.value, _WORKDIR.value, is_main=coordinator.is_main)
+        except (ValueError, OSError) as e:
+            raise cli.UserError(cli.one_line(e)) from e
+        note = describe_length_report(prep.length_report)
+        if note and coordinator.is_main:
+            print(note)
+        summary = run_prepared(prep, coordinator)
+    except DistributedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    if _DIGEST_DIR.value:
+        coordinator.write_digest(_DIGEST_DIR.value)
+    if not coordinator.is_main:
+        return
     print(summarize_table(summary))
     sample = sample_text_output(_WORKDIR.value)
     if sample:

@@ -106,7 +106,14 @@ def test_colocated_device_assignment_and_names():
     disagg = deployment_from_dict({"kind": "disaggregated", "colocated": {"num_instances": 4}})
     assert disagg.roles == ("prefill", "decode") and disagg.device_assignment(2) == {"prefill0": (0,),
                                                                                      "decode0": (1,)}
-    assert [instance_name(r, 1) for r in ("colocated", "prefill", "decode")] == ["replica1", "prefill1", "decode1"]
+    assert [instance_name(r, 1) for r in ("colocated", "prefill", "decode", "mixed")] == \
+        ["replica1", "prefill1", "decode1", "mixed1"]
+    # The mixed pool (Splitwise) is placed after the decode group; a colocated deployment cannot have one.
+    mixed = deployment_from_dict({"kind": "disaggregated", "decode": {"tp": 2}, "mixed": {"num_instances": 2}})
+    assert mixed.roles == ("prefill", "decode", "mixed") and mixed.num_devices == 5
+    assert mixed.device_assignment(5) == {"prefill0": (0,), "decode0": (1, 2), "mixed0": (3,), "mixed1": (4,)}
+    with pytest.raises(ValueError, match="the mixed pool is part of a disaggregated deployment"):
+        deployment_from_dict({"mixed": {"num_instances": 1}})
 
 
 @pytest.mark.parametrize("kind,role", [("colocated", "colocated"), ("disaggregated", "prefill"),
@@ -170,8 +177,11 @@ def test_instance_scheduler_config_per_role():
         ("vllm_v0", 8192, 999, 16)
     assert instance_scheduler_config(base, InstanceGroupConfig(), "colocated") == base
     assert instance_scheduler_config(base, group, "prefill").policy == "prefill_only"
-    with pytest.raises(ValueError, match="role='mixed'"):
-        instance_scheduler_config(base, group, "mixed")
+    # A mixed-pool instance (Splitwise; pdjax.scheduler.mixed) records the base of both role policies.
+    mixed = instance_scheduler_config(base, group, "mixed")
+    assert (mixed.policy, mixed.token_budget, mixed.num_pages) == ("sarathi", 8192, 999)
+    with pytest.raises(ValueError, match="role='split'"):
+        instance_scheduler_config(base, group, "split")
 
 
 # --------------------------------------------------------------------------------------------------- vocabulary
@@ -187,7 +197,9 @@ def test_instances_check_role_and_policy():
     assert (inst.name, inst.role, inst.num_steps) == ("replica0", "colocated", 0)
     with pytest.raises(ValueError, match="needs a 'prefill_only' scheduler, got 'sarathi'"):
         check_instance("prefill0", "prefill", make_scheduler(SCHED))
-    with pytest.raises(ValueError, match="role='mixed'"):
+    with pytest.raises(ValueError, match="role='split'"):
+        Instance("x", "split", make_scheduler(SCHED))
+    with pytest.raises(ValueError, match="'x' \\(mixed\\) needs a 'mixed' scheduler"):
         Instance("x", "mixed", make_scheduler(SCHED))
     with pytest.raises(ValueError, match="'replica0' \\(colocated\\) needs a colocated policy, got 'decode_only'"):
         check_instance("replica0", "colocated", make_scheduler(SchedulerConfig(policy="decode_only")))

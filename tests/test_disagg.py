@@ -43,7 +43,6 @@ def test_deployment_default_is_colocated_and_parses_from_a_config_dict():
     ({"decode": {"tp": 2, "devices": [1]}}, "has 1 entries, expected"),
     ({"decode": {"devices": [1, 1], "num_instances": 2}}, "lists a device twice"),
     ({"prefill": {"chips": 2}}, "unknown config key.*deployment.prefill.chips"),
-    ({"mixed": {}}, "unknown config key.*deployment.mixed"),
 ])
 def test_bad_deployment_blocks_fail_naming_the_key(block, message):
     with pytest.raises(ValueError, match=message):

@@ -287,8 +287,8 @@ def test_instance_and_argument_errors():
     p, d = instances()
     with pytest.raises(ValueError, match="needs a 'decode_only' scheduler"):
         DisaggSimInstance("decode9", "decode", make_scheduler(BASE), step_time)
-    with pytest.raises(ValueError, match="role='mixed'"):
-        DisaggSimInstance("x", "mixed", p[0].scheduler, step_time)
+    with pytest.raises(ValueError, match="role='split'"):
+        DisaggSimInstance("x", "split", p[0].scheduler, step_time)
     with pytest.raises(ValueError, match="at least one decode"):
         simulate_disaggregated([], p, [], tokens_transfer())
     with pytest.raises(ValueError, match="given as prefill"):

@@ -4,7 +4,11 @@
     kind = 'colocated'      deployment.colocated: num_instances replicas of (pp, tp), behind deployment.router
     kind = 'disaggregated'  deployment.prefill and deployment.decode groups on disjoint device sets, each request's
                             KV moved once from a prefill to a decode instance; the router picks a prefill instance
-                            for an arrival and a decode instance for a handoff
+                            for an arrival and a decode instance for a handoff; optionally a deployment.mixed group
+                            (Splitwise's mixed pool, default 0 instances): machines that take either phase while
+                            the prefill (prompt) or the decode (token) pool is overloaded and return to the pool
+                            when idle (thresholds `mixed_prefill_queue_tokens`, `mixed_decode_load`;
+                            pdjax.scheduler.mixed)
 
 Choices:
 - A group (InstanceGroupConfig) has `num_instances` identical instances (replicas: each its own scheduler and KV
@@ -12,9 +16,20 @@ Choices:
   for replicas is `num_instances`, there is no `dp` (a config that sets `deployment.<group>.dp` fails naming
   `deployment.<group>.num_instances`).
 - Roles and instance names (one vocabulary for engine and simulator; pdjax.scheduler.instances builds on it):
-  roles 'colocated', 'prefill', 'decode'; instances 'replica0', 'replica1', ... (colocated), 'prefill0', ...,
-  'decode0', ... The group of the other kind is unused (a colocated run ignores deployment.prefill/decode, a
-  disaggregated one deployment.colocated), so one config can switch kind from the command line.
+  roles 'colocated', 'prefill', 'decode', 'mixed'; instances 'replica0', 'replica1', ... (colocated), 'prefill0',
+  ..., 'decode0', ..., 'mixed0', ... The group of the other kind is unused (a colocated run ignores
+  deployment.prefill/decode, a disaggregated one deployment.colocated), so one config can switch kind from the
+  command line. deployment.mixed is the exception: it is part of a disaggregated deployment only, and a colocated
+  one with mixed instances fails (a colocated replica already runs both phases). `roles` lists 'mixed' only when it
+  has instances (num_instances 0, the default, is the plain prefill/decode deployment); every other group needs
+  num_instances >= 1. Placement order: prefill, decode, mixed.
+- Mixed-pool thresholds (Splitwise's cluster-level scheduler; semantics in pdjax.scheduler.mixed):
+  `mixed_prefill_queue_tokens` (int >= 1, default 8192 = splitwise-sim's prompt_max_pending_batch_tokens): the
+  prefill pool is overloaded for an arrival when every prefill instance has prompt tokens queued (waiting or
+  still to prefill) and queued + the new prompt exceeds it. `mixed_decode_load` (a fraction in (0, 1], default 1.0 =
+  splitwise-sim's "token machine memory is full"): the decode pool is overloaded for a handoff when on every decode
+  instance max(KV pages in use or owed to queued requests plus the request's / num_pages, live sequences + 1 /
+  max_num_seqs) exceeds it. Both are read only when deployment.mixed has instances.
 - Devices are integer indices into the platform's device list. `devices` of a group lists the devices of all
   its instances in order (instance i takes the i-th run of pp·tp, stage-major: stage 0's tp devices first);
   empty = automatic: colocated instances take devices 0.., prefill instances the first devices, decode instances
@@ -36,10 +51,13 @@ from pdjax.config.pipeline import check_pipeline_parallel
 
 DEPLOYMENT_KINDS = ("colocated", "disaggregated")
 ROUTERS = ("round_robin", "least_loaded")      # = pdjax.scheduler.routing.ROUTER_POLICIES
-ROLES = ("colocated", "prefill", "decode")
-ROLES_OF_KIND = {"colocated": ("colocated",), "disaggregated": ("prefill", "decode")}
+ROLES = ("colocated", "prefill", "decode", "mixed")
+ROLES_OF_KIND = {"colocated": ("colocated",), "disaggregated": ("prefill", "decode")}   # + 'mixed' when it has any
 ROLE_POLICIES = {"prefill": "prefill_only", "decode": "decode_only"}   # colocated: the scheduler block's policy
-_NAME_PREFIX = {"colocated": "replica", "prefill": "prefill", "decode": "decode"}
+# A mixed instance runs pdjax.scheduler.mixed.MixedScheduler (prefill_only or decode_only behaviour by phase; both
+# are Sarathi-style), built from the scheduler block with this policy recorded in its SchedulerConfig.
+MIXED_BASE_POLICY = "sarathi"
+_NAME_PREFIX = {"colocated": "replica", "prefill": "prefill", "decode": "decode", "mixed": "mixed"}
 # Keys a group no longer has -> what replaces them (deployment_from_dict names it).
 REMOVED_GROUP_KEYS = {"dp": "num_instances"}
 
@@ -62,7 +80,8 @@ def _positive_int(value, where: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class InstanceGroupConfig:
-    """One role's instances. num_instances: replicas (each its own scheduler and KV cache, behind the router).
+    """One role's instances. num_instances: replicas (each its own scheduler and KV cache, behind the router);
+    0 is allowed only for deployment.mixed (DeploymentConfig checks).
     pp/tp: pipeline stages and tensor-parallel degree of each instance (mesh data=1 x stage=pp x tensor=tp).
     num_pages / token_budget / max_num_seqs: scheduler overrides (0 = the scheduler block's value).
     devices: explicit device indices of all instances (len == num_instances·pp·tp) or () for automatic placement."""
@@ -75,7 +94,10 @@ class InstanceGroupConfig:
     devices: Tuple[int, ...] = ()
 
     def __post_init__(self):
-        for name in ("num_instances", "pp", "tp"):
+        n = self.num_instances
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"num_instances={n!r}, expected a positive int (0 is allowed for the mixed pool only)")
+        for name in ("pp", "tp"):
             _positive_int(getattr(self, name), name)
         for name in ("num_pages", "token_budget", "max_num_seqs"):
             value = getattr(self, name)
@@ -103,14 +125,24 @@ class InstanceGroupConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DeploymentConfig:
-    """kind: 'colocated' (the `colocated` group) or 'disaggregated' (the `prefill` and `decode` groups).
+    """kind: 'colocated' (the `colocated` group) or 'disaggregated' (the `prefill` and `decode` groups, plus the
+    `mixed` group when it has instances).
     router: how an arrival picks a colocated or prefill instance, and a handed-off request a decode instance
-    ('round_robin', or 'least_loaded': pdjax.scheduler.routing's load of the role)."""
+    ('round_robin', or 'least_loaded': pdjax.scheduler.routing's load of the role).
+    mixed: Splitwise's mixed pool (default 0 instances; disaggregated only).
+    mixed_prefill_queue_tokens: the prefill pool is overloaded for an arrival when every prefill instance has
+      queued prompt tokens and queued + the new prompt exceeds this (int >= 1).
+    mixed_decode_load: the decode pool is overloaded for a handoff when every decode instance's load with it
+      (max of its KV-page and sequence-slot fractions) exceeds this (a fraction in (0, 1]).
+    Module docstring and pdjax.scheduler.mixed: what a mixed machine then does."""
     kind: str = "colocated"
     router: str = "round_robin"
     colocated: InstanceGroupConfig = InstanceGroupConfig()
     prefill: InstanceGroupConfig = InstanceGroupConfig()
     decode: InstanceGroupConfig = InstanceGroupConfig()
+    mixed: InstanceGroupConfig = InstanceGroupConfig(num_instances=0)
+    mixed_prefill_queue_tokens: int = 8192
+    mixed_decode_load: float = 1.0
 
     def __post_init__(self):
         if self.kind not in DEPLOYMENT_KINDS:
@@ -122,11 +154,32 @@ class DeploymentConfig:
         for role in ROLES:
             if not isinstance(getattr(self, role), InstanceGroupConfig):
                 raise TypeError(f"deployment.{role}={getattr(self, role)!r}, expected an InstanceGroupConfig")
+            if role != "mixed" and getattr(self, role).num_instances < 1:
+                raise ValueError(f"deployment.{role}: num_instances=0, expected a positive int (only "
+                                 f"deployment.mixed may have 0 instances)")
+        if self.mixed.num_instances and self.kind != "disaggregated":
+            raise ValueError(f"deployment.mixed.num_instances={self.mixed.num_instances} with deployment.kind="
+                             f"{self.kind!r}: the mixed pool is part of a disaggregated deployment; expected kind="
+                             "'disaggregated' or deployment.mixed.num_instances=0")
+        q = self.mixed_prefill_queue_tokens
+        if not isinstance(q, int) or isinstance(q, bool) or q < 1:
+            raise ValueError(f"deployment.mixed_prefill_queue_tokens={q!r}, expected an int >= 1 (prompt tokens "
+                             "queued on a prefill instance above which the prefill pool is overloaded)")
+        load = self.mixed_decode_load
+        if not isinstance(load, (int, float)) or isinstance(load, bool) or not 0 < load <= 1:
+            raise ValueError(f"deployment.mixed_decode_load={load!r}, expected a fraction in (0, 1] (a decode "
+                             "instance's KV-page / sequence-slot load above which the decode pool is overloaded)")
 
     @property
     def roles(self) -> Tuple[str, ...]:
-        """The groups this kind uses, in placement order: ('colocated',) or ('prefill', 'decode')."""
-        return ROLES_OF_KIND[self.kind]
+        """The groups this kind uses, in placement order: ('colocated',), ('prefill', 'decode') or, with mixed
+        instances, ('prefill', 'decode', 'mixed')."""
+        roles = ROLES_OF_KIND[self.kind]
+        return roles + ("mixed",) if self.kind == "disaggregated" and self.mixed.num_instances else roles
+
+    @property
+    def has_mixed_pool(self) -> bool:
+        return "mixed" in self.roles
 
     @property
     def num_devices(self) -> int:
@@ -196,11 +249,14 @@ def validate_deployment(deployment: DeploymentConfig, spec, num_available: int) 
 
 def instance_scheduler_config(base, group: InstanceGroupConfig, role: str):
     """The SchedulerConfig of one instance: `base` with the role's policy ('prefill_only' / 'decode_only'; a
-    colocated instance keeps the scheduler block's) and the group's non-zero overrides."""
+    colocated instance keeps the scheduler block's; a mixed one records MIXED_BASE_POLICY, the base of both role
+    policies: its scheduler is pdjax.scheduler.mixed.MixedScheduler) and the group's non-zero overrides."""
     check_role(role)
     changes = {}
     if role in ROLE_POLICIES:
         changes["policy"] = ROLE_POLICIES[role]
+    elif role == "mixed" and base.policy != MIXED_BASE_POLICY:
+        changes["policy"] = MIXED_BASE_POLICY
     for name in ("num_pages", "token_budget", "max_num_seqs"):
         if getattr(group, name):
             changes[name] = getattr(group, name)
@@ -223,6 +279,10 @@ def check_removed_group_keys(d) -> None:
 
 def deployment_from_dict(d) -> DeploymentConfig:
     """DeploymentConfig from the nested dict of a config file's `deployment` block (unknown keys fail; removed
-    keys fail naming their replacement)."""
+    keys fail naming their replacement). A `mixed` block without num_instances has 0 (the field's default), as
+    when the block is absent."""
     check_removed_group_keys(d)
+    mixed = (d or {}).get("mixed")
+    if isinstance(mixed, dict) and "num_instances" not in mixed:
+        d = {**d, "mixed": {**mixed, "num_instances": 0}}
     return dataclass_from_dict(DeploymentConfig, d, "deployment")

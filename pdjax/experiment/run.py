@@ -4,6 +4,10 @@ Two phases, so every user error surfaces in the first second, before anything is
 `prepare_experiment` validates the config, makes the workdir ready (pdjax.metrics.prepare_run_dir) and builds
 the workload (reading trace and text files); `run_prepared` runs it. Both backends get the same workload and
 record in results.json under "workload" what was done to the source's lengths (scaling, caps).
+
+Several processes (multi-controller JAX, pdjax.serving.distributed): every process prepares and runs the same
+experiment; only process 0 touches the workdir (`prepare_experiment(..., is_main=False)` leaves it alone) and
+writes the outputs; a simulator run happens on process 0 only.
 """
 from __future__ import annotations
 
@@ -35,22 +39,28 @@ class PreparedExperiment:
     length_report: Dict[str, Any]   # pdjax.workload.length_report
 
 
-def prepare_experiment(config: Any, workdir: str) -> PreparedExperiment:
-    """Validate `config` (configs/serve.py layout), ready `workdir`, build the workload. Raises ValueError (or
-    OSError for unreadable files) naming the bad key, value or path; nothing has been run or compiled then."""
+def prepare_experiment(config: Any, workdir: str, *, is_main: bool = True) -> PreparedExperiment:
+    """Validate `config` (configs/serve.py layout), ready `workdir` (only when `is_main`: process 0 of a
+    multi-process run), build the workload. Raises ValueError (or OSError for unreadable files) naming the bad
+    key, value or path; nothing has been run or compiled then."""
     config = to_plain_dict(config)
     cfg = serve_config_from_dict(config)
-    prepare_run_dir(workdir)
+    if is_main:
+        prepare_run_dir(workdir)
     workload = make_workload(cfg.workload, seed=cfg.seed)
     return PreparedExperiment(cfg, config, workdir, workload, length_report(cfg.workload, workload))
 
 
-def run_prepared(prep: PreparedExperiment) -> dict:
-    """Run a prepared experiment on its backend, write its outputs; returns the summary (results.json)."""
+def run_prepared(prep: PreparedExperiment, coordinator=None) -> dict:
+    """Run a prepared experiment on its backend, write its outputs; returns the summary (results.json).
+    coordinator: a multi-process run's (pdjax.serving.distributed); None: one process."""
     extra = {"workload": prep.length_report}
     if prep.cfg.backend == "real":
         from pdjax.serving.run import run_real  # noqa: PLC0415  (imports JAX)
-        return run_real(prep.cfg, prep.config, prep.workdir, workload=prep.workload, extra=extra)
+        return run_real(prep.cfg, prep.config, prep.workdir, workload=prep.workload, extra=extra,
+                        coordinator=coordinator)
+    if coordinator is not None and not coordinator.is_main:
+        return {}    # the simulator runs on process 0 only
     from pdjax.sim.run import run_sim  # noqa: PLC0415
     return run_sim(prep.cfg, prep.config, prep.workdir, workload=prep.workload, extra=extra)
 

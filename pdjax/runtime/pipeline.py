@@ -50,7 +50,6 @@ from flax import struct
 
 from pdjax.config.model_specs import ModelSpec
 from pdjax.config.pipeline import check_pipeline_parallel, stage_layer_ranges
-from pdjax.kernels import get_attention_fn
 from pdjax.models.llama import (KVCache, LayerParams, LlamaParams, check_runnable, embed, final_logits,
                                 forward_layers, init_kv_cache)
 from pdjax.runtime import mesh as mesh_lib
@@ -181,19 +180,9 @@ class PipelineRunner(ModelRunner):
         if len(params.layers) != spec.num_layers:
             raise ValueError(f"params have {len(params.layers)} layers, spec {spec.name!r} has "
                              f"num_layers={spec.num_layers}")
-        self.spec = spec
-        self.page_size = int(page_size)
-        self.num_pages = int(num_pages)
-        self.max_model_len = int(max_model_len or spec.max_position_embeddings)
-        if self.max_model_len > spec.max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the spec's "
-                             f"max_position_embeddings={spec.max_position_embeddings}")
-        if buckets is None:
-            buckets = Buckets.powers_of_two(512, 64, -(-self.max_model_len // self.page_size))
-        self.buckets = buckets
+        self._set_limits(spec, num_pages, page_size, buckets, max_model_len, attention_impl)
         self.mesh = mesh
         self.pp, self.tp = pp, tp
-        self.attention_fn = get_attention_fn(attention_impl)
         kv_dtype = kv_dtype or params.embed.dtype
         self.layer_ranges = stage_layer_ranges(spec.num_layers, pp)
         self.stage_meshes = mesh_lib.stage_meshes(mesh)

@@ -84,20 +84,13 @@ class ModelRunner:
                  buckets: Optional[Buckets] = None, attention_impl: str = "auto", kv_dtype=None,
                  mesh=None, max_model_len: Optional[int] = None):
         check_runnable(spec)
-        self.spec = spec
-        self.page_size = int(page_size)
-        self.num_pages = int(num_pages)
-        self.max_model_len = int(max_model_len or spec.max_position_embeddings)
-        if self.max_model_len > spec.max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the spec's "
-                             f"max_position_embeddings={spec.max_position_embeddings}")
-        if buckets is None:
-            buckets = Buckets.powers_of_two(512, 64, -(-self.max_model_len // self.page_size))
-        self.buckets = buckets
-        self.attention_fn = get_attention_fn(attention_impl)
+        self._set_limits(spec, num_pages, page_size, buckets, max_model_len, attention_impl)
         kv_dtype = kv_dtype or params.embed.dtype
         if mesh is None:
             mesh = mesh_lib.make_mesh(jax.devices()[:1])
+        if mesh.shape["data"] != 1 or mesh.shape["stage"] != 1:   # such devices would only hold copies
+            raise ValueError(f"ModelRunner runs one (1, 1, tp) mesh, got data={mesh.shape['data']} "
+                             f"stage={mesh.shape['stage']}: use PipelineRunner for stages and one runner per replica")
         self.mesh = mesh
         self.params = mesh_lib.shard_params(params, mesh, spec)
         out_shardings = (mesh_lib.replicated(mesh), mesh_lib.kv_cache_shardings(mesh, spec))
@@ -112,6 +105,20 @@ class ModelRunner:
             spec, self.attention_fn, out_shardings=out_shardings,
             on_trace=lambda b: self.traces.append(("logits", b.shape_key)))
         self.host_pages: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
+
+    def _set_limits(self, spec, num_pages, page_size, buckets, max_model_len, attention_impl) -> None:
+        """The host-side limits every runner checks batches against (shared with PipelineRunner)."""
+        self.spec = spec
+        self.page_size = int(page_size)
+        self.num_pages = int(num_pages)
+        self.max_model_len = int(max_model_len or spec.max_position_embeddings)
+        if self.max_model_len > spec.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the spec's "
+                             f"max_position_embeddings={spec.max_position_embeddings}")
+        if buckets is None:
+            buckets = Buckets.powers_of_two(512, 64, -(-self.max_model_len // self.page_size))
+        self.buckets = buckets
+        self.attention_fn = get_attention_fn(attention_impl)
 
     @property
     def compile_count(self) -> int:

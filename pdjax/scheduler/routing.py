@@ -14,6 +14,9 @@ An instance is anything with `.scheduler` (a pdjax Scheduler) and, unless the ro
   Loads are recomputed at each pick (O(requests held) per pick).
 A router is callable as `router(request, instances)` too, the simulator's routing protocol (the request does not
 change the pick).
+A router serves one of the roles 'colocated', 'prefill', 'decode'. Mixed-pool instances (role 'mixed', Splitwise)
+are routed to by pdjax.scheduler.mixed.MixedPool, which wraps the prefill and decode routers and uses the loads
+above (prefill_load for the prefill pool's overload test).
 """
 from __future__ import annotations
 
@@ -38,9 +41,11 @@ class InstanceRouter:
         if not instances:
             raise ValueError("a router needs at least one instance")
         roles = {role} if role is not None else {getattr(inst, "role", None) for inst in instances}
-        if len(roles) != 1 or not roles <= set(ROLES):
+        routed = tuple(r for r in ROLES if r != "mixed")
+        if len(roles) != 1 or not roles <= set(routed):
             raise ValueError(f"router over instances of roles {sorted(map(str, roles))}: expected one role of "
-                             f"{ROLES} (pass role= for instances without a .role)")
+                             f"{routed} (pass role= for instances without a .role; mixed-pool instances are "
+                             "routed by pdjax.scheduler.mixed.MixedPool)")
         self.policy = policy
         self.role = roles.pop()
         self.instances = list(instances)

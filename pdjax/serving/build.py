@@ -5,7 +5,9 @@ composes build -> warm-up -> engine -> outputs.
 Every instance of a deployment group (num_instances, pp, tp) gets a (data=1, stage=pp, tensor=tp) mesh of its
 assigned devices: a PipelineRunner when pp > 1 (each stage a TP group holding its layers), a ModelRunner when
 pp == 1. One colocated instance runs on ColocatedEngine; colocated replicas and disaggregated groups run on the
-one multi-instance loop (pdjax.serving.cluster.ClusterEngine; DisaggregatedEngine is its prefill/decode form).
+one multi-instance loop (pdjax.serving.cluster.ClusterEngine; DisaggregatedEngine is its prefill/decode form, with
+the mixed group, when deployment.mixed has instances, as its Splitwise mixed pool: MixedScheduler instances
+'mixed0', ... and the deployment's thresholds).
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from typing import List, Optional, Sequence
 
 from pdjax.config.buckets import Buckets, engine_buckets
 from pdjax.config.serving import ServeConfig
-from pdjax.scheduler import Request, make_scheduler, request_from_workload
+from pdjax.scheduler import Request, request_from_workload
+from pdjax.scheduler.instances import make_role_scheduler
 from pdjax.serving.cluster import ClusterEngine, Instance
 from pdjax.serving.disagg import DisaggregatedEngine
 from pdjax.serving.engine import ColocatedEngine, TokenCallback
@@ -80,7 +83,7 @@ def build_runner(cfg: ServeConfig, *, seed: Optional[int] = None, spec=None, par
 
 def build_instances(cfg: ServeConfig, *, devices: Optional[Sequence] = None, params=None, spec=None
                     ) -> List[Instance]:
-    """Every instance of cfg.deployment (colocated replicas, or prefill then decode instances), in name order:
+    """Every instance of cfg.deployment (colocated replicas, or prefill, decode, then mixed instances), in name order:
     each a runner on a (data=1, stage=pp, tensor=tp) mesh of exactly its assigned devices
     (`deployment.device_assignment`; every device runs a stage's TP shard, none holds an idle copy) and a
     scheduler from `instance_scheduler_config`. Raises ValueError naming the group when a layout cannot run
@@ -111,7 +114,7 @@ def build_instances(cfg: ServeConfig, *, devices: Optional[Sequence] = None, par
                                  f"{group.pp * group.tp} (every device must run a stage's TP shard)")
             mesh = make_mesh([devices[d] for d in ids], dp=1, pp=group.pp, tp=group.tp)
             runner = build_runner(inst_cfg, spec=spec, params=params, mesh=mesh)
-            instances.append(Instance(name, role, runner, make_scheduler(inst_cfg.scheduler)))
+            instances.append(Instance(name, role, runner, make_role_scheduler(role, inst_cfg.scheduler)))
     return instances
 
 
@@ -137,7 +140,9 @@ def build_engine(cfg: ServeConfig, *, devices: Optional[Sequence] = None, params
         return ClusterEngine(instances, router=dep.router, overlap=ec.overlap, **common)
     return DisaggregatedEngine([i for i in instances if i.role == "prefill"],
                                [i for i in instances if i.role == "decode"], router=dep.router,
-                               overlap=ec.overlap, **common)
+                               overlap=ec.overlap, mixed=[i for i in instances if i.role == "mixed"],
+                               mixed_prefill_queue_tokens=dep.mixed_prefill_queue_tokens,
+                               mixed_decode_load=float(dep.mixed_decode_load), **common)
 
 
 def build_colocated_engine(cfg: ServeConfig, *, on_token: Optional[TokenCallback] = None, compile_counter=None,

@@ -9,14 +9,22 @@ Two configurations of the same loop:
   pdjax/scheduler/policies.py):
   arrival -> router picks a prefill instance -> `add_request` -> prefill chunks -> first token sampled: finished
   with 'handoff' (TTFT is stamped here, on the prefill instance) -> router picks a decode instance ->
-  `add_handoff(req)` -> `transfer_kv` (the one cross-group copy, staged on the decode devices, each layer on the
-  decode stage that holds it) -> `mark_kv_arrived` -> prefill side `release` (its pages are free again) ->
-  decode_only scheduler admits it when a slot, budget and pages fit (backpressure) and lists it in
+  `add_handoff(req)` -> `transfer_kv` dispatched (the one cross-group copy, staged on the decode devices, each
+  layer on the decode stage that holds it; asynchronous, see below) -> ... the transfer lands (polled every
+  round) -> `mark_kv_arrived` -> prefill side `release` (its pages are free again) -> decode_only scheduler
+  admits it when a slot, budget and pages fit (backpressure) and lists it in
   `kv_handoff_req_ids` -> before that step the staged pages are scattered into its new page table, stage by
   stage -> decode steps stamp the later tokens.
   The Request object is shared by both sides (add_handoff mutates it), so its record holds the whole story.
 A cluster is one or the other (colocated instances never share it with prefill/decode ones); a single colocated
 instance runs here too, though pdjax.serving.engine.ColocatedEngine (sync or async scheduling) is its engine.
+A disaggregated cluster may add Splitwise's mixed pool: instances of role 'mixed' (a MixedScheduler each, any pp x
+tp layout like the other groups) that take the prefill or the decode phase while that pool is overloaded and return
+to the pool when idle. Arrivals and handoffs are routed by pdjax.scheduler.mixed.MixedPool (`self.pool`; without
+mixed instances it is the deployment's two routers, unchanged); a mixed instance in a phase runs that phase's
+protocol exactly (a prefill-phase one hands its requests off through the same transfer path; a decode-phase one
+receives handoffs), and idle ones are returned to the pool at the start of every round and before every pick.
+`self.pool.switches` logs every change of phase on the local engine clock (seconds since the run started).
 
 Loop (single host thread, mirroring ColocatedEngine's sync loop): every round, each instance with work schedules
 and dispatches its step (JAX dispatch is async, and the instances' devices are disjoint, so their steps run at
@@ -25,12 +33,26 @@ collected in turn, its scheduler updated and its tokens stamped with the time it
 Iteration records carry the instance name ('replica0', 'prefill0', 'decode1', ...) and a per-instance step
 index. A pipelined instance (PipelineRunner) has one batch in flight per round here: its stages work in turn.
 
+Asynchronous KV transfer (`async_transfer=True`, the default): a handoff only enqueues the transfer's gathers
+and copy (`transfer(..., wait=False)`; JAX dispatch is asynchronous) and keeps a per-transfer record of its
+staged arrays (`_in_flight`), so the prefill instance's next step is dispatched in the very next round while
+the KV is still moving. At the start of every round the in-flight transfers are polled (`StagedKV.is_ready()`,
+never blocking); one that has landed gets `mark_kv_arrived` on the decode side and `release` on the prefill
+side (its pages stay held, and unwritten, until then), so the decode scheduler admits a request only once its
+pages are on the decode devices. When no instance can run and transfers are in flight, the loop waits for a
+landing (or the next arrival) instead. TransferRecord: `start_time` (dispatch), `landed_time` (the round
+that saw it ready: a poll-granular upper bound), `seconds` = landed - start, `host_s` = host time the loop spent
+in the transfer call (the prefill loop's blocked time). `async_transfer=False` is the synchronous form (the
+handoff blocks until the KV landed, then marks and releases at once), kept for comparison
+(experiments/bench_kv_transfer.py).
+
 Choices and limits:
-- The transfer is synchronous (its time is on the host's critical path between a prefill step's collect and
-  the next round); it is small next to a step for short prompts and is measured per request (`transfers`).
+- Transfers are polled once per round: a landing is noticed at the next round boundary (at most one step of
+  the slowest busy instance late); each is measured per request (`transfers`).
   `warmup_transfers` compiles every source stage's gather, every copy and every destination stage's scatter for
   every padded page count before serving, so no transfer compiles mid-run.
-- Routing: 'round_robin', or 'least_loaded' (InstanceRouter.load of the instance's role).
+- Routing: 'round_robin', or 'least_loaded' (InstanceRouter.load of the instance's role); with a mixed pool, the
+  thresholds `mixed_prefill_queue_tokens` / `mixed_decode_load` (pdjax.config.deployment) decide when it is used.
 - A request that finishes on its first token ('stop' / 'length') never reaches a decode instance.
 """
 from __future__ import annotations
@@ -39,10 +61,14 @@ import dataclasses
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import numpy as np
+
 from pdjax.metrics import IterationRecord, request_record
 from pdjax.scheduler import Request
 from pdjax.scheduler.instances import ROLE_POLICIES, ROLES, check_instance
+from pdjax.scheduler.mixed import MixedPool
 from pdjax.scheduler.routing import InstanceRouter
+from pdjax.serving.distributed import Coordinator
 from pdjax.serving.engine import ArrivalQueue, CompileTracker, EngineResult, TokenCallback
 from pdjax.serving.kv_transfer import StagedKV, scatter_kv_pages, transfer_kv
 
@@ -52,7 +78,7 @@ class Instance:
     ('prefill_only' for role 'prefill', 'decode_only' for 'decode', any colocated policy for 'colocated'; roles
     and names as pdjax.scheduler.instances: 'replica0', 'prefill0', 'decode0', ...)."""
     name: str
-    role: str            # 'colocated' | 'prefill' | 'decode'
+    role: str            # 'colocated' | 'prefill' | 'decode' | 'mixed'
     runner: Any
     scheduler: Any
     num_steps: int = 0
@@ -76,7 +102,9 @@ class TransferRecord:
     kv_bytes: int
     moved_bytes: int
     start_time: float
-    seconds: float
+    seconds: float             # landed_time - start_time
+    landed_time: float = 0.0   # when the loop saw the KV on the decode devices (engine clock)
+    host_s: float = 0.0        # host time spent in the transfer call (sync: the whole copy; async: the dispatch)
 
 
 @dataclasses.dataclass
@@ -89,7 +117,17 @@ class ClusterResult(EngineResult):
         moved = sum(t.moved_bytes for t in self.transfers)
         return {"num_transfers": len(self.transfers), "kv_bytes": sum(t.kv_bytes for t in self.transfers),
                 "moved_bytes": moved, "seconds": total_s,
-                "bandwidth_bytes_per_s": moved / total_s if total_s > 0 else 0.0}
+                "bandwidth_bytes_per_s": moved / total_s if total_s > 0 else 0.0,
+                "host_blocked_s": sum(t.host_s for t in self.transfers)}
+
+
+@dataclasses.dataclass(eq=False)     # compared by identity (its fields hold arrays)
+class _InFlightTransfer:
+    """A dispatched transfer whose KV has not landed yet: its staged arrays and its record."""
+    src: Any                 # Instance
+    dst: Any                 # Instance
+    staged: StagedKV
+    record: TransferRecord
 
 
 class ClusterEngine:
@@ -99,35 +137,56 @@ class ClusterEngine:
                  clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep,
                  on_token: Optional[TokenCallback] = None, overlap: bool = True,
                  transfer: Callable[..., StagedKV] = transfer_kv, compile_counter: Optional[Callable[[], int]] = None,
-                 fail_on_compile: bool = False):
-        instances = list(instances)
+                 fail_on_compile: bool = False, async_transfer: bool = True, coordinator=None,
+                 mixed: Sequence[Instance] = (), mixed_prefill_queue_tokens: int = 8192,
+                 mixed_decode_load: float = 1.0):
+        instances = list(instances) + list(mixed)   # mixed: the mixed pool (role 'mixed'), also accepted in instances
         if not instances:
             raise ValueError("a cluster needs at least one instance")
         names = [i.name for i in instances]
         if len(set(names)) != len(names):
             raise ValueError(f"instance names must be unique, got {names}")
         by_role = {role: [i for i in instances if i.role == role] for role in ROLES}
-        self.colocated, self.prefill, self.decode = (by_role[r] for r in ROLES)
-        if self.colocated and (self.prefill or self.decode):
+        self.colocated, self.prefill, self.decode, self.mixed = (by_role[r] for r in ROLES)
+        if self.colocated and (self.prefill or self.decode or self.mixed):
             raise ValueError(f"colocated instances {[i.name for i in self.colocated]} cannot share a cluster with "
-                             "prefill/decode instances")
-        for role, other in (("prefill", "decode"), ("decode", "prefill")):
+                             "prefill/decode/mixed instances")
+        for role, other in (("prefill", "decode"), ("decode", "prefill"), ("prefill", "mixed")):
             if by_role[other] and not by_role[role]:
                 raise ValueError(f"a disaggregated engine needs at least one {role} instance")
         if self.prefill:
-            sizes = {i.name: i.scheduler.config.page_size for i in self.prefill + self.decode}
+            sizes = {i.name: i.scheduler.config.page_size for i in self.prefill + self.decode + self.mixed}
             if len(set(sizes.values())) != 1:
                 raise ValueError(f"all instances need the same page_size (pages move whole), got {sizes}")
-        self.entry_router = InstanceRouter(router, self.colocated or self.prefill)
-        self.decode_router = InstanceRouter(router, self.decode) if self.decode else None
+        if self.colocated:
+            self.entry_router = InstanceRouter(router, self.colocated)
+            self.pool = self.decode_router = None
+        else:
+            self.pool = MixedPool(router, self.prefill, self.decode, self.mixed,
+                                  prefill_queue_tokens=mixed_prefill_queue_tokens, decode_load=mixed_decode_load)
+            self.entry_router, self.decode_router = self.pool.prefill_router, self.pool.decode_router
+        self._t0 = 0.0
         self.clock, self.sleep, self.on_token, self.overlap = clock, sleep, on_token, overlap
-        self.transfer = transfer
+        self.transfer = transfer   # called as transfer(src_stages, pages, dst_meshes, num_tokens=n, wait=bool)
+        self.async_transfer = async_transfer
+        self._in_flight: List[_InFlightTransfer] = []
+        self.coordinator = coordinator if coordinator is not None else Coordinator()   # distributed.py
         self.compiles = CompileTracker(compile_counter, fail_on_compile)
         self._staged: Dict[str, StagedKV] = {}
 
     @property
     def instances(self) -> List[Instance]:
-        return self.colocated + self.prefill + self.decode
+        return self.colocated + self.prefill + self.decode + self.mixed
+
+    def _local_time(self) -> float:
+        """Seconds since the run started on this process's clock (no collective: for the mixed pool's log)."""
+        return self.clock() - self._t0
+
+    def _route_arrival(self, req: Request) -> bool:
+        """An arrival: a colocated replica (router), or a prefill / prefill-phase mixed instance (MixedPool)."""
+        if self.pool is None:
+            return self.entry_router.pick().scheduler.add_request(req)
+        return self.pool.pick_prefill(req, self._local_time()).scheduler.add_request(req)
 
     def warmup_transfers(self, max_model_len: int) -> float:
         """Compile the transfer's per-stage gathers / cross-group copies / per-stage scatters for every padded
@@ -137,8 +196,10 @@ class ClusterEngine:
         Writes junk into the leading pages of the decode caches: harmless before serving (a request only ever
         reads KV positions it wrote itself or received)."""
         start = time.perf_counter()
-        for src in self.prefill:
-            for dst in self.decode:
+        for src in self.prefill + self.mixed:     # every pair a handoff can use (mixed: either side, never itself)
+            for dst in self.decode + self.mixed:
+                if src is dst:
+                    continue
                 src_stages = src.runner.kv_stages
                 ps = src_stages[0].page_size
                 most = min(-(-max_model_len // ps), src_stages[0].num_pages, dst.runner.kv_stages[0].num_pages)
@@ -152,7 +213,7 @@ class ClusterEngine:
                     staged = self.transfer(src.runner.kv_stages, list(range(n)), dst.runner.kv_stage_meshes,
                                            num_tokens=n * ps)
                     dst.runner.kv_stages = scatter_kv_pages(dst.runner.kv_stages, list(range(n)), staged)
-        for inst in self.decode:
+        for inst in self.decode + self.mixed:
             for cache in inst.runner.kv_stages:
                 cache.k[0].block_until_ready()
         return time.perf_counter() - start
@@ -163,20 +224,83 @@ class ClusterEngine:
         """Hand a prefilled request to a decode instance; False if the decode side rejected it (then it is
         finished: its pages on the prefill side are freed)."""
         rid = req.request_id
-        dst = self.decode_router.pick()
+        dst = self.pool.pick_decode(req, self._local_time())   # the decode router, or the mixed pool
         if not dst.scheduler.add_handoff(req, now()):
             src.scheduler.release(rid)
             return False
         start = now()
         staged = self.transfer(src.runner.kv_stages, src.scheduler.held_page_table(rid), dst.runner.kv_stage_meshes,
-                               num_tokens=req.num_computed_tokens)
-        self._staged[rid] = staged
-        dst.scheduler.mark_kv_arrived(rid)
-        src.scheduler.release(rid)
-        transfers.append(TransferRecord(
+                               num_tokens=req.num_computed_tokens, wait=not self.async_transfer)
+        record = TransferRecord(
             request_id=rid, src=src.name, dst=dst.name, num_tokens=staged.num_tokens, num_pages=staged.num_pages,
-            kv_bytes=staged.kv_bytes, moved_bytes=staged.moved_bytes, start_time=start, seconds=staged.seconds))
+            kv_bytes=staged.kv_bytes, moved_bytes=staged.moved_bytes, start_time=start, seconds=0.0,
+            host_s=now() - start)
+        transfers.append(record)
+        flight = _InFlightTransfer(src, dst, staged, record)
+        if self.async_transfer:
+            self._in_flight.append(flight)
+        else:
+            staged.wait()
+            self._land(flight, now())
         return True
+
+    def _land(self, flight: _InFlightTransfer, t: float) -> None:
+        """The KV of flight's request is on the decode devices: the decode side may admit it, the prefill side
+        frees its pages."""
+        rid = flight.record.request_id
+        self._staged[rid] = flight.staged
+        flight.dst.scheduler.mark_kv_arrived(rid)
+        flight.src.scheduler.release(rid)
+        flight.record.landed_time = t
+        flight.record.seconds = t - flight.record.start_time
+
+    def _collect(self, inst: Instance, handle):
+        """The instance's sampled ids. Multi-process: an instance whose devices are not on every process has its
+        ids fetched by the lowest process holding them and agreed (pdjax.serving.distributed)."""
+        source = self._id_source.get(inst.name)
+        if source is None:
+            return inst.runner.collect(handle)
+        local = inst.runner.collect(handle) if self.coordinator.process_id == source else None
+        ids = self.coordinator.agree(None if local is None else [int(x) for x in local], source=source)
+        return np.asarray(ids, np.int32)
+
+    def _id_sources(self) -> Dict[str, int]:
+        """instance name -> the process that reads its ids for all, for instances not on every process."""
+        if self.coordinator.num_processes == 1:
+            return {}
+        sources = {}
+        for inst in self.instances:
+            procs = {d.process_index for d in inst.runner.mesh.devices.flat}
+            if len(procs) < self.coordinator.num_processes:
+                sources[inst.name] = min(procs)
+        return sources
+
+    def _poll_transfers(self, now: Callable[[], float]) -> int:
+        """Land every in-flight transfer whose arrays are ready (never blocks); returns how many landed."""
+        if not self._in_flight:
+            return 0
+        # Readiness is per process: process 0's view decides for all (coordinator; identity for one process).
+        ready_idx = self.coordinator.agree([i for i, f in enumerate(self._in_flight) if f.staged.is_ready()])
+        ready = [self._in_flight[i] for i in ready_idx]
+        if ready:
+            t = now()
+            for f in ready:
+                self._land(f, t)
+            self._in_flight = [f for f in self._in_flight if f not in ready]
+        return len(ready)
+
+    def _await_landing(self, arrivals: ArrivalQueue, now: Callable[[], float], wait_for_arrival) -> None:
+        """Nothing can run but transfers are in flight: wait until one lands, or until the next arrival."""
+        if arrivals.exhausted:
+            self._in_flight[0].staged.wait()
+            self._poll_transfers(now)
+            return
+        while not self._poll_transfers(now):
+            left = arrivals.next_time - now()
+            if left <= 0:
+                wait_for_arrival()
+                return
+            self.sleep(min(left, 0.0005))
 
     def _load_handoffs(self, inst: Instance, out) -> None:
         """Before a decode step: write each newly admitted request's staged KV into its page table."""
@@ -191,13 +315,15 @@ class ClusterEngine:
     def run(self, requests: Sequence[Request], *, progress: Optional[Callable[[int], None]] = None
             ) -> ClusterResult:
         """Serve `requests` (scheduler Requests, arrival times relative to the start) until all finish."""
-        arrivals = ArrivalQueue(requests, lambda req: self.entry_router.pick().scheduler.add_request(req))
+        arrivals = ArrivalQueue(requests, self._route_arrival)
         iterations: List[IterationRecord] = []
         transfers: List[TransferRecord] = []
-        t0 = self.clock()
-        now = lambda: self.clock() - t0  # noqa: E731
+        t0 = self._t0 = self.clock()
+        now = lambda: self.coordinator.now(self.clock() - t0)  # noqa: E731  (process 0's clock)
         overlap_total = 0.0
         self._staged.clear()
+        self._in_flight = []
+        self._id_source = self._id_sources()
         for inst in self.instances:
             inst.num_steps = 0
         self.compiles.reset()
@@ -214,8 +340,11 @@ class ClusterEngine:
 
         admit(now())
         while True:
+            self._poll_transfers(now)
+            if self.mixed:
+                self.pool.return_idle(self._local_time())   # idle mixed instances back to the mixed pool
             busy = [inst for inst in self.instances if inst.scheduler.has_unfinished()]
-            if not busy:
+            if not busy and not self._in_flight:
                 if arrivals.exhausted:
                     break
                 wait_for_arrival()
@@ -224,6 +353,7 @@ class ClusterEngine:
             for inst in busy:
                 start = now()
                 out = inst.scheduler.schedule(start)
+                self.coordinator.digest(inst.name, out)
                 if out.is_empty:
                     continue
                 if out.kv_handoff_req_ids:
@@ -231,6 +361,9 @@ class ClusterEngine:
                 handle = inst.runner.dispatch(out) if self.overlap else None
                 launched.append((inst, out, start, handle))
             if not launched:
+                if self._in_flight:
+                    self._await_landing(arrivals, now, wait_for_arrival)
+                    continue
                 if arrivals.exhausted:
                     state = {i.name: (i.scheduler.num_waiting, i.scheduler.num_running) for i in busy}
                     raise RuntimeError(f"no instance can make progress and no arrivals are left: (waiting, "
@@ -242,7 +375,7 @@ class ClusterEngine:
                 admit(host_start)     # overlapped with the device steps
                 overlap_total += now() - host_start
             for inst, out, start, handle in launched:
-                sampled = inst.runner.collect(handle) if self.overlap else inst.runner.execute(out)
+                sampled = self._collect(inst, handle if self.overlap else inst.runner.dispatch(out))
                 end = now()
                 finished = inst.scheduler.update(out, sampled, end)
                 iterations.append(IterationRecord(

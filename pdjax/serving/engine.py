@@ -35,6 +35,11 @@ overlaps host scheduling with the device (the host schedules batch k+1 while bat
 Compiles: with `compile_counter` (pdjax.runtime.compiles.count) every IterationRecord carries the number of XLA
 compiles JAX reported since the previous record, so a latency that includes a compile is never mistaken for a
 step; `fail_on_compile=True` raises at the first one instead.
+
+Multi-controller runs (`coordinator`, pdjax.serving.distributed): every clock reading of the loop goes through
+`coordinator.now(...)` (process 0's time, so every process schedules and admits identically) and every
+SchedulerOutput through `coordinator.digest(...)`; the default single-process Coordinator returns the local
+values unchanged and digests nothing unless asked, so the loop is exactly the plain one.
 """
 from __future__ import annotations
 
@@ -123,7 +128,7 @@ class ColocatedEngine:
     def __init__(self, runner, scheduler, *, clock: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep, on_token: Optional[TokenCallback] = None,
                  async_scheduling: bool = False, compile_counter: Optional[Callable[[], int]] = None,
-                 fail_on_compile: bool = False, max_in_flight: int = 1):
+                 fail_on_compile: bool = False, max_in_flight: int = 1, coordinator=None):
         if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise ValueError(f"max_in_flight={max_in_flight!r}, expected a positive int (the runner's pp stages)")
         if async_scheduling and max_in_flight > 1:
@@ -138,6 +143,10 @@ class ColocatedEngine:
         self.sleep = sleep
         self.on_token = on_token
         self.async_scheduling = async_scheduling
+        if coordinator is None:
+            from pdjax.serving.distributed import Coordinator  # noqa: PLC0415
+            coordinator = Coordinator()
+        self.coordinator = coordinator
 
     def run(self, requests: Sequence[Request], *, progress: Optional[Callable[[int], None]] = None) -> EngineResult:
         """Serve `requests` (scheduler Requests with arrival times relative to the start) until all finish."""
@@ -164,7 +173,7 @@ class ColocatedEngine:
 
     # ---------------------------------------------------------------------------------------------------------
     def _now(self) -> float:
-        return self.clock() - self._t0
+        return self.coordinator.now(self.clock() - self._t0)
 
     def _wait_for_arrival(self, arrivals: ArrivalQueue) -> None:
         """Sleep until the next arrival and admit it; raise if there is none (the run could never progress)."""
@@ -201,6 +210,7 @@ class ColocatedEngine:
                 start = self._now()
                 arrivals.admit(start)    # a request that arrived during the last step joins this one
                 out = sched.schedule(start)
+                self.coordinator.digest("replica0", out)
                 if not out.is_empty:
                     queue.push(out, (self.runner.dispatch(out), start))
                     host_start = self._now()
@@ -240,6 +250,8 @@ class ColocatedEngine:
                                 for req, s in zip(out_prev.reqs, out_prev.do_sample) if s]
             arrivals.admit(host_start)
             out = sched.schedule(host_start) if sched.has_unfinished() else None
+            if out is not None:
+                self.coordinator.digest("replica0", out)
             handle = None
             if out is not None and not out.is_empty:
                 prev = (in_flight[0], in_flight[1]) if in_flight is not None else None

@@ -23,8 +23,14 @@ Byte accounting, both reported:
   payload a perfect transfer would move);
 - `moved_bytes` = the same over every page actually sent (whole pages, plus power-of-two padding pages
   when `pad_pages` is on; padding bounds the number of compiled gather/scatter shapes to log2(max pages)).
-The transfer is synchronous: `transfer_kv` blocks until the staged arrays are ready, so its `seconds` is the
-wall time of gather + cross-group copy (not the scatter, which runs on the decode side before its step).
+Synchronous or asynchronous: `transfer_kv(..., wait=True)` (the default) blocks until the staged arrays are
+ready, so its `seconds` is the wall time of gather + cross-group copy (not the scatter, which runs on the decode
+side before its step). `wait=False` only enqueues the gathers and the copy (JAX dispatch is asynchronous) and
+returns at once with `seconds=0.0`: the caller polls `StagedKV.is_ready()` (every staged array ready, i.e. the
+pages have landed on the decode devices) or blocks in `StagedKV.wait()`, and measures the time itself
+(pdjax.serving.cluster.ClusterEngine does both). The source pages must stay allocated until then: the gather
+reads them (the prefill step that runs meanwhile may donate and update the cache; JAX orders the two, and the
+held pages are never written by it).
 Compiles: one gather per (source stage, padded page count) and one scatter per (destination stage, padded page
 count); `pdjax.serving.cluster.ClusterEngine.warmup_transfers` runs them all before serving.
 """
@@ -75,6 +81,14 @@ class StagedKV:
     @property
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for a in self.k + self.v)
+
+    def is_ready(self) -> bool:
+        """Whether every staged array has landed on the destination devices (never blocks)."""
+        return all(a.is_ready() for a in self.k + self.v)
+
+    def wait(self) -> None:
+        """Block until every staged array has landed."""
+        jax.block_until_ready((self.k, self.v))
 
 
 def kv_bytes(num_layers: int, num_tokens: int, num_kv_heads: int, head_dim: int, dtype) -> int:
@@ -130,7 +144,7 @@ def as_stage_caches(caches: StageCaches, where: str) -> Tuple[List[KVCache], boo
 
 
 def transfer_kv(src_cache: StageCaches, src_pages: Sequence[int], dst: StageMeshes, *, num_tokens: int,
-                pad_pages: bool = True) -> StagedKV:
+                pad_pages: bool = True, wait: bool = True) -> StagedKV:
     """Move the KV of one request from the prefill group to the decode group (the only cross-group copy).
 
     Args:
@@ -142,6 +156,8 @@ def transfer_kv(src_cache: StageCaches, src_pages: Sequence[int], dst: StageMesh
       num_tokens: tokens whose KV is valid (the prefill's num_computed_tokens).
       pad_pages: pad the page count to a power of two (bounded compiles; padding pages are dropped by
         `scatter_kv_pages` and counted in moved_bytes).
+      wait: block until the staged arrays are ready (`seconds` = gather + copy wall time); False: return as
+        soon as the copy is enqueued (`seconds` = 0.0; poll `is_ready()` / `wait()` on the result).
     """
     stages, _ = as_stage_caches(src_cache, "transfer_kv src_cache")
     dst_meshes = [dst] if isinstance(dst, Mesh) else list(dst)
@@ -169,8 +185,10 @@ def transfer_kv(src_cache: StageCaches, src_pages: Sequence[int], dst: StageMesh
     k = [gathered[ss][0][si] for _, ss, si, _, _ in plan]
     v = [gathered[ss][1][si] for _, ss, si, _, _ in plan]
     k, v = jax.device_put((k, v), (targets, targets))        # per layer, to the stage that holds it
-    jax.block_until_ready((k, v))
-    seconds = time.perf_counter() - start
+    seconds = 0.0
+    if wait:
+        jax.block_until_ready((k, v))
+        seconds = time.perf_counter() - start
     return StagedKV(k=tuple(k), v=tuple(v), layer_ranges=stage_layer_ranges(num_layers, len(dst_meshes)),
                     num_tokens=int(num_tokens), num_pages=need,
                     kv_bytes=kv_bytes(num_layers, int(num_tokens), kv_heads, head_dim, k0.dtype),

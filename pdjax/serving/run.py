@@ -4,6 +4,11 @@ the engine, warm up every compiled function the run will call, serve, write the 
 The run's "engine" block in results.json counts compiles as JAX reports them (pdjax.runtime.compiles): the
 shapes built at warm-up, and `compiles_during_run`, which is 0 unless something escaped warm-up (the
 iterations that compiled are flagged in iterations.csv).
+
+Multi-controller runs (`coordinator`, pdjax.serving.distributed): every process builds, warms up and serves the
+same engine (the coordinator makes their decisions identical; the request list is checked equal at the start);
+all meet at a barrier after serving, so a process that died mid-run fails the others before anything is
+written; then only process 0 writes the outputs (each file atomically), the others return the same summary.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import pdjax
 from pdjax.config.deployment import instance_name
 from pdjax.config.serving import ServeConfig
-from pdjax.metrics import write_json, write_run_outputs
+from pdjax.metrics import summarize_run, write_json, write_run_outputs
 from pdjax.runtime import compiles
 from pdjax.serving.build import build_engine, build_requests, default_buckets, resolve_checkpoint
 
@@ -72,15 +77,28 @@ def _warm_up(engine, cfg: ServeConfig) -> float:
     return seconds
 
 
+def _request_fingerprint(requests) -> str:
+    import hashlib  # noqa: PLC0415
+    h = hashlib.sha256()
+    for r in requests:
+        h.update(repr((r.request_id, float(r.arrival_time), list(r.prompt_token_ids), r.sampling.max_tokens)).encode())
+    return h.hexdigest()
+
+
 def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str, *, workload: Optional[Sequence] = None,
-             extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+             extra: Optional[Dict[str, Any]] = None, coordinator=None) -> Dict[str, Any]:
     """Serve `workload` (WorkloadRequests; default cfg's) on the real engine and write the run outputs to
-    `workdir` (see pdjax.experiment.run for the checks before); `extra` joins results.json. Returns the summary."""
+    `workdir` (see pdjax.experiment.run for the checks before); `extra` joins results.json. Returns the summary.
+    coordinator: pdjax.serving.distributed's, for a multi-process run (module docstring); None: one process."""
+    from pdjax.serving.distributed import Coordinator  # noqa: PLC0415
+    coordinator = coordinator if coordinator is not None else Coordinator()
     requests = build_requests(cfg, workload)
+    coordinator.check_same("request list", _request_fingerprint(requests))
     if cfg.engine.compilation_cache:
         enable_compilation_cache(cfg.engine.compilation_cache_dir)
     disaggregated = cfg.deployment.kind == "disaggregated"
     engine = build_engine(cfg, compile_counter=compiles.count)
+    engine.coordinator = coordinator
     mark = compiles.count()
     compile_s = _warm_up(engine, cfg) if cfg.engine.warmup else 0.0
     warm_mark = compiles.count()
@@ -90,6 +108,7 @@ def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str, *, wor
     result = engine.run(requests, progress=_tick(bar))
     if bar is not None:
         bar.close()
+    coordinator.barrier("served")    # every process finished serving (a dead one fails this): results may go out
     during = compiles.since(warm_mark)
     info = {
         "backend": "real", "deployment": cfg.deployment.kind, "policy": cfg.scheduler.policy,
@@ -107,6 +126,12 @@ def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str, *, wor
         for name, role, runner, sched, steps in _instances(engine)}
     if disaggregated:
         info["kv_transfer"] = result.transfer_summary()
+    if coordinator.num_processes > 1:
+        info["num_processes"] = coordinator.num_processes
+    if not coordinator.is_main:    # only process 0 writes
+        summary = summarize_run(result.requests, result.iterations, cfg.slo.as_dict())
+        summary.update({**(extra or {}), "engine": info})
+        return summary
     # Before results.json (written last, the "run is complete" marker): the generated token ids per request.
     os.makedirs(workdir, exist_ok=True)
     write_json(os.path.join(workdir, "outputs.json"), result.output_tokens)

@@ -12,21 +12,25 @@ Rules (each chosen so a simulated run answers "what would the real engine do wit
   carries a frozen "hardware_spec" (host-cpu calibrations) is costed against that spec, not a re-measurement,
   so results are deterministic. A profile with "padding" costs steps at the engine's padded bucket shapes,
   buckets from the serve config exactly as the engine picks them (pdjax.config.buckets.engine_buckets), per
-  group (its token budget and max_num_seqs).
+  group (its token budget and max_num_seqs), and the attention implementation the profile was measured on
+  (its "attention": 'blocked' costs decodes by the longest context of the kernel's pass).
 - Deployment: `validate_deployment` (pp <= layers, tp dividing heads / KV heads / MLP width, explicit devices
   disjoint) on a simulated machine with as many devices as the deployment asks for, plus any explicit index
   beyond that (other nodes). Colocated: `deployment.colocated.num_instances` replicas ('replica0', ...) of
-  (pp, tp) behind `deployment.router`; disaggregated: the prefill and decode groups, the router for both.
+  (pp, tp) behind `deployment.router`; disaggregated: the prefill and decode groups, the router for both, and the
+  mixed group when it has instances ('mixed0', ...; Splitwise's mixed pool, pdjax.scheduler.mixed) with the
+  deployment's thresholds (`SimSetup.mixed_prefill_queue_tokens`, `.mixed_decode_load`).
 - Schedulers: `instance_scheduler_config` of each group (colocated: the scheduler block's policy; prefill /
-  decode: prefill_only / decode_only), vocab_size 0 filled from the model as run_real does (out-of-vocabulary
-  prompts rejected).
+  decode: prefill_only / decode_only; mixed: a MixedScheduler, `make_role_scheduler`), vocab_size 0 filled from
+  the model as run_real does (out-of-vocabulary prompts rejected).
 - KV pages per instance: the group's `num_pages` override; else `sim.num_pages` when > 0; else, on a GPU/TPU,
   the cost model's KV capacity at the group's tp/pp (`kv_cache_capacity_tokens` with gpu_memory_utilization,
   activations for its token_budget and max_num_seqs) in pages; else (host-cpu) `scheduler.num_pages` as given,
   which is what the CPU engine allocates.
 - Step time: `make_step_time(model, hardware, tp, pp, params, padding)` of the group.
-- Disaggregated KV links: from the instances' devices (pdjax.sim.disagg.kv_link); transfers on one link are
-  serialized.
+- Disaggregated KV links: from the instances' devices (pdjax.sim.disagg.kv_link), mixed instances' included;
+  transfers on one link are serialized. `disaggregated_kwargs(setup, instances)`: the keyword arguments of
+  simulate_disaggregated for a built setup (kv_bytes_of, router, serialize_transfers, the mixed pool).
 - Workload: `make_workload(cfg.workload, cfg.seed)`, offline mode puts every arrival at 0, as the engine does.
   Requests carry no stop token (the simulator cannot know when a model would emit EOS): they run to max_tokens.
 No JAX.
@@ -43,14 +47,14 @@ from pdjax.config.deployment import instance_scheduler_config, validate_deployme
 from pdjax.config.model_specs import MODEL_SPECS, ModelSpec, RopeScaling, get_model_spec
 from pdjax.config.deployment import ROLE_POLICIES
 from pdjax.scheduler import make_scheduler, request_from_workload
-from pdjax.scheduler.instances import check_instance
+from pdjax.scheduler.instances import check_instance, make_role_scheduler
 from pdjax.scheduler.routing import InstanceRouter
 from pdjax.sim.calibration import PROFILES_DIR
 from pdjax.sim.cost_model import CostParams, kv_bytes, kv_cache_capacity_tokens
 from pdjax.sim.disagg import DisaggSimInstance, kv_link, make_transfer_time
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 from pdjax.sim.simulator import SimInstance
-from pdjax.sim.step_cost import EnginePadding, SimProfile, load_sim_profile, make_step_time
+from pdjax.sim.step_cost import EnginePadding, SimProfile, load_sim_profile, make_step_time, padding_from_profile
 
 DISAGG_BASE_POLICIES = ("sarathi", "prefill_only", "decode_only")
 
@@ -87,6 +91,8 @@ class SimSetup:
     groups: Dict[str, GroupSetup]
     async_scheduling: bool = False
     serialize_transfers: bool = True
+    mixed_prefill_queue_tokens: int = 8192     # deployment's mixed-pool thresholds (read with a 'mixed' group)
+    mixed_decode_load: float = 1.0
 
     # The colocated group's parts, for the common one-group case.
     def _colocated(self) -> GroupSetup:
@@ -184,7 +190,7 @@ def _padding(cfg, profile: Optional[SimProfile], sched_cfg) -> Optional[EnginePa
     s = sched_cfg
     buckets = engine_buckets(s.token_budget, s.max_num_seqs, s.max_model_len, s.page_size,
                              cfg.engine.token_buckets, cfg.engine.seq_buckets, cfg.engine.page_buckets)
-    return EnginePadding(buckets, s.page_size, bool(profile.padding.get("dense_attention", True)))
+    return padding_from_profile(profile.padding, buckets, s.page_size)   # dense flag and attention impl
 
 
 def build_setup(cfg) -> SimSetup:
@@ -213,7 +219,9 @@ def build_setup(cfg) -> SimSetup:
         groups[role] = GroupSetup(role, sched_cfg, group.tp, group.pp, capacity, tuple(assignment[n] for n in names),
                                   names, _padding(cfg, profile, sched_cfg))
     return SimSetup(model=model, hardware=hw, params=params, profile=profile_name, kind=dep.kind,
-                    router=dep.router, groups=groups, async_scheduling=bool(cfg.engine.async_scheduling))
+                    router=dep.router, groups=groups, async_scheduling=bool(cfg.engine.async_scheduling),
+                    mixed_prefill_queue_tokens=dep.mixed_prefill_queue_tokens,
+                    mixed_decode_load=float(dep.mixed_decode_load))
 
 
 # --------------------------------------------------------------------------------------------------- parts
@@ -224,7 +232,7 @@ def group_step_time(setup: SimSetup, role: str) -> Callable[[Any], float]:
 
 def build_instances(setup: SimSetup) -> Dict[str, List[Any]]:
     """Role -> its instances, each with a fresh scheduler: SimInstance replicas (colocated), DisaggSimInstance
-    (prefill, decode)."""
+    (prefill, decode, mixed)."""
     out: Dict[str, List[Any]] = {}
     for role, g in setup.groups.items():
         step_time = group_step_time(setup, role)
@@ -233,7 +241,7 @@ def build_instances(setup: SimSetup) -> Dict[str, List[Any]]:
             for inst in out[role]:
                 check_instance(inst.name, role, inst.scheduler)
         else:
-            out[role] = [DisaggSimInstance(name, role, make_scheduler(g.scheduler_config), step_time)
+            out[role] = [DisaggSimInstance(name, role, make_role_scheduler(role, g.scheduler_config), step_time)
                          for name in g.names]
     return out
 
@@ -261,6 +269,16 @@ def build_transfer_time(setup: SimSetup) -> Callable[[DisaggSimInstance, DisaggS
 
 def kv_bytes_fn(setup: SimSetup) -> Callable[[int], int]:
     return lambda n: kv_bytes(setup.model, n)
+
+
+def disaggregated_kwargs(setup: SimSetup, instances: Dict[str, List[Any]]) -> Dict[str, Any]:
+    """Keyword arguments of pdjax.sim.disagg.simulate_disaggregated for a disaggregated `setup` and its built
+    `instances` (build_instances): KV bytes, router, transfer serialization, and the mixed pool (its instances
+    and thresholds; none without a 'mixed' group)."""
+    return {"kv_bytes_of": kv_bytes_fn(setup), "router": setup.router,
+            "serialize_transfers": setup.serialize_transfers, "mixed": instances.get("mixed", []),
+            "mixed_prefill_queue_tokens": setup.mixed_prefill_queue_tokens,
+            "mixed_decode_load": setup.mixed_decode_load}
 
 
 def build_requests(cfg, workload=None) -> list:

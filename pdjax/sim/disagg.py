@@ -1,5 +1,7 @@
 """Simulated prefill/decode disaggregation: N prefill instances and M decode instances on a virtual clock, with one
-KV transfer per request between them (the simulator counterpart of pdjax/serving/disagg.py).
+KV transfer per request between them (the simulator counterpart of pdjax/serving/disagg.py), plus optionally
+Splitwise's mixed pool: K mixed instances that take either phase while the prefill or the decode pool is overloaded
+and return to the pool when idle (pdjax.scheduler.mixed: the reading of Splitwise, thresholds, the MixedScheduler).
 
 Per request (the protocol of pdjax/scheduler/policies.py, as the real DisaggregatedEngine drives it):
   arrival -> prefill router -> `add_request` on a prefill_only scheduler -> prefill chunks -> first token sampled
@@ -33,6 +35,12 @@ Choices (and why):
 - Decode-side staging of arriving KV is not counted against pages (the real engine stages it outside the page
   pool too). Pages per instance, links, step and transfer times come built (pdjax.sim.build: config -> parts);
   this module knows nothing of configs.
+- Mixed pool (`mixed=`, thresholds `mixed_prefill_queue_tokens` / `mixed_decode_load`): arrivals and handoffs
+  are routed by pdjax.scheduler.mixed.MixedPool (without mixed instances: the deployment's two routers, exactly as
+  before). A mixed instance in the prefill phase prefills and hands off like a prefill instance, one in the decode
+  phase takes handoffs like a decode instance, and its KV transfers are timed on its links like any other
+  (`transfer_time(src, dst, n)`). It returns to the pool at the first event time at which it is idle (after the
+  steps and KV landings of that time, before its arrivals). `DisaggSimResult.mixed_pool` holds the switch log.
 - Outputs: the same RequestRecord / IterationRecord lists as a real disaggregated run (instance names
   'prefill0', 'decode0', ..., per-instance step indices) plus one TransferRecord per transfer;
   `transfer_summary()` has the real engine's keys (DisaggregatedResult.transfer_summary: num_transfers,
@@ -44,7 +52,8 @@ The loop (`simulate_disaggregated`) is a sequence of named steps at each event t
                        prefills (handoff: decode router -> add_handoff -> start_transfer on the link)
   land_transfer(t)     the next KV arrival at t: mark_kv_arrived on the decode side, release on the prefill side
                        (the two repeat until nothing more is due at t: a zero-time transfer can land at once)
-  admit_arrivals(t)    every arrival at t: prefill router -> add_request
+  return_idle(t)       every idle mixed instance in a phase returns to the mixed pool (no-op without one)
+  admit_arrivals(t)    every arrival at t: prefill router (MixedPool.pick_prefill) -> add_request
   start_steps(t)       every woken idle instance schedules and starts a step of step_time(out) seconds
 No JAX.
 """
@@ -58,22 +67,22 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from pdjax.metrics import IterationRecord, request_record, stats
 from pdjax.scheduler.instances import Instance
-from pdjax.scheduler.routing import InstanceRouter
+from pdjax.scheduler.mixed import MixedPool
 from pdjax.sim.cost_model import CostParams, kv_bytes, p2p_time
 from pdjax.sim.hardware import HardwareSpec
 from pdjax.sim.simulator import SimResult, placeholder_sample
 
-ROLES = ("prefill", "decode")
+ROLES = ("prefill", "decode", "mixed")
 
 
 # --------------------------------------------------------------------------------------------------- state
 class DisaggSimInstance(Instance):
-    """One simulated prefill or decode instance (pdjax.scheduler.instances.Instance): its scheduler
-    ('prefill_only' / 'decode_only') and step time (SchedulerOutput -> seconds)."""
+    """One simulated prefill, decode or mixed-pool instance (pdjax.scheduler.instances.Instance): its scheduler
+    ('prefill_only' / 'decode_only' / a MixedScheduler) and step time (SchedulerOutput -> seconds)."""
 
     def __init__(self, name: str, role: str, scheduler, step_time: Callable[[Any], float]):
         if role not in ROLES:
-            raise ValueError(f"instance {name!r}: role={role!r}, expected 'prefill' or 'decode'")
+            raise ValueError(f"instance {name!r}: role={role!r}, expected one of {ROLES}")
         super().__init__(name, role, scheduler)
         self.step_time = step_time
         self.in_flight: Optional[Tuple[Any, float]] = None   # (SchedulerOutput, start time) of the running step
@@ -108,6 +117,7 @@ class TransferRecord:
 @dataclasses.dataclass
 class DisaggSimResult(SimResult):
     transfers: List[TransferRecord] = dataclasses.field(default_factory=list)
+    mixed_pool: Optional[Dict[str, Any]] = None     # MixedPool.summary() when there were mixed instances
 
     def transfer_summary(self) -> Dict[str, float]:
         """Totals over all transfers, with the real engine's keys (pdjax.serving.disagg.DisaggregatedResult):
@@ -161,17 +171,18 @@ def make_transfer_time(model, bandwidth: float, latency: float, streams: int = 1
 
 
 # --------------------------------------------------------------------------------------------------- simulation
-def _check_instances(prefill: List[DisaggSimInstance], decode: List[DisaggSimInstance]) -> None:
-    for group, role in ((prefill, "prefill"), (decode, "decode")):
-        if not group:
+def _check_instances(prefill: List[DisaggSimInstance], decode: List[DisaggSimInstance],
+                     mixed: List[DisaggSimInstance]) -> None:
+    for group, role in ((prefill, "prefill"), (decode, "decode"), (mixed, "mixed")):
+        if not group and role != "mixed":
             raise ValueError(f"simulate_disaggregated: needs at least one {role} instance")
         for inst in group:
             if inst.role != role:
                 raise ValueError(f"instance {inst.name!r} has role {inst.role!r} but was given as {role}")
-    names = [i.name for i in prefill + decode]
+    names = [i.name for i in prefill + decode + mixed]
     if len(set(names)) != len(names):
         raise ValueError(f"instance names must be unique, got {names}")
-    sizes = {i.name: i.scheduler.config.page_size for i in prefill + decode}
+    sizes = {i.name: i.scheduler.config.page_size for i in prefill + decode + mixed}
     if len(set(sizes.values())) != 1:
         raise ValueError(f"all instances need the same page_size (pages move whole), got {sizes}")
 
@@ -180,10 +191,11 @@ class _Cluster:
     """The state of one disaggregated simulation and its steps (the module docstring's loop)."""
 
     def __init__(self, requests, prefill, decode, transfer_time, kv_bytes_of, router, serialize_transfers,
-                 sample, on_schedule, max_iterations):
-        self.instances = prefill + decode
-        self.prefill_router = InstanceRouter(router, prefill)
-        self.decode_router = InstanceRouter(router, decode)
+                 sample, on_schedule, max_iterations, mixed=(), mixed_prefill_queue_tokens=8192,
+                 mixed_decode_load=1.0):
+        self.instances = prefill + decode + list(mixed)
+        self.pool = MixedPool(router, prefill, decode, mixed, prefill_queue_tokens=mixed_prefill_queue_tokens,
+                              decode_load=mixed_decode_load)
         self.index_of = {id(inst): i for i, inst in enumerate(self.instances)}
         self.transfer_time, self.kv_bytes_of = transfer_time, kv_bytes_of
         self.serialize_transfers, self.sample, self.on_schedule = serialize_transfers, sample, on_schedule
@@ -233,9 +245,9 @@ class _Cluster:
                     self.handoff(idx, req, t)
 
     def handoff(self, src_idx: int, req, t: float) -> None:
-        """A finished prefill: the decode router picks its instance; a rejection releases it on the prefill side
-        at once, else its KV transfer starts."""
-        dst = self.decode_router.pick()
+        """A finished prefill: the decode router (MixedPool.pick_decode) picks its instance; a rejection releases
+        it on the prefill side at once, else its KV transfer starts."""
+        dst = self.pool.pick_decode(req, t)
         if not dst.scheduler.add_handoff(req, t):
             self.instances[src_idx].scheduler.release(req.request_id)
             self.waking[src_idx] = True
@@ -263,12 +275,18 @@ class _Cluster:
         self.instances[src_idx].scheduler.release(record.request_id)
         self.waking[src_idx] = self.waking[dst_idx] = True
 
+    def return_idle(self, t: float) -> None:
+        """Every mixed instance that is idle in a phase returns to the mixed pool."""
+        if self.pool.mixed:
+            self.pool.return_idle(t)
+
     def admit_arrivals(self, t: float) -> None:
-        """Every arrival at t goes to the prefill instance the router picks (a rejection finishes it there)."""
+        """Every arrival at t goes to the prefill instance the router (MixedPool.pick_prefill) picks (a rejection
+        finishes it there)."""
         while self.next_arrival < len(self.pending) and self.pending[self.next_arrival].arrival_time <= t:
             req = self.pending[self.next_arrival]
             self.next_arrival += 1
-            inst = self.prefill_router.pick()
+            inst = self.pool.pick_prefill(req, t)
             inst.scheduler.add_request(req)
             self.waking[self.index_of[id(inst)]] = True
 
@@ -304,20 +322,23 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[DisaggSimInstan
                            kv_bytes_of: Callable[[int], int] = lambda n: 0, router: str = "round_robin",
                            serialize_transfers: bool = True, sample: Callable = placeholder_sample,
                            on_schedule: Optional[Callable] = None,
-                           max_iterations: int = 50_000_000) -> DisaggSimResult:
-    """Serve `requests` (scheduler Requests, arrival_time in seconds) on prefill and decode instances until all
-    finish (module docstring).
+                           max_iterations: int = 50_000_000, mixed: Sequence[DisaggSimInstance] = (),
+                           mixed_prefill_queue_tokens: int = 8192,
+                           mixed_decode_load: float = 1.0) -> DisaggSimResult:
+    """Serve `requests` (scheduler Requests, arrival_time in seconds) on prefill and decode instances, and the
+    mixed pool's instances (role 'mixed', MixedScheduler; thresholds as deployment.mixed_prefill_queue_tokens /
+    mixed_decode_load), until all finish (module docstring).
 
     transfer_time(src, dst, num_tokens) -> seconds of one KV transfer; kv_bytes_of(num_tokens) -> bytes (for the
     records only); router: a pdjax.scheduler.routing policy, used for both roles. on_schedule(instance, out,
     now) is called after every non-empty schedule(). Raises RuntimeError when requests are left that no
     instance can schedule, or after `max_iterations` iterations.
     """
-    prefill, decode = list(prefill), list(decode)
-    _check_instances(prefill, decode)
+    prefill, decode, mixed = list(prefill), list(decode), list(mixed)
+    _check_instances(prefill, decode, mixed)
     wall_start = time.perf_counter()
     c = _Cluster(requests, prefill, decode, transfer_time, kv_bytes_of, router, serialize_transfers, sample,
-                 on_schedule, max_iterations)
+                 on_schedule, max_iterations, mixed, mixed_prefill_queue_tokens, mixed_decode_load)
     now = 0.0
     while True:
         t = c.next_event_time()
@@ -327,10 +348,11 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[DisaggSimInstan
         while c.step_or_transfer_due(now):
             c.finish_steps(now)
             c.land_transfer(now)
+        c.return_idle(now)
         c.admit_arrivals(now)
         c.start_steps(now)
     c.check_done(now)
     return DisaggSimResult(requests=[request_record(r) for r in c.pending], iterations=c.iterations,
                            duration_s=max((it.end_time for it in c.iterations), default=0.0),
                            wall_s=time.perf_counter() - wall_start, num_iterations=len(c.iterations),
-                           transfers=c.transfers)
+                           transfers=c.transfers, mixed_pool=c.pool.summary() if mixed else None)

@@ -23,7 +23,7 @@ import dataclasses
 from typing import Tuple
 
 from pdjax.sim.build import (SimSetup, build_instances, build_requests, build_router, build_setup,
-                             build_transfer_time, kv_bytes_fn)
+                             build_transfer_time, disaggregated_kwargs)
 from pdjax.sim.disagg import simulate_disaggregated
 from pdjax.sim.simulator import SimResult, simulate
 
@@ -39,8 +39,7 @@ def simulate_setup(setup: SimSetup, requests) -> SimResult:
         replicas = instances["colocated"]
         return simulate(requests, replicas, build_router(setup, replicas), async_scheduling=setup.async_scheduling)
     return simulate_disaggregated(requests, instances["prefill"], instances["decode"], build_transfer_time(setup),
-                                  kv_bytes_of=kv_bytes_fn(setup), router=setup.router,
-                                  serialize_transfers=setup.serialize_transfers)
+                                  **disaggregated_kwargs(setup, instances))
 
 
 def simulate_config(cfg, workload=None) -> Tuple[SimResult, SimSetup]:
@@ -72,6 +71,8 @@ def engine_info(result: SimResult, setup: SimSetup, cfg) -> dict:
     if setup.kind == "disaggregated":
         info["policy"] = "prefill_only+decode_only"
         info["kv_transfer"] = result.transfer_summary()
+        if result.mixed_pool is not None:
+            info["mixed_pool"] = result.mixed_pool
     return info
 
 

@@ -1,0 +1,85 @@
+"""Splitwise-style layouts (Patel et al., ISCA 2024) in simulation: Llama-2-70B, one instance per 8-GPU machine
+(TP8 over one node's NVSwitch, so every KV transfer crosses machines over InfiniBand, as in Splitwise), a prompt
+pool (deployment.prefill), a token pool (deployment.decode) and a mixed pool (deployment.mixed: machines that take
+prompts while the prompt pool is overloaded and tokens while the token pool is overloaded, returning to the mixed
+pool when idle; pdjax/scheduler/mixed.py has the reading of Splitwise's policy and its thresholds) on the Azure LLM
+inference traces of the paper (2023, code and conversation), replayed with their own lengths and arrival times.
+
+ARG = <machines>-<trace>
+    machines  aa   Splitwise-AA: prompt and token machines are DGX-A100 (8x A100-80GB SXM)
+              hh   Splitwise-HH: DGX-H100 (8x H100 SXM)
+              (Splitwise-HA, H100 prompt machines with A100 token machines, is not expressible: a simulated run has
+              one sim.hardware)
+    trace     code azure_llm_2023_code.csv (prompt median 1469, output median 13), at the trace's own times (the
+                   first 1000 rows: ~1.9 req/s, in bursts)
+              conv azure_llm_2023_conv.csv (prompt median 1020, output median 129), trace times x0.5 (the first
+                   1000 rows: ~9 req/s)
+Layout (every count a key): 2 prompt + 1 token + 1 mixed machine. Prompt machines batch up to 2048 prompt
+tokens (Splitwise's prompt-machine batch limit), token machines up to 256 sequences as memory allows; a mixed
+machine gets the prompt machines' 2048-token budget and the token machines' 256 sequences. Mixed-pool thresholds:
+deployment.mixed_prefill_queue_tokens=8192 (splitwise-sim's prompt_max_pending_batch_tokens) and
+deployment.mixed_decode_load=1.0 (a token machine is overloaded when the request's KV or sequence slot would not fit).
+SLOs (our choice, ~5x the unloaded figures): TTFT 2 s, TBT 0.2 s.
+
+    python -m experiments.serve --config=configs/sim/splitwise.py:aa-code --workdir=/tmp/splitwise_aa_code
+    python -m experiments.serve --config=configs/sim/splitwise.py:aa-code --config.deployment.mixed.num_instances=0 \
+        --workdir=/tmp/splitwise_aa_code_nomixed        # the same prompt and token pools without the mixed pool
+results.json "engine" / "mixed_pool" lists every change of phase of the mixed machines.
+"""
+import os
+
+from pdjax.config.files import config_file
+
+REPO_ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir))
+TRACES_DIR = os.path.normpath(os.path.join(REPO_ROOT, os.pardir, "shared", "data", "traces"))
+
+MACHINES = {"aa": "a100-80gb-sxm", "hh": "h100-sxm"}
+TRACES = {"code": dict(file="azure_llm_2023_code.csv", time_scale=1.0),
+          "conv": dict(file="azure_llm_2023_conv.csv", time_scale=0.5)}
+GPUS_PER_MACHINE = 8
+
+
+def get_config(arg="aa-code"):
+    machines, _, trace = arg.partition("-")
+    if machines not in MACHINES or trace not in TRACES:
+        raise ValueError(f"splitwise: ARG={arg!r}, expected <{'|'.join(MACHINES)}>-<{'|'.join(TRACES)}>")
+    t = TRACES[trace]
+    c = config_file(__file__, "../serve.py")
+    c.backend = "sim"
+    c.seed = 0
+    c.model.checkpoint = "llama-2-70b"
+    c.engine.progress = False
+    c.scheduler.policy = "sarathi"             # the base of the roles' prefill_only / decode_only
+    c.scheduler.token_budget = 512
+    c.scheduler.max_num_seqs = 256
+    c.scheduler.max_model_len = 16384          # every row of both traces fits (conv's longest: 14089 tokens)
+    c.scheduler.num_pages = 2048               # ignored: sim.num_pages = 0 sizes every KV cache from GPU memory
+    c.workload.kind = "trace"
+    c.workload.preset = ""
+    c.workload.trace_path = os.path.join(TRACES_DIR, t["file"])
+    c.workload.trace_start = 0
+    c.workload.arrival = "trace"               # the trace's own arrival times, scaled
+    c.workload.trace_time_scale = t["time_scale"]
+    c.workload.num_requests = 1000
+    c.workload.vocab_size = 32000
+    c.workload.prompt_source = "random"
+    c.workload.fit_to_model = False
+    c.workload.scale = 1.0
+    c.workload.max_output_len = 0
+    c.slo.ttft = 2.0
+    c.slo.tbt = 0.2
+    c.slo.tpot = 0.0
+    c.sim.hardware = MACHINES[machines]
+    c.sim.profile = ""                         # the shipped profile of the hardware
+    c.deployment.kind = "disaggregated"
+    c.deployment.router = "least_loaded"       # join the shortest queue, as Splitwise's cluster scheduler
+    for role, n in (("prefill", 2), ("decode", 1), ("mixed", 1)):
+        group = c.deployment[role]
+        group.num_instances = n
+        group.tp = GPUS_PER_MACHINE
+    c.deployment.prefill.token_budget = 2048
+    c.deployment.decode.max_num_seqs = 256
+    c.deployment.mixed.token_budget = 2048
+    c.deployment.mixed_prefill_queue_tokens = 8192
+    c.deployment.mixed_decode_load = 1.0
+    return c

@@ -1,0 +1,286 @@
+"""Multi-controller runs (jax.distributed): every process runs the same program on the global device list and
+takes the same scheduling decisions; process 0 owns the clock and writes the results.
+
+Start-up (`initialize`, before any other JAX use): with num_processes > 1, CPU collectives go to gloo
+(`jax_cpu_collectives_implementation`), then `jax.distributed.initialize(coordinator_address, num_processes,
+process_id, initialization_timeout=timeout_s, heartbeat_timeout_seconds=timeout_s)`; jax 0.10 reads only
+JAX_COORDINATOR_ADDRESS from the environment, so the entry point passes the other two (defaults from
+JAX_NUM_PROCESSES / JAX_PROCESS_ID, as the launchers set them). Meshes are then built from `jax.devices()`, the
+global list, so a deployment's device indices may span processes.
+
+THE RULE for identical decisions. Everything a scheduler sees is either (a) identical on every process by
+construction: the request list (same config, same seed; checked once at the start with `check_same`), the
+sampled token ids (results of the same SPMD step, replicated), or (b) a value read locally on one process, which
+is then *agreed*: process 0's reading is broadcast and every process uses it instead of its own. The engines
+read such values only through their Coordinator, at fixed points of the loop that every process reaches in the
+same order (same program, same decisions so far, by induction):
+- `now(local_elapsed)`: every clock reading of the engine loop (the time passed to `schedule(now)` and
+  `update(..., now)`, the arrival admission bound `admit(t)`, token and iteration stamps). The admission of
+  arrivals is a pure function of that time and the request list, so every process admits the same requests.
+- `agree(value)` / `admit_count(n)`: any other local observation that steers control flow, e.g. which KV
+  transfers have landed this round (`StagedKV.is_ready()` is per process: process 0's answer decides; a process
+  whose own shards lag behind still computes correctly, since JAX orders the decode-side scatter after the copy
+  by data dependency).
+- `agree(ids, source=k)`: the sampled token ids of an instance whose devices are not on every process, as
+  process k (the lowest process holding its devices) fetched them (pdjax.serving.cluster): a process without
+  the instance's devices cannot read its outputs, yet schedules it like everyone else.
+- `barrier(name)`: all processes reach `name` (coordination service barrier, not a device collective: a gloo
+  collective while a transfer is in flight hung in tests).
+Broadcasts go through the coordination service's key-value store (`pdjax/<seq>` keys, set by process 0, read
+with a blocking get by the others), never through device collectives, so they cannot interleave with the
+steps' collectives. Faults end the run within about `timeout_s` (flag --distributed_timeout_s), with no
+results.json (process 0 writes only after the 'served' barrier, which every process must reach):
+- a process cannot reach the coordinator at start-up: it exits 1 with "error: process I of N: could not join
+  the run at ADDR within T s" (a watchdog, because jax's client would abort unnamed at its deadline);
+- a process dies mid-run: the coordination service misses its heartbeats (heartbeat_timeout_seconds=timeout_s)
+  and terminates every other process (jax's client aborts it: exit status -6 / SIGABRT, its log naming the
+  task, e.g. "The following tasks are unhealthy (stopped sending heartbeats): 1"; a Python callback cannot be
+  installed in its place on jax 0.10.2: the client's missed_heartbeat_callback fails with std::bad_cast);
+- a process waiting in the coordinator (`agree`, `barrier`) for longer than timeout_s raises `DistributedError`
+  naming itself and the process it waited for; the entry point exits 1.
+A single-process Coordinator (`Coordinator()`) returns its
+arguments unchanged: the engines behave exactly as without one.
+
+Debugging aid: `Coordinator.digest(instance, out)` folds every step's SchedulerOutput into a per-process
+digest (`schedule_digest`), which tests compare across processes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import threading
+from typing import Any, Dict, List, Optional
+
+__all__ = ["Coordinator", "DistributedCoordinator", "DistributedError", "DistributedSettings", "initialize",
+           "settings_from_env", "make_coordinator", "schedule_digest_line"]
+
+
+class DistributedError(RuntimeError):
+    """A multi-process run cannot go on: a process died, timed out, or disagrees."""
+
+
+class DistributedSettings:
+    """coordinator_address, num_processes, process_id, timeout_s of a run (num_processes 1: single process)."""
+
+    def __init__(self, coordinator_address: str = "", num_processes: int = 1, process_id: int = 0,
+                 timeout_s: float = 60.0):
+        if not isinstance(num_processes, int) or num_processes < 1:
+            raise ValueError(f"num_processes={num_processes!r}, expected a positive int")
+        if not isinstance(process_id, int) or not 0 <= process_id < num_processes:
+            raise ValueError(f"process_id={process_id!r}, expected 0 <= process_id < num_processes={num_processes}")
+        if num_processes > 1 and not coordinator_address:
+            raise ValueError(f"num_processes={num_processes} needs a coordinator_address (host:port)")
+        if not timeout_s > 0:
+            raise ValueError(f"distributed timeout_s={timeout_s!r}, expected > 0")
+        self.coordinator_address, self.num_processes = coordinator_address, num_processes
+        self.process_id, self.timeout_s = process_id, float(timeout_s)
+
+    @property
+    def multi(self) -> bool:
+        return self.num_processes > 1
+
+    def __repr__(self) -> str:
+        return (f"DistributedSettings({self.coordinator_address!r}, num_processes={self.num_processes}, "
+                f"process_id={self.process_id}, timeout_s={self.timeout_s:g})")
+
+
+def settings_from_env(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
+                      process_id: Optional[int] = None, timeout_s: float = 60.0,
+                      env: Optional[Dict[str, str]] = None) -> DistributedSettings:
+    """Explicit values win; unset ones come from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID."""
+    env = os.environ if env is None else env
+
+    def as_int(name, value):
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{name}={value!r}, expected an int") from None
+
+    if coordinator_address is None:
+        coordinator_address = env.get("JAX_COORDINATOR_ADDRESS", "")
+    if num_processes is None:
+        num_processes = as_int("JAX_NUM_PROCESSES", env.get("JAX_NUM_PROCESSES", "1") or "1")
+    if process_id is None:
+        process_id = as_int("JAX_PROCESS_ID", env.get("JAX_PROCESS_ID", "0") or "0")
+    return DistributedSettings(coordinator_address, num_processes, process_id, timeout_s)
+
+
+_INITIALIZED: Optional[DistributedSettings] = None
+
+
+def _free_port(host: str) -> int:
+    import socket  # noqa: PLC0415
+    with socket.socket(socket.AF_INET6 if host.startswith("[") else socket.AF_INET) as sock:
+        sock.bind((host.strip("[]"), 0))
+        return sock.getsockname()[1]
+
+
+def _own_host() -> str:
+    import socket  # noqa: PLC0415
+    return socket.gethostbyname(socket.gethostname())
+
+
+def initialize(settings: DistributedSettings) -> None:
+    """jax.distributed.initialize for a multi-process run (no-op for one process); call before any JAX use.
+    Raises DistributedError naming the process when the coordinator cannot be reached in timeout_s."""
+    global _INITIALIZED
+    if not settings.multi or _INITIALIZED is not None:
+        return
+    import jax  # noqa: PLC0415
+    if "jax_cpu_collectives_implementation" in jax.config.values:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if os.environ.get("PDJAX_CROSS_HOST_TRANSFER", "1") != "0" and \
+            "jax_cross_host_transfer_socket_address" in jax.config.values and \
+            not jax.config.values["jax_cross_host_transfer_socket_address"]:
+        # Cross-process device_put (KV transfers between instances on different processes) needs a socket per
+        # process; the host is the one the coordinator is reached by (localhost for launch/local.py).
+        host = settings.coordinator_address.rsplit(":", 1)[0]
+        host = host if host in ("127.0.0.1", "localhost", "[::1]") else _own_host()
+        jax.config.update("jax_cross_host_transfer_socket_address", f"{host}:{_free_port(host)}")   # ':0' hangs
+    timeout = max(1, int(round(settings.timeout_s)))
+    message = (f"process {settings.process_id} of {settings.num_processes}: could not join the run at "
+               f"{settings.coordinator_address} within {settings.timeout_s:g} s")
+
+    def give_up():   # jax's client would abort (SIGABRT, no name) when its connect deadline passes: end first
+        sys.stderr.write(f"error: {message}\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    watchdog = threading.Timer(settings.timeout_s, give_up)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(settings.coordinator_address, num_processes=settings.num_processes,
+                                   process_id=settings.process_id, initialization_timeout=timeout + 2,
+                                   heartbeat_timeout_seconds=timeout, shutdown_timeout_seconds=timeout)
+    except Exception as e:   # noqa: BLE001  (XlaRuntimeError and friends)
+        raise DistributedError(f"{message}: {str(e).splitlines()[0][:300]}") from e
+    finally:
+        watchdog.cancel()
+    _INITIALIZED = settings
+
+
+def schedule_digest_line(instance: str, out) -> str:
+    """One canonical line for a SchedulerOutput (what was scheduled, not when)."""
+    return json.dumps([instance, out.step, list(out.req_ids), list(out.num_new_tokens),
+                       list(out.num_computed_tokens), [list(p) for p in out.page_tables], list(out.do_sample),
+                       list(out.kv_handoff_req_ids), list(out.preempted_req_ids), list(out.swap_out),
+                       list(out.swap_in)], separators=(",", ":"))
+
+
+class Coordinator:
+    """Single process: every agreement is the process's own value; barriers return at once."""
+
+    process_id = 0
+    num_processes = 1
+
+    def __init__(self, record_digest: bool = False):
+        self.record_digest = record_digest
+        self._digest = hashlib.sha256()
+        self.step_digests: List[str] = []
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process writes results (process 0)."""
+        return self.process_id == 0
+
+    def agree(self, value: Any, source: int = 0) -> Any:
+        """Process `source`'s `value` (JSON-serializable; default process 0's) on every process."""
+        return value
+
+    def now(self, local_elapsed: float) -> float:
+        """The engine clock every process uses: process 0's elapsed seconds."""
+        return self.agree(float(local_elapsed))
+
+    def admit_count(self, n: int) -> int:
+        """A count (arrivals admitted, transfers landed, ...) as process 0 saw it."""
+        return int(self.agree(int(n)))
+
+    def barrier(self, name: str) -> None:
+        """Return once every process reached `name`."""
+
+    def check_same(self, name: str, value: Any) -> None:
+        """Raise DistributedError when `value` (JSON-serializable) differs from process 0's."""
+        theirs = self.agree(value)
+        if theirs != value:
+            raise DistributedError(f"process {self.process_id}: {name} differs from process 0's "
+                                   f"(same program, config and seed expected on every process)")
+
+    def digest(self, instance: str, out) -> None:
+        """Fold one step's SchedulerOutput into this process's schedule digest (when record_digest)."""
+        if not self.record_digest:
+            return
+        line = schedule_digest_line(instance, out)
+        self._digest.update(line.encode() + b"\n")
+        self.step_digests.append(hashlib.sha256(line.encode()).hexdigest()[:16])
+
+    @property
+    def schedule_digest(self) -> str:
+        return self._digest.hexdigest()
+
+    def write_digest(self, directory: str) -> str:
+        """Write this process's schedule digest to DIRECTORY/schedule_p<process_id>.json (atomically)."""
+        from pdjax.metrics import write_json  # noqa: PLC0415
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"schedule_p{self.process_id}.json")
+        write_json(path, {"process_id": self.process_id, "num_processes": self.num_processes,
+                          "digest": self.schedule_digest, "steps": self.step_digests})
+        return path
+
+
+class DistributedCoordinator(Coordinator):
+    """Process 0 broadcasts through the coordination service's key-value store (see the module docstring)."""
+
+    def __init__(self, settings: DistributedSettings, client=None, prefix: str = "pdjax",
+                 record_digest: bool = False):
+        super().__init__(record_digest)
+        if client is None:
+            from jax._src import distributed as jax_distributed  # noqa: PLC0415
+            client = jax_distributed.global_state.client
+            if client is None:
+                raise DistributedError("jax.distributed is not initialized (call pdjax.serving.distributed."
+                                       "initialize first)")
+        self.client = client
+        self.process_id, self.num_processes = settings.process_id, settings.num_processes
+        self.timeout_ms = max(1, int(settings.timeout_s * 1000))
+        self.timeout_s = settings.timeout_s
+        self.prefix = prefix
+        self._seq = 0
+        self._barriers: Dict[str, int] = {}
+
+    def _fail(self, what: str, error: BaseException) -> DistributedError:
+        return DistributedError(
+            f"process {self.process_id} of {self.num_processes}: {what} got no answer within {self.timeout_s:g} s "
+            f"(a process died or cannot reach the coordinator): {str(error).splitlines()[0][:300]}")
+
+    def agree(self, value: Any, source: int = 0) -> Any:
+        key = f"{self.prefix}/{self._seq}"
+        self._seq += 1
+        if self.process_id == source:
+            try:
+                self.client.key_value_set(key, json.dumps(value))
+            except Exception as e:  # noqa: BLE001
+                raise self._fail(f"broadcast {key}", e) from e
+            return value
+        try:
+            text = self.client.blocking_key_value_get(key, self.timeout_ms)
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(f"waiting for process {source}'s value {key}", e) from e
+        return json.loads(text)
+
+    def barrier(self, name: str) -> None:
+        n = self._barriers.get(name, 0)
+        self._barriers[name] = n + 1
+        try:
+            self.client.wait_at_barrier(f"{self.prefix}/barrier/{name}/{n}", self.timeout_ms)
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(f"barrier {name!r}", e) from e
+
+
+def make_coordinator(settings: Optional[DistributedSettings] = None, record_digest: bool = False) -> Coordinator:
+    """The coordinator of `settings` (None or one process: the no-op Coordinator)."""
+    if settings is None or not settings.multi:
+        return Coordinator(record_digest)
+    return DistributedCoordinator(settings, record_digest=record_digest)

@@ -1,0 +1,154 @@
+"""Multi-controller runs of experiments.serve on localhost (pdjax.serving.distributed): 2 processes x 4 CPU devices
+(8 global devices), each process started like launch/local.py starts it (jax.distributed env), every run bounded by
+a timeout and its processes SIGKILLed at the end.
+
+- a colocated tp2 instance on global devices [3, 4] (one device per process) gives exactly the single-process
+  greedy tokens, and the online workload leaves identical per-step schedules on both processes (digests);
+  only process 0 writes the workdir;
+- disaggregated across processes (prefill on process 0's device 3, decode on process 1's device 4, the KV crossing
+  processes by device_put): same tokens, same schedules (slow);
+- faults: a process killed mid-run makes the other exit non-zero within the timeout, with no results.json; a
+  process that cannot reach the coordinator exits 1 within the timeout, naming itself.
+"""
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "launch"))
+from local import free_port, process_env  # noqa: E402
+
+BASE_ENV = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
+TINY = ["--config=configs/serve.py", "--config.model.checkpoint=tiny-mha", "--config.model.attention_impl=reference",
+        "--config.workload.num_requests=6", "--config.workload.rate=20", "--config.workload.max_output_len=6",
+        "--config.scheduler.token_budget=32", "--config.scheduler.max_num_seqs=4",
+        "--config.scheduler.max_model_len=64", "--config.scheduler.page_size=8", "--config.scheduler.num_pages=48",
+        "--config.engine.compilation_cache=False"]
+TP_ACROSS = ["--config.deployment.colocated.tp=2", "--config.deployment.colocated.devices=(3,4)"]
+DISAGG_ACROSS = ["--config.deployment.kind=disaggregated", "--config.deployment.prefill.devices=(3,)",
+                 "--config.deployment.decode.devices=(4,)"]
+RUN_TIMEOUT = 240
+
+
+def _serve_cmd(args, workdir, *extra):
+    return [sys.executable, "-m", "experiments.serve", *TINY, *args, f"--workdir={workdir}", *extra]
+
+
+def _kill(procs):
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        p.wait()
+
+
+def _start(cmd, n, tmp_path, devices=4):
+    port = free_port()
+    procs = []
+    for i in range(n):
+        env = {**BASE_ENV, **process_env(BASE_ENV, i, n, port, devices)}
+        log = open(tmp_path / f"p{i}.log", "w")
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+    return procs
+
+
+def _run_all(cmd, n, tmp_path, timeout=RUN_TIMEOUT):
+    procs = _start(cmd, n, tmp_path)
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in procs):
+                break
+            time.sleep(0.2)
+        codes = [p.poll() for p in procs]
+    finally:
+        _kill(procs)
+    logs = [(tmp_path / f"p{i}.log").read_text()[-3000:] for i in range(n)]
+    assert codes == [0] * n, f"exit codes {codes}\n" + "\n----\n".join(logs)
+
+
+@pytest.fixture(scope="module")
+def single_process_tokens(tmp_path_factory):
+    """Greedy tokens of the same workload in one process (8 CPU devices, tp2 on devices [3, 4])."""
+    workdir = tmp_path_factory.mktemp("single") / "run"
+    env = {**BASE_ENV, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    out = subprocess.run(_serve_cmd(TP_ACROSS, workdir), cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=RUN_TIMEOUT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads((workdir / "outputs.json").read_text())
+
+
+def _check_identical_schedules(digest_dir):
+    a, b = (json.loads((digest_dir / f"schedule_p{i}.json").read_text()) for i in (0, 1))
+    assert a["steps"] and a["steps"] == b["steps"] and a["digest"] == b["digest"]
+
+
+def test_tp_across_two_processes_matches_single_process(tmp_path, single_process_tokens):
+    workdir, digests = tmp_path / "run", tmp_path / "digests"
+    _run_all(_serve_cmd(TP_ACROSS, workdir, f"--schedule_digest_dir={digests}", "--distributed_timeout_s=60"),
+             2, tmp_path)
+    assert json.loads((workdir / "outputs.json").read_text()) == single_process_tokens
+    _check_identical_schedules(digests)
+    results = json.loads((workdir / "results.json").read_text())
+    assert results["engine"]["num_processes"] == 2
+    (inst,) = results["engine"]["instances"].values()
+    assert inst["tp"] == 2 and len(inst["devices"]) == 2
+    assert sorted(os.listdir(digests)) == ["schedule_p0.json", "schedule_p1.json"]
+
+
+@pytest.mark.slow
+def test_disaggregated_across_two_processes_matches_single_process(tmp_path, single_process_tokens):
+    workdir, digests = tmp_path / "run", tmp_path / "digests"
+    _run_all(_serve_cmd(DISAGG_ACROSS, workdir, f"--schedule_digest_dir={digests}", "--distributed_timeout_s=60"),
+             2, tmp_path)
+    assert json.loads((workdir / "outputs.json").read_text()) == single_process_tokens
+    _check_identical_schedules(digests)
+    results = json.loads((workdir / "results.json").read_text())
+    assert results["engine"]["kv_transfer"]["num_transfers"] > 0
+
+
+def test_killed_process_ends_the_run_without_results(tmp_path):
+    timeout_s = 10
+    workdir = tmp_path / "run"
+    cmd = _serve_cmd(TP_ACROSS, workdir, f"--distributed_timeout_s={timeout_s}", "--config.workload.num_requests=400",
+                     "--config.workload.rate=40")
+    procs = _start(cmd, 2, tmp_path)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT
+        # Gloo connects at the first cross-process step (warm-up): the run is under way.
+        while "Gloo" not in (tmp_path / "p1.log").read_text() and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs), (tmp_path / "p0.log").read_text()[-2000:]
+            time.sleep(0.2)
+        time.sleep(2.0)
+        assert procs[0].poll() is None, "process 0 ended before the kill: the run was too short"
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        code = procs[0].wait(timeout=timeout_s * 3 + 30)
+        waited = time.monotonic() - killed
+    finally:
+        _kill(procs)
+    log = (tmp_path / "p0.log").read_text()
+    assert code != 0
+    assert waited < timeout_s * 3
+    assert "unhealthy" in log or "process 0 of 2" in log, log[-3000:]
+    assert not (workdir / "results.json").exists()
+
+
+def test_unreachable_coordinator_fails_naming_the_process(tmp_path):
+    env = {**BASE_ENV, **process_env(BASE_ENV, 1, 2, free_port(), 4)}    # process 1, no process 0 anywhere
+    start = time.monotonic()
+    out = subprocess.run(_serve_cmd(TP_ACROSS, tmp_path / "run", "--distributed_timeout_s=5"), cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - start < 60
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "error: process 1 of 2: could not join the run" in out.stderr
+    assert not (tmp_path / "run" / "results.json").exists()
