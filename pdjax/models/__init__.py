@@ -4,7 +4,10 @@
     llama.forward_hidden(params, kv_cache, token_ids, positions, slot_mapping, kv_lens, page_indices,
                          cu_q_lens, num_seqs, *, spec, attention_fn) -> (hidden [T, H], kv_cache)
     checkpoint.load_model(checkpoint) -> (spec, params)       (HF dir | orbax dir | registry spec name)
+    params.param_table(spec) -> LlamaParams of WeightInfo   (the one per-weight table: shape, logical axes,
+                                                             dtype and init rule, pipeline placement)
 """
-from pdjax.models.llama import KVCache, LayerParams, LlamaParams, init_kv_cache, init_params
+from pdjax.models.llama import KVCache, init_kv_cache, init_params
+from pdjax.models.params import LayerParams, LlamaParams, WeightInfo, param_table
 
-__all__ = ["KVCache", "LayerParams", "LlamaParams", "init_kv_cache", "init_params"]
+__all__ = ["KVCache", "LayerParams", "LlamaParams", "WeightInfo", "init_kv_cache", "init_params", "param_table"]

@@ -3,13 +3,15 @@
 HF layout: `config.json` + `model.safetensors` or shards listed in `model.safetensors.index.json`; tensor
 names `model.embed_tokens.weight`, `model.layers.{i}.self_attn.{q,k,v,o}_proj.{weight,bias}`,
 `model.layers.{i}.mlp.{gate,up,down}_proj.weight`, `model.layers.{i}.{input,post_attention}_layernorm.weight`,
-`model.norm.weight`, `lm_head.weight`; Linear weights stored [out, in]. They are checked against the spec's
-shapes (an error names the tensor and both shapes) and converted to the layouts of `pdjax.models.llama`.
+`model.norm.weight`, `lm_head.weight`; Linear weights stored [out, in]. One HF tensor per entry of the weight
+table `pdjax.models.params.param_table(spec)`: each is checked against the table's shape (an error names the
+tensor and both shapes) and converted to the layouts of `pdjax.models.llama`.
 The spec comes from config.json (top-level `rope_theta` or nested `rope_parameters`, `rope_scaling` of type
 llama3, Qwen2 biases, tied embeddings, sliding window).
 
 Orbax: `save_params` writes `<dir>/params` (an orbax StandardCheckpointer tree of plain dicts, so the format
-does not depend on the dataclass types) and `<dir>/pdjax_spec.json`; `restore_params` reads both back exactly.
+does not depend on the dataclass types) and `<dir>/pdjax_spec.json`; `restore_params` reads both back exactly,
+after checking every restored tensor against the spec's table (missing, unexpected or mis-shaped tensors are named).
 
 A file that cannot be read back (truncated or corrupt: bad JSON, a safetensors header or tensor that does not
 fit its file, an orbax/TensorStore read error) raises CheckpointCorruptError, one line naming the checkpoint, the
@@ -29,7 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax.config.model_specs import DTYPE_BYTES, ModelSpec, RopeScaling, get_model_spec
-from pdjax.models.llama import LayerParams, LlamaParams, check_runnable, init_params, jnp_dtype, param_shapes
+from pdjax.models.llama import check_runnable, init_params, jnp_dtype
+from pdjax.models.params import (LayerParams, LlamaParams, WeightInfo, check_params, check_shapes, flat_params,
+                                 param_table, table_items)
 
 SPEC_FILE = "pdjax_spec.json"
 ORBAX_SUBDIR = "params"
@@ -59,22 +63,34 @@ def _read_json(checkpoint, path: pathlib.Path):
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise _corrupt(checkpoint, f"reading {path.name}", e) from e
 
-# HF tensor name suffix (per layer) -> (our field, kind). kind: "in_heads" Linear [N*D, H] -> [H, N, D];
-# "out_heads" Linear [H, N*D] -> [N, D, H]; "linear" [out, in] -> [in, out]; "bias" [N*D] -> [N, D]; "vec".
-_LAYER_TENSORS = {
-    "input_layernorm.weight": ("attn_norm", "vec"),
-    "self_attn.q_proj.weight": ("wq", "in_heads"),
-    "self_attn.k_proj.weight": ("wk", "in_heads"),
-    "self_attn.v_proj.weight": ("wv", "in_heads"),
-    "self_attn.o_proj.weight": ("wo", "out_heads"),
-    "self_attn.q_proj.bias": ("bq", "bias"),
-    "self_attn.k_proj.bias": ("bk", "bias"),
-    "self_attn.v_proj.bias": ("bv", "bias"),
-    "post_attention_layernorm.weight": ("mlp_norm", "vec"),
-    "mlp.gate_proj.weight": ("w_gate", "linear"),
-    "mlp.up_proj.weight": ("w_up", "linear"),
-    "mlp.down_proj.weight": ("w_down", "linear"),
+# Our weight (a `param_table` entry's name) -> (HF tensor name, kind); `{i}` is the layer index. kind:
+# "in_heads" Linear [N*D, H] -> [H, N, D]; "out_heads" Linear [H, N*D] -> [N, D, H]; "linear" [out, in] -> [in, out];
+# "bias" [N*D] -> [N, D]; "vec" as is.
+_HF_TENSORS = {
+    "embed": ("model.embed_tokens.weight", "vec"),
+    "final_norm": ("model.norm.weight", "vec"),
+    "lm_head": ("lm_head.weight", "linear"),
+    "attn_norm": ("model.layers.{i}.input_layernorm.weight", "vec"),
+    "wq": ("model.layers.{i}.self_attn.q_proj.weight", "in_heads"),
+    "wk": ("model.layers.{i}.self_attn.k_proj.weight", "in_heads"),
+    "wv": ("model.layers.{i}.self_attn.v_proj.weight", "in_heads"),
+    "wo": ("model.layers.{i}.self_attn.o_proj.weight", "out_heads"),
+    "bq": ("model.layers.{i}.self_attn.q_proj.bias", "bias"),
+    "bk": ("model.layers.{i}.self_attn.k_proj.bias", "bias"),
+    "bv": ("model.layers.{i}.self_attn.v_proj.bias", "bias"),
+    "mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", "vec"),
+    "w_gate": ("model.layers.{i}.mlp.gate_proj.weight", "linear"),
+    "w_up": ("model.layers.{i}.mlp.up_proj.weight", "linear"),
+    "w_down": ("model.layers.{i}.mlp.down_proj.weight", "linear"),
 }
+
+
+def _hf_name(info: WeightInfo) -> Tuple[str, str]:
+    """(HF tensor name, kind) of one table entry."""
+    template, kind = _HF_TENSORS[info.name]
+    return template.format(i=info.layer), kind
+
+
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -183,53 +199,40 @@ def _to_hf(x: np.ndarray, kind: str) -> np.ndarray:
 
 
 def params_from_hf_tensors(spec: ModelSpec, get_tensor, names, dtype=None) -> LlamaParams:
-    """Build params from HF tensors. get_tensor(name) -> np.ndarray; names: the available tensor names."""
+    """Build params from HF tensors, one per entry of `param_table(spec)`, each checked against the table's
+    shape. get_tensor(name) -> np.ndarray; names: the available tensor names."""
     check_runnable(spec)
     dtype = jnp_dtype(dtype or spec.dtype)
     names = set(names)
-    shapes = param_shapes(spec)
 
-    def fetch(hf_name, kind, our_shape):
+    def fetch(info: WeightInfo):
+        hf_name, kind = _hf_name(info)
+        want = _hf_shape(kind, info.shape)
         if hf_name not in names:
-            raise ValueError(f"checkpoint lacks tensor {hf_name!r} (expected shape "
-                             f"{_hf_shape(kind, our_shape)})")
+            raise ValueError(f"checkpoint lacks tensor {hf_name!r} (expected shape {want})")
         x = np.asarray(get_tensor(hf_name))
-        want = _hf_shape(kind, our_shape)
         if tuple(x.shape) != tuple(want):
             raise ValueError(f"tensor {hf_name!r} has shape {tuple(x.shape)}, expected {tuple(want)} "
-                             f"for spec {spec.name!r}")
+                             f"for spec {spec.name!r} (pdjax {info.path} {info.shape}, axes {info.logical_axes})")
         names.discard(hf_name)
-        return jnp.asarray(_from_hf(x, kind, our_shape).astype(np.float32)).astype(dtype)
+        wdtype = dtype if info.dtype is None else jnp_dtype(info.dtype)
+        return jnp.asarray(_from_hf(x, kind, info.shape).astype(np.float32)).astype(wdtype)
 
-    layers = []
-    for i in range(spec.num_layers):
-        fields = {}
-        for suffix, (field, kind) in _LAYER_TENSORS.items():
-            if field in shapes["layer"]:
-                fields[field] = fetch(f"model.layers.{i}.{suffix}", kind, shapes["layer"][field])
-        layers.append(LayerParams(**fields))
-    embed = fetch("model.embed_tokens.weight", "vec", shapes["top"]["embed"])
-    final_norm = fetch("model.norm.weight", "vec", shapes["top"]["final_norm"])
-    lm_head = None
-    if not spec.tie_word_embeddings:
-        lm_head = fetch("lm_head.weight", "linear", shapes["top"]["lm_head"])
+    params = jax.tree_util.tree_map(fetch, param_table(spec))
     names.discard("lm_head.weight")  # tied checkpoints sometimes store a copy
     leftover = sorted(n for n in names if not n.endswith(_IGNORED_SUFFIXES))
     if leftover:
         logging.warning("checkpoint tensors not used by spec %s: %s", spec.name, leftover[:10])
-    return LlamaParams(embed=embed, layers=tuple(layers), final_norm=final_norm, lm_head=lm_head)
+    return params
 
 
 def params_to_hf_tensors(params: LlamaParams, spec: ModelSpec) -> Dict[str, np.ndarray]:
-    """HF-named numpy tensors ([out, in] Linear weights) of params."""
-    out = {"model.embed_tokens.weight": np.asarray(params.embed), "model.norm.weight": np.asarray(params.final_norm)}
-    if params.lm_head is not None:
-        out["lm_head.weight"] = np.asarray(params.lm_head).T
-    for i, layer in enumerate(params.layers):
-        for suffix, (field, kind) in _LAYER_TENSORS.items():
-            value = getattr(layer, field)
-            if value is not None:
-                out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(_to_hf(np.asarray(value), kind))
+    """HF-named numpy tensors ([out, in] Linear weights) of params (checked against `param_table(spec)`)."""
+    check_params(params, spec)
+    table, out = table_items(param_table(spec)), {}
+    for path, x in flat_params(params).items():
+        hf_name, kind = _hf_name(table[path])
+        out[hf_name] = np.ascontiguousarray(_to_hf(np.asarray(x), kind))
     return out
 
 
@@ -303,6 +306,17 @@ def params_to_dict(params: LlamaParams) -> dict:
     return out
 
 
+def _dict_shapes(d: dict) -> Dict[str, Tuple[int, ...]]:
+    """path -> shape of a `params_to_dict` tree ('layers.0.wq', ...; the paths of `param_table`)."""
+    out = {}
+    for k, v in d.items():
+        if k == "layers":
+            out.update({f"layers.{i}.{n}": tuple(x.shape) for i, layer in v.items() for n, x in layer.items()})
+        else:
+            out[k] = tuple(v.shape)
+    return out
+
+
 def params_from_dict(d: dict) -> LlamaParams:
     layers = tuple(LayerParams(**d["layers"][str(i)]) for i in range(len(d["layers"])))
     return LlamaParams(layers=layers, **{k: v for k, v in d.items() if k != "layers"})
@@ -347,6 +361,7 @@ def restore_params(directory) -> Tuple[ModelSpec, LlamaParams]:
             restored = ckptr.restore(directory / ORBAX_SUBDIR, abstract)
     except Exception as e:  # noqa: BLE001  (orbax/TensorStore raise plain Exception, ValueError, JSON errors)
         raise _corrupt(directory, f"restoring {ORBAX_SUBDIR}/ with orbax", e) from e
+    check_shapes(_dict_shapes(restored), spec, where=f"checkpoint {str(directory)!r}")
     return spec, params_from_dict(restored)
 
 

@@ -6,7 +6,9 @@ and the step never needs a rewrite. The forward is a plain function of (params, 
 layers are a Python loop (unrolled under jit), which keeps the per-layer KV arrays in the layout of
 `pdjax.kernels.reference` and costs little compile time at CPU sizes.
 
-Weight layouts (einsum friendly, "in" axis first, heads explicit so TP shards them):
+Weight layouts (einsum friendly, "in" axis first, heads explicit so TP shards them); shapes, logical axes, init
+rules and stage placement of every tensor live in one table, `pdjax.models.params.param_table(spec)`, which
+init_params, the checkpoint checks, the TP shardings and the pipeline split all read:
     embed     [V, H]            lm_head   [H, V] (None when tied: logits = h @ embed.T)
     wq        [H, Nq, D]        wk, wv    [H, Nkv, D]      bq [Nq, D], bk/bv [Nkv, D] (None without bias)
     wo        [Nq, D, H]
@@ -33,6 +35,7 @@ from flax import struct
 
 from pdjax.config.model_specs import ModelSpec
 from pdjax.kernels import write_kv
+from pdjax.models.params import TOP_FIELDS, LayerParams, LlamaParams, WeightInfo, param_table
 
 _JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -44,30 +47,6 @@ def jnp_dtype(dtype) -> jnp.dtype:
             raise ValueError(f"dtype={dtype!r}, expected one of {sorted(_JNP_DTYPES)}")
         return jnp.dtype(_JNP_DTYPES[dtype])
     return jnp.dtype(dtype)
-
-
-@struct.dataclass
-class LayerParams:
-    attn_norm: jax.Array
-    wq: jax.Array
-    wk: jax.Array
-    wv: jax.Array
-    wo: jax.Array
-    mlp_norm: jax.Array
-    w_gate: jax.Array
-    w_up: jax.Array
-    w_down: jax.Array
-    bq: Optional[jax.Array] = None
-    bk: Optional[jax.Array] = None
-    bv: Optional[jax.Array] = None
-
-
-@struct.dataclass
-class LlamaParams:
-    embed: jax.Array
-    layers: Tuple[LayerParams, ...]
-    final_norm: jax.Array
-    lm_head: Optional[jax.Array] = None  # None: tied to embed
 
 
 @struct.dataclass
@@ -91,71 +70,72 @@ def check_runnable(spec: ModelSpec) -> None:
 
 
 def param_shapes(spec: ModelSpec) -> dict:
-    """name -> shape of one layer's tensors and the top-level ones (the layouts of the module docstring)."""
-    h, i, d = spec.hidden_size, spec.intermediate_size, spec.head_dim
-    nq, nkv = spec.num_heads, spec.num_kv_heads
-    layer = {"attn_norm": (h,), "wq": (h, nq, d), "wk": (h, nkv, d), "wv": (h, nkv, d), "wo": (nq, d, h),
-             "mlp_norm": (h,), "w_gate": (h, i), "w_up": (h, i), "w_down": (i, h)}
-    if spec.qkv_bias:
-        layer.update(bq=(nq, d), bk=(nkv, d), bv=(nkv, d))
-    top = {"embed": (spec.vocab_size, h), "final_norm": (h,)}
-    if not spec.tie_word_embeddings:
-        top["lm_head"] = (h, spec.vocab_size)
+    """name -> shape of one layer's tensors and the top-level ones, read from `param_table` (kept for callers
+    that want plain shapes, e.g. pdjax.models.train)."""
+    table = param_table(spec)
+    layer = {} if not table.layers else {i.name: i.shape for i in jax.tree_util.tree_leaves(table.layers[0])}
+    top = {n: getattr(table, n).shape for n in TOP_FIELDS if getattr(table, n) is not None}
     return {"layer": layer, "top": top}
 
 
 _HOST_INIT_MAX_PARAMS = 50_000_000
 
 
+def _weight_dtype(info: WeightInfo, dtype) -> jnp.dtype:
+    return dtype if info.dtype is None else jnp_dtype(info.dtype)
+
+
 def init_params(spec: ModelSpec, seed: int = 0, dtype=None) -> LlamaParams:
-    """Random ("dummy") weights for `spec`: N(0, 1/fan_in) matrices, norms near 1, small biases.
+    """Random ("dummy") weights for `spec`, one draw per entry of `param_table(spec)` by its init rule:
+    N(0, 1/fan_in) matrices, norms near 1, small biases.
 
     Scaled so activations stay O(1) through the layers and greedy argmaxes are well separated. Small specs
     are drawn with numpy (no compile: jax's threefry costs seconds of XLA compile per shape on CPU); specs
-    over 50M params use one jitted function on device (fast generation, one compile). Deterministic in seed.
+    over 50M params use one jitted function on device (fast generation, one compile). Deterministic in seed:
+    each tensor has its own stream, keyed by (seed, layer + 1 (0 for top-level tensors), crc32(name)).
     """
     check_runnable(spec)
     dtype = jnp_dtype(dtype or spec.dtype)
     if spec.num_params() > _HOST_INIT_MAX_PARAMS:
         return _init_params_jit(spec, dtype)(jnp.uint32(seed % (2 ** 32)))
-    shapes = param_shapes(spec)
 
-    def make(name, shape, layer_idx):
-        rng = np.random.default_rng([seed % (2 ** 32), layer_idx + 1, zlib.crc32(name.encode())])
-        x = rng.standard_normal(shape, dtype=np.float32)
-        if name.endswith("norm"):
+    def make(info: WeightInfo):
+        rng = np.random.default_rng([seed % (2 ** 32), _layer_key(info), zlib.crc32(info.name.encode())])
+        x = rng.standard_normal(info.shape, dtype=np.float32)
+        if info.init == "norm":
             x = 1.0 + 0.1 * x
-        elif name.startswith("b"):
+        elif info.init == "bias":
             x = 0.1 * x
         else:
-            x = x / np.float32(math.sqrt({"embed": 1, "wo": shape[0] * shape[1]}.get(name, shape[0])))
-        return jnp.asarray(x, dtype=dtype)
+            x = x / np.float32(math.sqrt(info.fan_in))
+        return jnp.asarray(x, dtype=_weight_dtype(info, dtype))
 
-    layers = tuple(LayerParams(**{n: make(n, s, li) for n, s in shapes["layer"].items()})
-                   for li in range(spec.num_layers))
-    return LlamaParams(layers=layers, **{n: make(n, s, -1) for n, s in shapes["top"].items()})
+    return jax.tree_util.tree_map(make, param_table(spec))
+
+
+def _layer_key(info: WeightInfo) -> int:
+    return 0 if info.layer is None else info.layer + 1
 
 
 @functools.lru_cache(maxsize=16)
 def _init_params_jit(spec: ModelSpec, dtype) -> Callable:
-    shapes = param_shapes(spec)
+    table = param_table(spec)
 
-    def make(root, name, shape, layer_idx):
-        key = jax.random.fold_in(jax.random.fold_in(root, layer_idx + 1), zlib.crc32(name.encode()) % (2 ** 31))
-        if name.endswith("norm"):
-            x = 1.0 + 0.1 * jax.random.normal(key, shape, jnp.float32)
-        elif name.startswith("b"):
-            x = 0.1 * jax.random.normal(key, shape, jnp.float32)
+    def make(root, info: WeightInfo):
+        key = jax.random.fold_in(jax.random.fold_in(root, _layer_key(info)),
+                                 zlib.crc32(info.name.encode()) % (2 ** 31))
+        x = jax.random.normal(key, info.shape, jnp.float32)
+        if info.init == "norm":
+            x = 1.0 + 0.1 * x
+        elif info.init == "bias":
+            x = 0.1 * x
         else:
-            fan_in = {"embed": 1, "wo": shape[0] * shape[1]}.get(name, shape[0])
-            x = jax.random.normal(key, shape, jnp.float32) / math.sqrt(fan_in)
-        return x.astype(dtype)
+            x = x / math.sqrt(info.fan_in)
+        return x.astype(_weight_dtype(info, dtype))
 
     def init(seed):
         root = jax.random.PRNGKey(seed)
-        layers = tuple(LayerParams(**{n: make(root, n, s, li) for n, s in shapes["layer"].items()})
-                       for li in range(spec.num_layers))
-        return LlamaParams(layers=layers, **{n: make(root, n, s, -1) for n, s in shapes["top"].items()})
+        return jax.tree_util.tree_map(lambda info: make(root, info), table)
 
     return jax.jit(init)
 

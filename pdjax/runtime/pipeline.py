@@ -6,7 +6,8 @@ devices at stage index s) and holds only:
   before the last, vLLM's rule) with the usual Megatron TP shardings of `pdjax.runtime.mesh`;
 - the KV pages of those layers (per-layer KVCache arrays, kv heads on that sub-mesh's 'tensor');
 - the embedding on stage 0; final norm and lm_head on the last stage (plus a copy of the embedding there when
-  embeddings are tied, as vLLM does).
+  embeddings are tied, as vLLM does): the `placement` of each entry of `pdjax.models.params.param_table`,
+  which `split_params` reads.
 All stages use the same page tables and RaggedBatch (one block manager per instance): page p of layer l lives on
 the stage holding l, and a scheduler never needs to know the split.
 
@@ -52,6 +53,7 @@ from pdjax.config.model_specs import ModelSpec
 from pdjax.config.pipeline import check_pipeline_parallel, stage_layer_ranges
 from pdjax.models.llama import (KVCache, LayerParams, LlamaParams, check_runnable, embed, final_logits,
                                 forward_layers, init_kv_cache)
+from pdjax.models.params import TOP_FIELDS, param_table
 from pdjax.runtime import mesh as mesh_lib
 from pdjax.runtime.batch import Buckets, RaggedBatch, empty_batch
 from pdjax.runtime.runner import SWAP_BUCKETS, ModelRunner, swap_chunks
@@ -73,21 +75,29 @@ class StageParams:
 # Splitting params and KV by stage (pure pytree slicing: no copies, no device work)
 # --------------------------------------------------------------------------------------------------------------
 
-def split_params(params: LlamaParams, ranges: Sequence[Tuple[int, int]]) -> Tuple[StageParams, ...]:
-    """The StageParams of each stage for layer `ranges` (from stage_layer_ranges)."""
-    last = len(ranges) - 1
-    tied = params.lm_head is None
-    return tuple(StageParams(layers=tuple(params.layers[a:b]),
-                             embed=params.embed if s == 0 or (s == last and tied) else None,
-                             final_norm=params.final_norm if s == last else None,
-                             lm_head=params.lm_head if s == last else None)
+def split_params(params, ranges: Sequence[Tuple[int, int]], spec: ModelSpec) -> Tuple[StageParams, ...]:
+    """The StageParams of each stage for layer `ranges` (from stage_layer_ranges), by the placement of each
+    tensor in `param_table(spec)`: per-layer weights go with their layer's range, the top-level ones to the
+    stages their placement names (embedding first, final norm and lm_head last, a tied embedding both).
+
+    `params` is any LlamaParams-shaped tree: arrays, shardings, or the table itself."""
+    table = param_table(spec)
+
+    def top(field: str, s: int):
+        info = getattr(table, field)
+        return getattr(params, field) if info is not None and info.on_stage(s, len(ranges)) else None
+
+    return tuple(StageParams(layers=tuple(params.layers[a:b]), **{f: top(f, s) for f in TOP_FIELDS})
                  for s, (a, b) in enumerate(ranges))
 
 
 def merge_params(stages: Sequence[StageParams]) -> LlamaParams:
-    """A LlamaParams view of per-stage params (arrays stay where they are, on their stages' devices)."""
-    return LlamaParams(embed=stages[0].embed, layers=tuple(l for st in stages for l in st.layers),
-                       final_norm=stages[-1].final_norm, lm_head=stages[-1].lm_head)
+    """A LlamaParams view of per-stage params (arrays stay where they are, on their stages' devices): the layers
+    in stage order, each top-level tensor from the first stage holding it (stage 0's embedding when tied)."""
+    def first_held(field: str):
+        return next((getattr(st, field) for st in stages if getattr(st, field) is not None), None)
+
+    return LlamaParams(layers=tuple(l for st in stages for l in st.layers), **{f: first_held(f) for f in TOP_FIELDS})
 
 
 def split_kv_cache(kv_cache: KVCache, ranges: Sequence[Tuple[int, int]]) -> Tuple[KVCache, ...]:
@@ -189,8 +199,8 @@ class PipelineRunner(ModelRunner):
         self._replicated = tuple(mesh_lib.replicated(m) for m in self.stage_meshes)
 
         stage_params, caches = [], []
-        for s, (sp, sub) in enumerate(zip(split_params(params, self.layer_ranges), self.stage_meshes)):
-            stage_params.append(jax.device_put(sp, self._stage_param_shardings(sp, sub)))
+        for s, (sp, sub) in enumerate(zip(split_params(params, self.layer_ranges, spec), self.stage_meshes)):
+            stage_params.append(jax.device_put(sp, self._stage_param_shardings(s, sub)))
             caches.append(init_kv_cache(spec, self.num_pages, self.page_size, kv_dtype,
                                         sharding=mesh_lib.kv_cache_sharding(sub, spec), num_layers=len(sp.layers)))
         self.stage_params: Tuple[StageParams, ...] = tuple(stage_params)
@@ -205,12 +215,11 @@ class PipelineRunner(ModelRunner):
         self.host_pages: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
 
     # ----------------------------------------------------------------------------------------------------------
-    def _stage_param_shardings(self, sp: StageParams, sub) -> StageParams:
-        rep = mesh_lib.replicated(sub)
-        return StageParams(layers=tuple(mesh_lib.layer_shardings(l, sub) for l in sp.layers),
-                           embed=None if sp.embed is None else rep,
-                           final_norm=None if sp.final_norm is None else rep,
-                           lm_head=None if sp.lm_head is None else mesh_lib.lm_head_sharding(sub, self.spec))
+    def _stage_param_shardings(self, s: int, sub) -> StageParams:
+        """Shardings of stage s's params on its sub-mesh `sub`: stage s's slice of the weight table, each
+        entry's logical axes mapped to mesh axes (pdjax.runtime.mesh.table_shardings)."""
+        stage_table = split_params(param_table(self.spec), self.layer_ranges, self.spec)[s]
+        return mesh_lib.table_shardings(stage_table, sub, self.spec)
 
     def _make_stage_fn(self, s: int, kinds: Sequence[str]) -> dict:
         pp, sub = self.pp, self.stage_meshes[s]
