@@ -13,15 +13,23 @@ The engine pads every step to its (T, S, P) buckets; the fit sees each measureme
 does under the attention implementation the runner actually runs (`engine_padding`; pdjax.sim.step_cost.
 padded_composition, plus a per-real-sequence host cost: `fit_padded_engine`): the jnp reference attends every
 padded token over every padded page (dense: cost by the page bucket); the blocked XLA path (the CPU default) and
-the Pallas kernels loop over each sequence's own pages (cost by the real context), and only the linear layers see
+the Pallas kernels loop over each sequence's own pages (cost by the real context; the blocked kernel's decode
+pass by the longest context in it, over its padded width), and only the linear layers see
 the token padding. The profile stores that choice ("padding") and, for host-cpu, the measured HardwareSpec the
 efficiencies are relative to ("hardware_spec"), so the simulator reproduces the fit exactly; its "source" names
 the attention implementation and the buckets.
+
+Step context (`profile_step_context`, a short dedicated measurement after the grid): a few compositions of
+distinct padded shapes, each timed right after itself and right after each other one (shape switch), and after
+sleeps of 0.5/2/5/20/50 ms (idle wake), as paired differences; `pdjax.sim.calibration.fit_step_context` turns
+them into CostParams' shape_switch_s and idle_wake_{s,tau_s,fixed_s}, stored with the raw data
+("step_context") in the profile.
 Prints JSON: fit errors overall and per batch kind, measurement count, the machine's measured ceilings.
 """
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -122,6 +130,101 @@ def profile_engine(runner, grid, *, page_size: int, repeats: int, log=None):
     return [(kind, out, statistics.median(ts)) for (kind, out), ts in zip(outputs, times)]
 
 
+CONTEXT_GAPS_S = (0.0005, 0.002, 0.005, 0.02, 0.05)   # idle gaps (sleeps) before a step, seconds
+
+
+def context_outputs(cfg, runner):
+    """A few batch compositions of distinct padded shapes for `profile_step_context`, within the config's
+    limits and the runner's buckets: a small and a full decode batch, a short and a full-budget prefill chunk,
+    a mixed batch."""
+    from pdjax.sim.step_cost import padded_shape
+    sc, b = cfg.scheduler, runner.buckets
+    budget, seqs = min(sc.token_budget, b.max_tokens), min(sc.max_num_seqs, b.max_seqs)
+    max_len = min(sc.max_model_len, b.max_pages * runner.page_size)
+    ctx = max(1, min(max_len // 4, max_len - 2))
+    few = max(1, seqs // 4)
+    points = [((), ((few, ctx),)), ((), ((seqs, ctx),)),
+              (((max(2, budget // 4), min(max_len // 8, max_len - budget // 4)),), ()), (((budget, 0),), ())]
+    if budget // 2 + few <= budget and few + 1 <= seqs:
+        points.append((((budget // 2, 0),), ((few, ctx),)))
+    padding = engine_padding(runner)
+    outs, shapes = [], set()
+    for prefills, decodes in points:
+        if any(c + n > max_len for n, c in prefills) or any(c + 1 > max_len for _, c in decodes):
+            continue
+        out = synthetic_output(prefills, decodes, page_size=runner.page_size, num_pages=runner.num_pages,
+                               vocab_size=runner.spec.vocab_size)
+        shape = padded_shape(out, padding)
+        if shape not in shapes:
+            shapes.add(shape)
+            outs.append(out)
+    return outs
+
+
+def profile_step_context(runner, outputs, *, rounds: int = 11, gaps=CONTEXT_GAPS_S, log=None, sleep=time.sleep):
+    """Direct measurements of the step-context terms (pdjax.sim.cost_model.context_time) on `runner`.
+
+    For each composition B of `outputs` (distinct padded shapes), every round: B twice, then B timed (steady);
+    for every other composition A: A, then B timed (shape switch: minus that round's steady B); for every gap g:
+    B twice, B timed, sleep g, B timed (idle wake: the second minus the first). Medians over rounds of the paired
+    differences, so load changing across the rounds cancels. Returns {"switch": [{"prev", "next", "delta_s"}],
+    "idle": [{"next", "gap_s", "delta_s"}], "steady": [{"shape", "seconds"}], "rounds"} (shapes as (T, S, P))."""
+    from pdjax.sim.step_cost import padded_shape
+    padding = engine_padding(runner)
+    shapes = [padded_shape(out, padding) for out in outputs]
+    for out in outputs:
+        runner.execute(out)                       # compiled and warm
+
+    def timed(out):
+        start = time.perf_counter()
+        runner.execute(out)
+        return time.perf_counter() - start
+
+    n = len(outputs)
+    steady = [[] for _ in range(n)]
+    switch = {(a, b): [] for b in range(n) for a in range(n) if a != b}
+    idle = {(b, g): [] for b in range(n) for g in gaps}
+    for r in range(rounds):
+        for b, out in enumerate(outputs):
+            runner.execute(out)
+            runner.execute(out)
+            base = timed(out)
+            steady[b].append(base)
+            for a in range(n):
+                if a != b:
+                    runner.execute(outputs[a])
+                    switch[(a, b)].append(timed(out) - base)
+                    runner.execute(out)
+            for g in gaps:
+                runner.execute(out)
+                before = timed(out)
+                sleep(g)
+                idle[(b, g)].append(timed(out) - before)
+        if log is not None:
+            log(f"calibrate: step-context round {r + 1}/{rounds} done")
+    med = statistics.median
+    return {"switch": [{"prev": list(shapes[a]), "next": list(shapes[b]), "delta_s": med(v)}
+                       for (a, b), v in switch.items()],
+            "idle": [{"next": list(shapes[b]), "gap_s": g, "delta_s": med(v)} for (b, g), v in idle.items()],
+            "steady": [{"shape": list(shapes[b]), "seconds": med(v)} for b, v in enumerate(steady)],
+            "rounds": rounds}
+
+
+def merge_step_context(first: dict, second: dict) -> dict:
+    """The mean of two `profile_step_context` results of the same compositions (bracketing a real run)."""
+    out = {"rounds": first["rounds"] + second["rounds"]}
+    for key, value in (("switch", "delta_s"), ("idle", "delta_s"), ("steady", "seconds")):
+        out[key] = [{**a, value: 0.5 * (a[value] + b[value])} for a, b in zip(first[key], second[key])]
+    return out
+
+
+def fit_step_context_terms(context: dict) -> dict:
+    """CostParams step-context values from `profile_step_context` data (pdjax.sim.calibration.fit_step_context)."""
+    from pdjax.sim.calibration import fit_step_context
+    return fit_step_context([e["delta_s"] for e in context["switch"]],
+                            [(e["gap_s"], e["delta_s"]) for e in context["idle"]])
+
+
 def fit_engine_profile(measured, spec, hw, padding, *, source: str, command: str):
     """Fit CostParams to [(kind, SchedulerOutput, seconds)] measured on `hw`; returns (MachineProfile, report)."""
     import numpy as np
@@ -165,11 +268,14 @@ def attention_impl(runner) -> str:
 
 
 def engine_padding(runner):
-    """How `runner` pads steps: its buckets, and dense attention only for the jnp reference kernel (which
-    attends every padded token over the whole page-table bucket); the blocked and Pallas kernels cost by the real
-    context of each sequence."""
+    """How `runner` pads steps: its buckets, its attention implementation, and dense attention only for the jnp
+    reference kernel (which attends every padded token over the whole page-table bucket); the Pallas kernels cost
+    by the real context of each sequence, the blocked XLA kernel's decode pass by the longest context in it."""
+    from pdjax.kernels import blocked
     from pdjax.sim.step_cost import EnginePadding
-    return EnginePadding(runner.buckets, runner.page_size, attention_impl(runner) == "reference")
+    impl = attention_impl(runner)
+    return EnginePadding(runner.buckets, runner.page_size, impl == "reference", impl,
+                         getattr(blocked, "DECODE_KEYS", 128))
 
 
 def engine_grid(cfg, runner, quick: bool = False):
@@ -180,8 +286,9 @@ def engine_grid(cfg, runner, quick: bool = False):
 
 
 def fit_and_save(cfg, runner, measured, *, repeats: int, out_path: str, profile_s: float = 0.0,
-                 note: str = "", command: str = "") -> dict:
-    """Fit [(kind, SchedulerOutput, seconds)] measured on `runner`, write the sim profile; returns a report."""
+                 note: str = "", command: str = "", context: dict = None) -> dict:
+    """Fit [(kind, SchedulerOutput, seconds)] measured on `runner`, write the sim profile; returns a report.
+    context: `profile_step_context` data; its fitted terms (shape switch, idle wake) go into the profile."""
     from pdjax.sim.hardware import get_hardware_spec
     from pdjax.sim.step_cost import padded_shape, save_sim_profile
 
@@ -189,18 +296,33 @@ def fit_and_save(cfg, runner, measured, *, repeats: int, out_path: str, profile_
     dense = padding.dense_attention
     hw = get_hardware_spec(cfg.sim.hardware)     # host-cpu: measured now, and frozen into the profile
     impl = attention_impl(runner)
-    source = (f"pdjax engine ({impl} attention: {'dense over the page bucket' if dense else 'real context'}), "
-              f"model {runner.spec.name}, "
-              f"{len(measured)} batch compositions x {repeats} repeats{note}, buckets {padding.buckets}")
+    kind = {"reference": "dense over the page bucket", "blocked": "decodes by the longest context"}.get(
+        impl, "real context")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    source = (f"pdjax engine ({impl} attention: {kind}), model {runner.spec.name}, "
+              f"{len(measured)} batch compositions x {repeats} repeats{note}, buckets {padding.buckets}, "
+              f"load average {load:.1f} at the fit on {os.cpu_count()} CPUs")
     command = command or "python -m experiments.calibrate " + " ".join(sys.argv[1:])
     profile, report = fit_engine_profile(measured, runner.spec, hw, padding, source=source, command=command)
+    context_terms = None
+    if context is not None:
+        import dataclasses
+        from pdjax.sim.calibration import STEP_CONTEXT_PARAMS
+        context_terms = fit_step_context_terms(context)
+        profile = dataclasses.replace(profile, params=profile.params.replace(**context_terms),
+                                      fitted=profile.fitted + STEP_CONTEXT_PARAMS,
+                                      source=profile.source + f"; step context: {len(context['switch'])} shape "
+                                      f"switches and {len(context['idle'])} idle gaps x {context['rounds']} rounds")
     raw = [{"kind": kind, "shape": list(padded_shape(out, padding)), "seconds": s,
             "seqs": [[n, c, bool(p)] for n, c, p in zip(out.num_new_tokens, out.num_computed_tokens, out.is_prefill)]}
            for kind, out, s in measured]   # (new tokens, context before them, is_prefill) per sequence
+    extra = {"measurements": raw}
+    if context is not None:
+        extra["step_context"] = context
     save_sim_profile(out_path, profile, hardware_spec=hw if hw.kind == "cpu" else None,
-                     padding={"dense_attention": dense}, extra={"measurements": raw})
+                     padding=padding.profile_dict(), extra=extra)
     return {"profile": out_path, "hardware": hw.name, "model": runner.spec.name, "attention_impl": impl,
-            "dense_attention": dense,
+            "dense_attention": dense, "step_context": context_terms,
             "fit": report, "profiling_s": profile_s,
             "machine_ceiling": {"matmul_flops_fp32": hw.peak_flops_fp32, "memory_bandwidth_bytes_s": hw.hbm_bandwidth},
             "fitted_params": {k: getattr(profile.params, k) for k in profile.fitted}}
@@ -211,8 +333,9 @@ def calibrate(cfg, runner, *, repeats: int, quick: bool, out_path: str, log=None
     start = time.perf_counter()
     measured = profile_engine(runner, engine_grid(cfg, runner, quick), page_size=runner.page_size, repeats=repeats,
                               log=log)
+    context = profile_step_context(runner, context_outputs(cfg, runner), rounds=5 if quick else 11, log=log)
     return fit_and_save(cfg, runner, measured, repeats=repeats, out_path=out_path,
-                        profile_s=time.perf_counter() - start)
+                        profile_s=time.perf_counter() - start, context=context)
 
 
 def main(argv):

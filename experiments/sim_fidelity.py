@@ -12,14 +12,18 @@ workload (the config with that seed) on the real engine (ColocatedEngine, as run
 medians (bracketing: on a shared machine other jobs change step times over minutes, and the real run sits between
 the two timings); simulate the same config, seed and workload with the profile into <workdir>/seed<N>/sim.
 The calibration never sees the served workload (it times synthetic batch compositions), so each seed's run is a
-validation, not a fit.
+validation, not a fit. The step-context terms (shape switch, idle wake: pdjax.sim.cost_model.context_time) are
+measured directly (experiments.calibrate.profile_step_context), before and after the real run as well; each seed
+is also simulated with the same profile and those terms at 0 (<workdir>/seed<N>/sim_no_step_context, the
+report's "without_step_context", the table's "no ctx" line), which is what they buy in the same load conditions.
 
 Step replay (the report's "step_replay"): every batch the real engine ran is re-costed with the simulator's step
 time and compared with what the engine measured for it (from its start to the next iteration's start: the
 scheduler, batch building, the device step, collecting and updating), split by what came before it: a step whose
 padded (T, S) shape differs from the previous step's (the CPU runtime switches executables: caches and thread
 pool go cold), a step after the engine sat idle (> 1 ms waiting for an arrival: XLA's worker threads park), and
-steady steps. It separates the cost model's error from the divergence of two trajectories.
+steady steps. It separates the cost model's error from the divergence of two trajectories. Each step is costed with
+the StepContext the simulator would give it (the previous batch; the engine's wait before it when > 1 ms).
 
 Prints, per seed and as the median over seeds, the P50/P99 TTFT and P50/P99 TBT errors, the target line
 "median P99 TBT error <= 10%" with PASS/FAIL, then the JSON summary (per seed: every metric real vs simulated
@@ -53,6 +57,7 @@ MUST_HOLD = ("ttft.p50", "tbt.p50", "tbt.p99")     # within 25% (issue 6)
 HEADLINE = ("ttft.p50", "ttft.p99", "tbt.p50", "tbt.p99")   # printed per seed and as the median
 TARGET_METRIC, TARGET = "tbt.p99", 0.10            # issue 12: median over seeds of the P99 TBT error <= 10%
 IDLE_GAP_S = 1e-3                                  # step replay: an engine wait longer than this is "idle"
+STEP_CONTEXT_KEYS = ("shape_switch_s", "idle_wake_s", "idle_wake_fixed_s")   # zeroed: the model without them
 
 
 def _value(summary: Dict[str, Any], path: str) -> Optional[float]:
@@ -104,7 +109,7 @@ def step_replay(batches: Sequence[tuple], iterations, step_time, padding) -> Opt
     """The simulator's step time on every batch the real engine ran vs the engine's own time for it (module
     docstring): iteration i is measured from its start to the next one's start when the engine went straight on
     (its end otherwise: the run's last step or one followed by an idle wait). Relative errors (sim − real) / real,
-    overall and per class: 'shape_switch' (padded (T, S) differs from the previous step's), 'after_idle' (the
+    overall and per class: 'shape_switch' (padded (T, S, P) differs from the previous step's), 'after_idle' (the
     engine waited > IDLE_GAP_S for an arrival before it), 'steady' (neither). None when the counts disagree."""
     import numpy as np
     from pdjax.sim.step_cost import padded_shape
@@ -116,10 +121,19 @@ def step_replay(batches: Sequence[tuple], iterations, step_time, padding) -> Opt
     straight = next_start - ends <= IDLE_GAP_S
     measured = np.where(straight, next_start - starts, ends - starts)
     outs = [_composition_output(b) for b in batches]
-    predicted = np.array([step_time(o) for o in outs])
-    shapes = [padded_shape(o, padding)[:2] if padding is not None else None for o in outs]
+    gaps = np.r_[starts[0], starts[1:] - ends[:-1]]
+    idle = np.r_[True, gaps[1:] > IDLE_GAP_S]
+    if getattr(step_time, "takes_context", False):
+        from pdjax.sim.simulator import StepContext
+        # The step context the simulator would give it: the previous batch, and the engine's wait before it
+        # when that was an idle wait (> IDLE_GAP_S; shorter gaps are its own host work, not idle).
+        predicted = np.array([step_time(o, StepContext(outs[i - 1] if i else None,
+                                                       float(gaps[i]) if idle[i] else 0.0))
+                              for i, o in enumerate(outs)])
+    else:
+        predicted = np.array([step_time(o) for o in outs])
+    shapes = [padded_shape(o, padding) if padding is not None else None for o in outs]
     switch = np.array([i > 0 and shapes[i] != shapes[i - 1] for i in range(len(outs))])
-    idle = np.r_[True, starts[1:] - ends[:-1] > IDLE_GAP_S]
     err = (predicted - measured) / measured
 
     def summary(mask):
@@ -138,7 +152,8 @@ def step_replay(batches: Sequence[tuple], iterations, step_time, padding) -> Opt
 def run_fidelity(config_dict: Dict[str, Any], workdir: str, *, profile: str = "", repeats: int = 5,
                  quick: bool = False, log=None) -> Dict[str, Any]:
     """One seed's check (module docstring; the seed is config_dict's); returns the report dict."""
-    from experiments.calibrate import engine_grid, fit_and_save, profile_engine
+    from experiments.calibrate import (context_outputs, engine_grid, fit_and_save, merge_step_context,
+                                       profile_engine, profile_step_context)
     from pdjax.config.serving import serve_config_from_dict
     from pdjax.metrics import write_run_outputs
     from pdjax.scheduler import make_scheduler
@@ -162,6 +177,9 @@ def run_fidelity(config_dict: Dict[str, Any], workdir: str, *, profile: str = ""
     if not profile:
         grid = engine_grid(cfg, runner, quick)
         before = profile_engine(runner, grid, page_size=runner.page_size, repeats=repeats, log=log)
+        ctx_outputs = context_outputs(cfg, runner)
+        ctx_rounds = 5 if quick else 9
+        ctx_before = profile_step_context(runner, ctx_outputs, rounds=ctx_rounds, log=log)
 
     workload = make_workload(cfg.workload, seed=cfg.seed)
     offline = cfg.engine.mode == "offline"
@@ -185,25 +203,41 @@ def run_fidelity(config_dict: Dict[str, Any], workdir: str, *, profile: str = ""
         # Bracketing calibration: the grid is timed again after the real run and each point's two medians are
         # averaged, so a load change on a shared machine during the real run is seen half-way, not missed.
         after = profile_engine(runner, grid, page_size=runner.page_size, repeats=repeats, log=log)
+        ctx_after = profile_step_context(runner, ctx_outputs, rounds=ctx_rounds, log=log)
         measured = [(kind, out, 0.5 * (a + b)) for (kind, out, a), (_, _, b) in zip(before, after)]
         profile = os.path.join(workdir, "profile.json")
         calibration = fit_and_save(cfg, runner, measured, repeats=2 * repeats, out_path=profile,
                                    note=" (before and after the real run)",
-                                   command="python -m experiments.sim_fidelity " + " ".join(sys.argv[1:]))
+                                   command="python -m experiments.sim_fidelity " + " ".join(sys.argv[1:]),
+                                   context=merge_step_context(ctx_before, ctx_after))
         ratios = sorted(b / a for (_, _, a), (_, _, b) in zip(before, after))
         drift = {"median_ratio_after_vs_before": ratios[len(ratios) // 2], "min_ratio": ratios[0],
                  "max_ratio": ratios[-1]}
 
-    sim_dict = json.loads(json.dumps(config_dict))
-    sim_dict["backend"] = "sim"
-    sim_dict.setdefault("sim", {})
-    sim_dict["sim"]["profile"] = profile
-    sim_dict["sim"]["hardware"] = "host-cpu"
-    sim_cfg = serve_config_from_dict(sim_dict)
-    sim = run_sim(sim_cfg, sim_dict, os.path.join(workdir, "sim"), plots=False)
-    setup = build_setup(sim_cfg)
-    replay = step_replay(recorder.batches, result.iterations, group_step_time(setup, "colocated"), setup.padding)
+    def simulate(profile_path, name):
+        sim_dict = json.loads(json.dumps(config_dict))
+        sim_dict["backend"] = "sim"
+        sim_dict.setdefault("sim", {})
+        sim_dict["sim"]["profile"] = profile_path
+        sim_dict["sim"]["hardware"] = "host-cpu"
+        sim_cfg = serve_config_from_dict(sim_dict)
+        summary = run_sim(sim_cfg, sim_dict, os.path.join(workdir, name), plots=False)
+        setup = build_setup(sim_cfg)
+        return summary, step_replay(recorder.batches, result.iterations, group_step_time(setup, "colocated"),
+                                    setup.padding)
+
+    sim, replay = simulate(profile, "sim")
     metrics = compare(real, sim)
+    # The same profile with the step-context terms at 0 (no shape-switch / idle-wake cost): what they buy.
+    no_context = None
+    data = json.loads(open(profile).read()) if profile and os.path.isfile(profile) else None
+    if data is not None and any(data["cost_params"].get(k, 0.0) for k in STEP_CONTEXT_KEYS):
+        data["cost_params"].update({k: 0.0 for k in STEP_CONTEXT_KEYS})
+        zeroed = os.path.join(workdir, "profile_no_step_context.json")
+        with open(zeroed, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+        sim0, replay0 = simulate(zeroed, "sim_no_step_context")
+        no_context = {"metrics": compare(real, sim0), "step_replay": replay0}
     return {
         "seed": cfg.seed,
         "metrics": metrics,
@@ -220,6 +254,7 @@ def run_fidelity(config_dict: Dict[str, Any], workdir: str, *, profile: str = ""
         "calibration_fit": calibration["fit"] if calibration else None,
         "load_drift": drift,
         "step_replay": replay,
+        "without_step_context": no_context,
         "workdir": workdir,
     }
 
@@ -256,6 +291,10 @@ def format_table(result: Dict[str, Any]) -> str:
         cells = "  ".join(f"{pct(m[k]['rel_error']):>13}" for k in HEADLINE)
         vals = ", ".join(f"{k} {1e3 * m[k]['real']:.2f}->{1e3 * m[k]['sim']:.2f}" for k in HEADLINE)
         lines.append(f"{r['seed']:<6}  {cells}   {vals}")
+        if r.get("without_step_context"):
+            m0 = r["without_step_context"]["metrics"]
+            cells0 = "  ".join(f"{pct(m0[k]['rel_error']):>13}" for k in HEADLINE)
+            lines.append(f"{'  no ctx':<6}  {cells0}   (same profile, step-context terms at 0)")
     med = result["summary"]["median_rel_error"]
     lines.append("median  " + "  ".join(f"{pct(med[k]):>13}" for k in HEADLINE))
     t = result["summary"]["target"]

@@ -166,11 +166,18 @@ def test_fit_cost_params_rejects_bad_input():
 
 
 def test_shipped_host_cpu_profile_follows_the_blocked_engine():
-    """host-cpu is fitted on the CPU engine as it runs now: blocked attention (cost by real context, not dense
-    over the page bucket), the engine's one page bucket, with its provenance and raw measurements."""
+    """host-cpu is fitted on the CPU engine as it runs now: blocked attention (decodes by the longest context
+    of the kernel's pass, not dense over the page bucket), the engine's one page bucket, the step-context terms
+    (shape switch, idle wake) measured directly, with its provenance and raw measurements."""
     from pdjax.sim.step_cost import load_sim_profile
     profile = load_sim_profile(cal.PROFILES_DIR / "host-cpu.json")
-    assert profile.padding == {"dense_attention": False}
+    assert profile.padding == {"dense_attention": False, "attention": "blocked", "decode_keys": 128}
     assert "blocked attention" in profile.machine.source and "pages=(64,)" in profile.machine.source
     assert profile.machine.command and profile.hardware_spec is not None
     assert profile.machine.fit["num_measurements"] >= 50 and profile.machine.fit["median_rel_error"] < 0.2
+    p = profile.machine.params
+    assert set(cal.STEP_CONTEXT_PARAMS) <= set(profile.machine.fitted)
+    # Sub-millisecond to about a millisecond each on this engine (what the direct measurements show).
+    assert 0 < p.shape_switch_s < 2e-3 and 0 < p.idle_wake_s + p.idle_wake_fixed_s < 3e-3
+    raw = json.loads((cal.PROFILES_DIR / "host-cpu.json").read_text())["step_context"]
+    assert raw["switch"] and raw["idle"]

@@ -9,7 +9,8 @@ calibration and the real run (other jobs on a shared 2-core box can double step 
 it is not in the default run. The fast test runs the ':small' variant (2 bucket shapes, 16 requests, a quick
 calibration grid, ~10 s) end to end and checks the pipeline and its consistency (same workload, a sound fit,
 about as many iterations, every latency present), not the timing accuracy; `python -m experiments.sim_fidelity`
-reports the actual errors.
+reports the actual errors. Each run also measures the step-context terms (shape switch, idle wake) and simulates
+the same profile without them.
 """
 from __future__ import annotations
 
@@ -45,6 +46,19 @@ def check_consistent(report: dict) -> None:
     assert replay is not None and replay["all"]["num_steps"] == real_it
     assert sum(replay[k]["num_steps"] for k in ("steady", "shape_switch", "after_idle")) == real_it
     assert report["metrics"]["ttft.p99"]["real"] > 0 and report["metrics"]["ttft.p99"]["sim"] > 0
+    # The step-context terms were measured directly (bracketing the real run) and fitted into the profile; the
+    # same profile with them at 0 is simulated too (what they buy), when any came out > 0.
+    import json
+    profile = json.loads(pathlib.Path(report["profile"]).read_text())
+    ctx = profile["step_context"]
+    assert ctx["switch"] and ctx["idle"] and ctx["rounds"] >= 2
+    assert {"shape_switch_s", "idle_wake_s", "idle_wake_tau_s", "idle_wake_fixed_s"} <= set(profile["fitted"])
+    assert profile["padding"] == {"dense_attention": False, "attention": "blocked", "decode_keys": 128}
+    without = report["without_step_context"]
+    if any(profile["cost_params"][k] > 0 for k in ("shape_switch_s", "idle_wake_s", "idle_wake_fixed_s")):
+        assert set(without["metrics"]) == set(report["metrics"]) and without["step_replay"] is not None
+    else:
+        assert without is None
 
 
 def test_fidelity_pipeline_small_run(tmp_path):

@@ -395,3 +395,28 @@ def test_ten_thousand_chat_requests_one_replica():
     """Issue 6: a 10,000-request chat trace on one replica simulates in well under a minute (no timing assert;
     the printed iterations/s is the benchmark)."""
     _run_chat(10_000)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_context_taking_step_time_keeps_the_engine_schedule(async_scheduling):
+    """The simulator passes a StepContext to a step time that takes one (make_step_time's); with the step-context
+    terms at 0 (every profile without them) the engine over a fake device running the same step time without a
+    context and the simulator produce the same schedule."""
+    cfg = SchedulerConfig(policy="sarathi", token_budget=128, max_num_seqs=8, max_model_len=512, num_pages=256)
+    buckets = Buckets(tokens=(16, 64, 128), seqs=(2, 8), pages=(32,))
+    step = make_step_time(get_model_spec("tiny-llama"), get_hardware_spec("a100-80gb-sxm"),
+                          params=CostParams(per_seq_overhead_s=3e-5),
+                          padding=EnginePadding(buckets, 16, False, "blocked"))
+    assert step.takes_context
+    engine_log, sim_log = [], []
+    clock = FakeClock()
+    runner = FakeRunner(clock, lambda out: step(out), lambda out, t: engine_log.append(snapshot(out, t)))
+    engine = ColocatedEngine(runner, make_scheduler(cfg), clock=clock.clock, sleep=clock.sleep,
+                             async_scheduling=async_scheduling)
+    engine_result = engine.run(make_requests(30, seed=2))
+    sim_result = simulate(make_requests(30, seed=2), [SimInstance("a", make_scheduler(cfg), step)],
+                          async_scheduling=async_scheduling,
+                          on_schedule=lambda inst, out, t: sim_log.append(snapshot(out, t)))
+    assert len(sim_log) == len(engine_log) > 30 and sim_log == engine_log
+    assert [(it.start_time, it.end_time) for it in sim_result.iterations] == \
+        [(it.start_time, it.end_time) for it in engine_result.iterations]

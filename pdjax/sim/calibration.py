@@ -12,6 +12,8 @@ Two data sources use the same machinery:
     is predicted by the same op-level functions `iteration_time` uses.
 (b) `fit_cost_params(measurements, model, hw, tp, pp)`: whole-iteration times of the real engine over a grid of
     batch compositions (the lead's `experiments/calibrate.py` profiles the engine and calls this).
+(c) `fit_step_context(switch_deltas, idle_deltas)`: the step-context terms (shape switch, idle wake) from their
+    own direct measurements (experiments/calibrate.py's `profile_step_context`), not from the grid.
 
 Machine profile JSON (schema "pdjax.machine_profile/v1"):
     {"schema": "pdjax.machine_profile/v1",
@@ -230,6 +232,53 @@ def fit_cost_params(measurements: Iterable[tuple[BatchComposition, float]], mode
     return FitResult(params=params, median_rel_error=float(np.median(err)),
                      p90_rel_error=float(np.percentile(err, 90)), num_measurements=len(measured),
                      fitted=tuple(fit_names) + ("gemm_token_tile",))
+
+
+# --------------------------------------------------------------------------------------------------- step context
+STEP_CONTEXT_PARAMS = ("shape_switch_s", "idle_wake_s", "idle_wake_tau_s", "idle_wake_fixed_s")
+
+
+def fit_step_context(switch_deltas: Sequence[float], idle_deltas: Sequence[tuple[float, float]],
+                     taus: Optional[Sequence[float]] = None) -> dict[str, float]:
+    """The step-context terms of CostParams (cost_model.context_time) from direct measurements on the engine:
+
+    switch_deltas: seconds a step took right after a step of another padded shape minus the same step right
+        after itself (one per (previous, next) pair, each already a median over rounds);
+        shape_switch_s = their median, floored at 0.
+    idle_deltas: (idle gap seconds, seconds the step took after sleeping that long minus the same step back to
+        back), for one or several compositions per gap; the median per gap (robust to a composition whose own
+        noise swamps the effect: a 10 ms step on a loaded machine) is fitted by least squares to
+        idle_wake_fixed_s + idle_wake_s · min(1, gap / idle_wake_tau_s), both amplitudes >= 0, tau the best of
+        `taus` (default 0.5 ms .. 200 ms, log-spaced).
+    Returns {name: value} for STEP_CONTEXT_PARAMS (zeros where there is no data)."""
+    out = {name: 0.0 for name in STEP_CONTEXT_PARAMS}
+    if len(switch_deltas):
+        out["shape_switch_s"] = max(0.0, float(np.median(np.asarray(switch_deltas, float))))
+    if len(idle_deltas):
+        if any(g <= 0 for g, _ in idle_deltas):
+            raise ValueError("fit_step_context: idle gaps must be > 0 seconds")
+        per_gap: dict = {}
+        for g, d in idle_deltas:
+            per_gap.setdefault(float(g), []).append(float(d))
+        gaps = np.array(sorted(per_gap), float)
+        deltas = np.array([np.median(per_gap[g]) for g in sorted(per_gap)], float)
+        taus = np.geomspace(5e-4, 0.2, 41) if taus is None else np.asarray(taus, float)
+        best = None
+        for tau in taus:
+            ramp = np.minimum(1.0, gaps / tau)
+            for cols in ((0, 1), (1,), (0,)):         # non-negative least squares over the two amplitudes
+                a = np.stack([np.ones_like(gaps), ramp], axis=1)[:, cols]
+                coef, *_ = np.linalg.lstsq(a, deltas, rcond=None)
+                if np.any(coef < 0):
+                    continue
+                sse = float(np.sum((a @ coef - deltas) ** 2))
+                full = dict(zip(cols, coef))
+                if best is None or sse < best[0] - 1e-18:
+                    best = (sse, float(full.get(0, 0.0)), float(full.get(1, 0.0)), float(tau))
+        if best is not None:
+            _, fixed, wake, tau = best
+            out.update(idle_wake_fixed_s=fixed, idle_wake_s=wake, idle_wake_tau_s=tau if wake > 0 else 0.0)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------- (a) Vidur A100

@@ -17,7 +17,13 @@ What one iteration costs (per device of an instance with TP degree `tp` and PP d
   MHA pays more than GQA); compute + KV-read time, as fitted. A decode reads `context + 1` tokens of KV (a
   roofline), plus a per-(sequence, head) cost (`attn_seq_head_s`, the work-item scheduling of paged decode
   kernels that dominates at short contexts); each attention kernel call (one for the prefills, one for the
-  decodes) costs `attn_prefill_fixed_s` / `attn_decode_fixed_s`.
+  decodes) costs `attn_prefill_fixed_s` / `attn_decode_fixed_s`. A batch's `decode_pass` (items, keys) replaces
+  the decodes' own contexts by one pass of `items` queries over `keys` keys each: the blocked CPU kernel runs
+  every slot of its padded width over the key blocks of the longest context (`decode_attention_time`).
+- Step context (`context_time`, added by the simulator's step-time function, not by `iteration_time`): a step
+  whose padded shape differs from the previous step's pays `shape_switch_s`; one after the engine sat idle g
+  seconds pays `idle_wake_fixed_s + idle_wake_s · min(1, g / idle_wake_tau_s)`. All 0 by default (GPU
+  profiles).
 - TP: two all-reduces per layer of `tokens · hidden` activations, a ring over the slowest link the group
   crosses (`HardwareSpec.group_link`) with latency and efficiency terms per link kind (`HardwareSpec.link_kind`:
   NVLink pair, NVSwitch, PCIe, inter-node network), fitted per kind on NCCL measurements:
@@ -116,6 +122,16 @@ class CostParams:
     comm_network_fixed_s: float = 0.0
     comm_network_step_s: float = 0.0
     comm_network_bandwidth_efficiency: float = 0.0
+    # Step context (see `context_time`; the simulator passes the previous step and the idle gap before a step,
+    # pdjax.sim.simulator.StepContext): a step whose padded (T, S, P) shape differs from the previous step's
+    # costs `shape_switch_s` more (the CPU runtime switches executables: caches and the thread pool go cold); a
+    # step after the engine sat idle for g > 0 seconds costs idle_wake_fixed_s + idle_wake_s · min(1, g /
+    # idle_wake_tau_s) more (XLA's worker threads park, caches go cold; tau 0: the full idle_wake_s after any
+    # idle gap). 0 (the default): no such cost.
+    shape_switch_s: float = 0.0
+    idle_wake_s: float = 0.0
+    idle_wake_tau_s: float = 0.0
+    idle_wake_fixed_s: float = 0.0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -171,10 +187,19 @@ class BatchComposition:
     """
     prefills: tuple[tuple[int, int], ...] = ()
     decodes: tuple[tuple[int, int], ...] = ()
+    # (items, keys per item) of a decode attention pass that does not follow each decode's own context: the
+    # blocked CPU kernel's vector pass runs every slot of its padded width over the key blocks of the longest
+    # context in it (pdjax.sim.step_cost.padded_composition). Set: it replaces the decodes' attention work
+    # (they still count as tokens and sequences for every other term); (): each decode reads its own context.
+    decode_pass: tuple[int, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "prefills", tuple((int(t), int(c)) for t, c in self.prefills))
         object.__setattr__(self, "decodes", tuple((int(n), int(c)) for n, c in self.decodes))
+        object.__setattr__(self, "decode_pass", tuple(int(x) for x in self.decode_pass))
+        if self.decode_pass and (len(self.decode_pass) != 2 or self.decode_pass[0] < 1 or self.decode_pass[1] < 0):
+            raise ValueError(f"BatchComposition: decode_pass={self.decode_pass}; expected () or (items >= 1, "
+                             f"keys per item >= 0)")
         for tokens, context in self.prefills:
             if tokens < 1 or context < 0:
                 raise ValueError(f"BatchComposition: prefill chunk (tokens={tokens}, context={context}); "
@@ -323,6 +348,45 @@ def decode_attention_terms(count, context, heads, kv_heads, head_dim, dtype_byte
     return (flops / (peak_flops * params.attn_flops_efficiency),
             moved / (bandwidth * params.attn_bandwidth_efficiency),
             count * heads * params.attn_seq_head_s)
+
+
+def decode_attention_time(batch: "BatchComposition", shapes: "ShardedShapes", peak: float, bandwidth: float,
+                          params: CostParams) -> float:
+    """Seconds of one layer's decode attention work of `batch` (0 without decodes; the fixed per-call cost
+    `attn_decode_fixed_s` is added by the caller when `batch.decodes or batch.decode_pass`).
+
+    `batch.decode_pass` (items, keys) set: `items` queries each reading `keys` keys (a roofline plus the
+    per-(item, head) cost): the blocked CPU kernel, whose cost follows the longest context of the pass, not the
+    mean. Else every decode reads its own context + 1 keys; all decodes share one FLOPs-to-bytes ratio, so the
+    roofline of their sum equals the sum of their rooflines and they are aggregated by their mean context."""
+    s = shapes
+    if batch.decode_pass:
+        items, keys = batch.decode_pass
+        if keys <= 0:
+            return 0.0
+        c, mem, per_item = decode_attention_terms(items, keys - 1, s.heads, s.kv_heads, s.head_dim, s.dtype_bytes,
+                                                  peak, bandwidth, params)
+        return (c if c > mem else mem) + per_item
+    if not batch.decodes:
+        return 0.0
+    count = sum(n for n, _ in batch.decodes)
+    mean_context = sum(n * c for n, c in batch.decodes) / count
+    c, mem, per_item = decode_attention_terms(count, mean_context, s.heads, s.kv_heads, s.head_dim, s.dtype_bytes,
+                                              peak, bandwidth, params)
+    return (c if c > mem else mem) + per_item
+
+
+def context_time(params: CostParams, shape_switched: bool, idle_s: float) -> float:
+    """Seconds a step costs on top of its batch because of what came before it (CostParams' step-context
+    terms): `shape_switch_s` when its padded shape differs from the previous step's, plus
+    idle_wake_fixed_s + idle_wake_s · min(1, idle_s / idle_wake_tau_s) after the engine sat idle for idle_s > 0
+    seconds (tau 0: the full idle_wake_s). The two add up (measured on the CPU engine: a step after both pays
+    about the sum, within the noise). 0 with the default parameters."""
+    extra = params.shape_switch_s if shape_switched else 0.0
+    if idle_s > 0:
+        tau = params.idle_wake_tau_s
+        extra += params.idle_wake_fixed_s + params.idle_wake_s * (1.0 if tau <= 0 or idle_s >= tau else idle_s / tau)
+    return extra
 
 
 LINK_KINDS = ("pair", "switch", "pcie", "network")
@@ -497,17 +561,11 @@ def _stage_components(batch: BatchComposition, plan: _Plan, params: CostParams, 
         c, mem = prefill_attention_terms(chunk, context, s.heads, s.kv_heads, s.head_dim, s.dtype_bytes, peak, bw,
                                          params)
         attention += c + mem
-    if batch.decodes:
-        # All decodes share one FLOPs-to-bytes ratio, so the roofline of their sum equals the sum of their
-        # rooflines: aggregate (one call instead of one per request).
-        count = sum(n for n, _ in batch.decodes)
-        mean_context = sum(n * c for n, c in batch.decodes) / count
-        c, mem, items = decode_attention_terms(count, mean_context, s.heads, s.kv_heads, s.head_dim, s.dtype_bytes,
-                                               peak, bw, params)
-        attention += (c if c > mem else mem) + items
+    if batch.decodes or batch.decode_pass:
+        attention += decode_attention_time(batch, s, peak, bw, params)   # aggregated (see there)
     if batch.prefills:
         attention += params.attn_prefill_fixed_s
-    if batch.decodes:
+    if batch.decodes or batch.decode_pass:
         attention += params.attn_decode_fixed_s
     attention *= layers
 
@@ -633,15 +691,11 @@ def stage_times(batch: BatchComposition, model: ModelSpec, hw: HardwareSpec, tp:
         c, mem = prefill_attention_terms(chunk, context, s.heads, s.kv_heads, s.head_dim, s.dtype_bytes, peak, bw,
                                          params)
         attention += c + mem
-    if batch.decodes:
-        count = sum(n for n, _ in batch.decodes)
-        mean_context = sum(n * c for n, c in batch.decodes) / count
-        c, mem, items = decode_attention_terms(count, mean_context, s.heads, s.kv_heads, s.head_dim, s.dtype_bytes,
-                                               peak, bw, params)
-        attention += (c if c > mem else mem) + items
+    if batch.decodes or batch.decode_pass:
+        attention += decode_attention_time(batch, s, peak, bw, params)   # aggregated (see there)
     if batch.prefills:
         attention += params.attn_prefill_fixed_s
-    if batch.decodes:
+    if batch.decodes or batch.decode_pass:
         attention += params.attn_decode_fixed_s
     layer += attention
     if tp > 1:

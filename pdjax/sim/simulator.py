@@ -36,6 +36,14 @@ time). The device runs steps back to back, so step k+1 is scheduled when step k 
 Event order at one time t: every completion at t (update), then every arrival at t (routed to an instance's
 inbox), then each instance that is ready runs the loop above. Ties between instances go by instance index.
 
+Step context. A step-time function with `takes_context` (pdjax.sim.step_cost.make_step_time's) is called as
+step_time(out, StepContext(previous, idle_s)): the batch this instance dispatched before `out` (None for its
+first) and how long its device (stage 0) sat idle before `out` could start (dispatch time minus the time the
+device became free, 0 when the step runs straight on). The simulator derives both from its own schedule; the
+engine mirrors nothing. The cost of a shape switch or an idle wake is the step-time function's business
+(cost_model.context_time): with those parameters at 0 the times, hence the schedules, are exactly those of a
+context-free step time. Plain functions (one argument) are called as before.
+
 Speed: the loop is a heap of completion times merged with the sorted arrival list; everything per iteration is
 the scheduler's own work plus one step-time call (see pdjax.sim.step_cost for the fast cost path).
 """
@@ -51,6 +59,17 @@ from pdjax.metrics import IterationRecord, RequestRecord, request_record
 from pdjax.scheduler.batch_queue import BatchQueue
 
 PLACEHOLDER_TOKEN = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What came before a step on its instance, for step-time functions that cost it (`takes_context`, e.g.
+    pdjax.sim.step_cost.make_step_time; cost_model.context_time): `previous`, the SchedulerOutput the instance
+    dispatched before this one (None for its first step), whose padded shape tells a shape switch; `idle_s`,
+    seconds the instance's device sat idle right before this step (0 when it runs straight on; for the first
+    step, the time since the simulation began)."""
+    previous: Optional[object]
+    idle_s: float
 
 
 @dataclasses.dataclass
@@ -90,6 +109,11 @@ class SimInstance:
         if stage_times is None and pp > 1:
             stage_times = step_time.stage_times
         self.stage_times = stage_times
+        # Step context (StepContext): passed to a step-time function that declares `takes_context`.
+        timer = step_time if stage_times is None else stage_times
+        self.takes_context = bool(getattr(timer, "takes_context", False) or
+                                  getattr(getattr(timer, "__self__", None), "takes_context", False))
+        self.last_out = None           # the SchedulerOutput dispatched last (the next step's StepContext.previous)
         self.queue = BatchQueue(pp if max_in_flight is None else max_in_flight)
         self.stage_free: List[float] = []   # per stage: when it finishes the batches dispatched so far
         self.stage_busy: List[float] = []   # per stage: seconds busy
@@ -113,9 +137,24 @@ class SimInstance:
         """The host is blocked collecting a batch (sync: the oldest in-flight batch)."""
         return self.in_flight is not None
 
+    def context(self, out, device_free: float, t: float) -> Optional[StepContext]:
+        """The StepContext of `out` dispatched at host time t on a device free from `device_free` (None when the
+        step-time function takes none); records `out` as the next step's previous one."""
+        if not self.takes_context:
+            return None
+        ctx = StepContext(self.last_out, t - device_free if t > device_free else 0.0)
+        self.last_out = out
+        return ctx
+
     def run_stages(self, out, t: float) -> float:
         """Occupy the stages with batch `out` dispatched at t; returns when it leaves the last stage."""
-        if self.stage_times is None:
+        if self.takes_context:
+            ctx = self.context(out, self.stage_free[0] if self.stage_free else 0.0, t)
+            if self.stage_times is None:
+                stages, sends = (self.step_time(out, ctx),), ()
+            else:
+                stages, sends = self.stage_times(out, ctx)
+        elif self.stage_times is None:
             stages, sends = (self.step_time(out),), ()
         else:
             stages, sends = self.stage_times(out)
@@ -245,7 +284,10 @@ def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, 
                     if on_schedule is not None:
                         on_schedule(inst, out, t)
                     start = inst.device_free if inst.device_free > t else t
-                    end = start + inst.step_time(out)
+                    if inst.takes_context:
+                        end = start + inst.step_time(out, inst.context(out, inst.device_free, t))
+                    else:
+                        end = start + inst.step_time(out)
                     inst.device_free = end
                     new = (out, start, end)
             if prev is not None:

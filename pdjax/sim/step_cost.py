@@ -11,6 +11,11 @@ page of its sequence's table, so a step costs what its *bucket* costs, not what 
   layers on T_pad tokens. The fitted efficiencies absorb the rest.
 - `dense_attention=False` (Pallas kernels, GPU/TPU): attention does the real work; only the linear layers see
   the token padding, costed as T_pad − T extra one-token decodes at context 0.
+- `attention='blocked'` (the blocked XLA kernel, the CPU default; `dense_attention=False`): as above for the
+  chunks, but its decode pass is one loop over the key blocks of the *longest* context in it, run by every slot
+  of its padded width (S_pad slots; T_pad tokens when T_pad <= S_pad, where every token, chunk tokens included,
+  is an item and there is no chunk pass), so it costs width x key blocks of the longest context, not count x mean
+  context (`BatchComposition.decode_pass`, see `_blocked_composition`).
 - In both padded modes the per-sequence host cost (`cost_model.per_seq_host_s`) counts the real sequences (the composition's stand-in sequences
   are padded work): time = iteration_time(padded composition) + per_seq_host_s · (S − composition seqs).
 - No padding (None): the real composition (GPU profiles fitted on operator data, e.g. profiles/a100.json).
@@ -21,7 +26,14 @@ Buckets are derived from the serve config with `engine_buckets`, the rule of pdj
 A *sim profile* is a machine-profile JSON (pdjax.sim.calibration schema) with two optional extra keys that
 `load_profile` ignores: "hardware_spec" (the HardwareSpec the efficiencies are relative to, frozen at calibration
 time: `host_cpu()` re-measures a noisy machine, so the simulator must use the numbers the fit saw) and
-"padding" ({"dense_attention": bool}: cost steps at the engine's bucket shapes).
+"padding" ({"dense_attention": bool, optional "attention": 'reference' | 'blocked' | 'pallas' and
+"decode_keys": the blocked decode pass's key block}: cost steps at the engine's bucket shapes and kernel).
+
+Step context: the step-time functions take an optional second argument, a StepContext (pdjax.sim.simulator:
+the previous step's SchedulerOutput and the idle seconds before this step; `takes_context` says so), and add
+`cost_model.context_time`: `shape_switch_s` when the padded (T, S, P) shape differs from the previous step's
+(only with padding), the idle-wake terms after an idle gap. With those CostParams at 0 (the default, every GPU
+profile) the context is ignored and the time is bit-identical to the context-free one.
 
 Pipeline parallelism (pp > 1): `make_step_time` returns a `PipelineStepTime`, whose `stage_times(out)` gives the
 seconds of each stage (its layers only, `cost_model.stage_times`) and of each activation send; the simulator
@@ -48,11 +60,39 @@ from pdjax.sim.cost_model import BatchComposition, CostParams, _plan
 from pdjax.sim.hardware import HardwareSpec
 
 
+ATTENTION_IMPLS = ("reference", "blocked", "pallas")
+BLOCKED_DECODE_KEYS = 128    # pdjax.kernels.blocked.DECODE_KEYS (mirrored: pdjax.sim imports no JAX)
+
+
 @dataclasses.dataclass(frozen=True)
 class EnginePadding:
+    """How the engine pads a step and which attention implementation runs it (module docstring).
+    attention: 'reference' (dense over the page bucket), 'blocked' (the XLA CPU kernel: decodes cost by the
+    longest context of the pass), 'pallas', or '' (not recorded: real context unless dense_attention).
+    decode_keys: keys per step of the blocked kernel's decode pass (its `decode_keys`)."""
     buckets: Buckets
     page_size: int
     dense_attention: bool = True
+    attention: str = ""
+    decode_keys: int = BLOCKED_DECODE_KEYS
+
+    def __post_init__(self):
+        if self.attention not in ("",) + ATTENTION_IMPLS:
+            raise ValueError(f"EnginePadding.attention={self.attention!r}, expected one of {ATTENTION_IMPLS} or ''")
+        if self.attention and (self.attention == "reference") != bool(self.dense_attention):
+            raise ValueError(f"EnginePadding: attention={self.attention!r} with dense_attention="
+                             f"{self.dense_attention!r}; only the 'reference' kernel is dense")
+        if not isinstance(self.decode_keys, int) or self.decode_keys < 1:
+            raise ValueError(f"EnginePadding.decode_keys={self.decode_keys!r}, expected a positive int")
+
+    def profile_dict(self) -> dict:
+        """The sim profile's "padding" entry for this padding (buckets come from the serve config)."""
+        out = {"dense_attention": bool(self.dense_attention)}
+        if self.attention:
+            out["attention"] = self.attention
+        if self.attention == "blocked":
+            out["decode_keys"] = self.decode_keys
+        return out
 
 
 # --------------------------------------------------------------------------------------------------- compositions
@@ -85,16 +125,50 @@ def padded_shape(out, padding: EnginePadding) -> Tuple[int, int, int]:
     return padding.buckets.pick(sum(out.num_new_tokens), len(out.num_new_tokens), max_pages)
 
 
+def blocked_decode_block(padding: EnginePadding, p_pad: int) -> int:
+    """Keys per step of the blocked kernel's decode pass for a page bucket of p_pad pages (whole pages,
+    at most the page table: pdjax.kernels.blocked._pages_per_block)."""
+    ps = padding.page_size
+    return max(1, min(padding.decode_keys // ps, p_pad)) * ps
+
+
 def padded_composition(out, padding: EnginePadding) -> BatchComposition:
     """The work the padded engine step does, as a cost-model composition (see the module docstring)."""
-    t_pad, _, p_pad = padded_shape(out, padding)
+    t_pad, s_pad, p_pad = padded_shape(out, padding)
     if padding.dense_attention:
         return BatchComposition((), ((t_pad, p_pad * padding.page_size - 1),))
+    if padding.attention == "blocked":
+        return _blocked_composition(out, padding, t_pad, s_pad, p_pad)
     batch = compact_composition(out)
     extra = t_pad - batch.num_tokens
     if extra > 0:
         batch = BatchComposition(batch.prefills, batch.decodes + ((extra, 0),))
     return batch
+
+
+def _blocked_composition(out, padding: EnginePadding, t_pad: int, s_pad: int, p_pad: int) -> BatchComposition:
+    """The blocked XLA kernel's work (pdjax.kernels.blocked): its vector pass runs every item over as many key
+    blocks as the longest item needs (one fori_loop, dynamic trip count), so it costs items x key blocks of the
+    longest context, not count x mean context.
+    - T_pad <= S_pad (token mode): every padded token is an item, chunks included; no chunk pass. The step is
+      T_pad one-token queries, each reading the key blocks of the longest sequence (its context + new tokens).
+    - T_pad > S_pad: the vector pass over the S_pad sequence slots for the decodes (blocks of the longest decode
+      context; it runs, with no key blocks, even without decodes), the chunk pass over each chunk's real
+      context; linear layers on T_pad tokens (padding as context-0 decodes, as in the real-context mode)."""
+    block = blocked_decode_block(padding, p_pad)
+    if t_pad <= s_pad:
+        longest = max(c + n for c, n in zip(out.num_computed_tokens, out.num_new_tokens))
+        return BatchComposition((), ((t_pad, 0),), decode_pass=(t_pad, -(-longest // block) * block))
+    batch = compact_composition(out)
+    longest = 0
+    for is_prefill, c, n in zip(out.is_prefill, out.num_computed_tokens, out.num_new_tokens):
+        if not is_prefill and n == 1 and c + 1 > longest:
+            longest = c + 1
+    decodes = batch.decodes
+    extra = t_pad - batch.num_tokens
+    if extra > 0:
+        decodes = decodes + ((extra, 0),)
+    return BatchComposition(batch.prefills, decodes, decode_pass=(s_pad, -(-longest // block) * block))
 
 
 class CachedIterationTime:
@@ -141,73 +215,140 @@ class CachedIterationTime:
             c, mem = cm.prefill_attention_terms(chunk, context, s.heads, s.kv_heads, s.head_dim, s.dtype_bytes, peak,
                                                 bw, p)
             attention += c + mem
-        if batch.decodes:
-            count = sum(n for n, _ in batch.decodes)
-            mean_context = sum(n * c for n, c in batch.decodes) / count
-            c, mem, items = cm.decode_attention_terms(count, mean_context, s.heads, s.kv_heads, s.head_dim,
-                                                      s.dtype_bytes, peak, bw, p)
-            attention += (c if c > mem else mem) + items
+        if batch.decodes or batch.decode_pass:
+            attention += cm.decode_attention_time(batch, s, peak, bw, p)
         if batch.prefills:
             attention += p.attn_prefill_fixed_s
-        if batch.decodes:
+        if batch.decodes or batch.decode_pass:
             attention += p.attn_decode_fixed_s
         return attention * plan.layers_per_stage
 
 
+class _ContextCost:
+    """The step-context seconds of one step (cost_model.context_time) from a `StepContext` (duck-typed:
+    `.previous`, the SchedulerOutput the instance ran before, or None; `.idle_s`, seconds its device sat idle
+    before this step): a shape switch when the padded (T, S, P) shapes of `out` and `previous` differ (never
+    without padding: no buckets, no executables to switch). `active` is False when the parameters make every
+    context cost 0, so the step time skips it (and stays bit-identical to the context-free one)."""
+
+    def __init__(self, params: CostParams, padding: Optional[EnginePadding]):
+        self.params, self.padding = params, padding
+        self.active = params.shape_switch_s > 0 or params.idle_wake_s > 0 or params.idle_wake_fixed_s > 0
+        self._last = (None, None)     # (SchedulerOutput, its padded shape): the previous step's, reused
+
+    def shape(self, out):
+        last_out, last_shape = self._last
+        if out is last_out:
+            return last_shape
+        shape = padded_shape(out, self.padding)
+        self._last = (out, shape)
+        return shape
+
+    def __call__(self, out, ctx) -> float:
+        if ctx is None or not self.active:
+            return 0.0
+        switched = False
+        if ctx.previous is not None and self.padding is not None and self.params.shape_switch_s > 0:
+            previous = self.shape(ctx.previous)
+            switched = self.shape(out) != previous
+        return cm.context_time(self.params, switched, ctx.idle_s)
+
+
 class PipelineStepTime:
-    """The step time of a pp-stage instance (module docstring): `stage_times(out) -> (per-stage seconds,
-    per-boundary send seconds)` for the simulator's stage resources; calling it returns one batch's latency alone
-    through the pipeline. `pp` tells the simulator how many batches it may keep in flight."""
+    """The step time of a pp-stage instance (module docstring): `stage_times(out, ctx=None) -> (per-stage
+    seconds, per-boundary send seconds)` for the simulator's stage resources; calling it returns one batch's
+    latency alone through the pipeline. `pp` tells the simulator how many batches it may keep in flight. The
+    step-context cost (`ctx`, see make_step_time) sits on stage 0."""
+
+    takes_context = True
 
     def __init__(self, model: ModelSpec, hw: HardwareSpec, tp: int, pp: int, params: CostParams,
                  padding: Optional[EnginePadding] = None):
         self.model, self.hw, self.tp, self.pp, self.params, self.padding = model, hw, tp, pp, params, padding
         self._per_seq = cm.per_seq_host_s(params, tp * pp)
+        self._context = _ContextCost(params, padding)
 
-    def stage_times(self, out) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
+    def stage_times(self, out, ctx=None) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
         if self.padding is not None:
             batch = padded_composition(out, self.padding)
             stages, sends = cm.stage_times(batch, self.model, self.hw, self.tp, self.pp, self.params)
             # host per-sequence cost counts the real sequences (see make_step_time); it sits on stage 0
             extra = self._per_seq * (len(out.num_new_tokens) - batch.num_seqs)
-            return (stages[0] + extra,) + stages[1:], sends
-        return cm.stage_times(compact_composition(out), self.model, self.hw, self.tp, self.pp, self.params)
+        else:
+            stages, sends = cm.stage_times(compact_composition(out), self.model, self.hw, self.tp, self.pp,
+                                           self.params)
+            extra = 0.0
+        if self._context.active:
+            extra += self._context(out, ctx)
+        if extra == 0.0 and self.padding is None:
+            return stages, sends
+        return (stages[0] + extra,) + stages[1:], sends
 
-    def __call__(self, out) -> float:
-        stages, sends = self.stage_times(out)
+    def __call__(self, out, ctx=None) -> float:
+        stages, sends = self.stage_times(out, ctx)
         return sum(stages) + sum(sends)
+
+
+class StepTime:
+    """`step_time(out, ctx=None) -> seconds` of a one-stage instance (make_step_time). `takes_context`
+    tells the simulator to pass a StepContext (pdjax.sim.simulator): the previous step and the idle gap."""
+
+    takes_context = True
+    pp = 1
+
+    def __init__(self, model: ModelSpec, hw: HardwareSpec, tp: int, params: CostParams,
+                 padding: Optional[EnginePadding]):
+        self.params, self.padding = params, padding
+        self._cost = CachedIterationTime(model, hw, tp, params)
+        self._per_seq = cm.per_seq_host_s(params, tp)
+        self._context = _ContextCost(params, padding)
+
+    def base(self, out) -> float:
+        """The step's own seconds (no step context)."""
+        if self.padding is not None:
+            batch = padded_composition(out, self.padding)
+            # The padded composition's "sequences" are stand-ins for padded work; the host's per-sequence
+            # cost (batch building, sampling bookkeeping) counts the real ones.
+            return self._cost(batch) + self._per_seq * (len(out.num_new_tokens) - batch.num_seqs)
+        return self._cost(compact_composition(out))
+
+    def __call__(self, out, ctx=None) -> float:
+        if self._context.active:
+            return self.base(out) + self._context(out, ctx)
+        return self.base(out)
 
 
 def make_step_time(model: ModelSpec, hw: HardwareSpec, tp: int = 1, pp: int = 1,
                    params: Optional[CostParams] = None, padding: Optional[EnginePadding] = None
                    ) -> Callable[[Any], float]:
-    """A `SchedulerOutput -> seconds` function (the simulator's step_time): the cost model on the output's
-    composition, padded as the engine pads it when `padding` is given. pp > 1: a `PipelineStepTime` (per-stage
-    times; the simulator pipelines batches, so bubbles come from the simulated stage schedule)."""
+    """A `(SchedulerOutput, ctx=None) -> seconds` function (the simulator's step_time): the cost model on the
+    output's composition, padded as the engine pads it when `padding` is given, plus the step-context cost
+    (`cost_model.context_time`: shape switch, idle wake) when a StepContext `ctx` is given (the simulator passes
+    one: it has `takes_context`). pp > 1: a `PipelineStepTime` (per-stage times; the simulator pipelines batches,
+    so bubbles come from the simulated stage schedule)."""
     params = CostParams() if params is None else params
     _plan(model, hw, tp, pp)   # validate the layout now, not at the first step
     if pp > 1:
         return PipelineStepTime(model, hw, tp, pp, params, padding)
-    cost = CachedIterationTime(model, hw, tp, params)
-
-    per_seq = cm.per_seq_host_s(params, tp * pp)
-
-    def step_time(out) -> float:
-        if padding is not None:
-            batch = padded_composition(out, padding)
-            # The padded composition's "sequences" are stand-ins for padded work; the host's per-sequence
-            # cost (batch building, sampling bookkeeping) counts the real ones.
-            return cost(batch) + per_seq * (len(out.num_new_tokens) - batch.num_seqs)
-        return cost(compact_composition(out))
-    return step_time
+    return StepTime(model, hw, tp, params, padding)
 
 
 # --------------------------------------------------------------------------------------------------- profiles
+PADDING_KEYS = ("dense_attention", "attention", "decode_keys")
+
+
 @dataclasses.dataclass(frozen=True)
 class SimProfile:
     machine: MachineProfile
     hardware_spec: Optional[HardwareSpec] = None     # frozen spec (host-cpu calibrations)
-    padding: Optional[dict] = None                   # {"dense_attention": bool}
+    padding: Optional[dict] = None                   # {"dense_attention": bool[, "attention": str, "decode_keys"]}
+
+
+def padding_from_profile(padding: dict, buckets: Buckets, page_size: int) -> EnginePadding:
+    """The EnginePadding of a profile's "padding" entry ({"dense_attention": bool, optional "attention"
+    (ATTENTION_IMPLS) and "decode_keys"}) at the serve config's buckets and page size."""
+    return EnginePadding(buckets, page_size, bool(padding.get("dense_attention", True)),
+                         str(padding.get("attention", "")), int(padding.get("decode_keys", BLOCKED_DECODE_KEYS)))
 
 
 def load_sim_profile(path_or_name) -> SimProfile:
@@ -218,10 +359,10 @@ def load_sim_profile(path_or_name) -> SimProfile:
     spec = data.get("hardware_spec")
     padding = data.get("padding")
     if padding is not None:
-        unknown = sorted(set(padding) - {"dense_attention"})
+        unknown = sorted(set(padding) - set(PADDING_KEYS))
         if unknown:
-            raise ValueError(f"profile {str(path_or_name)!r}: unknown padding keys {unknown}; expected "
-                             f"'dense_attention'")
+            raise ValueError(f"profile {str(path_or_name)!r}: unknown padding keys {unknown}; expected some of "
+                             f"{list(PADDING_KEYS)}")
     return SimProfile(machine=machine, hardware_spec=HardwareSpec(**spec) if spec else None, padding=padding)
 
 
