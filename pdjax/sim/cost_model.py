@@ -556,24 +556,31 @@ def _stage_components(batch: BatchComposition, plan: _Plan, params: CostParams, 
     elementwise = layers * sum(elementwise_time(tokens, nbytes, kind, bw, params) for kind, nbytes in s.layer_elementwise)
     elementwise += elementwise_time(tokens, s.embedding_bytes_per_token, "embedding", bw, params)
 
-    attention = 0.0
-    for chunk, context in batch.prefills:
-        c, mem = prefill_attention_terms(chunk, context, s.heads, s.kv_heads, s.head_dim, s.dtype_bytes, peak, bw,
-                                         params)
-        attention += c + mem
-    if batch.decodes or batch.decode_pass:
-        attention += decode_attention_time(batch, s, peak, bw, params)   # aggregated (see there)
-    if batch.prefills:
-        attention += params.attn_prefill_fixed_s
-    if batch.decodes or batch.decode_pass:
-        attention += params.attn_decode_fixed_s
-    attention *= layers
+    attention = layers * layer_attention_time(batch, s, peak, bw, params)
 
     comm = 0.0
     if tp > 1:
         comm = layers * 2 * allreduce_time(tokens * s.hidden * s.dtype_bytes, tp, plan.tp_link[0], plan.tp_link[1],
                                            params, plan.tp_kind, plan.tp_nics)
     return linear, elementwise, attention, comm, flops_s, memory_s
+
+
+def layer_attention_time(batch, s, peak: float, bw: float, params: CostParams) -> float:
+    """Seconds of one layer's attention for `batch` on one TP shard (shapes `s`): prefill chunks one by one,
+    decodes aggregated, plus each pass's fixed cost."""
+    attention = 0.0
+    for chunk, context in batch.prefills:
+        c, mem = prefill_attention_terms(chunk, context, s.heads, s.kv_heads, s.head_dim, s.dtype_bytes, peak, bw,
+                                         params)
+        attention += c + mem
+    decodes = bool(batch.decodes or batch.decode_pass)
+    if decodes:
+        attention += decode_attention_time(batch, s, peak, bw, params)   # aggregated (see there)
+    if batch.prefills:
+        attention += params.attn_prefill_fixed_s
+    if decodes:
+        attention += params.attn_decode_fixed_s
+    return attention
 
 
 def host_time(params: CostParams, num_seqs: int, workers: int = 1) -> float:
@@ -686,18 +693,7 @@ def stage_times(batch: BatchComposition, model: ModelSpec, hw: HardwareSpec, tp:
         c, mem = gemm_terms(tokens, k, m, s.dtype_bytes, peak, bw, plan.compute_units, params, bias=bias)
         layer += (c if c > mem else mem) + params.kernel_fixed_s
     layer += sum(elementwise_time(tokens, nbytes, kind, bw, params) for kind, nbytes in s.layer_elementwise)
-    attention = 0.0
-    for chunk, context in batch.prefills:
-        c, mem = prefill_attention_terms(chunk, context, s.heads, s.kv_heads, s.head_dim, s.dtype_bytes, peak, bw,
-                                         params)
-        attention += c + mem
-    if batch.decodes or batch.decode_pass:
-        attention += decode_attention_time(batch, s, peak, bw, params)   # aggregated (see there)
-    if batch.prefills:
-        attention += params.attn_prefill_fixed_s
-    if batch.decodes or batch.decode_pass:
-        attention += params.attn_decode_fixed_s
-    layer += attention
+    layer += layer_attention_time(batch, s, peak, bw, params)
     if tp > 1:
         layer += 2 * allreduce_time(tokens * s.hidden * s.dtype_bytes, tp, plan.tp_link[0], plan.tp_link[1], params,
                                     plan.tp_kind, plan.tp_nics)
