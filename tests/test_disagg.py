@@ -351,6 +351,11 @@ def test_run_real_with_a_disaggregated_deployment_writes_the_run_outputs(tmp_pat
     with open(tmp_path / "iterations.csv") as f:
         assert {row["instance"] for row in csv.DictReader(f)} == {"prefill0", "decode0"}
     assert json.loads((tmp_path / "results.json").read_text())["num_completed"] == 3
+    # The generated ids per request, as a colocated run writes them (they were missing for disaggregated runs).
+    outputs = json.loads((tmp_path / "outputs.json").read_text())
+    with open(tmp_path / "requests.csv") as f:
+        produced = {row["request_id"]: int(row["num_output_tokens"]) for row in csv.DictReader(f)}
+    assert {rid: len(ids) for rid, ids in outputs.items()} == produced == {"r0": 3, "r1": 3, "r2": 3}
 
 
 def test_run_real_disaggregated_pipeline_layouts_compile_nothing_after_warm_up(tmp_path):
