@@ -2,7 +2,8 @@
 
     python -m experiments.sim_paper --table=ablation --workdir=/tmp/paper --parallel=2   # Sarathi ablation
     python -m experiments.sim_paper --table=chunking         # chunked-prefill overhead, Yi-34B TP2 A100
-    python -m experiments.sim_paper --table=capacity --parallel=2   # capacity, strict/relaxed P99 TBT
+    python -m experiments.sim_paper --table=capacity --parallel=2   # capacity, strict/relaxed P99 TBT (~25 min)
+    python -m experiments.sim_paper --table=capacity --capacity_traces=chat --parallel=2   # the chat half only
     python -m experiments.sim_paper --table=mixing           # decode-only vs + whole prefill vs + chunk
     python -m experiments.sim_paper --table=tile             # tile quantization: 256 vs 257 tokens
     python -m experiments.sim_paper --table=disagg           # colocated vs prefill/decode disaggregation
@@ -11,11 +12,14 @@
 Prints JSON (one object per table) and a Markdown rendering of each table on stderr. Hardware/cost: the A100
 profile shipped in pdjax/sim/profiles/a100.json (fitted on Vidur's A100 operator profiles), A100-80GB PCIe pairs
 joined by NVLink bridges (Sarathi-Serve's testbed).
-- ablation: configs/sweeps/sarathi_ablation_paper.py:chat|arxiv through the sweep machinery (summary.csv in
-  <workdir>/ablation_<trace>), P50 TTFT and P99 TBT per scheme.
+- ablation: configs/sweeps/sarathi_ablation_paper.py:chat|arxiv (the artifact's setup: trace lengths, chat 8192 /
+  1.0 req/s, arxiv 16384 / 0.5 req/s) through the sweep machinery (summary.csv in <workdir>/ablation_<trace>),
+  P50 TTFT and P99 TBT per scheme.
 - chunking: one prompt of 2k/4k/8k/16k tokens prefilled alone in chunks of 512/1024/2048 (each chunk re-reads
   the KV of the earlier ones), total prefill time relative to one unchunked iteration.
-- capacity: configs/sim/capacity_paper.py for every model x policy x SLO, parallel bisection (experiments.capacity).
+- capacity: configs/sim/capacity_paper.py for every trace (chat, arxiv) x model (Mistral-7B 1 GPU, Yi-34B TP2,
+  Llama-2-70B TP4 x PP2 over two nodes) x SLO (strict, relaxed; the SLO is the config's slo.tbt) x policy, parallel
+  bisection (experiments.capacity).
 - mixing: Mistral-7B on one A100, decode batches of n requests at 1k context: decode-only, + a whole 2k-token
   prefill, + a budgeted chunk (512 - n tokens), iteration time and the decodes' slowdown.
 - tile: batches of 128/129, 256/257, 512/513 tokens (a chunk alone, or a chunk + 32 decodes), Mistral-7B, one A100.
@@ -40,6 +44,7 @@ _TABLE = flags.DEFINE_enum("table", "all", ["all", "ablation", "chunking", "capa
                            "Which table.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/pdjax_sim_paper", "Sweep/capacity outputs.")
 _PARALLEL = flags.DEFINE_integer("parallel", 2, "Processes for sweep points / capacity probes.", lower_bound=1)
+_CAPACITY_TRACES = flags.DEFINE_list("capacity_traces", ["chat", "arxiv"], "Traces of the capacity table.")
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 
@@ -78,7 +83,8 @@ def table_ablation(workdir: str, parallel: int) -> Dict[str, Any]:
         rows = run_sweep(sweep, os.path.join(workdir, f"ablation_{trace}"), run_experiment, parallel=parallel,
                          validate=serve_config_from_dict)
         out[trace] = [{"scheme": r["policy"], "token_budget": r["token_budget"],
-                       "ttft_p50_s": r["ttft_p50"], "tbt_p99_s": r["tbt_p99"], "tbt_p50_s": r["tbt_p50"],
+                       "ttft_p50_s": r["ttft_p50"], "ttft_p99_s": r.get("ttft_p99"), "tbt_p99_s": r["tbt_p99"],
+                       "tbt_p50_s": r["tbt_p50"],
                        "sched_delay_p50_s": r["sched_delay_p50"]} for r in rows]
     return out
 
@@ -98,23 +104,35 @@ def table_chunking() -> List[Dict[str, Any]]:
     return rows
 
 
-def table_capacity(workdir: str, parallel: int) -> List[Dict[str, Any]]:
+CAPACITY_MODELS = ("mistral7b", "yi34b", "llama70b")
+CAPACITY_TRACES = ("chat", "arxiv")
+
+
+def table_capacity(workdir: str, parallel: int, traces=CAPACITY_TRACES) -> List[Dict[str, Any]]:
     from pdjax.sim.capacity import search_config_capacity
     from pdjax.experiment.run import to_plain_dict
     from pdjax.metrics import write_json
     rows = []
-    for model, slos in (("mistral7b", {"strict": 0.1, "relaxed": 0.5}), ("yi34b", {"strict": 0.2, "relaxed": 1.0})):
-        for slo_name, slo in slos.items():
-            for policy in ("sarathi", "vllm_v0", "orca"):
-                arg = f"{model}-{policy}-{slo_name}"
-                cfg = to_plain_dict(_load_config("configs/sim/capacity_paper.py", arg))
-                report = search_config_capacity(cfg, tbt_p99=slo, lo=0.05, hi=8.0, parallel=parallel, rel_tol=0.05,
-                                                max_rounds=8)
-                os.makedirs(os.path.join(workdir, "capacity"), exist_ok=True)
-                write_json(os.path.join(workdir, "capacity", f"{arg}.json"), report)
-                rows.append({"model": model, "slo": f"{slo_name} (P99 TBT {slo} s)", "policy": policy,
-                             "token_budget": cfg["scheduler"]["token_budget"], "capacity_rps": report["capacity_rps"],
-                             "probes": len(report["probes"])})
+    bad = sorted(set(traces) - set(CAPACITY_TRACES))
+    if bad:
+        raise cli.UserError(f"--capacity_traces: {bad} not in {list(CAPACITY_TRACES)}")
+    for trace in traces:
+        for model in CAPACITY_MODELS:
+            for slo_name in ("strict", "relaxed"):
+                for policy in ("sarathi", "vllm_v0", "orca"):
+                    arg = f"{model}-{policy}-{slo_name}-{trace}"
+                    cfg = to_plain_dict(_load_config("configs/sim/capacity_paper.py", arg))
+                    slo = cfg["slo"]["tbt"]          # the config carries its P99 TBT SLO
+                    report = search_config_capacity(cfg, tbt_p99=slo, lo=0.05, hi=8.0, parallel=parallel,
+                                                    rel_tol=0.05, max_rounds=8)
+                    os.makedirs(os.path.join(workdir, "capacity"), exist_ok=True)
+                    write_json(os.path.join(workdir, "capacity", f"{arg}.json"), report)
+                    dep = cfg["deployment"]["colocated"]
+                    rows.append({"trace": trace, "model": model, "layout": f"tp{dep['tp']}pp{dep['pp']}",
+                                 "slo": f"{slo_name} (P99 TBT {slo} s)", "policy": policy,
+                                 "token_budget": cfg["scheduler"]["token_budget"],
+                                 "max_num_seqs": cfg["scheduler"]["max_num_seqs"],
+                                 "capacity_rps": report["capacity_rps"], "probes": len(report["probes"])})
     return rows
 
 
@@ -193,9 +211,10 @@ def render(name: str, table: Any) -> str:
     if name == "ablation":
         parts = []
         for trace, rows in table.items():
-            parts.append(markdown(f"Sarathi ablation, Yi-34B TP2 A100, {trace}", ["scheme", "budget", "P50 TTFT (s)",
-                                  "P99 TBT (s)", "P50 sched delay (s)"],
-                                  [[r["scheme"], r["token_budget"], r["ttft_p50_s"], r["tbt_p99_s"],
+            parts.append(markdown(f"Sarathi ablation, Yi-34B TP2 A100, {trace} trace",
+                                  ["scheme", "budget", "P50 TTFT (s)", "P99 TTFT (s)", "P99 TBT (s)",
+                                   "P50 sched delay (s)"],
+                                  [[r["scheme"], r["token_budget"], r["ttft_p50_s"], r["ttft_p99_s"], r["tbt_p99_s"],
                                     r["sched_delay_p50_s"]] for r in rows]))
         return "\n\n".join(parts)
     if name == "disagg":
@@ -228,7 +247,7 @@ def main(argv):
         if name == "ablation":
             result[name] = table_ablation(_WORKDIR.value, _PARALLEL.value)
         elif name == "capacity":
-            result[name] = table_capacity(_WORKDIR.value, _PARALLEL.value)
+            result[name] = table_capacity(_WORKDIR.value, _PARALLEL.value, tuple(_CAPACITY_TRACES.value))
         else:
             result[name] = {"chunking": table_chunking, "mixing": table_mixing, "tile": table_tile,
                             "disagg": table_disagg}[name]()

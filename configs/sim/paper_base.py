@@ -1,28 +1,67 @@
-"""Shared base of the paper-scale simulator configs: a serve config on the simulator backend for a registry model
-on A100s (Sarathi-Serve's testbed: A100-80GB PCIe pairs joined by NVLink bridges), chat lengths, Poisson arrivals.
+"""Shared base of the Sarathi-Serve paper configs, as the OSDI'24 artifact ran them (microsoft/sarathi-serve,
+osdi-experiments/): a serve config on the simulator backend, one model deployment on A100-80GB PCIe cards joined
+in pairs by NVLink bridges, 4 per node (Azure NC96ads v4, hardware 'a100-80gb-pcie'), lengths replayed from the
+artifact's trace, Poisson arrivals, Sarathi with a 512-token budget and up to 128 sequences.
 
-    get_config("yi34b")     Yi-34B, TP2 on 2x A100-80GB PCIe (pairwise NVLink), max_model_len 4096
-    get_config("mistral7b") Mistral-7B, 1x A100-80GB, max_model_len 8192
+ARG = <model>[-<trace>]  (trace default: chat)
+    model  mistral7b   Mistral-7B, 1 GPU
+           yi34b       Yi-34B, TP2 on one NVLink pair (deployment.colocated.tp=2)
+           llama70b    Llama-2-70B, TP4 x PP2 over two 4-GPU nodes (deployment.colocated.tp=4, .pp=2: each stage's
+                       TP group inside one node, activations cross the nodes over HDR InfiniBand; the artifact's
+                       Falcon-180B testbed. pdjax's registry has no Falcon; the artifact ran Llama-2-70B TP4 x PP2
+                       on one node of 8 A40s)
+    trace  chat        sarathi_sharegpt_8k_filtered_llama2_tok.csv (openchat_sharegpt4: prompt median 1730, P90
+                       5696; output 415 / 834), max_model_len 8192, default rate 1.0 req/s
+           arxiv       vidur_arxiv_summarization_llama2_tok_filtered_v2.csv, max_model_len 16384, default rate
+                       0.5 req/s. NOT the paper's arxiv file (its Table 2: prompt median 7059, total <= 16384): the
+                       public filtered_v2 file has every total <= 4096 (/work/shared/data/traces/SOURCES.md)
+
+workload.kind='trace' replays the trace's own lengths, rows trace_start .. +num_requests, in order (no scaling;
+the caps cut nothing: every row fits max_model_len); arrivals are Poisson at workload.rate, as in the artifact
+(--synthetic_request_generator_interval_provider poisson, length provider trace, scale factors 1). The traces are
+read from ../shared/data/traces relative to the repository root (resolved here, so the configs work from any
+working directory). The registry's yi-34b lists 4096 positions (the base checkpoint); the artifact served it at
+8192 / 16384 all the same, and so does the simulator (the real engine would refuse a max_model_len above it).
+
 Used by configs/sweeps/sarathi_ablation_paper.py, configs/sim/capacity_paper.py and experiments.sim_paper.
+    python -m experiments.serve --config=configs/sim/paper_base.py:yi34b-arxiv --workdir=/tmp/yi_arxiv
 """
+import os
+
 from pdjax.config.files import config_file
 
-
-def _serve_config():
-    return config_file(__file__, "../serve.py")
-
+REPO_ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir))
+TRACES_DIR = os.path.normpath(os.path.join(REPO_ROOT, os.pardir, "shared", "data", "traces"))
 
 MODELS = {
-    "yi34b": dict(model="yi-34b", hardware="a100-80gb-pcie", tp=2, max_model_len=4096),
-    "mistral7b": dict(model="mistral-7b", hardware="a100-80gb-pcie", tp=1, max_model_len=8192),
+    "mistral7b": dict(model="mistral-7b", hardware="a100-80gb-pcie", tp=1, pp=1),
+    "yi34b": dict(model="yi-34b", hardware="a100-80gb-pcie", tp=2, pp=1),
+    "llama70b": dict(model="llama-2-70b", hardware="a100-80gb-pcie", tp=4, pp=2),
+}
+TRACES = {
+    "chat": dict(file="sarathi_sharegpt_8k_filtered_llama2_tok.csv", max_model_len=8192, rate=1.0),
+    "arxiv": dict(file="vidur_arxiv_summarization_llama2_tok_filtered_v2.csv", max_model_len=16384, rate=0.5),
 }
 
 
+def trace_path(trace: str) -> str:
+    """Absolute path of a paper trace (../shared/data/traces relative to the repository root)."""
+    return os.path.join(TRACES_DIR, TRACES[trace]["file"])
+
+
+def parse_arg(arg: str):
+    """'<model>[-<trace>]' -> (model, trace)."""
+    model, _, trace = arg.partition("-")
+    trace = trace or "chat"
+    if model not in MODELS or trace not in TRACES:
+        raise ValueError(f"paper_base: ARG={arg!r}, expected <{'|'.join(MODELS)}>[-<{'|'.join(TRACES)}>]")
+    return model, trace
+
+
 def get_config(arg="yi34b"):
-    if arg not in MODELS:
-        raise ValueError(f"paper_base: ARG={arg!r}, expected one of {sorted(MODELS)}")
-    m = MODELS[arg]
-    c = _serve_config()
+    model, trace = parse_arg(arg)
+    m, t = MODELS[model], TRACES[trace]
+    c = config_file(__file__, "../serve.py")
     c.backend = "sim"
     c.seed = 0
     c.model.checkpoint = m["model"]
@@ -30,18 +69,27 @@ def get_config(arg="yi34b"):
     c.scheduler.policy = "sarathi"
     c.scheduler.token_budget = 512
     c.scheduler.max_num_seqs = 128
-    c.scheduler.max_model_len = m["max_model_len"]
-    c.scheduler.num_pages = 1024          # ignored: sim.num_pages = 0 sizes the KV cache from A100 memory
-    c.workload.preset = "chat"
+    c.scheduler.max_model_len = t["max_model_len"]
+    # Ignored by the simulator (sim.num_pages = 0 sizes the KV cache from A100 memory); validation wants it to hold
+    # one max-length request.
+    c.scheduler.num_pages = 2 * t["max_model_len"] // c.scheduler.page_size
+    c.workload.kind = "trace"
+    c.workload.preset = ""
+    c.workload.trace_path = trace_path(trace)
+    c.workload.trace_start = 0
+    c.workload.arrival = "poisson"
+    c.workload.rate = t["rate"]
     c.workload.num_requests = 128
-    c.workload.rate = 0.5
     c.workload.vocab_size = 32000
+    c.workload.prompt_source = "random"
     c.workload.fit_to_model = False
+    c.workload.scale = 1.0
     c.workload.max_output_len = 0
     c.slo.ttft = 0.0
     c.slo.tbt = 0.0
     c.slo.tpot = 0.0
     c.deployment.colocated.tp = m["tp"]
+    c.deployment.colocated.pp = m["pp"]
     c.sim.hardware = m["hardware"]
     c.sim.profile = ""                    # the shipped A100 profile (fitted on Vidur's A100 operator data)
     return c
