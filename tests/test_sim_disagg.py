@@ -372,3 +372,144 @@ def test_empty_workload_and_capacity_probe():
     low, high = (simulate_summary(gpu_config(), rate) for rate in (0.5, 50.0))
     assert low["sim"]["deployment"] == "disaggregated" and low["num_completed"] == high["num_completed"] == 30
     assert high["ttft"]["p99"] > low["ttft"]["p99"]
+
+
+# --------------------------------------------------------------------------------------------------- pipeline stages
+def _mixed_pool_run(make_instance):
+    """2 prefill, 2 decode and 1 mixed instance of the toy step time, least-loaded, a mixed pool that switches."""
+    from pdjax.scheduler.mixed import MixedScheduler
+    groups = []
+    for role, n in (("prefill", 2), ("decode", 2)):
+        cfg = instance_scheduler_config(BASE, InstanceGroupConfig(), role)
+        groups.append([make_instance(f"{role}{i}", role, make_scheduler(cfg)) for i in range(n)])
+    mixed = [make_instance("mixed0", "mixed", MixedScheduler(instance_scheduler_config(BASE, InstanceGroupConfig(),
+                                                                                      "decode")))]
+    return simulate_disaggregated(make_requests(80, seed=11, rate_ticks=2), groups[0], groups[1], tokens_transfer(),
+                                  router="least_loaded", mixed=mixed, mixed_prefill_queue_tokens=300,
+                                  mixed_decode_load=0.3)
+
+
+def test_pp1_numbers_are_unchanged_by_the_stage_pipeline():
+    """The one-stage loop gives exactly the numbers of the code before StagePipeline (pinned on a fixed seed:
+    every request, iteration and transfer record, mixed-pool switches included)."""
+    import hashlib
+    result = _mixed_pool_run(lambda name, role, sched: DisaggSimInstance(name, role, sched, step_time))
+    snap = repr(([dataclasses.astuple(r) for r in result.requests], [dataclasses.astuple(i) for i in result.iterations],
+                 [dataclasses.astuple(t) for t in result.transfers]))
+    assert (result.duration_s, len(result.iterations), len(result.transfers)) == (1.3662109375, 230, 76)
+    assert result.mixed_pool["switch_counts"]["mixed0"]["prefill"] == 1
+    assert hashlib.sha256(snap.encode()).hexdigest() == \
+        "62da1148eae19f8f57cf141fef3dcf713b2ff8e6ea09982980c47a6b99b1f8ae"
+    p = result.pipeline
+    assert all(v["pp"] == 1 and v["max_in_flight"] == 1 and v["mean_batches_in_flight"] == 1.0
+               for v in p["instances"].values())
+    assert abs(p["bubble_fraction"]) < 1e-12
+
+
+def test_stage_pipeline_schedule_and_accounting():
+    from pdjax.sim.pipeline import StagePipeline, pipeline_summary
+
+    class Out:   # the BatchQueue needs req_ids, step, is_empty
+        def __init__(self, rid):
+            self.req_ids, self.step, self.is_empty = [rid], 0, False
+
+    pipe = StagePipeline(2)
+    assert pipe.device_free == 0.0 and not pipe
+    assert pipe.dispatch(Out("a"), 0.0, (1.0, 2.0), (0.5,)) == 3.5        # stage0 [0, 1], send, stage1 [1.5, 3.5]
+    assert pipe.dispatch(Out("b"), 0.0, (1.0, 1.0), (0.5,)) == 4.5        # stage0 [1, 2], stage1 waits: [3.5, 4.5]
+    assert pipe.full and pipe.device_free == 2.0 and pipe.peek()[1:] == (0.0, 3.5)
+    with pytest.raises(RuntimeError, match="already in flight"):
+        pipe.dispatch(Out("c"), 0.0, (1.0, 1.0), (0.5,))
+    assert pipe.collect(3.5)[0].req_ids == ["a"]
+    assert pipe.dispatch(Out("c"), 3.5, (1.0, 1.0), (0.5,)) == 6.0        # stage0 [3.5, 4.5], stage1 [5, 6]
+    pipe.collect(4.5)
+    pipe.collect(6.0)
+    with pytest.raises(ValueError, match="3 stage times on a 2-stage"):
+        pipe.run_stages((1.0, 1.0, 1.0), (0.0, 0.0), 7.0)
+    stats = pipe.stats()
+    assert stats["stage_busy_s"] == [3.0, 4.0] and stats["active_s"] == 6.0
+    assert stats["bubble_fraction"] == pytest.approx(1 - 7.0 / 12.0)
+    assert stats["mean_batches_in_flight"] == pytest.approx((3.5 + 4.5 + 2.5) / 6.0)
+    one = StagePipeline()   # one stage: dispatch at t on a free stage ends at exactly t + seconds
+    assert one.dispatch(Out("x"), 0.1, (0.2,)) == 0.1 + 0.2
+    summary = pipeline_summary([("p", pipe), ("one", one)])
+    assert summary["instances"]["p"] == stats and summary["stage_busy_s"] == 7.0 + 0.2
+
+
+def test_stage_pipeline_matches_the_colocated_simulators_stages():
+    """StagePipeline.run_stages is the colocated simulator's stage arithmetic (SimInstance.run_stages), float for
+    float, so pdjax.sim.simulator can adopt it without changing a number."""
+    from pdjax.sim.pipeline import StagePipeline
+    from pdjax.sim.simulator import SimInstance
+    rng = random.Random(4)
+    batches = [((rng.random() * 1e-2, rng.random() * 3e-2, rng.random() * 1e-2), (rng.random() * 1e-4,) * 2)
+               for _ in range(200)]
+    it = iter(batches)
+    sim = SimInstance("a", make_scheduler(BASE), stage_times=lambda out: next(it), max_in_flight=3)
+    pipe = StagePipeline(3)
+    t = 0.0
+    for stages, sends in batches:
+        t += rng.random() * 1e-2
+        assert sim.run_stages(None, t) == pipe.run_stages(stages, sends, t)
+    assert sim.stage_free == pipe.stage_free and sim.stage_busy == pipe.stage_busy
+
+
+def _two_stage(out):
+    """The toy step time split over two stages (dyadic: exact sums) with a one-tick activation send."""
+    whole = step_time(out)
+    return (whole / 2, whole / 2), (TICK,)
+
+
+def test_pp2_groups_keep_batches_in_flight_with_the_stage_model():
+    """Prefill and decode instances of two stages (stage_times, max_in_flight=2): the protocol holds, each
+    instance's batches are applied in dispatch order, a request is never in two overlapping batches, the prefill
+    instances overlap batches, and SimResult.pipeline reports pp=2 and a bubble fraction."""
+    reqs = make_requests(60, seed=3, rate_ticks=2)
+    p, d = ([DisaggSimInstance(f"{role}{i}", role, make_scheduler(instance_scheduler_config(
+        BASE, InstanceGroupConfig(), role)), stage_times=_two_stage, max_in_flight=2) for i in range(2)]
+        for role in ("prefill", "decode"))
+    rec = Recorder(p + d)
+    result = simulate_disaggregated(reqs, p, d, tokens_transfer(), on_schedule=rec)
+    assert all(r.finish_reason == "length" for r in result.requests)
+    assert sorted(t.request_id for t in result.transfers) == sorted(r.request_id for r in reqs if r.max_tokens > 1)
+    for inst in p + d:
+        s = inst.scheduler
+        assert not s.has_unfinished() and s.num_held == 0 and s.block_manager.num_free_pages == s.config.num_pages
+        its = [it for it in result.iterations if it.instance == inst.name]
+        outs = [(now, out) for name, _, now, out in rec.log if name == inst.name]
+        assert len(its) == len(outs) and [it.step for it in its] == list(range(len(its)))
+        for it, (now, out) in zip(its, outs):                 # applied in dispatch order
+            assert it.start_time == now and it.num_seqs == len(out.req_ids)
+        for (a, (_, oa)), (b, (_, ob)) in zip(zip(its, outs), zip(its[1:], outs[1:])):
+            if b.start_time < a.end_time:
+                assert not set(oa.req_ids) & set(ob.req_ids)
+    for name in ("prefill0", "prefill1"):
+        its = [it for it in result.iterations if it.instance == name]
+        assert any(b.start_time < a.end_time for a, b in zip(its, its[1:])), f"{name}: no batches in flight"
+    pipe = result.pipeline
+    assert {n: v["pp"] for n, v in pipe["instances"].items()} == {n: 2 for n in ("prefill0", "prefill1",
+                                                                              "decode0", "decode1")}
+    for name in ("prefill0", "prefill1"):
+        stats = pipe["instances"][name]
+        assert 1.0 < stats["mean_batches_in_flight"] <= 2.0, name
+        assert 0.0 < stats["bubble_fraction"] < 1.0, name
+    assert 0.0 < pipe["bubble_fraction"] < 1.0
+
+
+def test_pp2_groups_from_the_config():
+    """deployment prefill pp2 / decode pp2 (cost model): PipelineStepTime instances keep 2 batches in flight,
+    iteration records of the prefill instance overlap, the pipeline summary has a bubble fraction."""
+    from pdjax.sim.build import build_instances, build_requests, disaggregated_kwargs
+    cfg = serve_config_from_dict(gpu_config(prefill={"pp": 2}, decode={"pp": 2}))
+    setup = build_setup(cfg)
+    inst = build_instances(setup)
+    assert [i.max_in_flight for i in inst["prefill"] + inst["decode"]] == [2, 2]
+    result = simulate_disaggregated(build_requests(cfg), inst["prefill"], inst["decode"], build_transfer_time(setup),
+                                    **disaggregated_kwargs(setup, inst))
+    assert all(r.finish_reason == "length" for r in result.requests) and len(result.requests) == 30
+    its = [it for it in result.iterations if it.instance == "prefill0"]
+    assert any(b.start_time < a.end_time for a, b in zip(its, its[1:]))
+    stats = result.pipeline["instances"]
+    assert stats["prefill0"]["pp"] == stats["decode0"]["pp"] == 2
+    assert stats["prefill0"]["mean_batches_in_flight"] > 1.0
+    assert 0.0 < result.pipeline["bubble_fraction"] < 1.0

@@ -7,7 +7,10 @@ assigned devices: a PipelineRunner when pp > 1 (each stage a TP group holding it
 pp == 1. One colocated instance runs on ColocatedEngine; colocated replicas and disaggregated groups run on the
 one multi-instance loop (pdjax.serving.cluster.ClusterEngine; DisaggregatedEngine is its prefill/decode form, with
 the mixed group, when deployment.mixed has instances, as its Splitwise mixed pool: MixedScheduler instances
-'mixed0', ... and the deployment's thresholds).
+'mixed0', ... and the deployment's thresholds). Batches in flight: every pipelined instance keeps up to pp batches
+in flight, on either engine (ColocatedEngine's max_in_flight = the runner's pp, except with async scheduling,
+which keeps one; ClusterEngine's per-instance batch queues default to each runner's pp, one without
+engine.overlap).
 """
 from __future__ import annotations
 
@@ -136,6 +139,7 @@ def build_engine(cfg: ServeConfig, *, devices: Optional[Sequence] = None, params
         raise ValueError(f"engine.async_scheduling=True runs one colocated instance (ColocatedEngine); this "
                          f"deployment has {len(instances)} instances ({', '.join(i.name for i in instances)}), "
                          "served by the multi-instance loop, which schedules synchronously")
+    # Multi-instance loop: each instance keeps up to its runner's pp batches in flight (max_in_flight=None).
     if dep.kind == "colocated":
         return ClusterEngine(instances, router=dep.router, overlap=ec.overlap, **common)
     return DisaggregatedEngine([i for i in instances if i.role == "prefill"],

@@ -26,12 +26,31 @@ protocol exactly (a prefill-phase one hands its requests off through the same tr
 receives handoffs), and idle ones are returned to the pool at the start of every round and before every pick.
 `self.pool.switches` logs every change of phase on the local engine clock (seconds since the run started).
 
-Loop (single host thread, mirroring ColocatedEngine's sync loop): every round, each instance with work schedules
-and dispatches its step (JAX dispatch is async, and the instances' devices are disjoint, so their steps run at
-the same time); then arrivals are admitted while the steps run (`overlap`); then each instance's result is
-collected in turn, its scheduler updated and its tokens stamped with the time its ids reached the host.
-Iteration records carry the instance name ('replica0', 'prefill0', 'decode1', ...) and a per-instance step
-index. A pipelined instance (PipelineRunner) has one batch in flight per round here: its stages work in turn.
+Loop (single host thread, mirroring ColocatedEngine's batch-queue loop per instance): every instance has its own
+`pdjax.scheduler.BatchQueue` of up to `max_in_flight` dispatched, uncollected batches (default: its runner's pp,
+so a PipelineRunner's stage s runs batch k+1 while stage s+1 runs batch k; 1 for a ModelRunner). Every round:
+  1. in-flight KV transfers are polled (landings: mark_kv_arrived / release), idle mixed instances return to
+     the mixed pool;
+  2. fill: each instance with work, in instance order, schedules and dispatches while its queue is not full and
+     `schedule(now)` returns a non-empty batch (the scheduler builds it from requests not in flight; an empty
+     batch that carries swap copies goes to the runner for its copies). JAX dispatch is async and the
+     instances' devices are disjoint, so every instance's batches run at the same time;
+  3. arrivals are admitted while the steps run (`overlap`);
+  4. collect: each instance with a batch in flight, in instance order: if its queue is not full, transfers are
+     polled and it tops its queue up first (step 2 again: arrivals admitted in 3, handoffs and landings from the
+     instances collected before it may have brought work, which then runs while its older batch is still in
+     flight, as ColocatedEngine admits arrivals between dispatches); then it collects its oldest batch: its
+     scheduler is updated (results applied in dispatch order), its tokens stamped with the time its ids reached
+     the host, finished prefills handed off.
+With max_in_flight == 1 (pp == 1) a queue with a batch is always full, so a round is: every busy instance
+schedules and dispatches one step, then every one is collected in turn, exactly the one-step-per-instance round.
+A request is in at most one in-flight batch, so a decode instance, whose running requests all fit one batch
+(stall-free budget), has two batches in flight only after requests were admitted while one was in flight (the
+top-up in 4); from then on its running requests alternate between the batches. Iteration records carry the
+instance name ('replica0', 'prefill0', 'decode1', ...), a per-instance step index, and each batch's start
+(scheduled) and end (collected and applied) times, so consecutive batches of a pipelined instance overlap.
+`overlap=False` (the non-overlapped loop, kept for comparison) dispatches each step only when it is collected,
+hence one batch per instance (max_in_flight is 1 there).
 
 Asynchronous KV transfer (`async_transfer=True`, the default): a handoff only enqueues the transfer's gathers
 and copy (`transfer(..., wait=False)`; JAX dispatch is asynchronous) and keeps a per-transfer record of its
@@ -47,8 +66,12 @@ handoff blocks until the KV landed, then marks and releases at once), kept for c
 (experiments/bench_kv_transfer.py).
 
 Choices and limits:
-- Transfers are polled once per round: a landing is noticed at the next round boundary (at most one step of
-  the slowest busy instance late); each is measured per request (`transfers`).
+- Transfers are polled once per round (and before a top-up in step 4): a landing is noticed at the next round
+  boundary (at most one collected batch of each busy instance late); each is measured per request
+  (`transfers`). A handoff gathers the request's pages from the prefill instance's current caches while its
+  later batches may still be in flight (they never write the handed-off request's pages: those stay held until
+  the landing), and a decode instance scatters arriving KV into its caches behind its in-flight batches (JAX
+  orders both by data dependency).
   `warmup_transfers` compiles every source stage's gather, every copy and every destination stage's scatter for
   every padded page count before serving, so no transfer compiles mid-run.
 - Routing: 'round_robin', or 'least_loaded' (InstanceRouter.load of the instance's role); with a mixed pool, the
@@ -64,7 +87,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from pdjax.metrics import IterationRecord, request_record
-from pdjax.scheduler import Request
+from pdjax.scheduler import BatchQueue, Request
 from pdjax.scheduler.instances import ROLE_POLICIES, ROLES, check_instance
 from pdjax.scheduler.mixed import MixedPool
 from pdjax.scheduler.routing import InstanceRouter
@@ -131,7 +154,9 @@ class _InFlightTransfer:
 
 
 class ClusterEngine:
-    """Drives colocated replicas, or prefill and decode instances (see the module docstring)."""
+    """Drives colocated replicas, or prefill and decode instances (see the module docstring). max_in_flight:
+    batches each instance keeps in flight at most (None: its runner's pp; 1 everywhere without `overlap`);
+    raises ValueError for a value that is not a positive int."""
 
     def __init__(self, instances: Sequence[Instance], *, router: str = "round_robin",
                  clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep,
@@ -139,7 +164,10 @@ class ClusterEngine:
                  transfer: Callable[..., StagedKV] = transfer_kv, compile_counter: Optional[Callable[[], int]] = None,
                  fail_on_compile: bool = False, async_transfer: bool = True, coordinator=None,
                  mixed: Sequence[Instance] = (), mixed_prefill_queue_tokens: int = 8192,
-                 mixed_decode_load: float = 1.0):
+                 mixed_decode_load: float = 1.0, max_in_flight: Optional[int] = None):
+        if max_in_flight is not None and (isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int)
+                                          or max_in_flight < 1):
+            raise ValueError(f"max_in_flight={max_in_flight!r}, expected None (each runner's pp) or a positive int")
         instances = list(instances) + list(mixed)   # mixed: the mixed pool (role 'mixed'), also accepted in instances
         if not instances:
             raise ValueError("a cluster needs at least one instance")
@@ -167,6 +195,7 @@ class ClusterEngine:
             self.entry_router, self.decode_router = self.pool.prefill_router, self.pool.decode_router
         self._t0 = 0.0
         self.clock, self.sleep, self.on_token, self.overlap = clock, sleep, on_token, overlap
+        self.max_in_flight = max_in_flight   # None: each instance's runner.pp (module docstring)
         self.transfer = transfer   # called as transfer(src_stages, pages, dst_meshes, num_tokens=n, wait=bool)
         self.async_transfer = async_transfer
         self._in_flight: List[_InFlightTransfer] = []
@@ -177,6 +206,14 @@ class ClusterEngine:
     @property
     def instances(self) -> List[Instance]:
         return self.colocated + self.prefill + self.decode + self.mixed
+
+    def instance_max_in_flight(self, inst: Instance) -> int:
+        """Batches `inst` keeps in flight at most: 1 without overlap, else max_in_flight, else its runner's pp."""
+        if not self.overlap:
+            return 1
+        if self.max_in_flight is not None:
+            return self.max_in_flight
+        return int(getattr(inst.runner, "pp", 1) or 1)
 
     def _local_time(self) -> float:
         """Seconds since the run started on this process's clock (no collective: for the mixed pool's log)."""
@@ -302,6 +339,13 @@ class ClusterEngine:
                 return
             self.sleep(min(left, 0.0005))
 
+    @staticmethod
+    def _copies_only(inst: Instance, out) -> None:
+        """An empty batch that still carries swap copies (a request swapped itself out while every other one was
+        in flight) goes to the runner for its copies (as ColocatedEngine): a later batch swaps those pages in."""
+        if out.swap_out or out.swap_in:
+            inst.runner.collect(inst.runner.dispatch(out))
+
     def _load_handoffs(self, inst: Instance, out) -> None:
         """Before a decode step: write each newly admitted request's staged KV into its page table."""
         runner = inst.runner
@@ -311,6 +355,21 @@ class ClusterEngine:
             if staged is None:
                 raise RuntimeError(f"{inst.name}: request {rid!r} was admitted with no staged KV")
             runner.kv_stages = scatter_kv_pages(runner.kv_stages, out.page_tables[index[rid]], staged)
+
+    def _fill(self, inst: Instance, queue: BatchQueue, now: Callable[[], float]) -> None:
+        """Schedule and dispatch `inst`'s batches while its queue is not full and schedule(now) is non-empty
+        (an empty batch's swap copies still go to the runner)."""
+        while not queue.full and inst.scheduler.has_unfinished():
+            start = now()
+            out = inst.scheduler.schedule(start)
+            self.coordinator.digest(inst.name, out)
+            if out.is_empty:
+                self._copies_only(inst, out)
+                return
+            if out.kv_handoff_req_ids:
+                self._load_handoffs(inst, out)
+            handle = inst.runner.dispatch(out) if self.overlap else None
+            queue.push(out, (start, handle))
 
     def run(self, requests: Sequence[Request], *, progress: Optional[Callable[[int], None]] = None
             ) -> ClusterResult:
@@ -326,6 +385,7 @@ class ClusterEngine:
         self._id_source = self._id_sources()
         for inst in self.instances:
             inst.num_steps = 0
+        queues = {inst.name: BatchQueue(self.instance_max_in_flight(inst)) for inst in self.instances}
         self.compiles.reset()
 
         def done(n: int) -> None:
@@ -343,23 +403,18 @@ class ClusterEngine:
             self._poll_transfers(now)
             if self.mixed:
                 self.pool.return_idle(self._local_time())   # idle mixed instances back to the mixed pool
-            busy = [inst for inst in self.instances if inst.scheduler.has_unfinished()]
+            busy = [inst for inst in self.instances if inst.scheduler.has_unfinished() or queues[inst.name]]
             if not busy and not self._in_flight:
                 if arrivals.exhausted:
                     break
                 wait_for_arrival()
                 continue
-            launched = []
+            launched = []    # instances with a batch in flight: each collects its oldest this round
             for inst in busy:
-                start = now()
-                out = inst.scheduler.schedule(start)
-                self.coordinator.digest(inst.name, out)
-                if out.is_empty:
-                    continue
-                if out.kv_handoff_req_ids:
-                    self._load_handoffs(inst, out)
-                handle = inst.runner.dispatch(out) if self.overlap else None
-                launched.append((inst, out, start, handle))
+                queue = queues[inst.name]
+                self._fill(inst, queue, now)
+                if queue:
+                    launched.append(inst)
             if not launched:
                 if self._in_flight:
                     self._await_landing(arrivals, now, wait_for_arrival)
@@ -374,7 +429,14 @@ class ClusterEngine:
                 host_start = now()
                 admit(host_start)     # overlapped with the device steps
                 overlap_total += now() - host_start
-            for inst, out, start, handle in launched:
+            for inst in launched:
+                queue = queues[inst.name]
+                if not queue.full:
+                    # Batches in flight (max_in_flight > 1) and a free slot: work that came since the fill
+                    # (arrivals, handoffs, landings) gets a batch before the host blocks on the oldest one.
+                    self._poll_transfers(now)
+                    self._fill(inst, queue, now)
+                out, (start, handle) = queue.pop()     # the oldest batch: wait for it, apply it
                 sampled = self._collect(inst, handle if self.overlap else inst.runner.dispatch(out))
                 end = now()
                 finished = inst.scheduler.update(out, sampled, end)

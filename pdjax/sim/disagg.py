@@ -15,11 +15,22 @@ Per request (the protocol of pdjax/scheduler/policies.py, as the real Disaggrega
 Choices (and why):
 - Every instance runs its own engine loop (schedule -> step of `step_time(out)` seconds -> update -> schedule ...),
   independently of the others, as separate serving processes do in DistServe/Splitwise-style deployments. The
-  real DisaggregatedEngine is one host thread that runs the instances in lock-step rounds (a round ends when its
-  slowest step was collected); that coupling is an artefact of driving all groups from one Python loop on a
-  single host, not of disaggregation, so the simulator does not copy it. Arrivals and handoffs reach a
-  scheduler at their own time (the engine admits arrivals while steps run); an idle or blocked instance is woken
-  by the events that can unblock it (an arrival, a KV arrival, a release of its held pages).
+  real DisaggregatedEngine is one host thread that runs the instances in lock-step rounds (a round ends when the
+  oldest batch of every busy instance was collected); that coupling is an artefact of driving all groups from
+  one Python loop on a single host, not of disaggregation, so the simulator does not copy it. Arrivals and
+  handoffs reach a scheduler at their own time (the engine admits arrivals while steps run); an idle or blocked
+  instance is woken by the events that can unblock it (an arrival, a KV arrival, a release of its held pages).
+- Pipeline stages (an instance whose step-time function has `.pp` > 1, pdjax.sim.step_cost.PipelineStepTime):
+  the instance keeps up to pp batches in flight with the colocated simulator's stage model, shared code in
+  pdjax.sim.pipeline.StagePipeline: the engines' batch-queue loop (dispatch while the queue is not full and
+  schedule() returns a non-empty batch of requests not in flight; then block collecting the oldest, apply in
+  dispatch order), each stage a resource, so bubbles come out of the schedule. `DisaggSimResult.pipeline` has
+  the per-instance stage occupancy and bubble fraction (pdjax.sim.pipeline.pipeline_summary). With pp == 1 the
+  loop and its numbers are exactly the one-step-at-a-time loop. No step context is passed to the step time
+  (the disaggregated simulator never did): costs are those of `step_time(out)` / `stage_times(out)`. A request
+  is in at most one in-flight batch and a decode instance's running requests all fit one batch (stall-free
+  budget), and an instance's loop blocks while it collects (as one engine process's would), so a decode
+  instance rarely has two batches in flight: its pipeline bubbles show in the bubble fraction.
 - Event order at one time t: step completions (update, handoffs start their transfers), then transfer
   completions (mark_kv_arrived + release), then arrivals; then every woken instance schedules, prefill
   instances first, each group in index order. Ties in the heaps go by insertion order: deterministic.
@@ -54,7 +65,8 @@ The loop (`simulate_disaggregated`) is a sequence of named steps at each event t
                        (the two repeat until nothing more is due at t: a zero-time transfer can land at once)
   return_idle(t)       every idle mixed instance in a phase returns to the mixed pool (no-op without one)
   admit_arrivals(t)    every arrival at t: prefill router (MixedPool.pick_prefill) -> add_request
-  start_steps(t)       every woken idle instance schedules and starts a step of step_time(out) seconds
+  start_steps(t)       every woken instance not blocked collecting fills its batch queue (schedule, dispatch onto
+                       the stages) and blocks collecting its oldest batch (pp == 1: one step of step_time(out) s)
 No JAX.
 """
 from __future__ import annotations
@@ -70,6 +82,7 @@ from pdjax.scheduler.instances import Instance
 from pdjax.scheduler.mixed import MixedPool
 from pdjax.sim.cost_model import CostParams, kv_bytes, p2p_time
 from pdjax.sim.hardware import HardwareSpec
+from pdjax.sim.pipeline import StagePipeline, pipeline_summary
 from pdjax.sim.simulator import SimResult, placeholder_sample
 
 ROLES = ("prefill", "decode", "mixed")
@@ -78,18 +91,43 @@ ROLES = ("prefill", "decode", "mixed")
 # --------------------------------------------------------------------------------------------------- state
 class DisaggSimInstance(Instance):
     """One simulated prefill, decode or mixed-pool instance (pdjax.scheduler.instances.Instance): its scheduler
-    ('prefill_only' / 'decode_only' / a MixedScheduler) and step time (SchedulerOutput -> seconds)."""
+    ('prefill_only' / 'decode_only' / a MixedScheduler) and step time (SchedulerOutput -> seconds).
 
-    def __init__(self, name: str, role: str, scheduler, step_time: Callable[[Any], float]):
+    Pipeline stages (as pdjax.sim.simulator.SimInstance): `stage_times(out) -> (per-stage seconds, per-boundary
+    send seconds)`, taken from `step_time.stage_times` when the step-time function has `.pp` > 1
+    (pdjax.sim.step_cost.PipelineStepTime); None: one stage of step_time(out). max_in_flight: batches in flight at
+    most (default: step_time's pp, else 1). `pipeline` (pdjax.sim.pipeline.StagePipeline) holds the batch queue
+    and the stage resources."""
+
+    def __init__(self, name: str, role: str, scheduler, step_time: Optional[Callable[[Any], float]] = None, *,
+                 stage_times: Optional[Callable] = None, max_in_flight: Optional[int] = None):
         if role not in ROLES:
             raise ValueError(f"instance {name!r}: role={role!r}, expected one of {ROLES}")
+        if step_time is None and stage_times is None:
+            raise ValueError(f"instance {name!r}: give step_time or stage_times")
         super().__init__(name, role, scheduler)
         self.step_time = step_time
-        self.in_flight: Optional[Tuple[Any, float]] = None   # (SchedulerOutput, start time) of the running step
+        pp = int(getattr(step_time, "pp", 1)) if step_time is not None else 1
+        if stage_times is None and pp > 1:
+            stage_times = step_time.stage_times
+        self.stage_times = stage_times
+        self.pipeline = StagePipeline(pp if max_in_flight is None else max_in_flight)
+        self.in_flight: Optional[Tuple[Any, float]] = None   # (SchedulerOutput, start) of the batch being collected
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.pipeline.max_in_flight
 
     @property
     def busy(self) -> bool:
+        """The instance's loop is blocked collecting its oldest batch in flight."""
         return self.in_flight is not None
+
+    def stage_seconds(self, out) -> Tuple[Sequence[float], Sequence[float]]:
+        """(per-stage seconds, per-boundary send seconds) of batch `out` (one stage: (step_time(out),), ())."""
+        if self.stage_times is None:
+            return (self.step_time(out),), ()
+        return self.stage_times(out)
 
 
 @dataclasses.dataclass
@@ -230,8 +268,8 @@ class _Cluster:
         while self._due(self.completions, t):
             _, _, idx = heapq.heappop(self.completions)
             inst = self.instances[idx]
-            out, start = inst.in_flight
             inst.in_flight = None
+            out, start, _ = inst.pipeline.collect(t)     # the oldest batch in flight, applied in dispatch order
             finished = inst.scheduler.update(out, self.sample(out), t)
             self.iterations.append(IterationRecord(
                 step=inst.num_steps, start_time=start, end_time=t, num_prefill_tokens=out.num_prefill_tokens,
@@ -291,21 +329,30 @@ class _Cluster:
             self.waking[self.index_of[id(inst)]] = True
 
     def start_steps(self, t: float) -> None:
-        """Every woken instance that is idle schedules; a non-empty output runs for step_time(out) seconds. An
-        empty one leaves it blocked until an arrival, a KV arrival or a release wakes it."""
+        """Every woken instance that is not blocked collecting runs the batch-queue loop: while fewer than
+        max_in_flight batches are in flight and the scheduler returns a non-empty batch (of requests not in
+        flight), dispatch it onto the stages (StagePipeline); then, with a batch in flight, block collecting the
+        oldest (its completion event at max(its end, t)). Nothing in flight and an empty batch: blocked until an
+        arrival, a KV arrival or a release wakes it. One stage: a non-empty output runs step_time(out) seconds."""
         for idx, inst in enumerate(self.instances):
             if not self.waking[idx]:
                 continue
             self.waking[idx] = False
-            if inst.busy or not inst.scheduler.has_unfinished():
+            if inst.busy:
                 continue
-            out = inst.scheduler.schedule(t)
-            if out.is_empty:
-                continue
-            if self.on_schedule is not None:
-                self.on_schedule(inst, out, t)
-            inst.in_flight = (out, t)
-            heapq.heappush(self.completions, (t + inst.step_time(out), next(self.seq), idx))
+            pipe, sched = inst.pipeline, inst.scheduler
+            while not pipe.full and sched.has_unfinished():
+                out = sched.schedule(t)
+                if out.is_empty:
+                    break
+                if self.on_schedule is not None:
+                    self.on_schedule(inst, out, t)
+                stages, sends = inst.stage_seconds(out)
+                pipe.dispatch(out, t, stages, sends)
+            if pipe:
+                out, start, end = pipe.peek()
+                inst.in_flight = (out, start)
+                heapq.heappush(self.completions, (end if end > t else t, next(self.seq), idx))
 
     def check_done(self, t: float) -> None:
         stuck = {i.name: (i.scheduler.num_waiting, i.scheduler.num_running)
@@ -355,4 +402,5 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[DisaggSimInstan
     return DisaggSimResult(requests=[request_record(r) for r in c.pending], iterations=c.iterations,
                            duration_s=max((it.end_time for it in c.iterations), default=0.0),
                            wall_s=time.perf_counter() - wall_start, num_iterations=len(c.iterations),
-                           transfers=c.transfers, mixed_pool=c.pool.summary() if mixed else None)
+                           transfers=c.transfers, mixed_pool=c.pool.summary() if mixed else None,
+                           pipeline=pipeline_summary((i.name, i.pipeline) for i in c.instances))

@@ -100,11 +100,11 @@ def sim_info(result: SimResult, setup: SimSetup, cfg=None) -> dict:
     if setup.kind == "colocated":   # the one group's figures at the top, as before
         g = setup.groups["colocated"]
         info.update(num_pages=g.scheduler_config.num_pages, kv_capacity_tokens=g.kv_capacity_tokens)
-        if getattr(result, "pipeline", None):      # pdjax.sim.simulator's pipeline-stage occupancy
-            info["pipeline"] = result.pipeline
     else:
         info["serialize_transfers"] = setup.serialize_transfers
         info["kv_transfer_stats"] = result.transfer_stats()
+    if getattr(result, "pipeline", None):      # pipeline-stage occupancy (pdjax.sim.pipeline), any deployment
+        info["pipeline"] = result.pipeline
     return info
 
 

@@ -1,0 +1,136 @@
+"""StagePipeline: one simulated instance's batches in flight on its pipeline stages, no JAX.
+
+An instance whose model is split into pp stages keeps up to pp batches in flight (pdjax.scheduler.BatchQueue; the
+engines' loop: dispatch while the queue is not full and the scheduler returns a non-empty batch, collect the
+oldest when full or when nothing else can be scheduled, apply results in dispatch order). On a virtual clock each
+stage is a resource:
+
+    batch k occupies stage s from max(its end on stage s-1 + the activation send between the two stages'
+    devices, the end of batch k-1 on stage s) for its stage time; stage 0 starts at max(dispatch time, stage 0
+    free). It leaves the last stage at its end time.
+
+Bubbles thus come out of the schedule: a stage idles while the batch it needs is still upstream, and unequal
+batches leave short ones waiting behind long ones. With one stage (stages=(t,), sends=()) a batch dispatched at
+t0 on a free stage ends at t0 + t exactly (bit-identical to the plain `now + step_time(out)`).
+
+Accounting (`stats()`): per stage its busy seconds; `active_s`, the seconds with at least one batch in flight
+(dispatch of the first to collection of the last of each busy period); the bubble fraction = idle stage time /
+total stage time over the active seconds (1 - sum(busy) / (pp x active_s)); the mean number of batches in flight
+(sum over batches of collect - dispatch, over active_s). `pipeline_summary` sums instances: SimResult.pipeline.
+
+Users: pdjax.sim.disagg (each prefill / decode / mixed instance). The colocated simulator (pdjax.sim.simulator)
+keeps the same per-stage arithmetic in SimInstance.run_stages / pipeline_stats / pipeline_summary; it can adopt
+this class unchanged (one StagePipeline per SimInstance: `queue` -> `pipeline.queue`, run_stages -> the step-time
+call then `pipeline.dispatch(out, t, stages, sends)`, the completion's pop/accounting -> `pipeline.collect(now)`,
+`stage_free[0]` -> `pipeline.device_free` for the step context's idle gap).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, List, Sequence, Tuple
+
+from pdjax.scheduler.batch_queue import BatchQueue
+
+
+class StagePipeline:
+    """Per-stage free times and busy seconds of one instance, and its BatchQueue of dispatched, uncollected
+    batches (payload: (dispatch time, end time)). max_in_flight: batches in flight at most (normally pp)."""
+
+    def __init__(self, max_in_flight: int = 1):
+        self.queue = BatchQueue(max_in_flight)
+        self.stage_free: List[float] = []   # per stage: when it finishes the batches dispatched so far
+        self.stage_busy: List[float] = []   # per stage: seconds busy
+        self.active_s = 0.0                 # seconds with at least one batch in flight
+        self.in_flight_s = 0.0              # sum over batches of their (dispatch, collect) spans
+        self._active_since = 0.0
+
+    # ------------------------------------------------------------------------------------------- queue
+    @property
+    def max_in_flight(self) -> int:
+        return self.queue.max_in_flight
+
+    @property
+    def full(self) -> bool:
+        return self.queue.full
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def __bool__(self) -> bool:
+        return bool(self.queue)
+
+    @property
+    def device_free(self) -> float:
+        """When stage 0 finishes the batches dispatched so far (0 before the first): a step context's idle gap
+        is dispatch time minus this."""
+        return self.stage_free[0] if self.stage_free else 0.0
+
+    def peek(self) -> Tuple[Any, float, float]:
+        """(out, dispatch time, end time) of the oldest batch in flight."""
+        out, (start, end) = self.queue.peek()
+        return out, start, end
+
+    # ------------------------------------------------------------------------------------------- stages
+    def run_stages(self, stages: Sequence[float], sends: Sequence[float], t: float) -> float:
+        """Occupy the stages with a batch of per-stage seconds `stages` and per-boundary send seconds `sends`
+        (len(stages) - 1 of them) dispatched at t; returns when it leaves the last stage. No queue bookkeeping."""
+        if not self.stage_free:
+            self.stage_free = [0.0] * len(stages)
+            self.stage_busy = [0.0] * len(stages)
+        elif len(stages) != len(self.stage_free):
+            raise ValueError(f"StagePipeline: a batch of {len(stages)} stage times on a {len(self.stage_free)}-stage "
+                             "pipeline")
+        free, busy = self.stage_free, self.stage_busy
+        ready = t
+        for s, seconds in enumerate(stages):
+            if s:
+                ready = ready + sends[s - 1]
+            start = ready if ready > free[s] else free[s]
+            ready = start + seconds
+            free[s] = ready
+            busy[s] += seconds
+        return ready
+
+    def dispatch(self, out, t: float, stages: Sequence[float], sends: Sequence[float] = ()) -> float:
+        """Queue batch `out` dispatched at t (BatchQueue.push: the queue must not be full) and run it through the
+        stages; returns its end time."""
+        if self.queue.full:   # checked before the stages are occupied
+            self.queue.push(out)      # raises the queue's error
+        end = self.run_stages(stages, sends, t)
+        if not self.queue:
+            self._active_since = t
+        self.queue.push(out, (t, end))
+        return end
+
+    def collect(self, t: float) -> Tuple[Any, float, float]:
+        """Pop the oldest batch, collected (applied) at t >= its end; returns (out, dispatch time, end time)."""
+        out, (start, end) = self.queue.pop()
+        self.in_flight_s += t - start
+        if not self.queue:
+            self.active_s += t - self._active_since
+        return out, start, end
+
+    # ------------------------------------------------------------------------------------------- stats
+    def stats(self) -> dict:
+        """pp, max_in_flight, per-stage busy seconds and fractions, active seconds, bubble fraction, mean batches
+        in flight (module docstring; SimResult.pipeline's per-instance entry)."""
+        pp = len(self.stage_busy)
+        total = pp * self.active_s
+        return {"pp": pp, "max_in_flight": self.max_in_flight, "stage_busy_s": list(self.stage_busy),
+                "active_s": self.active_s,
+                "bubble_fraction": (1.0 - sum(self.stage_busy) / total) if total > 0 else 0.0,
+                "stage_busy_fraction": [b / self.active_s if self.active_s > 0 else 0.0 for b in self.stage_busy],
+                "mean_batches_in_flight": self.in_flight_s / self.active_s if self.active_s > 0 else 0.0}
+
+
+def pipeline_summary(pipelines: Iterable[Tuple[str, StagePipeline]]) -> dict:
+    """SimResult.pipeline of (name, StagePipeline) pairs: over all instances (stage seconds summed) and per
+    instance ("instances": name -> StagePipeline.stats())."""
+    pipelines = list(pipelines)
+    per = {name: p.stats() for name, p in pipelines}
+    busy = sum(sum(p["stage_busy_s"]) for p in per.values())
+    total = sum(p["pp"] * p["active_s"] for p in per.values())
+    active = sum(p["active_s"] for p in per.values())
+    return {"bubble_fraction": (1.0 - busy / total) if total > 0 else 0.0, "stage_busy_s": busy,
+            "stage_total_s": total,
+            "mean_batches_in_flight": (sum(p.in_flight_s for _, p in pipelines) / active) if active > 0 else 0.0,
+            "instances": per}
