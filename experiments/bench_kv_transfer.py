@@ -18,6 +18,19 @@ tp1 -> decode tp1 on two devices, a small dummy-weight Llama with a wide KV: 4 l
 same offline requests with `async_transfer=False` then True; per mode `host_blocked_s` (the prefill loop's time
 inside transfer calls: the whole copy when synchronous, the dispatch when asynchronous), the transfers' seconds and
 the run's wall time (median over --engine_reps runs after a warm run).
+Across processes (`cross_process`, --cross_process): the benchmark starts 2 processes itself (multi-controller JAX,
+jax.distributed on localhost, each with --cross_devices_per_process CPU devices (default 4), like launch/local.py;
+bounded by --cross_timeout_s, SIGKILLed at the end; CPU only) and moves one request's KV from process 0's
+devices (prefill) to process 1's (decode) with transfer_kv, same and different TP (route per case:
+`pdjax.serving.kv_transfer.crossing_route`: 'device_put' for identical layouts, 'pieces' otherwise), per length:
+- `whole_s`: one transfer_kv of every layer (gather + crossing + reassembly, blocked until it landed);
+- `layerwise_s`: one transfer_kv per layer, all dispatched back to back (as a streaming transfer sends each
+  layer as soon as its prefill is done), then blocked until every layer landed;
+- `crossing_s`: the crossing alone (`cross_device_put` of the pre-gathered pages).
+Times are process 1's (the receiver's) wall time from a coordination-service barrier both processes leave
+together (not a device collective) until its arrays are ready; median over --reps after one warm-up. Bandwidths
+are moved_bytes / time against the same `ceiling` as the in-process cases. `*_sender_call_s`: process 0's
+(the prefill side's) time inside the calls (wait=False): what an asynchronous transfer costs the sending loop.
 Shapes: Llama-3-8B KV (32 layers, 8 KV heads, head_dim 128, 16-token pages, bf16) on accelerators; on CPU 8
 layers in float32 to keep the run short and small.
 """
@@ -30,7 +43,11 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import json  # noqa: E402
+import signal  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -43,12 +60,19 @@ from experiments.ceilings import host_copy_rate  # noqa: E402
 from pdjax.experiment import cli  # noqa: E402
 from pdjax.models.llama import KVCache  # noqa: E402
 from pdjax.runtime.mesh import make_mesh  # noqa: E402
-from pdjax.serving.kv_transfer import gather_kv_pages, scatter_kv_pages, staged_sharding, transfer_kv  # noqa: E402
+from pdjax.serving.kv_transfer import crossing_route, cross_device_put, gather_kv_pages, scatter_kv_pages, \
+    staged_sharding, transfer_kv  # noqa: E402
 
 _QUICK = flags.DEFINE_bool("quick", False, "shortest lengths only, for a smoke run")
 _REPS = flags.DEFINE_integer("reps", 5, "timed repetitions per case")
 _ENGINE = flags.DEFINE_bool("engine", True, "also time the engine loop with synchronous vs asynchronous transfer")
 _ENGINE_REPS = flags.DEFINE_integer("engine_reps", 3, "engine runs per transfer mode")
+_CROSS = flags.DEFINE_bool("cross_process", True, "also time transfers between 2 processes (CPU backend only)")
+_CROSS_DEVICES = flags.DEFINE_integer("cross_devices_per_process", 4, "CPU devices per process (cross-process)")
+_CROSS_TIMEOUT = flags.DEFINE_float("cross_timeout_s", 240.0, "the cross-process run's time limit (then "
+                                    "SIGKILLed)")
+_CROSS_WORKER = flags.DEFINE_string("cross_process_worker", "", "internal: run as one process of the "
+                                    "cross-process measurement, process 1 writing its results to this path")
 
 KV_HEADS, HEAD_DIM, PAGE_SIZE = 8, 128, 16
 
@@ -81,6 +105,21 @@ def make_cache(mesh, num_layers: int, num_pages: int, dtype, seed: int) -> KVCac
     keys = jax.random.split(jax.random.PRNGKey(seed), 2 * num_layers)
     return KVCache(k=tuple(make(keys[i]) for i in range(num_layers)),
                    v=tuple(make(keys[num_layers + i]) for i in range(num_layers)))
+
+
+def make_cache_multiprocess(mesh, num_layers: int, num_pages: int, dtype, seed: int) -> KVCache:
+    """make_cache for a mesh of one process in a multi-process run: each process builds only its own shards
+    from host data (a jit of a replicated key onto another process's devices crashes jax 0.10.2 there)."""
+    sharding = NamedSharding(mesh, P("tensor", None, None, None))
+    shape = (KV_HEADS, num_pages, PAGE_SIZE, HEAD_DIM)
+
+    def make(i):
+        def shard(index):
+            rng = np.random.default_rng((seed, i))
+            return rng.random(shape, dtype=np.float32)[index].astype(dtype)
+        return jax.make_array_from_callback(shape, sharding, shard, dtype=dtype)
+    return KVCache(k=tuple(make(i) for i in range(num_layers)),
+                   v=tuple(make(num_layers + i) for i in range(num_layers)))
 
 
 def engine_sync_vs_async(devices, reps: int, quick: bool) -> dict:
@@ -139,7 +178,132 @@ def engine_sync_vs_async(devices, reps: int, quick: bool) -> dict:
     return out
 
 
+CROSS_PAIRS = [(1, 1), (2, 2), (2, 1), (1, 2), (4, 2)]    # (prefill tp on process 0, decode tp on process 1)
+
+
+def cross_process_worker(out_path: str, reps: int, quick: bool) -> None:
+    """One of the 2 processes of the cross-process measurement (module docstring); process 1 writes the cases."""
+    from pdjax.serving.distributed import DistributedCoordinator, initialize, settings_from_env  # noqa: PLC0415
+    settings = settings_from_env(timeout_s=120)
+    initialize(settings)
+    coord = DistributedCoordinator(settings, prefix="bench")
+    devices = jax.devices()
+    me = jax.process_index()
+    p0 = [d for d in devices if d.process_index == 0]
+    p1 = [d for d in devices if d.process_index == 1]
+    num_layers, dtype = 8, jnp.float32
+    lengths = (256,) if quick else (256, 2048)
+    num_pages = -(-max(lengths) // PAGE_SIZE) + 8
+    cases = []
+    for src_tp, dst_tp in CROSS_PAIRS:
+        if src_tp > len(p0) or dst_tp > len(p1):
+            continue
+        src_mesh, dst_mesh = make_mesh(p0[:src_tp], tp=src_tp), make_mesh(p1[:dst_tp], tp=dst_tp)
+        src_cache = make_cache_multiprocess(src_mesh, num_layers, num_pages, dtype, seed=0)
+        target = staged_sharding(dst_mesh)
+        route = crossing_route(4, src_cache.k[0].sharding, target)
+        layers = [KVCache(k=(src_cache.k[i],), v=(src_cache.v[i],)) for i in range(num_layers)]
+        rng = np.random.default_rng(0)
+        for n in lengths:
+            pages = rng.permutation(num_pages)[:-(-n // PAGE_SIZE)].tolist()
+            k, v = gather_kv_pages(src_cache, np.asarray(pages, np.int32))
+
+            def whole():
+                s = transfer_kv(src_cache, pages, dst_mesh, num_tokens=n, pad_pages=False, wait=False)
+                return s.k + s.v
+
+            def layerwise():
+                staged = [transfer_kv(c, pages, dst_mesh, num_tokens=n, pad_pages=False, wait=False) for c in layers]
+                return [a for s in staged for a in s.k + s.v]
+
+            def crossing():
+                a, b = cross_device_put(list(k) + list(v), [target] * (2 * num_layers), split=num_layers)
+                return a + b
+
+            def timed(name, fn):
+                times, calls = [], []
+                for rep in range(reps + 1):   # the first one warms up (compiles)
+                    coord.barrier(f"{name}/{src_tp}/{dst_tp}/{n}/{rep}")
+                    start = time.perf_counter()
+                    out = fn()
+                    calls.append(time.perf_counter() - start)
+                    jax.block_until_ready(out)   # on process 1: until landed; process 0 holds no result shards
+                    times.append(time.perf_counter() - start)
+                coord.barrier(f"{name}/{src_tp}/{dst_tp}/{n}/end")
+                sender_call = coord.agree(statistics.median(calls[1:]), source=0)
+                return statistics.median(times[1:]), sender_call
+
+            probe = transfer_kv(src_cache, pages, dst_mesh, num_tokens=n, pad_pages=False)
+            moved = probe.moved_bytes
+            row = {"tokens": n, "src_tp": src_tp, "dst_tp": dst_tp, "route": route,
+                   "src_devices": [d.id for d in p0[:src_tp]], "dst_devices": [d.id for d in p1[:dst_tp]],
+                   "num_pages": probe.num_pages, "kv_bytes": probe.kv_bytes, "moved_bytes": moved}
+            for name, fn in (("whole", whole), ("layerwise", layerwise), ("crossing", crossing)):
+                row[f"{name}_s"], row[f"{name}_sender_call_s"] = timed(name, fn)
+                row[f"{name}_bytes_per_s"] = moved / row[f"{name}_s"]
+            cases.append(row)
+    coord.barrier("done")
+    if me == 1:
+        with open(out_path, "w") as f:
+            json.dump({"num_processes": jax.process_count(), "devices_per_process": len(p0),
+                       "model_kv": {"layers": num_layers, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+                                    "page_size": PAGE_SIZE, "dtype": jnp.dtype(dtype).name},
+                       "lengths": list(lengths), "cases": cases}, f)
+
+
+def cross_process(ceiling: dict, reps: int, quick: bool, devices_per_process: int, timeout_s: float) -> dict:
+    """Start the 2 worker processes (launch/local.py's environment), wait (bounded), return process 1's results
+    with each case's fraction of `ceiling`; {"error": ...} when the run fails or times out."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(repo, "launch"))
+    from local import free_port, process_env  # noqa: PLC0415
+    base = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "cross.json")
+        cmd = [sys.executable, "-m", "experiments.bench_kv_transfer", f"--cross_process_worker={out}",
+               f"--reps={reps}", f"--quick={quick}"]
+        procs, logs = [], []
+        start = time.perf_counter()
+        for i in range(2):
+            logs.append(open(os.path.join(tmp, f"p{i}.log"), "w+"))
+            procs.append(subprocess.Popen(cmd, cwd=repo, env={**base, **process_env(base, i, 2, port,
+                                                                                       devices_per_process)},
+                                          stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
+        try:
+            while any(p.poll() is None for p in procs) and time.perf_counter() - start < timeout_s:
+                if any(p.poll() not in (None, 0) for p in procs):
+                    break
+                time.sleep(0.2)
+            codes = [p.poll() for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    try:
+                        os.killpg(p.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                p.wait()
+        wall = time.perf_counter() - start
+        if codes != [0, 0]:
+            tails = []
+            for f in logs:
+                f.seek(0)
+                tails.append(f.read()[-1500:])
+            return {"error": f"exit codes {codes} after {wall:.0f} s (timeout {timeout_s:g} s)", "logs": tails}
+        with open(out) as f:
+            result = json.load(f)
+    for row in result["cases"]:
+        for name in ("whole", "layerwise", "crossing"):
+            row[f"{name}_fraction_of_ceiling"] = row[f"{name}_bytes_per_s"] / ceiling["bytes_per_s"]
+    result["wall_s"] = wall
+    return result
+
+
 def main(_):
+    if _CROSS_WORKER.value:
+        cross_process_worker(_CROSS_WORKER.value, _REPS.value, _QUICK.value)
+        return
     backend = jax.default_backend()
     devices = jax.devices()
     reps = _REPS.value
@@ -200,6 +364,8 @@ def main(_):
         "same_device": same_device, "model_kv": {"layers": num_layers, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                                                 "page_size": PAGE_SIZE, "dtype": jnp.dtype(dtype).name},
         "reps": reps, "ceiling": ceiling, "cases": cases,
+        "cross_process": (cross_process(ceiling, reps, _QUICK.value, _CROSS_DEVICES.value, _CROSS_TIMEOUT.value)
+                          if _CROSS.value and on_cpu else None),
         "engine": (engine_sync_vs_async(devices, _ENGINE_REPS.value, _QUICK.value)
                    if _ENGINE.value and len(devices) >= 2 else None)}, indent=1))
 

@@ -200,3 +200,38 @@ def test_pipeline_layout_mismatch_is_refused():
         scatter_kv_pages(dst_pp1, [0], staged)
     with pytest.raises(ValueError, match=r"stages hold \[1, 2\] layers, expected the pipeline split \[2, 1\]"):
         transfer_kv([KVCache(k=src[1].k, v=src[1].v), KVCache(k=src[0].k, v=src[0].v)], [0], subs1, num_tokens=3)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The crossing between processes, in one process: the piecewise route (head pieces, one device_put per device
+# pair, reassembled on the destination) lands exactly; the multi-process runs are tests/test_multiprocess_transfer.py
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("src_ids,src_tp,dst_ids,dst_tp", [
+    ((0, 1), 2, (2,), 1),          # both source shards onto one device: concatenated there
+    ((3,), 1, (4, 5), 2),          # the source cut in two, one piece per destination device
+    ((0, 1, 2, 3), 4, (4, 5), 2),  # two pieces per destination device
+    ((0, 1), 2, (4, 5, 6, 7), 4),  # a piece of each source shard per destination device
+    ((0, 1, 2), 3, (4, 5), 2),     # replicated source (kv heads not split) -> split
+])
+def test_piecewise_crossing_lands_exactly(src_ids, src_tp, dst_ids, dst_tp):
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from pdjax.serving.kv_transfer import _by_pieces, cross_device_put, crossing_route, staged_sharding
+    src_mesh, dst_mesh = _mesh(src_ids, src_tp), _mesh(dst_ids, dst_tp)
+    if KV_HEADS % src_tp:
+        src_k = [np.random.default_rng(i).standard_normal((KV_HEADS, PAGES, PAGE_SIZE, HEAD_DIM)).astype(np.float32)
+                 for i in range(LAYERS)]
+        put = lambda xs: tuple(jax.device_put(x, NamedSharding(src_mesh, P())) for x in xs)  # noqa: E731
+        src = KVCache(k=put(src_k), v=put(src_k[::-1]))
+    else:
+        src, (src_k, _) = _cache(src_mesh, seed=7)
+    target = staged_sharding(dst_mesh)
+    assert crossing_route(4, src.k[0].sharding, target) == "device_put"    # one process: JAX's device_put
+    out = _by_pieces(list(src.k), [target] * LAYERS)
+    for layer, arr in enumerate(out):
+        assert arr.sharding == target
+        np.testing.assert_array_equal(np.asarray(arr), src_k[layer])
+        for shard in arr.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), src_k[layer][shard.index])
+    k, v = cross_device_put(list(src.k) + list(src.v), [target] * (2 * LAYERS), split=LAYERS)
+    assert len(k) == len(v) == LAYERS and all(a.sharding == target for a in k + v)
+    np.testing.assert_array_equal(np.asarray(k[1]), src_k[1])

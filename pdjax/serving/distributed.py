@@ -38,7 +38,10 @@ results.json (process 0 writes only after the 'served' barrier, which every proc
   installed in its place on jax 0.10.2: the client's missed_heartbeat_callback fails with std::bad_cast);
 - a process waiting in the coordinator (`agree`, `barrier`) for longer than timeout_s raises `DistributedError`
   naming itself and the process it waited for; the entry point exits 1.
-A single-process Coordinator (`Coordinator()`) returns its
+KV transfers between instances on different processes go through `pdjax.serving.kv_transfer.transfer_kv` like any
+other (every process calls it; identical layouts by JAX's cross-host device_put, different TP layouts as head
+pieces device to device, reassembled on arrival: `kv_transfer.crossing_route`); `initialize` gives each process
+its cross-host transfer socket. A single-process Coordinator (`Coordinator()`) returns its
 arguments unchanged: the engines behave exactly as without one.
 
 Debugging aid: `Coordinator.digest(instance, out)` folds every step's SchedulerOutput into a per-process

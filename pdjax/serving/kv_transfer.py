@@ -10,10 +10,17 @@ A request's KV moves in three steps:
 1. `gather_kv_pages` (source side, jitted per source stage, on that stage's devices): the request's pages of the
    stage's layers, one [num_kv_heads, n, page_size, head_dim] array per layer (kv heads stay sharded on the
    stage's 'tensor'). Every stage's gather is enqueued before anything moves.
-2. `transfer_kv` (THE crossing): one batched `jax.device_put` of every layer onto the destination stage that holds
-   it (`relayout_plan`), with that stage's KV layout (kv heads on its 'tensor' axis): the TP degrees may differ,
-   device_put reshards, moving every head to the device that owns it. Returns a `StagedKV` (per layer, in layer
-   order, on the destination devices) that waits there until the decode scheduler admits the request.
+2. `transfer_kv` (THE crossing, `cross_device_put`): every layer onto the destination stage that holds it
+   (`relayout_plan`), with that stage's KV layout (kv heads on its 'tensor' axis); the TP degrees may differ and
+   every head goes to the device that owns it. The route is chosen per layer, the same on every process
+   (`crossing_route`): in one process, one batched `jax.device_put` (it reshards); between processes
+   (multi-controller JAX, pdjax.serving.distributed), JAX 0.10 only sends identical layouts, so identical
+   layouts go by one batched device_put (its cross-host transfer) and different ones as single-device head
+   pieces: each destination device's heads are cut on a source device holding them, sent device to device
+   (one device_put per device pair: a batch mixing devices is mispaired on jax 0.10.2, see `_by_pieces`) and
+   concatenated on arrival; groups that share a process copy locally. Returns a `StagedKV` (per layer, in
+   layer order, on the destination devices) that waits there until the decode scheduler admits the request;
+   on a process holding none of the destination devices its arrays have no local data (and are ready at once).
 3. `scatter_kv_pages` (destination side, jitted per destination stage, that stage's cache donated): writes the
    staged pages of the stage's layers into the pages the decode scheduler allocated at admission.
 
@@ -32,11 +39,13 @@ pages have landed on the decode devices) or blocks in `StagedKV.wait()`, and mea
 reads them (the prefill step that runs meanwhile may donate and update the cache; JAX orders the two, and the
 held pages are never written by it).
 Compiles: one gather per (source stage, padded page count) and one scatter per (destination stage, padded page
-count); `pdjax.serving.cluster.ClusterEngine.warmup_transfers` runs them all before serving.
+count), plus, between processes with different layouts, the pieces' slices and concatenations per page count;
+`pdjax.serving.cluster.ClusterEngine.warmup_transfers` runs them all before serving.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import List, Sequence, Tuple, Union
 
@@ -184,7 +193,7 @@ def transfer_kv(src_cache: StageCaches, src_pages: Sequence[int], dst: StageMesh
     gathered = [gather_kv_pages(c, padded) for c in stages]   # every source stage enqueued before any copy
     k = [gathered[ss][0][si] for _, ss, si, _, _ in plan]
     v = [gathered[ss][1][si] for _, ss, si, _, _ in plan]
-    k, v = jax.device_put((k, v), (targets, targets))        # per layer, to the stage that holds it
+    k, v = cross_device_put(k + v, targets + targets, split=len(k))   # per layer, to the stage holding it
     seconds = 0.0
     if wait:
         jax.block_until_ready((k, v))
@@ -194,6 +203,168 @@ def transfer_kv(src_cache: StageCaches, src_pages: Sequence[int], dst: StageMesh
                     kv_bytes=kv_bytes(num_layers, int(num_tokens), kv_heads, head_dim, k0.dtype),
                     moved_bytes=kv_bytes(num_layers, n_sent * page_size, kv_heads, head_dim, k0.dtype),
                     seconds=seconds)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The crossing itself: one device_put where JAX can do it, head pieces between processes otherwise
+# ------------------------------------------------------------------------------------------------------------
+def _processes(sharding) -> frozenset:
+    return frozenset(d.process_index for d in sharding.device_set)
+
+
+def crossing_route(ndim: int, src: jax.sharding.Sharding, dst: jax.sharding.Sharding) -> str:
+    """How `cross_device_put` moves an array of `ndim` dims from sharding `src` to `dst` (the same answer on
+    every process: it depends on the global device assignment only):
+    - 'device_put': one process, or source and destination on disjoint process sets with the same layout (same
+      HLO sharding over their own devices): one jax.device_put (JAX's cross-host transfer between processes);
+    - 'local': every device of both on one process p: a local device_put (reshards) on p, a placeholder
+      elsewhere;
+    - 'pieces': anything else between processes (different TP layouts, groups sharing a process): JAX 0.10 can
+      only send identical layouts between processes, so the array travels as single-device head pieces, each
+      straight from a source device holding it to the destination device that owns it (single device ->
+      single device: an identical layout), and is reassembled there (`_by_pieces`)."""
+    if jax.process_count() == 1:
+        return "device_put"
+    sp, dp = _processes(src), _processes(dst)
+    if len(sp | dp) == 1:
+        return "local"
+    if sp.isdisjoint(dp) and len(src.device_set) == len(dst.device_set) and \
+            src._to_xla_hlo_sharding(ndim) == dst._to_xla_hlo_sharding(ndim):
+        return "device_put"
+    return "pieces"
+
+
+def _placeholder(shape, sharding, dtype) -> jax.Array:
+    """The global array `sharding` describes, on a process holding none of its devices (no local data)."""
+    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, [], dtype=dtype)
+
+
+def _local_shard(x: jax.Array, device) -> jax.Array:
+    for shard in x.addressable_shards:
+        if shard.device == device:
+            return shard.data
+    raise AssertionError(f"{device} holds no shard of the array")
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _slice_heads(x, start: int, stop: int):
+    return jax.lax.slice_in_dim(x, start, stop, axis=0)
+
+
+@jax.jit
+def _concat_heads(*xs):
+    return jnp.concatenate(xs, axis=0)
+
+
+def _head_ranges(sharding, shape) -> dict:
+    """device -> (start, stop) of axis 0 it holds; every other axis must be whole (the KV layouts: heads split
+    on 'tensor', or replicated)."""
+    out = {}
+    for device, index in sharding.devices_indices_map(tuple(shape)).items():
+        for axis, sl in enumerate(index[1:], 1):
+            if (sl.start or 0) != 0 or sl.stop not in (None, shape[axis]) or sl.step not in (None, 1):
+                raise NotImplementedError(f"cross-process transfer splits only axis 0, got {sharding} over {shape}")
+        sl = index[0]
+        out[device] = (sl.start or 0, shape[0] if sl.stop is None else sl.stop)
+    return out
+
+
+def _by_pieces(xs: Sequence[jax.Array], targets: Sequence[jax.sharding.Sharding]) -> List[jax.Array]:
+    """Every xs[i] onto targets[i] as head pieces (crossing_route 'pieces'), identically on every process: for
+    each destination device, the head ranges it owns are cut (on the source device, locally) from a source
+    device holding them (one on the destination's process if any, else the first); the pieces that cross
+    processes go in one batched device_put per (source device, destination device) pair (single device ->
+    single device, every process calls it, pairs in device id order), the others are copied by the process
+    holding both ends; the destination process concatenates each device's pieces on that device and every
+    process wraps the per-device arrays into the target sharding (no local data on a process without
+    destination devices).
+
+    Why per pair: on jax 0.10.2 (CPU, jax_cross_host_transfer_socket_address), ONE cross-process device_put of
+    several single-device arrays whose source or destination devices differ pairs the buffers up wrongly:
+    [dev0 -> dev4, dev1 -> dev4] lands dev1's data in the first result and dev0's in the second (silently,
+    when the shapes agree), [dev0 -> dev4, dev0 -> dev5] swaps them too, and after such a batch later transfers
+    may never land (the receiver blocks forever). Batches of one source and one destination device land
+    exactly (and so do identical-layout multi-device arrays, the 'device_put' route), in any sequence tried."""
+    me = jax.process_index()
+    plans = []            # per array: [(dst device, [(lo, hi, piece index)])]
+    pieces = []           # (source array index, src device, lo - src start, hi - src start, dst device)
+    for i, (x, target) in enumerate(zip(xs, targets)):
+        src_ranges = _head_ranges(x.sharding, x.shape)
+        order = {d: n for n, d in enumerate(x.sharding._device_assignment)}
+        plan = []
+        for dev, (a, b) in sorted(_head_ranges(target, x.shape).items(), key=lambda kv: kv[0].id):
+            parts, pos = [], a
+            while pos < b:
+                holders = [d for d, (c, e) in src_ranges.items() if c <= pos < e]
+                holders.sort(key=lambda d: (d.process_index != dev.process_index, order[d]))
+                src_dev = holders[0]
+                c, e = src_ranges[src_dev]
+                hi = min(b, e)
+                parts.append((pos, hi, len(pieces)))
+                pieces.append((i, src_dev, pos - c, hi - c, dev))
+                pos = hi
+            plan.append((dev, parts))
+        plans.append(plan)
+
+    def cut(i, src_dev, lo, hi):   # the piece on its source device: a real array on its process, else a placeholder
+        x = xs[i]
+        shape = (hi - lo,) + tuple(x.shape[1:])
+        if src_dev.process_index != me:
+            return _placeholder(shape, jax.sharding.SingleDeviceSharding(src_dev), x.dtype)
+        shard = _local_shard(x, src_dev)
+        return shard if (lo, hi) == (0, shard.shape[0]) else _slice_heads(shard, lo, hi)
+
+    arrived: List = [None] * len(pieces)
+    pairs: dict = {}     # (src device, dst device) -> crossing pieces, in piece order
+    for n, (_, s, _, _, d) in enumerate(pieces):
+        if s.process_index != d.process_index:
+            pairs.setdefault((s.id, d.id), []).append(n)
+    for (_, d), ns in sorted(pairs.items()):
+        # ONE device_put per device pair: a batch mixing devices is mispaired on jax 0.10.2 (see the docstring)
+        sent = jax.device_put([cut(*pieces[n][:4]) for n in ns],
+                              [jax.sharding.SingleDeviceSharding(pieces[ns[0]][4])] * len(ns))
+        for n, a in zip(ns, sent):
+            arrived[n] = a
+    for n, (i, src_dev, lo, hi, dev) in enumerate(pieces):
+        if arrived[n] is None and dev.process_index == me:   # both ends on this process
+            piece = cut(i, src_dev, lo, hi)
+            arrived[n] = piece if src_dev == dev else jax.device_put(piece, dev)
+    out = []
+    for x, target, plan in zip(xs, targets, plans):
+        local = []
+        for dev, parts in plan:
+            if dev.process_index != me:
+                continue
+            got = [arrived[n] for _, _, n in parts]
+            local.append(got[0] if len(got) == 1 else _concat_heads(*got))
+        out.append(jax.make_array_from_single_device_arrays(tuple(x.shape), target, local, dtype=x.dtype))
+    return out
+
+
+def cross_device_put(xs: Sequence[jax.Array], targets: Sequence[jax.sharding.Sharding],
+                     split: int = 0) -> Tuple[List[jax.Array], ...]:
+    """xs[i] onto targets[i], between any two layouts and processes (route per array: `crossing_route`),
+    without blocking; every process must call it with the same (global) arrays and targets. Returns the list
+    split in two at `split` (transfer_kv: K layers then V layers), or (list, []) when split is 0."""
+    xs, targets = list(xs), list(targets)
+    out: List = [None] * len(xs)
+    routes = [crossing_route(x.ndim, x.sharding, t) for x, t in zip(xs, targets)]
+    direct = [i for i, r in enumerate(routes) if r == "device_put"]
+    if direct:
+        for i, a in zip(direct, jax.device_put([xs[i] for i in direct], [targets[i] for i in direct])):
+            out[i] = a
+    me = jax.process_index()
+    for i, r in enumerate(routes):
+        if r == "local":
+            owner = next(iter(_processes(targets[i])))
+            out[i] = jax.device_put(xs[i], targets[i]) if owner == me else \
+                _placeholder(xs[i].shape, targets[i], xs[i].dtype)
+    by_pieces = [i for i, r in enumerate(routes) if r == "pieces"]
+    if by_pieces:
+        for i, a in zip(by_pieces, _by_pieces([xs[i] for i in by_pieces], [targets[i] for i in by_pieces])):
+            out[i] = a
+    split = split or len(out)
+    return out[:split], out[split:]
 
 
 def scatter_kv_pages(dst_cache: StageCaches, dst_pages: Sequence[int], staged: StagedKV) -> StageCaches:
