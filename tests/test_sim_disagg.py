@@ -436,22 +436,38 @@ def test_stage_pipeline_schedule_and_accounting():
     assert summary["instances"]["p"] == stats and summary["stage_busy_s"] == 7.0 + 0.2
 
 
-def test_stage_pipeline_matches_the_colocated_simulators_stages():
-    """StagePipeline.run_stages is the colocated simulator's stage arithmetic (SimInstance.run_stages), float for
-    float, so pdjax.sim.simulator can adopt it without changing a number."""
+def test_colocated_simulator_dispatches_through_stage_pipeline():
+    """SimInstance has no stage bookkeeping of its own: run_stages dispatches onto its StagePipeline, whose times
+    are the stage recurrence (reference below), float for float, and whose queue/accounting the loop uses."""
     from pdjax.sim.pipeline import StagePipeline
     from pdjax.sim.simulator import SimInstance
+
+    class Out:   # the BatchQueue needs req_ids, step, is_empty
+        def __init__(self, rid):
+            self.req_ids, self.step, self.is_empty = [rid], 0, False
+
     rng = random.Random(4)
     batches = [((rng.random() * 1e-2, rng.random() * 3e-2, rng.random() * 1e-2), (rng.random() * 1e-4,) * 2)
                for _ in range(200)]
     it = iter(batches)
     sim = SimInstance("a", make_scheduler(BASE), stage_times=lambda out: next(it), max_in_flight=3)
-    pipe = StagePipeline(3)
+    assert isinstance(sim.pipeline, StagePipeline) and sim.max_in_flight == 3
+    free, busy = [0.0] * 3, [0.0] * 3          # the reference: the stage recurrence, written out
     t = 0.0
-    for stages, sends in batches:
+    for k, (stages, sends) in enumerate(batches):
         t += rng.random() * 1e-2
-        assert sim.run_stages(None, t) == pipe.run_stages(stages, sends, t)
-    assert sim.stage_free == pipe.stage_free and sim.stage_busy == pipe.stage_busy
+        if sim.pipeline.full:
+            sim.pipeline.collect(max(t, sim.pipeline.peek()[2]))
+        ready = t
+        for s, seconds in enumerate(stages):
+            if s:
+                ready = ready + sends[s - 1]
+            ready = (ready if ready > free[s] else free[s]) + seconds
+            free[s] = ready
+            busy[s] += seconds
+        assert sim.run_stages(Out(str(k)), t) == ready
+    assert sim.pipeline.stage_free == free and sim.pipeline.stage_busy == busy
+    assert sim.pipeline.device_free == free[0] and len(sim.pipeline) == 3
 
 
 def _two_stage(out):

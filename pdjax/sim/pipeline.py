@@ -18,11 +18,9 @@ Accounting (`stats()`): per stage its busy seconds; `active_s`, the seconds with
 total stage time over the active seconds (1 - sum(busy) / (pp x active_s)); the mean number of batches in flight
 (sum over batches of collect - dispatch, over active_s). `pipeline_summary` sums instances: SimResult.pipeline.
 
-Users: pdjax.sim.disagg (each prefill / decode / mixed instance). The colocated simulator (pdjax.sim.simulator)
-keeps the same per-stage arithmetic in SimInstance.run_stages / pipeline_stats / pipeline_summary; it can adopt
-this class unchanged (one StagePipeline per SimInstance: `queue` -> `pipeline.queue`, run_stages -> the step-time
-call then `pipeline.dispatch(out, t, stages, sends)`, the completion's pop/accounting -> `pipeline.collect(now)`,
-`stage_free[0]` -> `pipeline.device_free` for the step context's idle gap).
+Users: the colocated simulator (pdjax.sim.simulator: one StagePipeline per SimInstance, `SimInstance.pipeline`;
+its step context's idle gap is dispatch time minus `device_free`) and pdjax.sim.disagg (each prefill / decode /
+mixed instance). Both build SimResult.pipeline with `pipeline_summary`.
 """
 from __future__ import annotations
 

@@ -24,9 +24,11 @@ pdjax.sim.step_cost.PipelineStepTime, or `stage_times=` given) keeps up to pp ba
 stage is a resource: batch k occupies stage s from max(its end on stage s-1 + the activation send between the
 two stages' devices, the end of batch k-1 on stage s) for its stage time; stage 0 starts at max(dispatch time,
 stage 0 free). Bubbles thus come out of the schedule: a stage idles while the batch it needs is still upstream,
-and unequal batches leave the short ones waiting behind long ones. `SimResult.pipeline` reports, per instance,
-each stage's busy seconds and the bubble fraction = idle stage time / total stage time over the time the
-instance had a batch in flight (1 - sum(busy) / (pp x that time)), and the mean number of batches in flight.
+and unequal batches leave the short ones waiting behind long ones. The queue, the stage resources and their
+accounting are pdjax.sim.pipeline.StagePipeline (`SimInstance.pipeline`, shared with pdjax.sim.disagg).
+`SimResult.pipeline` (pdjax.sim.pipeline.pipeline_summary) reports, per instance, each stage's busy seconds and
+the bubble fraction = idle stage time / total stage time over the time the instance had a batch in flight
+(1 - sum(busy) / (pp x that time)), and the mean number of batches in flight.
 
 With `async_scheduling=True` the instance replays the engine's asynchronous loop instead (vLLM V1-style: while
 step k runs on the device, the host updates the scheduler for step k with placeholder tokens, admits, schedules
@@ -56,7 +58,7 @@ from collections import deque
 from typing import Callable, List, Optional, Sequence
 
 from pdjax.metrics import IterationRecord, RequestRecord, request_record
-from pdjax.scheduler.batch_queue import BatchQueue
+from pdjax.sim.pipeline import StagePipeline, pipeline_summary
 
 PLACEHOLDER_TOKEN = 0
 
@@ -96,7 +98,8 @@ class SimInstance:
     Pipeline stages (module docstring): `stage_times(out) -> (per-stage seconds, per-boundary send seconds)`,
     taken from `step_time.stage_times` when the step-time function has `.pp` > 1 (pdjax.sim.step_cost.PipelineStepTime);
     None: one stage of step_time(out). max_in_flight: batches in flight at most (default: step_time's pp, else 1;
-    give it with an explicit `stage_times`)."""
+    give it with an explicit `stage_times`). `pipeline` (pdjax.sim.pipeline.StagePipeline) holds the batch queue
+    and the stage resources."""
 
     def __init__(self, name: str, scheduler, step_time: Optional[Callable[[object], float]] = None, *,
                  stage_times: Optional[Callable] = None, max_in_flight: Optional[int] = None):
@@ -114,12 +117,7 @@ class SimInstance:
         self.takes_context = bool(getattr(timer, "takes_context", False) or
                                   getattr(getattr(timer, "__self__", None), "takes_context", False))
         self.last_out = None           # the SchedulerOutput dispatched last (the next step's StepContext.previous)
-        self.queue = BatchQueue(pp if max_in_flight is None else max_in_flight)
-        self.stage_free: List[float] = []   # per stage: when it finishes the batches dispatched so far
-        self.stage_busy: List[float] = []   # per stage: seconds busy
-        self.active_s = 0.0            # seconds with at least one batch in flight
-        self.in_flight_s = 0.0         # sum over batches of their (dispatch, collect) spans
-        self._active_since = 0.0
+        self.pipeline = StagePipeline(pp if max_in_flight is None else max_in_flight)
         self.inbox: deque = deque()    # routed requests in arrival order, admitted at the engine's admit points
         self.in_flight = None          # (SchedulerOutput, start time[, end]) of the step being "executed"
         self.dispatched = None         # async: (out, start, end) queued on the device, its update still due
@@ -130,7 +128,7 @@ class SimInstance:
 
     @property
     def max_in_flight(self) -> int:
-        return self.queue.max_in_flight
+        return self.pipeline.max_in_flight
 
     @property
     def busy(self) -> bool:
@@ -147,9 +145,10 @@ class SimInstance:
         return ctx
 
     def run_stages(self, out, t: float) -> float:
-        """Occupy the stages with batch `out` dispatched at t; returns when it leaves the last stage."""
+        """Dispatch batch `out` at t (the pipeline's queue must not be full) onto the stages; returns when it leaves
+        the last stage. The step context's idle gap is measured from when stage 0 became free."""
         if self.takes_context:
-            ctx = self.context(out, self.stage_free[0] if self.stage_free else 0.0, t)
+            ctx = self.context(out, self.pipeline.device_free, t)
             if self.stage_times is None:
                 stages, sends = (self.step_time(out, ctx),), ()
             else:
@@ -158,28 +157,7 @@ class SimInstance:
             stages, sends = (self.step_time(out),), ()
         else:
             stages, sends = self.stage_times(out)
-        if not self.stage_free:
-            self.stage_free = [0.0] * len(stages)
-            self.stage_busy = [0.0] * len(stages)
-        free, busy = self.stage_free, self.stage_busy
-        ready = t
-        for s, seconds in enumerate(stages):
-            if s:
-                ready = ready + sends[s - 1]
-            start = ready if ready > free[s] else free[s]
-            ready = start + seconds
-            free[s] = ready
-            busy[s] += seconds
-        return ready
-
-    def pipeline_stats(self) -> dict:
-        pp = len(self.stage_busy)
-        total = pp * self.active_s
-        return {"pp": pp, "max_in_flight": self.max_in_flight, "stage_busy_s": list(self.stage_busy),
-                "active_s": self.active_s,
-                "bubble_fraction": (1.0 - sum(self.stage_busy) / total) if total > 0 else 0.0,
-                "stage_busy_fraction": [b / self.active_s if self.active_s > 0 else 0.0 for b in self.stage_busy],
-                "mean_batches_in_flight": self.in_flight_s / self.active_s if self.active_s > 0 else 0.0}
+        return self.pipeline.dispatch(out, t, stages, sends)
 
 
 def round_robin_router():
@@ -306,29 +284,27 @@ def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, 
         batch in flight or has to wait for an arrival."""
         inst = instances[idx]
         sched = inst.scheduler
-        queue = inst.queue
+        pipe = inst.pipeline
         while True:
             if not sched.has_unfinished():
                 if not admit(inst, t):
                     return                     # idle: woken by its next arrival
                 continue
-            if not queue.full:
+            if not pipe.full:
                 admit(inst, t)
                 out = sched.schedule(t)
                 if not out.is_empty:
                     admit(inst, t)
                     if on_schedule is not None:
                         on_schedule(inst, out, t)
-                    if not queue:
-                        inst._active_since = t
-                    queue.push(out, (t, inst.run_stages(out, t)))
-                    if not queue.full:
+                    inst.run_stages(out, t)
+                    if not pipe.full:
                         continue
-                elif not queue:
+                elif not pipe:
                     if not admit(inst, t):
                         return                 # blocked: woken by its next arrival
                     continue
-            out, (start, end) = queue.peek()   # the host blocks collecting the oldest batch
+            out, start, end = pipe.peek()      # the host blocks collecting the oldest batch
             inst.in_flight = (out, start)
             heappush(completions, (end if end > t else t, idx))
             return
@@ -346,10 +322,7 @@ def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, 
             out, start = inst.in_flight[0], inst.in_flight[1]
             inst.in_flight = None
             if not async_scheduling:
-                inst.queue.pop()
-                inst.in_flight_s += now - start
-                if not inst.queue:
-                    inst.active_s += now - inst._active_since
+                inst.pipeline.collect(now)      # the oldest batch in flight (= inst.in_flight), in dispatch order
                 finished = inst.scheduler.update(out, sample(out), now)
                 for req in finished:
                     if req.finish_reason == "handoff":    # prefill_only: no decode side simulated, free pages
@@ -390,16 +363,6 @@ def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, 
     return SimResult(requests=[request_record(r) for r in pending], iterations=iterations,
                      duration_s=max((it.end_time for it in iterations), default=0.0),
                      wall_s=time.perf_counter() - wall_start, num_iterations=len(iterations),
-                     pipeline=None if async_scheduling else pipeline_summary(instances))
+                     pipeline=None if async_scheduling else pipeline_summary(
+                         (inst.name or f"instance{i}", inst.pipeline) for i, inst in enumerate(instances)))
 
-
-def pipeline_summary(instances: Sequence[SimInstance]) -> dict:
-    """SimResult.pipeline: per instance and over all instances (stage seconds summed), see the module docstring."""
-    per = {inst.name or f"instance{i}": inst.pipeline_stats() for i, inst in enumerate(instances)}
-    busy = sum(sum(p["stage_busy_s"]) for p in per.values())
-    total = sum(p["pp"] * p["active_s"] for p in per.values())
-    active = sum(p["active_s"] for p in per.values())
-    return {"bubble_fraction": (1.0 - busy / total) if total > 0 else 0.0, "stage_busy_s": busy,
-            "stage_total_s": total,
-            "mean_batches_in_flight": (sum(inst.in_flight_s for inst in instances) / active) if active > 0 else 0.0,
-            "instances": per}
