@@ -26,8 +26,8 @@ Choices (and why):
   schedule() returns a non-empty batch of requests not in flight; then block collecting the oldest, apply in
   dispatch order), each stage a resource, so bubbles come out of the schedule. `DisaggSimResult.pipeline` has
   the per-instance stage occupancy and bubble fraction (pdjax.sim.pipeline.pipeline_summary). With pp == 1 the
-  loop and its numbers are exactly the one-step-at-a-time loop. No step context is passed to the step time
-  (the disaggregated simulator never did): costs are those of `step_time(out)` / `stage_times(out)`. A request
+  loop and its numbers are exactly the one-step-at-a-time loop. Step-time functions that take a StepContext
+  get one, as in the colocated simulator (pdjax.sim.pipeline.StageTimer). A request
   is in at most one in-flight batch and a decode instance's running requests all fit one batch (stall-free
   budget), and an instance's loop blocks while it collects (as one engine process's would), so a decode
   instance rarely has two batches in flight: its pipeline bubbles show in the bubble fraction.
@@ -82,7 +82,7 @@ from pdjax.scheduler.instances import Instance
 from pdjax.scheduler.mixed import MixedPool
 from pdjax.sim.cost_model import CostParams, kv_bytes, p2p_time
 from pdjax.sim.hardware import HardwareSpec
-from pdjax.sim.pipeline import StagePipeline, pipeline_summary
+from pdjax.sim.pipeline import StagePipeline, StageTimer, pipeline_summary
 from pdjax.sim.simulator import SimResult, placeholder_sample
 
 ROLES = ("prefill", "decode", "mixed")
@@ -107,11 +107,8 @@ class DisaggSimInstance(Instance):
             raise ValueError(f"instance {name!r}: give step_time or stage_times")
         super().__init__(name, role, scheduler)
         self.step_time = step_time
-        pp = int(getattr(step_time, "pp", 1)) if step_time is not None else 1
-        if stage_times is None and pp > 1:
-            stage_times = step_time.stage_times
-        self.stage_times = stage_times
-        self.pipeline = StagePipeline(pp if max_in_flight is None else max_in_flight)
+        self.timer = StageTimer(step_time, stage_times)
+        self.pipeline = StagePipeline(self.timer.pp if max_in_flight is None else max_in_flight)
         self.in_flight: Optional[Tuple[Any, float]] = None   # (SchedulerOutput, start) of the batch being collected
 
     @property
@@ -123,11 +120,10 @@ class DisaggSimInstance(Instance):
         """The instance's loop is blocked collecting its oldest batch in flight."""
         return self.in_flight is not None
 
-    def stage_seconds(self, out) -> Tuple[Sequence[float], Sequence[float]]:
-        """(per-stage seconds, per-boundary send seconds) of batch `out` (one stage: (step_time(out),), ())."""
-        if self.stage_times is None:
-            return (self.step_time(out),), ()
-        return self.stage_times(out)
+    def stage_seconds(self, out, t: float) -> Tuple[Sequence[float], Sequence[float]]:
+        """(per-stage seconds, per-boundary send seconds) of batch `out` dispatched at t (pdjax.sim.pipeline
+        StageTimer: with its StepContext when the step-time function takes one)."""
+        return self.timer(out, self.pipeline.device_free, t)
 
 
 @dataclasses.dataclass
@@ -347,7 +343,7 @@ class _Cluster:
                     break
                 if self.on_schedule is not None:
                     self.on_schedule(inst, out, t)
-                stages, sends = inst.stage_seconds(out)
+                stages, sends = inst.stage_seconds(out, t)
                 pipe.dispatch(out, t, stages, sends)
             if pipe:
                 out, start, end = pipe.peek()

@@ -18,15 +18,62 @@ Accounting (`stats()`): per stage its busy seconds; `active_s`, the seconds with
 total stage time over the active seconds (1 - sum(busy) / (pp x active_s)); the mean number of batches in flight
 (sum over batches of collect - dispatch, over active_s). `pipeline_summary` sums instances: SimResult.pipeline.
 
+`StageTimer`: how long a batch takes on each stage, shared by both simulators' instances: `step_time(out)` (one
+stage) or `stage_times(out)` (pp stages; taken from `step_time.stage_times` when the step-time function has
+`.pp` > 1, pdjax.sim.step_cost.PipelineStepTime), called with a `StepContext` when the function declares
+`takes_context` (its previous batch and its device's idle gap: costs such as a shape switch or an idle wake).
+
 Users: the colocated simulator (pdjax.sim.simulator: one StagePipeline per SimInstance, `SimInstance.pipeline`;
 its step context's idle gap is dispatch time minus `device_free`) and pdjax.sim.disagg (each prefill / decode /
 mixed instance). Both build SimResult.pipeline with `pipeline_summary`.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Sequence, Tuple
+import dataclasses
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 from pdjax.scheduler.batch_queue import BatchQueue
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What came before a step on its instance, for step-time functions that cost it (`takes_context`, e.g.
+    pdjax.sim.step_cost.make_step_time; cost_model.context_time): `previous`, the SchedulerOutput the instance
+    dispatched before this one (None for its first step), whose padded shape tells a shape switch; `idle_s`,
+    seconds the instance's device sat idle right before this step (0 when it runs straight on; for the first
+    step, the time since the simulation began)."""
+    previous: Optional[object]
+    idle_s: float
+
+
+class StageTimer:
+    """(per-stage seconds, per-boundary send seconds) of a batch on one instance; see the module docstring."""
+
+    def __init__(self, step_time: Optional[Callable] = None, stage_times: Optional[Callable] = None):
+        self.step_time = step_time
+        self.pp = int(getattr(step_time, "pp", 1)) if step_time is not None else 1
+        if stage_times is None and self.pp > 1:
+            stage_times = step_time.stage_times
+        self.stage_times = stage_times
+        timer = step_time if stage_times is None else stage_times
+        self.takes_context = bool(getattr(timer, "takes_context", False) or
+                                  getattr(getattr(timer, "__self__", None), "takes_context", False))
+        self.last_out = None           # the batch dispatched last (the next step's StepContext.previous)
+
+    def context(self, out, device_free: float, t: float) -> Optional[StepContext]:
+        """The StepContext of `out` dispatched at t on a device free from `device_free` (None when the step-time
+        function takes none); records `out` as the next step's previous one."""
+        if not self.takes_context:
+            return None
+        ctx = StepContext(self.last_out, t - device_free if t > device_free else 0.0)
+        self.last_out = out
+        return ctx
+
+    def __call__(self, out, device_free: float, t: float) -> Tuple[Sequence[float], Sequence[float]]:
+        args = (out,) if not self.takes_context else (out, self.context(out, device_free, t))
+        if self.stage_times is None:
+            return (self.step_time(*args),), ()
+        return self.stage_times(*args)
 
 
 class StagePipeline:

@@ -58,20 +58,9 @@ from collections import deque
 from typing import Callable, List, Optional, Sequence
 
 from pdjax.metrics import IterationRecord, RequestRecord, request_record
-from pdjax.sim.pipeline import StagePipeline, pipeline_summary
+from pdjax.sim.pipeline import StagePipeline, StageTimer, StepContext, pipeline_summary  # noqa: F401 (re-export)
 
 PLACEHOLDER_TOKEN = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class StepContext:
-    """What came before a step on its instance, for step-time functions that cost it (`takes_context`, e.g.
-    pdjax.sim.step_cost.make_step_time; cost_model.context_time): `previous`, the SchedulerOutput the instance
-    dispatched before this one (None for its first step), whose padded shape tells a shape switch; `idle_s`,
-    seconds the instance's device sat idle right before this step (0 when it runs straight on; for the first
-    step, the time since the simulation began)."""
-    previous: Optional[object]
-    idle_s: float
 
 
 @dataclasses.dataclass
@@ -108,16 +97,8 @@ class SimInstance:
         self.name = name
         self.scheduler = scheduler
         self.step_time = step_time
-        pp = int(getattr(step_time, "pp", 1)) if step_time is not None else 1
-        if stage_times is None and pp > 1:
-            stage_times = step_time.stage_times
-        self.stage_times = stage_times
-        # Step context (StepContext): passed to a step-time function that declares `takes_context`.
-        timer = step_time if stage_times is None else stage_times
-        self.takes_context = bool(getattr(timer, "takes_context", False) or
-                                  getattr(getattr(timer, "__self__", None), "takes_context", False))
-        self.last_out = None           # the SchedulerOutput dispatched last (the next step's StepContext.previous)
-        self.pipeline = StagePipeline(pp if max_in_flight is None else max_in_flight)
+        self.timer = StageTimer(step_time, stage_times)
+        self.pipeline = StagePipeline(self.timer.pp if max_in_flight is None else max_in_flight)
         self.inbox: deque = deque()    # routed requests in arrival order, admitted at the engine's admit points
         self.in_flight = None          # (SchedulerOutput, start time[, end]) of the step being "executed"
         self.dispatched = None         # async: (out, start, end) queued on the device, its update still due
@@ -135,28 +116,18 @@ class SimInstance:
         """The host is blocked collecting a batch (sync: the oldest in-flight batch)."""
         return self.in_flight is not None
 
+    @property
+    def takes_context(self) -> bool:
+        return self.timer.takes_context
+
     def context(self, out, device_free: float, t: float) -> Optional[StepContext]:
-        """The StepContext of `out` dispatched at host time t on a device free from `device_free` (None when the
-        step-time function takes none); records `out` as the next step's previous one."""
-        if not self.takes_context:
-            return None
-        ctx = StepContext(self.last_out, t - device_free if t > device_free else 0.0)
-        self.last_out = out
-        return ctx
+        """The StepContext of `out` dispatched at host time t on a device free from `device_free` (see StageTimer)."""
+        return self.timer.context(out, device_free, t)
 
     def run_stages(self, out, t: float) -> float:
         """Dispatch batch `out` at t (the pipeline's queue must not be full) onto the stages; returns when it leaves
         the last stage. The step context's idle gap is measured from when stage 0 became free."""
-        if self.takes_context:
-            ctx = self.context(out, self.pipeline.device_free, t)
-            if self.stage_times is None:
-                stages, sends = (self.step_time(out, ctx),), ()
-            else:
-                stages, sends = self.stage_times(out, ctx)
-        elif self.stage_times is None:
-            stages, sends = (self.step_time(out),), ()
-        else:
-            stages, sends = self.stage_times(out)
+        stages, sends = self.timer(out, self.pipeline.device_free, t)
         return self.pipeline.dispatch(out, t, stages, sends)
 
 
@@ -210,7 +181,7 @@ def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, 
     if not instances:
         raise ValueError("simulate: no instances")
     if async_scheduling:
-        piped = [i.name for i in instances if i.max_in_flight > 1 or i.stage_times is not None]
+        piped = [i.name for i in instances if i.max_in_flight > 1 or i.timer.stage_times is not None]
         if piped:
             raise ValueError(f"simulate: async_scheduling with pipeline stages / batches in flight on instances "
                              f"{piped}: the engine refuses that combination (pdjax.serving.engine); use one or the "
