@@ -43,7 +43,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import json  # noqa: E402
-import signal  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -256,7 +255,7 @@ def cross_process(ceiling: dict, reps: int, quick: bool, devices_per_process: in
     with each case's fraction of `ceiling`; {"error": ...} when the run fails or times out."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, os.path.join(repo, "launch"))
-    from local import free_port, process_env  # noqa: PLC0415
+    from local import end_processes, free_port, process_env  # noqa: PLC0415
     base = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
@@ -277,13 +276,7 @@ def cross_process(ceiling: dict, reps: int, quick: bool, devices_per_process: in
                 time.sleep(0.2)
             codes = [p.poll() for p in procs]
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    try:
-                        os.killpg(p.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                p.wait()
+            end_processes(procs, 0.0)
         wall = time.perf_counter() - start
         if codes != [0, 0]:
             tails = []

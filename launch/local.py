@@ -48,7 +48,7 @@ def command_lines(command: Sequence[str], n: int, port: int, devices: int, base:
             + shlex.join(command) for i in range(n)]
 
 
-def _end(procs: Sequence[subprocess.Popen], grace: float) -> None:
+def end_processes(procs: Sequence[subprocess.Popen], grace: float) -> None:
     """SIGTERM every live process group, then SIGKILL what is left after `grace` seconds."""
     live = [p for p in procs if p.poll() is None]
     for p in live:
@@ -86,7 +86,7 @@ def launch(command: Sequence[str], n: int, port: int, devices: int, timeout: flo
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 i, code = failed[0]
-                _end(procs, grace)
+                end_processes(procs, grace)
                 print(f"launch/local.py: process {i} of {n} exited with status {code}; ended the others",
                       file=sys.stderr)
                 return code if 0 < code < 256 else 1
@@ -94,12 +94,12 @@ def launch(command: Sequence[str], n: int, port: int, devices: int, timeout: flo
                 return 0
             if time.monotonic() > deadline:
                 running = [i for i, c in enumerate(codes) if c is None]
-                _end(procs, grace)
+                end_processes(procs, grace)
                 print(f"launch/local.py: timed out after {timeout:g} s; ended processes {running}", file=sys.stderr)
                 return 124
             time.sleep(0.05)
     except BaseException:
-        _end(procs, grace)
+        end_processes(procs, grace)
         raise
 
 

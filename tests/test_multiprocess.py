@@ -22,7 +22,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "launch"))
-from local import free_port, process_env  # noqa: E402
+from local import end_processes, free_port, process_env  # noqa: E402
 
 BASE_ENV = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
 TINY = ["--config=configs/serve.py", "--config.model.checkpoint=tiny-mha", "--config.model.attention_impl=reference",
@@ -38,16 +38,6 @@ RUN_TIMEOUT = 240
 
 def _serve_cmd(args, workdir, *extra):
     return [sys.executable, "-m", "experiments.serve", *TINY, *args, f"--workdir={workdir}", *extra]
-
-
-def _kill(procs):
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        p.wait()
 
 
 def _start(cmd, n, tmp_path, devices=4):
@@ -71,7 +61,7 @@ def _run_all(cmd, n, tmp_path, timeout=RUN_TIMEOUT):
             time.sleep(0.2)
         codes = [p.poll() for p in procs]
     finally:
-        _kill(procs)
+        end_processes(procs, 0.0)
     logs = [(tmp_path / f"p{i}.log").read_text()[-3000:] for i in range(n)]
     assert codes == [0] * n, f"exit codes {codes}\n" + "\n----\n".join(logs)
 
@@ -135,7 +125,7 @@ def test_killed_process_ends_the_run_without_results(tmp_path):
         code = procs[0].wait(timeout=timeout_s * 3 + 30)
         waited = time.monotonic() - killed
     finally:
-        _kill(procs)
+        end_processes(procs, 0.0)
     log = (tmp_path / "p0.log").read_text()
     assert code != 0
     assert waited < timeout_s * 3

@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "launch"))
-from local import free_port, process_env  # noqa: E402
+from local import end_processes, free_port, process_env  # noqa: E402
 
 BASE_ENV = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
 RUN_TIMEOUT = 240
@@ -138,16 +137,6 @@ def worker(out_dir: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------
-def _kill(procs):
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        p.wait()
-
-
 def _run_all(cmd, n, tmp_path, timeout=RUN_TIMEOUT, devices=4):
     port = free_port()
     procs = []
@@ -164,7 +153,7 @@ def _run_all(cmd, n, tmp_path, timeout=RUN_TIMEOUT, devices=4):
             time.sleep(0.2)
         codes = [p.poll() for p in procs]
     finally:
-        _kill(procs)
+        end_processes(procs, 0.0)
     logs = [(tmp_path / f"p{i}.log").read_text()[-3000:] for i in range(n)]
     assert codes == [0] * n, f"exit codes {codes}\n" + "\n----\n".join(logs)
 
