@@ -56,7 +56,7 @@ from pdjax.models.llama import (KVCache, LayerParams, LlamaParams, check_runnabl
 from pdjax.models.params import TOP_FIELDS, param_table
 from pdjax.runtime import mesh as mesh_lib
 from pdjax.runtime.batch import Buckets, RaggedBatch, empty_batch
-from pdjax.runtime.runner import SWAP_BUCKETS, ModelRunner, swap_chunks
+from pdjax.runtime.runner import ModelRunner
 from pdjax.runtime.sampling import sample_tokens
 from pdjax.runtime.step import fed_token_ids
 from pdjax.scheduler.output import SchedulerOutput
@@ -112,23 +112,6 @@ def merge_kv_cache(stage_caches: Sequence[KVCache]) -> KVCache:
     return KVCache(k=tuple(a for c in stage_caches for a in c.k), v=tuple(a for c in stage_caches for a in c.v))
 
 
-@jax.jit
-def _gather_pages(kv_cache: KVCache, pages):
-    """K and V of `pages` for the cache's layers: two arrays [L, num_kv_heads, n, page_size, head_dim]."""
-    take = lambda a: jnp.take(a, pages, axis=1, mode="clip")  # noqa: E731
-    return jnp.stack([take(a) for a in kv_cache.k]), jnp.stack([take(a) for a in kv_cache.v])
-
-
-def _scatter_pages(kv_cache: KVCache, pages, k, v):
-    """kv_cache with `pages` overwritten by k, v [L, ...]; page ids out of range are dropped (padding)."""
-    put = lambda a, new: a.at[:, pages].set(new.astype(a.dtype), mode="drop")  # noqa: E731
-    return KVCache(k=tuple(put(a, k[i]) for i, a in enumerate(kv_cache.k)),
-                   v=tuple(put(a, v[i]) for i, a in enumerate(kv_cache.v)))
-
-
-_scatter_pages_donated = jax.jit(_scatter_pages, donate_argnums=(0,))
-
-
 # --------------------------------------------------------------------------------------------------------------
 # The stage boundary and the stage function
 # --------------------------------------------------------------------------------------------------------------
@@ -170,7 +153,8 @@ class PipelineRunner(ModelRunner):
     Args: as ModelRunner; `mesh` is a (data=1, stage=pp, tensor=tp) mesh (pdjax.runtime.mesh.make_mesh(dp=1,
     pp=pp, tp=tp)); None means one stage on the first device. Raises ValueError (one line, naming the value) when
     the mesh is not such a mesh, pp exceeds the layer count, or tp does not divide heads / KV heads / MLP width.
-    Inherits build_batch, collect, execute, free_host_slots and compile_count from ModelRunner (it does not call
+    Inherits build_batch, collect, execute, swap, free_host_slots and compile_count from ModelRunner (swap works
+    stage by stage through `kv_stages` and `layer_ranges`; it does not call
     ModelRunner.__init__: params and KV are allocated per stage).
     """
 
@@ -194,7 +178,7 @@ class PipelineRunner(ModelRunner):
         self.mesh = mesh
         self.pp, self.tp = pp, tp
         kv_dtype = kv_dtype or params.embed.dtype
-        self.layer_ranges = stage_layer_ranges(spec.num_layers, pp)
+        self._layer_ranges = stage_layer_ranges(spec.num_layers, pp)
         self.stage_meshes = mesh_lib.stage_meshes(mesh)
         self._replicated = tuple(mesh_lib.replicated(m) for m in self.stage_meshes)
 
@@ -257,6 +241,11 @@ class PipelineRunner(ModelRunner):
                     layer = self.layer_ranges[s][0] + i % len(part.k)
                     raise ValueError(f"KV of layer {layer} is placed as {sharding}, expected stage {s}'s {want}")
         self.kv_caches = list(parts)
+
+    @property
+    def layer_ranges(self) -> List[Tuple[int, int]]:
+        """[(first, last + 1)] layers of each stage (pdjax.config.pipeline.stage_layer_ranges)."""
+        return self._layer_ranges
 
     @property
     def kv_stages(self) -> List[KVCache]:
@@ -327,41 +316,7 @@ class PipelineRunner(ModelRunner):
             if progress is not None:
                 progress(1)
         if swap:
-            for size in SWAP_BUCKETS:
-                for s in range(self.pp):
-                    k, v = _gather_pages(self.kv_caches[s], np.zeros(size, np.int32))
-                    self.kv_caches[s] = _scatter_pages_donated(   # pages out of range: writes nothing
-                        self.kv_caches[s], np.full(size, self.num_pages, np.int32), np.asarray(k), np.asarray(v))
-            jax.block_until_ready(self.kv_caches)
+            self.warmup_swap()
         return time.perf_counter() - start
 
     # ----------------------------------------------------------------------------------------------------------
-    def swap(self, swap_out: Sequence[Tuple[int, int]], swap_in: Sequence[Tuple[int, int]]) -> None:
-        """As ModelRunner.swap (every read before any write; copies in SWAP_BUCKETS-sized chunks); each stage
-        copies its own layers' pages, the host store holds [num_layers, ...] arrays in layer order."""
-        for host_slot, page in list(swap_out) + list(swap_in):
-            if not 0 <= page < self.num_pages:
-                raise ValueError(f"swap page {page} outside [0, {self.num_pages})")
-        missing = [slot for slot, _ in swap_in if slot not in self.host_pages]
-        if missing:
-            raise ValueError(f"swap_in of host slots {missing} that hold no swapped-out page")
-        out_data = []   # (k, v) numpy [L, kvh, page_size, hd] per swapped-out page, read before any write
-        for a, b, size in swap_chunks(len(swap_out)):
-            pages = np.zeros(size, np.int32)
-            pages[:b - a] = [p for _, p in swap_out[a:b]]
-            parts = [_gather_pages(cache, pages) for cache in self.kv_caches]   # every stage enqueued first
-            k, v = (np.concatenate([np.asarray(part[i]) for part in parts]) for i in (0, 1))
-            out_data += [(k[:, :, j].copy(), v[:, :, j].copy()) for j in range(b - a)]
-        in_data = [self.host_pages[slot] for slot, _ in swap_in]
-        for a, b, size in swap_chunks(len(swap_in)):
-            pages = np.full(size, self.num_pages, np.int32)   # out of range -> dropped
-            pages[:b - a] = [p for _, p in swap_in[a:b]]
-            shape = in_data[0][0].shape   # [L, kvh, page_size, hd]
-            k = np.zeros(shape[:2] + (size,) + shape[2:], in_data[0][0].dtype)
-            v = np.zeros_like(k)
-            for j, (hk, hv) in enumerate(in_data[a:b]):
-                k[:, :, j], v[:, :, j] = hk, hv
-            for s, (lo, hi) in enumerate(self.layer_ranges):
-                self.kv_caches[s] = _scatter_pages_donated(self.kv_caches[s], pages, k[lo:hi], v[lo:hi])
-        for (slot, _), data in zip(swap_out, out_data):
-            self.host_pages[slot] = data

@@ -138,6 +138,11 @@ class ModelRunner:
         (self.kv_cache,) = caches
 
     @property
+    def layer_ranges(self) -> List[Tuple[int, int]]:
+        """[(first, last + 1)] layers of each stage in kv_stages."""
+        return [(0, self.spec.num_layers)]
+
+    @property
     def kv_stage_meshes(self) -> tuple:
         """The mesh each stage's KV lives on (kv heads on its 'tensor' axis), in stage order."""
         return (self.mesh,)
@@ -236,16 +241,24 @@ class ModelRunner:
             if progress is not None:
                 progress(1)
         if swap:
-            for size in SWAP_BUCKETS:
-                k, v = _gather_pages(self.kv_cache, np.zeros(size, np.int32))
-                self.kv_cache = _scatter_pages_donated(  # pages out of range: writes nothing
-                    self.kv_cache, np.full(size, self.num_pages, np.int32), np.asarray(k), np.asarray(v))
-            jax.block_until_ready(self.kv_cache)
+            self.warmup_swap()
         return time.perf_counter() - start
+
+    def warmup_swap(self) -> None:
+        """Compile every stage's swap copies of each SWAP_BUCKETS size (pages out of range: nothing written)."""
+        stages = self.kv_stages
+        for size in SWAP_BUCKETS:
+            for s, cache in enumerate(stages):
+                k, v = _gather_pages(cache, np.zeros(size, np.int32))
+                stages[s] = _scatter_pages_donated(cache, np.full(size, self.num_pages, np.int32), np.asarray(k),
+                                                   np.asarray(v))
+        jax.block_until_ready(stages)
+        self.kv_stages = stages
 
     # ------------------------------------------------------------------------------------------------------
     def swap(self, swap_out: Sequence[Tuple[int, int]], swap_in: Sequence[Tuple[int, int]]) -> None:
-        """Copy device pages to host slots (swap_out) and host slots to device pages (swap_in)."""
+        """Copy device pages to host slots (swap_out) and host slots to device pages (swap_in); the host store holds
+        [num_layers, ...] arrays whatever the pipeline split (each stage copies its own layers' pages)."""
         for host_slot, page in list(swap_out) + list(swap_in):
             if not 0 <= page < self.num_pages:
                 raise ValueError(f"swap page {page} outside [0, {self.num_pages})")
@@ -256,7 +269,8 @@ class ModelRunner:
         for a, b, size in swap_chunks(len(swap_out)):
             pages = np.zeros(size, np.int32)
             pages[:b - a] = [p for _, p in swap_out[a:b]]
-            k, v = (np.asarray(x) for x in _gather_pages(self.kv_cache, pages))
+            parts = [_gather_pages(cache, pages) for cache in self.kv_stages]   # every stage enqueued first
+            k, v = (np.concatenate([np.asarray(part[i]) for part in parts]) for i in (0, 1))
             out_data += [(k[:, :, j].copy(), v[:, :, j].copy()) for j in range(b - a)]
         in_data = [self.host_pages[slot] for slot, _ in swap_in]
         for a, b, size in swap_chunks(len(swap_in)):
@@ -267,7 +281,10 @@ class ModelRunner:
             v = np.zeros_like(k)
             for j, (hk, hv) in enumerate(in_data[a:b]):
                 k[:, :, j], v[:, :, j] = hk, hv
-            self.kv_cache = _scatter_pages_donated(self.kv_cache, pages, k, v)
+            stages = self.kv_stages
+            for st, (lo, hi) in enumerate(self.layer_ranges):
+                stages[st] = _scatter_pages_donated(stages[st], pages, k[lo:hi], v[lo:hi])
+            self.kv_stages = stages
         for (slot, _), data in zip(swap_out, out_data):
             self.host_pages[slot] = data
 
