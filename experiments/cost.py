@@ -16,13 +16,17 @@ from absl import flags
 from pdjax.experiment import cli
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "llama-2-7b", "Model spec name (pdjax.config.model_specs).")
-flags.DEFINE_string("hardware", "a100-80gb-sxm", "Hardware spec name (pdjax.sim.hardware), or host-cpu.")
-flags.DEFINE_integer("tp", 1, "Tensor-parallel degree.")
-flags.DEFINE_integer("pp", 1, "Pipeline-parallel degree.")
-flags.DEFINE_integer("microbatches", 1, "Pipeline microbatches per iteration (pp > 1).")
-flags.DEFINE_multi_string("batch", [], "Batch composition, e.g. prefill:1021@0,decode:3@2048 (repeatable).")
-flags.DEFINE_string("profile", "a100", "Machine profile: a shipped name (a100) or a JSON path; 'default' for priors.")
+
+
+def define_flags() -> None:
+    """The flags, defined only when this is the main module (tests import `run` beside other CLIs' modules)."""
+    flags.DEFINE_string("model", "llama-2-7b", "Model spec name (pdjax.config.model_specs).")
+    flags.DEFINE_string("hardware", "a100-80gb-sxm", "Hardware spec name (pdjax.sim.hardware), or host-cpu.")
+    flags.DEFINE_integer("tp", 1, "Tensor-parallel degree.")
+    flags.DEFINE_integer("pp", 1, "Pipeline-parallel degree.")
+    flags.DEFINE_integer("microbatches", 1, "Pipeline microbatches per iteration (pp > 1).")
+    flags.DEFINE_multi_string("batch", [], "Batch composition, e.g. prefill:1021@0,decode:3@2048 (repeatable).")
+    flags.DEFINE_string("profile", "a100", "Machine profile: a shipped name (a100) or a JSON path; 'default' for priors.")
 
 
 def run(model: str, hardware: str, tp: int, pp: int, batches: list[str], profile: str = "a100",
@@ -69,4 +73,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

@@ -9,5 +9,6 @@ from experiments import fit_profile
 from pdjax.experiment import cli
 
 if __name__ == "__main__":
+    fit_profile.define_flags()
     sys.argv.insert(1, "--hardware=a100")   # a later --hardware on the command line still wins
     cli.run(fit_profile.main)

@@ -39,15 +39,22 @@ import pathlib
 from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
-from absl import app, flags
+from absl import flags
+
+from pdjax.experiment import cli
 
 FLAGS = flags.FLAGS
 _REPO = pathlib.Path(__file__).resolve().parents[1]
-flags.DEFINE_string("hardware", "h100", "Profile to fit: 'a100' or 'h100'.")
-flags.DEFINE_string("profiling_dir", str(_REPO.parent / "shared" / "data" / "profiling"),
-                    "Directory with a100/, h100/ and network/ CSVs (see its SOURCES.md).")
-flags.DEFINE_string("out", "", "Profile JSON to write (default pdjax/sim/profiles/<hardware>.json).")
-flags.DEFINE_bool("evaluate_only", False, "Only print the errors of the shipped profile (and the 'before' one).")
+
+
+def define_flags() -> None:
+    """The flags, defined only by the entry points (tests import this module's functions next to other CLIs')."""
+    flags.DEFINE_string("hardware", "h100", "Profile to fit: 'a100' or 'h100'.")
+    flags.DEFINE_string("profiling_dir", str(_REPO.parent / "shared" / "data" / "profiling"),
+                        "Directory with a100/, h100/ and network/ CSVs (see its SOURCES.md).")
+    flags.DEFINE_string("out", "", "Profile JSON to write (default pdjax/sim/profiles/<hardware>.json).")
+    flags.DEFINE_bool("evaluate_only", False, "Only print the errors of the shipped profile (and the 'before' one).")
+
 
 HOLDOUT_EVERY = 4
 NETWORK_FILES = {"pairwise": "a100_pairwise_nvlink_all_reduce.csv", "dgx": "a100_dgx_all_reduce.csv"}
@@ -380,10 +387,11 @@ def main(argv):
     try:
         report = run(FLAGS.hardware, FLAGS.profiling_dir, FLAGS.out, FLAGS.evaluate_only)
     except ValueError as e:
-        raise app.UsageError(str(e)) from None
+        raise cli.UserError(str(e)) from None
     print(json.dumps({"hardware": report["hardware"], "profile": report["profile"], "median_rel_error": medians(report),
                       "full": {k: report[k] for k in ("before", "after")}}, indent=1))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    define_flags()
+    cli.run(main)

@@ -44,12 +44,17 @@ from absl import flags
 
 from pdjax.experiment import cli
 
-_CONFIG = cli.define_config_file("config", "configs/sim/fidelity_cpu.py", "Serve config of the workload.")
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/pdjax_sim_fidelity", "Outputs: seed<N>/{real,sim,profile.json}.")
-_PROFILE = flags.DEFINE_string("profile", "", "Use this sim profile instead of calibrating now.")
-_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Workload seeds (config.seed); one run per seed, then the median.")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Calibration: timed runs per grid point.")
-_QUICK = flags.DEFINE_bool("quick", False, "Calibration: the smaller grid.")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The flags, defined only when this is the main module (tests import its functions beside other CLIs')."""
+    cli.define_config_file("config", "configs/sim/fidelity_cpu.py", "Serve config of the workload.")
+    flags.DEFINE_string("workdir", "/tmp/pdjax_sim_fidelity", "Outputs: seed<N>/{real,sim,profile.json}.")
+    flags.DEFINE_string("profile", "", "Use this sim profile instead of calibrating now.")
+    flags.DEFINE_list("seeds", ["0", "1", "2"], "Workload seeds (config.seed); one run per seed, then the median.")
+    flags.DEFINE_integer("repeats", 5, "Calibration: timed runs per grid point.")
+    flags.DEFINE_bool("quick", False, "Calibration: the smaller grid.")
 
 METRICS = ("ttft.p50", "ttft.p90", "ttft.p99", "tbt.p50", "tbt.p90", "tbt.p99", "tpot.p50", "e2e.p50",
            "sched_delay.p50", "iterations.step_time.p50", "duration_s")
@@ -309,24 +314,25 @@ def main(argv):
     from pdjax.config.serving import serve_config_from_dict
     from pdjax.experiment.run import to_plain_dict
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
-    config = to_plain_dict(_CONFIG.value)
+    config = to_plain_dict(FLAGS.config)
     try:
         serve_config_from_dict({**config, "backend": "real"})
     except ValueError as e:
         raise cli.UserError(cli.one_line(e)) from None
-    if _PROFILE.value and not os.path.isfile(_PROFILE.value):
-        raise cli.UserError(f"--profile={_PROFILE.value!r} is not a file")
+    if FLAGS.profile and not os.path.isfile(FLAGS.profile):
+        raise cli.UserError(f"--profile={FLAGS.profile!r} is not a file")
     try:
-        seeds = [int(s) for s in _SEEDS.value]
+        seeds = [int(s) for s in FLAGS.seeds]
     except ValueError:
-        raise cli.UserError(f"--seeds={','.join(_SEEDS.value)!r}: expected comma-separated integers") from None
+        raise cli.UserError(f"--seeds={','.join(FLAGS.seeds)!r}: expected comma-separated integers") from None
     if not seeds:
         raise cli.UserError("--seeds is empty; expected e.g. --seeds=0,1,2")
-    result = run_seeds(config, _WORKDIR.value, seeds, profile=_PROFILE.value, repeats=_REPEATS.value,
-                       quick=_QUICK.value, log=log)
+    result = run_seeds(config, FLAGS.workdir, seeds, profile=FLAGS.profile, repeats=FLAGS.repeats,
+                       quick=FLAGS.quick, log=log)
     print(format_table(result))
     print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)
