@@ -40,26 +40,6 @@ CHUNK_KEYS = 256  # keys per chunk-pass step
 DECODE_KEYS = 128  # keys per decode-pass step (a mat-vec: smaller blocks stay in L2)
 
 
-def _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
-    if q.ndim != 3:
-        raise ValueError(f"q.shape={q.shape}, expected [T, num_q_heads, head_dim]")
-    if k_pages.ndim != 4:
-        raise ValueError(f"k_pages.shape={k_pages.shape}, expected [num_kv_heads, num_pages, page_size, head_dim]")
-    if v_pages.shape != k_pages.shape:
-        raise ValueError(f"v_pages.shape={v_pages.shape} differs from k_pages.shape={k_pages.shape}")
-    if k_pages.shape[3] != q.shape[2]:
-        raise ValueError(f"k_pages head_dim={k_pages.shape[3]} differs from q head_dim={q.shape[2]}")
-    if q.shape[1] % k_pages.shape[0]:
-        raise ValueError(f"num_q_heads={q.shape[1]} is not a multiple of num_kv_heads={k_pages.shape[0]}")
-    if kv_lens.ndim != 1 or page_indices.ndim != 2 or page_indices.shape[0] != kv_lens.shape[0]:
-        raise ValueError(f"kv_lens.shape={kv_lens.shape}, page_indices.shape={page_indices.shape}: expected "
-                         f"[S] and [S, pages_per_seq]")
-    if cu_q_lens.shape != (kv_lens.shape[0] + 1,):
-        raise ValueError(f"cu_q_lens.shape={cu_q_lens.shape}, expected [S + 1] = ({kv_lens.shape[0] + 1},)")
-    if jnp.size(num_seqs) != 1:
-        raise ValueError(f"num_seqs has shape {jnp.shape(num_seqs)}, expected int32[1] or int32[]")
-
-
 def _pages_per_block(keys: int, page_size: int, pages_per_seq: int) -> int:
     return max(1, min(keys // page_size, pages_per_seq))
 
@@ -226,7 +206,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     Returns [T, num_q_heads, head_dim] in q's dtype, zeros for padding tokens. chunk_rows / chunk_keys /
     decode_keys are the tiles (module docstring); every setting is exact.
     """
-    _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    rb.check_shapes(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     if q.shape[0] == 0 or kv_lens.shape[0] == 0 or page_indices.shape[1] == 0:
         return jnp.zeros(q.shape, q.dtype)
     sm_scale = 1.0 / math.sqrt(q.shape[2]) if sm_scale is None else float(sm_scale)

@@ -31,24 +31,21 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def check_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
-    """Raise ValueError naming the offending argument when shapes or dtypes break the seam contract."""
+def check_shapes(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
+    """Raise ValueError naming the offending argument when shapes or dtypes break the attention seam's contract
+    (every implementation: see pdjax.kernels)."""
     if q.ndim != 3:
         raise ValueError(f"q.shape={q.shape}, expected [T, num_q_heads, head_dim]")
     if k_pages.ndim != 4:
         raise ValueError(f"k_pages.shape={k_pages.shape}, expected [num_kv_heads, num_pages, page_size, head_dim]")
     if v_pages.shape != k_pages.shape:
         raise ValueError(f"v_pages.shape={v_pages.shape} differs from k_pages.shape={k_pages.shape}")
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, kv_head_dim = k_pages.shape
+    _, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, _, kv_head_dim = k_pages.shape
     if kv_head_dim != head_dim:
         raise ValueError(f"k_pages head_dim={kv_head_dim} differs from q head_dim={head_dim}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if page_size & (page_size - 1):
-        raise ValueError(f"page_size={page_size}, expected a power of two (kernel tiles are powers of two)")
-    if head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim={head_dim}, expected a power of two (kernel tiles are powers of two)")
     if kv_lens.ndim != 1:
         raise ValueError(f"kv_lens.shape={kv_lens.shape}, expected [S]")
     num_slots = kv_lens.shape[0]
@@ -61,8 +58,19 @@ def check_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs
     for name, arr in (("kv_lens", kv_lens), ("page_indices", page_indices), ("cu_q_lens", cu_q_lens)):
         if not jnp.issubdtype(arr.dtype, jnp.integer):
             raise ValueError(f"{name}.dtype={arr.dtype}, expected int32")
-    if num_tokens == 0 or num_slots == 0:
-        raise ValueError(f"empty batch shapes T={num_tokens}, S={num_slots}; pad to a bucket of at least 1")
+
+
+def check_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
+    """check_shapes, plus what the Pallas kernels' tiles need: power-of-two page size and head dim, no empty
+    bucket."""
+    check_shapes(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    page_size, head_dim = k_pages.shape[2], k_pages.shape[3]
+    if page_size & (page_size - 1):
+        raise ValueError(f"page_size={page_size}, expected a power of two (kernel tiles are powers of two)")
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim={head_dim}, expected a power of two (kernel tiles are powers of two)")
+    if q.shape[0] == 0 or kv_lens.shape[0] == 0:
+        raise ValueError(f"empty batch shapes T={q.shape[0]}, S={kv_lens.shape[0]}; pad to a bucket of at least 1")
 
 
 @jax.tree_util.register_dataclass
