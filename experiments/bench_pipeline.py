@@ -61,26 +61,13 @@ def _stage_watch(runner_cls):
             self._thread = threading.Thread(target=self._watch, daemon=True)
             self._thread.start()
 
-        def _run(self, batch, kind, prev_ids=None):
-            t0 = time.perf_counter()
-            hidden = out = None
-            outs = []
-            for s in range(self.pp):
-                last = s == self.pp - 1
-                if s > 0:
-                    from pdjax.runtime.pipeline import send_activations
-                    hidden = send_activations(out, self._replicated[s])
-                fn = self._fns[s][kind if last else "hidden"]
-                stage_prev = (self._no_prev_ids if prev_ids is None else prev_ids) if s == 0 else None
-                out, self.kv_caches[s] = fn(self.stage_params[s], self.kv_caches[s], hidden, batch, stage_prev)
-                outs.append(out)
+        def _on_stage_outputs(self, outs):
             if self.recording:
-                rec = [t0, outs, [None] * self.pp]
+                rec = [time.perf_counter(), list(outs), [None] * self.pp]
                 self.batches.append(rec)
                 with self._cv:
                     self._pending.append(rec)
                     self._cv.notify()
-            return out
 
         recording = False
 

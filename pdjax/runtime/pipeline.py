@@ -273,6 +273,7 @@ class PipelineRunner(ModelRunner):
         """Enqueue every stage of one step (asynchronously); the last stage's output (ids or logits).
         prev_ids: the previous step's sampled ids on stage 0 (default: none fed)."""
         hidden = out = None
+        outs = []
         for s in range(self.pp):
             last = s == self.pp - 1
             if s > 0:
@@ -280,7 +281,13 @@ class PipelineRunner(ModelRunner):
             fn = self._fns[s][kind if last else "hidden"]
             stage_prev = (self._no_prev_ids if prev_ids is None else prev_ids) if s == 0 else None
             out, self.kv_caches[s] = fn(self.stage_params[s], self.kv_caches[s], hidden, batch, stage_prev)
+            outs.append(out)
+        self._on_stage_outputs(outs)
         return out
+
+    def _on_stage_outputs(self, outs) -> None:
+        """Called with every stage's (unfinished) output of a step just enqueued; a hook for instrumentation
+        (experiments/bench_pipeline.py times when each stage's output becomes ready)."""
 
     def dispatch(self, sched_out: SchedulerOutput, *, prev=None):
         """Launch one iteration through all stages without waiting for the device; pass the handle to
