@@ -12,7 +12,6 @@ a timeout and its processes SIGKILLed at the end.
 """
 import json
 import os
-import pathlib
 import signal
 import subprocess
 import sys
@@ -20,11 +19,8 @@ import time
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "launch"))
-from local import end_processes, free_port, process_env  # noqa: E402
+from multiprocess_util import BASE_ENV, REPO, RUN_TIMEOUT, end_processes, free_port, process_env, run_all, start
 
-BASE_ENV = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
 TINY = ["--config=configs/serve.py", "--config.model.checkpoint=tiny-mha", "--config.model.attention_impl=reference",
         "--config.workload.num_requests=6", "--config.workload.rate=20", "--config.workload.max_output_len=6",
         "--config.scheduler.token_budget=32", "--config.scheduler.max_num_seqs=4",
@@ -33,37 +29,13 @@ TINY = ["--config=configs/serve.py", "--config.model.checkpoint=tiny-mha", "--co
 TP_ACROSS = ["--config.deployment.colocated.tp=2", "--config.deployment.colocated.devices=(3,4)"]
 DISAGG_ACROSS = ["--config.deployment.kind=disaggregated", "--config.deployment.prefill.devices=(3,)",
                  "--config.deployment.decode.devices=(4,)"]
-RUN_TIMEOUT = 240
 
 
 def _serve_cmd(args, workdir, *extra):
     return [sys.executable, "-m", "experiments.serve", *TINY, *args, f"--workdir={workdir}", *extra]
 
 
-def _start(cmd, n, tmp_path, devices=4):
-    port = free_port()
-    procs = []
-    for i in range(n):
-        env = {**BASE_ENV, **process_env(BASE_ENV, i, n, port, devices)}
-        log = open(tmp_path / f"p{i}.log", "w")
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
-    return procs
 
-
-def _run_all(cmd, n, tmp_path, timeout=RUN_TIMEOUT):
-    procs = _start(cmd, n, tmp_path)
-    deadline = time.monotonic() + timeout
-    try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.poll() not in (None, 0) for p in procs):
-                break
-            time.sleep(0.2)
-        codes = [p.poll() for p in procs]
-    finally:
-        end_processes(procs, 0.0)
-    logs = [(tmp_path / f"p{i}.log").read_text()[-3000:] for i in range(n)]
-    assert codes == [0] * n, f"exit codes {codes}\n" + "\n----\n".join(logs)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +56,7 @@ def _check_identical_schedules(digest_dir):
 
 def test_tp_across_two_processes_matches_single_process(tmp_path, single_process_tokens):
     workdir, digests = tmp_path / "run", tmp_path / "digests"
-    _run_all(_serve_cmd(TP_ACROSS, workdir, f"--schedule_digest_dir={digests}", "--distributed_timeout_s=60"),
+    run_all(_serve_cmd(TP_ACROSS, workdir, f"--schedule_digest_dir={digests}", "--distributed_timeout_s=60"),
              2, tmp_path)
     assert json.loads((workdir / "outputs.json").read_text()) == single_process_tokens
     _check_identical_schedules(digests)
@@ -98,7 +70,7 @@ def test_tp_across_two_processes_matches_single_process(tmp_path, single_process
 @pytest.mark.slow
 def test_disaggregated_across_two_processes_matches_single_process(tmp_path, single_process_tokens):
     workdir, digests = tmp_path / "run", tmp_path / "digests"
-    _run_all(_serve_cmd(DISAGG_ACROSS, workdir, f"--schedule_digest_dir={digests}", "--distributed_timeout_s=60"),
+    run_all(_serve_cmd(DISAGG_ACROSS, workdir, f"--schedule_digest_dir={digests}", "--distributed_timeout_s=60"),
              2, tmp_path)
     assert json.loads((workdir / "outputs.json").read_text()) == single_process_tokens
     _check_identical_schedules(digests)
@@ -111,7 +83,7 @@ def test_killed_process_ends_the_run_without_results(tmp_path):
     workdir = tmp_path / "run"
     cmd = _serve_cmd(TP_ACROSS, workdir, f"--distributed_timeout_s={timeout_s}", "--config.workload.num_requests=400",
                      "--config.workload.rate=40")
-    procs = _start(cmd, 2, tmp_path)
+    procs = start(cmd, 2, tmp_path)
     try:
         deadline = time.monotonic() + RUN_TIMEOUT
         # Gloo connects at the first cross-process step (warm-up): the run is under way.

@@ -18,16 +18,11 @@ import os
 import pathlib
 import subprocess
 import sys
-import time
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "launch"))
-from local import end_processes, free_port, process_env  # noqa: E402
+from multiprocess_util import BASE_ENV, REPO, RUN_TIMEOUT, run_all
 
-BASE_ENV = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
-RUN_TIMEOUT = 240
 
 LAYERS, KV_HEADS, PAGES, PAGE_SIZE, HEAD_DIM = 3, 4, 12, 8, 16
 # name: (src device ids, src pp, src tp, dst device ids, dst pp, dst tp, wait)
@@ -137,32 +132,13 @@ def worker(out_dir: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------
-def _run_all(cmd, n, tmp_path, timeout=RUN_TIMEOUT, devices=4):
-    port = free_port()
-    procs = []
-    for i in range(n):
-        env = {**BASE_ENV, **process_env(BASE_ENV, i, n, port, devices)}
-        log = open(tmp_path / f"p{i}.log", "w")
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
-    deadline = time.monotonic() + timeout
-    try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.poll() not in (None, 0) for p in procs):
-                break
-            time.sleep(0.2)
-        codes = [p.poll() for p in procs]
-    finally:
-        end_processes(procs, 0.0)
-    logs = [(tmp_path / f"p{i}.log").read_text()[-3000:] for i in range(n)]
-    assert codes == [0] * n, f"exit codes {codes}\n" + "\n----\n".join(logs)
 
 
 @pytest.mark.slow
 def test_pages_land_exactly_between_tp_layouts_across_processes(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    _run_all([sys.executable, str(pathlib.Path(__file__).resolve()), str(out)], 2, tmp_path)
+    run_all([sys.executable, str(pathlib.Path(__file__).resolve()), str(out)], 2, tmp_path)
     p0, p1 = (json.loads((out / f"p{i}.json").read_text()) for i in (0, 1))
     assert p0["device_processes"] == [0] * 4 + [1] * 4
     for name in CASES:
@@ -199,7 +175,7 @@ def test_disaggregated_tp2_to_tp1_across_processes_matches_single_process(tmp_pa
                          timeout=RUN_TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
     workdir = tmp_path / "run"
-    _run_all(_serve_cmd(workdir, "--distributed_timeout_s=60"), 2, tmp_path)
+    run_all(_serve_cmd(workdir, "--distributed_timeout_s=60"), 2, tmp_path)
     tokens = json.loads((workdir / "outputs.json").read_text())
     assert tokens and tokens == json.loads((single / "outputs.json").read_text())
     results = json.loads((workdir / "results.json").read_text())
