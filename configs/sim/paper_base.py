@@ -26,12 +26,9 @@ working directory). The registry's yi-34b lists 4096 positions (the base checkpo
 Used by configs/sweeps/sarathi_ablation_paper.py, configs/sim/capacity_paper.py and experiments.sim_paper.
     python -m experiments.serve --config=configs/sim/paper_base.py:yi34b-arxiv --workdir=/tmp/yi_arxiv
 """
-import os
 
-from pdjax.config.files import config_file
+from pdjax.config.files import config_file, shared_trace
 
-REPO_ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir))
-TRACES_DIR = os.path.normpath(os.path.join(REPO_ROOT, os.pardir, "shared", "data", "traces"))
 
 MODELS = {
     "mistral7b": dict(model="mistral-7b", hardware="a100-80gb-pcie", tp=1, pp=1),
@@ -46,7 +43,7 @@ TRACES = {
 
 def trace_path(trace: str) -> str:
     """Absolute path of a paper trace (../shared/data/traces relative to the repository root)."""
-    return os.path.join(TRACES_DIR, TRACES[trace]["file"])
+    return shared_trace(TRACES[trace]["file"])
 
 
 def parse_arg(arg: str):

@@ -26,12 +26,9 @@ SLOs (our choice, ~5x the unloaded figures): TTFT 2 s, TBT 0.2 s.
         --workdir=/tmp/splitwise_aa_code_nomixed        # the same prompt and token pools without the mixed pool
 results.json "engine" / "mixed_pool" lists every change of phase of the mixed machines.
 """
-import os
 
-from pdjax.config.files import config_file
+from pdjax.config.files import config_file, shared_trace
 
-REPO_ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir))
-TRACES_DIR = os.path.normpath(os.path.join(REPO_ROOT, os.pardir, "shared", "data", "traces"))
 
 MACHINES = {"aa": "a100-80gb-sxm", "hh": "h100-sxm"}
 TRACES = {"code": dict(file="azure_llm_2023_code.csv", time_scale=1.0),
@@ -56,7 +53,7 @@ def get_config(arg="aa-code"):
     c.scheduler.num_pages = 2048               # ignored: sim.num_pages = 0 sizes every KV cache from GPU memory
     c.workload.kind = "trace"
     c.workload.preset = ""
-    c.workload.trace_path = os.path.join(TRACES_DIR, t["file"])
+    c.workload.trace_path = shared_trace(t["file"])
     c.workload.trace_start = 0
     c.workload.arrival = "trace"               # the trace's own arrival times, scaled
     c.workload.trace_time_scale = t["time_scale"]

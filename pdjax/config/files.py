@@ -51,3 +51,13 @@ def config_block(cls, *, exclude=(), **values) -> Any:
             value = config_dict.placeholder(simple[0]) if simple else ""
         block[f.name] = value
     return block
+
+
+REPO_ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir))
+SHARED_TRACES_DIR = os.path.normpath(os.path.join(REPO_ROOT, os.pardir, "shared", "data", "traces"))
+
+
+def shared_trace(name: str) -> str:
+    """Absolute path of a trace in the team's shared folder (../shared/data/traces beside the repository), so
+    config files that replay one work from any working directory."""
+    return os.path.join(SHARED_TRACES_DIR, name)
