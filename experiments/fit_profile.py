@@ -58,9 +58,6 @@ def define_flags() -> None:
 
 HOLDOUT_EVERY = 4
 NETWORK_FILES = {"pairwise": "a100_pairwise_nvlink_all_reduce.csv", "dgx": "a100_dgx_all_reduce.csv"}
-GEMM_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
-ELEMENTWISE_OPS = {"emb": "embedding", "input_layernorm": "norm", "post_attention_layernorm": "norm",
-                   "attn_rope": "rope", "mlp_act": "activation", "add": "residual"}
 COMPUTE_FIT_PARAMS = ("gemm_flops_efficiency", "gemm_bandwidth_efficiency", "kernel_fixed_s", "gemm_outputs_per_unit",
                       "gemm_occupancy_exponent", "norm_bandwidth_efficiency", "rope_bandwidth_efficiency",
                       "activation_bandwidth_efficiency", "residual_bandwidth_efficiency",
@@ -79,34 +76,11 @@ MODELS = {"a100": ("llama-2-7b", "llama-3-8b"), "h100": ("llama-2-7b",)}
 # --------------------------------------------------------------------------------------------------- data
 def load_mlp(profiling_dir, subdir: str, models: Sequence[str]) -> Dict[str, Dict[str, np.ndarray]]:
     """Per-layer operator rows of `<subdir>/<model>_mlp.csv`: {"gemm": ..., "elementwise": ..., "layer": ...}
-    column arrays (seconds), with the TP-sharded shapes of the cost model (`sharded_shapes`)."""
-    from pdjax.config import get_model_spec  # noqa: PLC0415
-    from pdjax.sim import cost_model as cm  # noqa: PLC0415
+    column arrays (seconds), with the TP-sharded shapes of the cost model (pdjax.sim.calibration.load_mlp_rows)."""
+    from pdjax.sim.calibration import load_mlp_rows  # noqa: PLC0415
 
-    gemm, elementwise, layer = [], [], []
-    for model in models:
-        spec = get_model_spec(model)
-        with open(pathlib.Path(profiling_dir) / subdir / f"{model}_mlp.csv") as f:
-            for row in csv.DictReader(f):
-                tp, tokens = int(row["num_tensor_parallel_workers"]), int(row["num_tokens"])
-                s = cm.sharded_shapes(spec, tp)
-                total = 0.0
-                for op, (k, m) in zip(GEMM_OPS, s.gemms):
-                    sec = float(row[f"time_stats.{op}.median"]) * 1e-3
-                    total += sec
-                    gemm.append(dict(tokens=tokens, k=k, m=m, seconds=sec, model=model, op=op, tp=tp))
-                h, b, d = s.hidden, s.dtype_bytes, s.head_dim
-                per_token = {"emb": 2 * h * b, "input_layernorm": 2 * h * b, "post_attention_layernorm": 2 * h * b,
-                             "attn_rope": 2 * (s.heads + s.kv_heads) * d * b, "mlp_act": 3 * s.gemms[2][1] // 2 * b,
-                             "add": 3 * h * b}
-                for op, kind in ELEMENTWISE_OPS.items():
-                    sec = float(row[f"time_stats.{op}.median"]) * 1e-3
-                    total += 0.0 if op == "emb" else sec
-                    elementwise.append(dict(tokens=tokens, bytes_per_token=per_token[op], seconds=sec, kind=kind,
-                                            tp=tp, model=model))
-                layer.append(dict(model=model, tp=tp, tokens=tokens, seconds=total))
     arrays = lambda rows: {k: np.array([r[k] for r in rows]) for k in rows[0]}  # noqa: E731
-    return {"gemm": arrays(gemm), "elementwise": arrays(elementwise), "layer": arrays(layer)}
+    return dict(zip(("gemm", "elementwise", "layer"), map(arrays, load_mlp_rows(profiling_dir, subdir, models))))
 
 
 def load_allreduce(profiling_dir) -> Dict[str, np.ndarray]:

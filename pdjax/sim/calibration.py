@@ -314,14 +314,14 @@ def _arrays(rows: list[dict]) -> dict[str, np.ndarray]:
     return {k: np.array([r[k] for r in rows]) for k in rows[0]} if rows else {}
 
 
-def load_vidur_profiles(profiling_dir) -> OperatorData:
-    """Read ../shared/data/profiling (see its SOURCES.md). Times -> seconds. Note: the all-reduce CSV's `size`
-    is already bytes (Vidur's collectives_wrapper writes `size * 2  # bytes` for fp16 buffers)."""
-    root = pathlib.Path(profiling_dir)
-    gemm, elementwise, layer, prefill, decode, allreduce = [], [], [], [], [], []
-    for model_name in VIDUR_MODELS:
+def load_mlp_rows(profiling_dir, subdir: str, models) -> tuple:
+    """(gemm, elementwise, layer) row lists of `<profiling_dir>/<subdir>/<model>_mlp.csv` for each model (Vidur's
+    per-layer operator profiles), in seconds, with the TP-sharded shapes of the cost model; a layer's time is the
+    sum of its operators but the embedding."""
+    gemm, elementwise, layer = [], [], []
+    for model_name in models:
         spec = get_model_spec(model_name)
-        with open(root / "a100" / f"{model_name}_mlp.csv") as f:
+        with open(pathlib.Path(profiling_dir) / subdir / f"{model_name}_mlp.csv") as f:
             for row in csv.DictReader(f):
                 tp = int(row["num_tensor_parallel_workers"])
                 tokens = int(row["num_tokens"])
@@ -339,8 +339,19 @@ def load_vidur_profiles(profiling_dir) -> OperatorData:
                     sec = float(row[f"time_stats.{op}.median"]) * 1e-3
                     total += sec if op != "emb" else 0.0
                     elementwise.append(dict(tokens=tokens, bytes_per_token=per_token[op], seconds=sec, op=op,
-                                            kind=_VIDUR_ELEMENTWISE_KIND[op]))
+                                            kind=_VIDUR_ELEMENTWISE_KIND[op], tp=tp, model=model_name))
                 layer.append(dict(model=model_name, tp=tp, tokens=tokens, seconds=total))
+    return gemm, elementwise, layer
+
+
+def load_vidur_profiles(profiling_dir) -> OperatorData:
+    """Read ../shared/data/profiling (see its SOURCES.md). Times -> seconds. Note: the all-reduce CSV's `size`
+    is already bytes (Vidur's collectives_wrapper writes `size * 2  # bytes` for fp16 buffers)."""
+    root = pathlib.Path(profiling_dir)
+    prefill, decode, allreduce = [], [], []
+    gemm, elementwise, layer = load_mlp_rows(root, "a100", VIDUR_MODELS)
+    for model_name in VIDUR_MODELS:
+        spec = get_model_spec(model_name)
         with open(root / "a100" / f"{model_name}_attention_subset.csv") as f:
             for row in csv.DictReader(f):
                 tp = int(row["num_tensor_parallel_workers"])
