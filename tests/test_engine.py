@@ -109,3 +109,21 @@ def test_async_scheduling_requires_requests_without_stop_tokens():
     reqs = [Request("s", [1, 2, 3], SamplingParams(max_tokens=4, stop_token_ids=(7,)), 0.0)]
     with pytest.raises(ValueError, match="stop tokens"):
         engine.run(reqs)
+
+
+def test_arrival_wait_never_sleeps_a_negative_time():
+    """Regression (CI): the clock was read twice, and a real clock can pass the arrival between the check and the
+    sleep, so sleep() got a negative length and the run died. Here every read advances the clock by 0.6 s."""
+    from pdjax.serving.engine import ArrivalQueue
+
+    reads = iter([0.0, 0.6, 1.2, 1.8])
+    slept, added = [], []
+    queue = ArrivalQueue([Request("r0", [1, 2], SamplingParams(max_tokens=1), arrival_time=1.0)],
+                         add=lambda r: added.append(r.request_id) or True)
+
+    def sleep(dt):
+        assert dt >= 0, f"negative sleep {dt}"
+        slept.append(dt)
+
+    assert queue.wait(lambda: next(reads), sleep) == 0
+    assert slept == [1.0] and added == ["r0"] and queue.exhausted

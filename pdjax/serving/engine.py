@@ -114,8 +114,9 @@ class ArrivalQueue:
     def wait(self, now: Callable[[], float], sleep: Callable[[float], None]) -> int:
         """Sleep until the next arrival, then admit; returns the rejections."""
         target = self.next_time
-        if target - now() > 0:
-            sleep(target - now())
+        left = target - now()  # read the clock once: a second read may have passed the arrival
+        if left > 0:
+            sleep(left)
         # max(): a clock that rounds may read a hair before the arrival it slept for.
         return self.admit(max(now(), target))
 
