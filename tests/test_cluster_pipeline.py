@@ -148,8 +148,8 @@ def test_max_in_flight_one_is_the_one_batch_per_round_loop(pipes, prompts, refer
 
 
 def test_coordinator_hooks_see_every_schedule_and_collect(pipes, prompts, reference):
-    """A recording Coordinator posing as process 0 of 2 (so every instance's ids go through `agree(ids,
-    source=0)`): one digest per schedule() call, one id agreement per iteration, every clock reading through now()."""
+    """A recording Coordinator posing as process 0 of 2 (every instance's devices are on process 0 only, so its
+    ids go through `agree(ids, source=0)`): one digest per schedule() call, one id agreement per iteration, every clock reading through now()."""
     from pdjax.serving.disagg import DisaggregatedEngine
     from pdjax.serving.distributed import Coordinator
 
@@ -181,11 +181,11 @@ def test_coordinator_hooks_see_every_schedule_and_collect(pipes, prompts, refere
         inst.scheduler.schedule = wrap()
     engine = DisaggregatedEngine([prefill], [decode], coordinator=coord)
     collected = []
-    real_collect = engine._collect
-    engine._collect = lambda inst, handle: collected.append(inst.name) or real_collect(inst, handle)
+    real_collect = coord.collect
+    names = {id(prefill.runner): "prefill0", id(decode.runner): "decode0"}
+    coord.collect = lambda runner, handle: collected.append(names[id(runner)]) or real_collect(runner, handle)
     result = engine.run(_requests(prompts))
     assert _ints(result.output_tokens) == reference
-    assert engine._id_source == {"prefill0": 0, "decode0": 0}     # ids agreed from process 0 for both
     assert len(coord.step_digests) == len(schedules) >= len(result.iterations)
     assert collected == [it.instance for it in result.iterations]
     assert coord.id_agreements == len(result.iterations)

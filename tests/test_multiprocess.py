@@ -5,6 +5,7 @@ a timeout and its processes SIGKILLed at the end.
 - a colocated tp2 instance on global devices [3, 4] (one device per process) gives exactly the single-process
   greedy tokens, and the online workload leaves identical per-step schedules on both processes (digests);
   only process 0 writes the workdir;
+- a pp2 instance with one stage per process, under swap preemption: the single-process tokens and schedules;
 - disaggregated across processes (prefill on process 0's device 3, decode on process 1's device 4, the KV crossing
   processes by device_put): same tokens, same schedules (slow);
 - faults: a process killed mid-run makes the other exit non-zero within the timeout, with no results.json; a
@@ -65,6 +66,32 @@ def test_tp_across_two_processes_matches_single_process(tmp_path, single_process
     (inst,) = results["engine"]["instances"].values()
     assert inst["tp"] == 2 and len(inst["devices"]) == 2
     assert sorted(os.listdir(digests)) == ["schedule_p0.json", "schedule_p1.json"]
+
+
+PP_ACROSS = ["--config.deployment.colocated.pp=2", "--config.deployment.colocated.devices=(3,4)"]
+# KV pressure: 16 requests at once on 10 pages of 8 tokens, so some are swapped out to host and back.
+SWAP_PRESSURE = ["--config.scheduler.num_pages=10", "--config.scheduler.preemption_mode=swap",
+                 "--config.scheduler.num_host_pages=32", "--config.workload.num_requests=16",
+                 "--config.workload.rate=500", "--config.workload.max_output_len=30"]
+
+
+def test_pipeline_stages_on_two_processes_match_single_process_with_swap(tmp_path):
+    """pp2 with stage 0 on process 0 and stage 1 on process 1: the last stage's ids are read by process 1 and
+    agreed; swapped pages are copied by the process holding each stage. Same tokens as one process."""
+    env = {**BASE_ENV, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    single = subprocess.run(_serve_cmd(PP_ACROSS + SWAP_PRESSURE, tmp_path / "single"), cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert single.returncode == 0, single.stderr[-3000:]
+    workdir, digests = tmp_path / "run", tmp_path / "digests"
+    run_all(_serve_cmd(PP_ACROSS + SWAP_PRESSURE, workdir, f"--schedule_digest_dir={digests}",
+                       "--distributed_timeout_s=60"), 2, tmp_path)
+    assert (json.loads((workdir / "outputs.json").read_text())
+            == json.loads((tmp_path / "single" / "outputs.json").read_text()))
+    _check_identical_schedules(digests)
+    results = json.loads((workdir / "results.json").read_text())
+    assert results["num_preemptions"] > 0, "no swap happened: the test lost its KV pressure"
+    (inst,) = results["engine"]["instances"].values()
+    assert inst["pp"] == 2
 
 
 @pytest.mark.slow

@@ -260,6 +260,12 @@ class PipelineRunner(ModelRunner):
         self.kv_caches = caches
 
     @property
+    def output_devices(self) -> tuple:
+        """The devices holding a step's sampled ids: the last stage's (a process without them cannot read them:
+        pdjax.serving.distributed.Coordinator.collect)."""
+        return tuple(self.stage_meshes[-1].devices.flat)
+
+    @property
     def kv_stage_meshes(self) -> tuple:
         return self.stage_meshes
 

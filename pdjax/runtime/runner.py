@@ -36,6 +36,19 @@ from pdjax.scheduler.output import SchedulerOutput
 SWAP_BUCKETS = (8, 64)   # pages per swap copy; more pages move in several copies of the largest
 
 
+def host_local(arr) -> np.ndarray:
+    """numpy copy of `arr` as far as this process can see it: the whole array when every shard is local, else
+    the process's own shards in place and zeros elsewhere (multi-controller runs: a pipeline stage or TP group on
+    other processes). Written back with the same sharding, each process supplies exactly its own shards, so a
+    swap round trip is exact on every process."""
+    if getattr(arr, "is_fully_addressable", True):
+        return np.asarray(arr)
+    out = np.zeros(arr.shape, arr.dtype)
+    for shard in arr.addressable_shards:
+        out[shard.index] = np.asarray(shard.data)
+    return out
+
+
 def swap_chunks(n: int):
     """[(start, stop, padded size)] covering n pages in copies of SWAP_BUCKETS sizes."""
     chunks, start = [], 0
@@ -206,6 +219,11 @@ class ModelRunner:
             offset += n
         return src
 
+    @property
+    def output_devices(self) -> tuple:
+        """The devices holding a step's sampled ids (replicated): the whole tensor-parallel mesh."""
+        return tuple(self.mesh.devices.flat)
+
     @staticmethod
     def collect(handle) -> np.ndarray:
         """Wait for a dispatched iteration; int32[num_seqs] sampled ids, -1 where do_sample is False."""
@@ -250,8 +268,8 @@ class ModelRunner:
         for size in SWAP_BUCKETS:
             for s, cache in enumerate(stages):
                 k, v = _gather_pages(cache, np.zeros(size, np.int32))
-                stages[s] = _scatter_pages_donated(cache, np.full(size, self.num_pages, np.int32), np.asarray(k),
-                                                   np.asarray(v))
+                stages[s] = _scatter_pages_donated(cache, np.full(size, self.num_pages, np.int32), host_local(k),
+                                                   host_local(v))
         jax.block_until_ready(stages)
         self.kv_stages = stages
 
@@ -270,7 +288,7 @@ class ModelRunner:
             pages = np.zeros(size, np.int32)
             pages[:b - a] = [p for _, p in swap_out[a:b]]
             parts = [_gather_pages(cache, pages) for cache in self.kv_stages]   # every stage enqueued first
-            k, v = (np.concatenate([np.asarray(part[i]) for part in parts]) for i in (0, 1))
+            k, v = (np.concatenate([host_local(part[i]) for part in parts]) for i in (0, 1))
             out_data += [(k[:, :, j].copy(), v[:, :, j].copy()) for j in range(b - a)]
         in_data = [self.host_pages[slot] for slot, _ in swap_in]
         for a, b, size in swap_chunks(len(swap_in)):

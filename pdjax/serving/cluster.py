@@ -291,27 +291,6 @@ class ClusterEngine:
         flight.record.landed_time = t
         flight.record.seconds = t - flight.record.start_time
 
-    def _collect(self, inst: Instance, handle):
-        """The instance's sampled ids. Multi-process: an instance whose devices are not on every process has its
-        ids fetched by the lowest process holding them and agreed (pdjax.serving.distributed)."""
-        source = self._id_source.get(inst.name)
-        if source is None:
-            return inst.runner.collect(handle)
-        local = inst.runner.collect(handle) if self.coordinator.process_id == source else None
-        ids = self.coordinator.agree(None if local is None else [int(x) for x in local], source=source)
-        return np.asarray(ids, np.int32)
-
-    def _id_sources(self) -> Dict[str, int]:
-        """instance name -> the process that reads its ids for all, for instances not on every process."""
-        if self.coordinator.num_processes == 1:
-            return {}
-        sources = {}
-        for inst in self.instances:
-            procs = {d.process_index for d in inst.runner.mesh.devices.flat}
-            if len(procs) < self.coordinator.num_processes:
-                sources[inst.name] = min(procs)
-        return sources
-
     def _poll_transfers(self, now: Callable[[], float]) -> int:
         """Land every in-flight transfer whose arrays are ready (never blocks); returns how many landed."""
         if not self._in_flight:
@@ -382,7 +361,6 @@ class ClusterEngine:
         overlap_total = 0.0
         self._staged.clear()
         self._in_flight = []
-        self._id_source = self._id_sources()
         for inst in self.instances:
             inst.num_steps = 0
         queues = {inst.name: BatchQueue(self.instance_max_in_flight(inst)) for inst in self.instances}
@@ -437,7 +415,7 @@ class ClusterEngine:
                     self._poll_transfers(now)
                     self._fill(inst, queue, now)
                 out, (start, handle) = queue.pop()     # the oldest batch: wait for it, apply it
-                sampled = self._collect(inst, handle if self.overlap else inst.runner.dispatch(out))
+                sampled = self.coordinator.collect(inst.runner, handle if self.overlap else inst.runner.dispatch(out))
                 end = now()
                 finished = inst.scheduler.update(out, sampled, end)
                 iterations.append(IterationRecord(

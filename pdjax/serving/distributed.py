@@ -21,9 +21,11 @@ same order (same program, same decisions so far, by induction):
   transfers have landed this round (`StagedKV.is_ready()` is per process: process 0's answer decides; a process
   whose own shards lag behind still computes correctly, since JAX orders the decode-side scatter after the copy
   by data dependency).
-- `agree(ids, source=k)`: the sampled token ids of an instance whose devices are not on every process, as
-  process k (the lowest process holding its devices) fetched them (pdjax.serving.cluster): a process without
-  the instance's devices cannot read its outputs, yet schedules it like everyone else.
+- `collect(runner, handle)` = `agree(ids, source=k)`: the sampled token ids of a runner whose output devices
+  (its mesh; a pipeline's last stage) are not on every process, as process k (the lowest process holding them)
+  fetched them (both engines collect through it): a process without those devices cannot read the ids, yet
+  schedules the instance like everyone else. Swapped-out KV pages stay on the process holding their stage
+  (pdjax.runtime.runner.host_local).
 - `barrier(name)`: all processes reach `name` (coordination service barrier, not a device collective: a gloo
   collective while a transfer is in flight hung in tests).
 Broadcasts go through the coordination service's key-value store (`pdjax/<seq>` keys, set by process 0, read
@@ -55,6 +57,8 @@ import os
 import sys
 import threading
 from typing import Any, Dict, List, Optional
+
+import numpy as np
 
 __all__ = ["Coordinator", "DistributedCoordinator", "DistributedError", "DistributedSettings", "initialize",
            "settings_from_env", "make_coordinator", "schedule_digest_line"]
@@ -203,6 +207,17 @@ class Coordinator:
 
     def barrier(self, name: str) -> None:
         """Return once every process reached `name`."""
+
+    def collect(self, runner, handle):
+        """`runner.collect(handle)` (int32[num_seqs] sampled ids) on every process. The ids live on the runner's
+        `output_devices` (its mesh; a pipeline's last stage): when those are not on every process, the lowest
+        process holding them reads them and the others get its value (`agree`), so every scheduler sees them."""
+        procs = sorted({d.process_index for d in getattr(runner, "output_devices", ())})
+        if self.num_processes == 1 or not procs or len(procs) == self.num_processes:
+            return runner.collect(handle)
+        local = runner.collect(handle) if self.process_id == procs[0] else None
+        ids = self.agree(None if local is None else [int(x) for x in local], source=procs[0])
+        return np.asarray(ids, np.int32)
 
     def check_same(self, name: str, value: Any) -> None:
         """Raise DistributedError when `value` (JSON-serializable) differs from process 0's."""

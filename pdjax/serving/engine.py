@@ -225,7 +225,7 @@ class ColocatedEngine:
                         self._wait_for_arrival(arrivals)
                         continue
             out, (handle, start) = queue.pop()               # the oldest batch: wait for it, apply it
-            sampled = self.runner.collect(handle)
+            sampled = self.coordinator.collect(self.runner, handle)
             end = self._now()
             finished = sched.update(out, sampled, end)
             self._record(out, sampled, start, end, finished)
@@ -262,7 +262,7 @@ class ColocatedEngine:
             if in_flight is not None:
                 self._overlap += self._now() - host_start
                 out_prev, handle_prev, start_prev, _ = in_flight
-                sampled = self.runner.collect(handle_prev)
+                sampled = self.coordinator.collect(self.runner, handle_prev)
                 end = self._now()
                 it = iter(int(t) for t in sampled if t >= 0)
                 for req, out_idx, all_idx in placeholders:
