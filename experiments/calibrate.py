@@ -24,6 +24,12 @@ distinct padded shapes, each timed right after itself and right after each other
 sleeps of 0.5/2/5/20/50 ms (idle wake), as paired differences; `pdjax.sim.calibration.fit_step_context` turns
 them into CostParams' shape_switch_s and idle_wake_{s,tau_s,fixed_s}, stored with the raw data
 ("step_context") in the profile.
+
+Step noise (`probe_engine_loop`, last): the real engine loop serves a probe workload of its own (not the
+configured one); the fitted model replays its batches (pdjax.sim.replay) and the measured / predicted ratios of
+its steady decode steps become the profile's "step_noise" quantiles, which the simulator samples per step
+(pdjax.sim.step_cost.StepNoise): the engine loop's step times scatter (host work, thread wake-ups, the OS) far
+more than back-to-back timings of one step do, and that scatter is the P99 TBT of a CPU engine.
 Prints JSON: fit errors overall and per batch kind, measurement count, the machine's measured ceilings.
 """
 from __future__ import annotations
@@ -210,6 +216,50 @@ def profile_step_context(runner, outputs, *, rounds: int = 11, gaps=CONTEXT_GAPS
             "rounds": rounds}
 
 
+PROBE_SEED = 9001        # the engine-loop probe's own requests (never the configured workload)
+PROBE_REQUESTS = 32
+PROBE_CONCURRENCY = 2.0  # requests decoding at once, on average (Poisson rate from the measured decode step)
+
+
+def probe_engine_loop(cfg, runner, decode_step_s: float, *, num_requests: int = PROBE_REQUESTS,
+                      seed: int = PROBE_SEED):
+    """Serve a probe workload on the real engine loop (ColocatedEngine, the config's scheduler and async mode);
+    returns (batches, iterations) for pdjax.sim.replay (the step-time noise: `fit_and_save(probe=...)`).
+
+    The probe is independent of the configured workload: prompts uniform in [8, max_len / 2] tokens, outputs
+    uniform in [16, 64], random token ids, Poisson arrivals at PROBE_CONCURRENCY / (mean output x
+    decode_step_s), so a few requests decode at once and most steps are steady decode steps."""
+    import dataclasses
+    import random
+    from pdjax.config.sampling import SamplingParams
+    from pdjax.scheduler import Request, make_scheduler
+    from pdjax.serving.engine import ColocatedEngine
+    from pdjax.sim.replay import ScheduleRecorder
+    if not decode_step_s > 0:
+        raise ValueError(f"probe_engine_loop: decode_step_s={decode_step_s!r}, expected > 0")
+    rng = random.Random(seed)
+    sc = cfg.scheduler
+    max_len = min(sc.max_model_len, runner.buckets.max_pages * runner.page_size)
+    rate = PROBE_CONCURRENCY / (40.0 * decode_step_s)
+    requests, t = [], 0.0
+    for i in range(num_requests):
+        prompt_len = rng.randint(8, max(8, max_len // 2))
+        output_len = max(1, min(rng.randint(16, 64), max_len - prompt_len))
+        prompt = [rng.randrange(1, runner.spec.vocab_size) for _ in range(prompt_len)]
+        requests.append(Request(f"probe{i}", prompt, SamplingParams(max_tokens=output_len), arrival_time=t))
+        t += rng.expovariate(rate)
+    scheduler = make_scheduler(dataclasses.replace(sc, vocab_size=sc.vocab_size or runner.spec.vocab_size))
+    recorder = ScheduleRecorder(scheduler)
+    result = ColocatedEngine(runner, scheduler, async_scheduling=cfg.engine.async_scheduling).run(requests)
+    return recorder.batches, result.iterations
+
+
+def median_decode_step_s(measured) -> float:
+    """The median seconds of the grid's decode-only points ([(kind, SchedulerOutput, seconds)])."""
+    decode = [s for kind, _, s in measured if kind == "decode"]
+    return statistics.median(decode if decode else [s for _, _, s in measured])
+
+
 def merge_step_context(first: dict, second: dict) -> dict:
     """The mean of two `profile_step_context` results of the same compositions (bracketing a real run)."""
     out = {"rounds": first["rounds"] + second["rounds"]}
@@ -286,9 +336,11 @@ def engine_grid(cfg, runner, quick: bool = False):
 
 
 def fit_and_save(cfg, runner, measured, *, repeats: int, out_path: str, profile_s: float = 0.0,
-                 note: str = "", command: str = "", context: dict = None) -> dict:
+                 note: str = "", command: str = "", context: dict = None, probe=None) -> dict:
     """Fit [(kind, SchedulerOutput, seconds)] measured on `runner`, write the sim profile; returns a report.
-    context: `profile_step_context` data; its fitted terms (shape switch, idle wake) go into the profile."""
+    context: `profile_step_context` data; its fitted terms (shape switch, idle wake) go into the profile.
+    probe: [(batches, iterations)] of `probe_engine_loop` runs; the fitted model replays them and the measured /
+    predicted ratios of their steady decode steps become the profile's "step_noise" (pdjax.sim.step_cost)."""
     from pdjax.sim.hardware import get_hardware_spec
     from pdjax.sim.step_cost import padded_shape, save_sim_profile
 
@@ -319,10 +371,23 @@ def fit_and_save(cfg, runner, measured, *, repeats: int, out_path: str, profile_
     extra = {"measurements": raw}
     if context is not None:
         extra["step_context"] = context
+    noise = None
+    if probe:
+        from pdjax.sim.calibration import fit_step_noise
+        from pdjax.sim.replay import replay_steps, step_noise_ratios
+        from pdjax.sim.step_cost import make_step_time
+        step_time = make_step_time(runner.spec, hw, 1, 1, profile.params, padding)   # the fitted model, no noise
+        ratios = [r for batches, iterations in probe
+                  for r in step_noise_ratios(replay_steps(batches, iterations, step_time, padding))]
+        quantiles = fit_step_noise(ratios)
+        noise = {"num_steps": len(ratios), "p50": quantiles[50], "p90": quantiles[90], "p99": quantiles[99]}
+        extra["step_noise"] = {"quantiles": quantiles, "num_steps": len(ratios),
+                               "source": f"engine-loop probe ({len(probe)} run(s) of {PROBE_REQUESTS} requests, "
+                                         "steady decode steps, measured / fitted model)"}
     save_sim_profile(out_path, profile, hardware_spec=hw if hw.kind == "cpu" else None,
                      padding=padding.profile_dict(), extra=extra)
     return {"profile": out_path, "hardware": hw.name, "model": runner.spec.name, "attention_impl": impl,
-            "dense_attention": dense, "step_context": context_terms,
+            "dense_attention": dense, "step_context": context_terms, "step_noise": noise,
             "fit": report, "profiling_s": profile_s,
             "machine_ceiling": {"matmul_flops_fp32": hw.peak_flops_fp32, "memory_bandwidth_bytes_s": hw.hbm_bandwidth},
             "fitted_params": {k: getattr(profile.params, k) for k in profile.fitted}}
@@ -334,8 +399,11 @@ def calibrate(cfg, runner, *, repeats: int, quick: bool, out_path: str, log=None
     measured = profile_engine(runner, engine_grid(cfg, runner, quick), page_size=runner.page_size, repeats=repeats,
                               log=log)
     context = profile_step_context(runner, context_outputs(cfg, runner), rounds=5 if quick else 11, log=log)
+    probe = [probe_engine_loop(cfg, runner, median_decode_step_s(measured))]
+    if log is not None:
+        log(f"calibrate: engine-loop probe served {PROBE_REQUESTS} requests in {len(probe[0][1])} steps")
     return fit_and_save(cfg, runner, measured, repeats=repeats, out_path=out_path,
-                        profile_s=time.perf_counter() - start, context=context)
+                        profile_s=time.perf_counter() - start, context=context, probe=probe)
 
 
 def main(argv):

@@ -17,6 +17,11 @@ measured directly (experiments.calibrate.profile_step_context), before and after
 is also simulated with the same profile and those terms at 0 (<workdir>/seed<N>/sim_no_step_context, the
 report's "without_step_context", the table's "no ctx" line), which is what they buy in the same load conditions.
 
+Step noise: the calibration also serves its own probe workload on the engine loop before and after the real run
+(experiments.calibrate.probe_engine_loop); the measured / predicted ratios of its steady decode steps become the
+profile's step noise, which the simulator samples per step (the table's "no noise" line: the same profile
+without it).
+
 Step replay (the report's "step_replay"): every batch the real engine ran is re-costed with the simulator's step
 time and compared with what the engine measured for it (from its start to the next iteration's start: the
 scheduler, batch building, the device step, collecting and updating), split by what came before it: a step whose
@@ -61,7 +66,6 @@ METRICS = ("ttft.p50", "ttft.p90", "ttft.p99", "tbt.p50", "tbt.p90", "tbt.p99", 
 MUST_HOLD = ("ttft.p50", "tbt.p50", "tbt.p99")     # within 25% (issue 6)
 HEADLINE = ("ttft.p50", "ttft.p99", "tbt.p50", "tbt.p99")   # printed per seed and as the median
 TARGET_METRIC, TARGET = "tbt.p99", 0.10            # issue 12: median over seeds of the P99 TBT error <= 10%
-IDLE_GAP_S = 1e-3                                  # step replay: an engine wait longer than this is "idle"
 STEP_CONTEXT_KEYS = ("shape_switch_s", "idle_wake_s", "idle_wake_fixed_s")   # zeroed: the model without them
 
 
@@ -81,65 +85,17 @@ def compare(real: Dict[str, Any], sim: Dict[str, Any]) -> Dict[str, Dict[str, Op
     return out
 
 
-class _Recorder:
-    """Wraps a scheduler's schedule(): keeps each non-empty batch's composition (new tokens, context before them,
-    is_prefill per sequence), in dispatch order, i.e. one entry per engine iteration."""
-
-    def __init__(self, scheduler):
-        self.batches: List[tuple] = []
-        self._schedule = scheduler.schedule
-        scheduler.schedule = self
-
-    def __call__(self, now):
-        out = self._schedule(now)
-        if not out.is_empty:
-            self.batches.append((tuple(out.num_new_tokens), tuple(out.num_computed_tokens), tuple(out.is_prefill)))
-        return out
-
-
-def _composition_output(batch):
-    from pdjax.scheduler import SchedulerOutput
-    new, ctx, prefill = batch
-    out = SchedulerOutput(step=0)
-    for i, (n, c, p) in enumerate(zip(new, ctx, prefill)):
-        out.req_ids.append(f"r{i}")
-        out.num_new_tokens.append(n)
-        out.num_computed_tokens.append(c)
-        out.is_prefill.append(p)
-        out.do_sample.append(True)
-    return out
-
-
 def step_replay(batches: Sequence[tuple], iterations, step_time, padding) -> Optional[Dict[str, Any]]:
-    """The simulator's step time on every batch the real engine ran vs the engine's own time for it (module
-    docstring): iteration i is measured from its start to the next one's start when the engine went straight on
-    (its end otherwise: the run's last step or one followed by an idle wait). Relative errors (sim − real) / real,
-    overall and per class: 'shape_switch' (padded (T, S, P) differs from the previous step's), 'after_idle' (the
-    engine waited > IDLE_GAP_S for an arrival before it), 'steady' (neither). None when the counts disagree."""
+    """The simulator's step time on every batch the real engine ran vs the engine's own time for it
+    (pdjax.sim.replay.replay_steps: measurement, step context and classes). Relative errors (sim - real) / real,
+    overall and per class ('shape_switch', 'after_idle', 'steady'). None when the counts disagree."""
     import numpy as np
-    from pdjax.sim.step_cost import padded_shape
-    if len(batches) != len(iterations) or not batches:
+    from pdjax.sim.replay import replay_steps
+    try:
+        r = replay_steps(batches, iterations, step_time, padding)
+    except ValueError:
         return None
-    starts = np.array([it.start_time for it in iterations])
-    ends = np.array([it.end_time for it in iterations])
-    next_start = np.r_[starts[1:], np.inf]
-    straight = next_start - ends <= IDLE_GAP_S
-    measured = np.where(straight, next_start - starts, ends - starts)
-    outs = [_composition_output(b) for b in batches]
-    gaps = np.r_[starts[0], starts[1:] - ends[:-1]]
-    idle = np.r_[True, gaps[1:] > IDLE_GAP_S]
-    if getattr(step_time, "takes_context", False):
-        from pdjax.sim.simulator import StepContext
-        # The step context the simulator would give it: the previous batch, and the engine's wait before it
-        # when that was an idle wait (> IDLE_GAP_S; shorter gaps are its own host work, not idle).
-        predicted = np.array([step_time(o, StepContext(outs[i - 1] if i else None,
-                                                       float(gaps[i]) if idle[i] else 0.0))
-                              for i, o in enumerate(outs)])
-    else:
-        predicted = np.array([step_time(o) for o in outs])
-    shapes = [padded_shape(o, padding) if padding is not None else None for o in outs]
-    switch = np.array([i > 0 and shapes[i] != shapes[i - 1] for i in range(len(outs))])
-    err = (predicted - measured) / measured
+    err = (r.predicted - r.measured) / r.measured
 
     def summary(mask):
         e = err[mask]
@@ -148,17 +104,19 @@ def step_replay(batches: Sequence[tuple], iterations, step_time, padding) -> Opt
         return {"num_steps": int(e.size), "median_error": float(np.median(e)),
                 "median_abs_error": float(np.median(np.abs(e))), "p10_error": float(np.percentile(e, 10)),
                 "p90_error": float(np.percentile(e, 90)),
-                "real_median_s": float(np.median(measured[mask])), "sim_median_s": float(np.median(predicted[mask]))}
-    return {"all": summary(np.ones_like(switch)), "steady": summary(~switch & ~idle),
-            "shape_switch": summary(switch & ~idle), "after_idle": summary(idle),
-            "real_step_s_p99": float(np.percentile(measured, 99)), "sim_step_s_p99": float(np.percentile(predicted, 99))}
+                "real_median_s": float(np.median(r.measured[mask])),
+                "sim_median_s": float(np.median(r.predicted[mask]))}
+    return {"all": summary(np.ones_like(r.steady)), "steady": summary(r.steady),
+            "shape_switch": summary(r.shape_switch), "after_idle": summary(r.after_idle),
+            "real_step_s_p99": float(np.percentile(r.measured, 99)),
+            "sim_step_s_p99": float(np.percentile(r.predicted, 99))}
 
 
 def run_fidelity(config_dict: Dict[str, Any], workdir: str, *, profile: str = "", repeats: int = 5,
                  quick: bool = False, log=None) -> Dict[str, Any]:
     """One seed's check (module docstring; the seed is config_dict's); returns the report dict."""
-    from experiments.calibrate import (context_outputs, engine_grid, fit_and_save, merge_step_context,
-                                       profile_engine, profile_step_context)
+    from experiments.calibrate import (context_outputs, engine_grid, fit_and_save, median_decode_step_s,
+                                       merge_step_context, probe_engine_loop, profile_engine, profile_step_context)
     from pdjax.config.serving import serve_config_from_dict
     from pdjax.metrics import write_run_outputs
     from pdjax.scheduler import make_scheduler
@@ -166,7 +124,9 @@ def run_fidelity(config_dict: Dict[str, Any], workdir: str, *, profile: str = ""
     from pdjax.serving.engine import ColocatedEngine
     from pdjax.serving.build import build_runner
     from pdjax.sim.build import build_setup, group_step_time
+    from pdjax.sim.replay import ScheduleRecorder
     from pdjax.sim.run import run_sim
+    from pdjax.sim.step_cost import load_sim_profile
     from pdjax.workload import make_workload
 
     os.makedirs(workdir, exist_ok=True)
@@ -185,6 +145,7 @@ def run_fidelity(config_dict: Dict[str, Any], workdir: str, *, profile: str = ""
         ctx_outputs = context_outputs(cfg, runner)
         ctx_rounds = 5 if quick else 9
         ctx_before = profile_step_context(runner, ctx_outputs, rounds=ctx_rounds, log=log)
+        probe_before = probe_engine_loop(cfg, runner, median_decode_step_s(before))
 
     workload = make_workload(cfg.workload, seed=cfg.seed)
     offline = cfg.engine.mode == "offline"
@@ -194,7 +155,7 @@ def run_fidelity(config_dict: Dict[str, Any], workdir: str, *, profile: str = ""
     if not sched_cfg.vocab_size:   # as run_real
         sched_cfg = dataclasses.replace(sched_cfg, vocab_size=runner.spec.vocab_size)
     scheduler = make_scheduler(sched_cfg)
-    recorder = _Recorder(scheduler)
+    recorder = ScheduleRecorder(scheduler)
     engine = ColocatedEngine(runner, scheduler, async_scheduling=cfg.engine.async_scheduling)
     compiles_before = runner.compile_count
     result = engine.run(requests)
@@ -209,30 +170,36 @@ def run_fidelity(config_dict: Dict[str, Any], workdir: str, *, profile: str = ""
         # averaged, so a load change on a shared machine during the real run is seen half-way, not missed.
         after = profile_engine(runner, grid, page_size=runner.page_size, repeats=repeats, log=log)
         ctx_after = profile_step_context(runner, ctx_outputs, rounds=ctx_rounds, log=log)
+        probe_after = probe_engine_loop(cfg, runner, median_decode_step_s(after))
         measured = [(kind, out, 0.5 * (a + b)) for (kind, out, a), (_, _, b) in zip(before, after)]
         profile = os.path.join(workdir, "profile.json")
         calibration = fit_and_save(cfg, runner, measured, repeats=2 * repeats, out_path=profile,
                                    note=" (before and after the real run)",
                                    command="python -m experiments.sim_fidelity " + " ".join(sys.argv[1:]),
-                                   context=merge_step_context(ctx_before, ctx_after))
+                                   context=merge_step_context(ctx_before, ctx_after),
+                                   probe=[probe_before, probe_after])
         ratios = sorted(b / a for (_, _, a), (_, _, b) in zip(before, after))
         drift = {"median_ratio_after_vs_before": ratios[len(ratios) // 2], "min_ratio": ratios[0],
                  "max_ratio": ratios[-1]}
 
-    def simulate(profile_path, name):
+    def simulate(profile_path, name, noise=True):
         sim_dict = json.loads(json.dumps(config_dict))
         sim_dict["backend"] = "sim"
         sim_dict.setdefault("sim", {})
-        sim_dict["sim"]["profile"] = profile_path
-        sim_dict["sim"]["hardware"] = "host-cpu"
+        sim_dict["sim"].update(profile=profile_path, hardware="host-cpu", step_noise=noise)
         sim_cfg = serve_config_from_dict(sim_dict)
         summary = run_sim(sim_cfg, sim_dict, os.path.join(workdir, name), plots=False)
         setup = build_setup(sim_cfg)
-        return summary, step_replay(recorder.batches, result.iterations, group_step_time(setup, "colocated"),
-                                    setup.padding)
+        return summary, step_replay(recorder.batches, result.iterations,
+                                    group_step_time(setup, "colocated", noise=False), setup.padding)
 
     sim, replay = simulate(profile, "sim")
     metrics = compare(real, sim)
+    # The same profile without its step noise (the deterministic model): what the noise buys.
+    no_noise = None
+    if profile and load_sim_profile(profile).step_noise:
+        sim_nn, _ = simulate(profile, "sim_no_step_noise", noise=False)
+        no_noise = {"metrics": compare(real, sim_nn)}
     # The same profile with the step-context terms at 0 (no shape-switch / idle-wake cost): what they buy.
     no_context = None
     data = json.loads(open(profile).read()) if profile and os.path.isfile(profile) else None
@@ -260,6 +227,7 @@ def run_fidelity(config_dict: Dict[str, Any], workdir: str, *, profile: str = ""
         "load_drift": drift,
         "step_replay": replay,
         "without_step_context": no_context,
+        "without_step_noise": no_noise,
         "workdir": workdir,
     }
 
@@ -296,10 +264,12 @@ def format_table(result: Dict[str, Any]) -> str:
         cells = "  ".join(f"{pct(m[k]['rel_error']):>13}" for k in HEADLINE)
         vals = ", ".join(f"{k} {1e3 * m[k]['real']:.2f}->{1e3 * m[k]['sim']:.2f}" for k in HEADLINE)
         lines.append(f"{r['seed']:<6}  {cells}   {vals}")
-        if r.get("without_step_context"):
-            m0 = r["without_step_context"]["metrics"]
-            cells0 = "  ".join(f"{pct(m0[k]['rel_error']):>13}" for k in HEADLINE)
-            lines.append(f"{'  no ctx':<6}  {cells0}   (same profile, step-context terms at 0)")
+        for key, label, what in (("without_step_noise", "  no noise", "same profile, no step noise"),
+                                 ("without_step_context", "  no ctx", "same profile, step-context terms at 0")):
+            if r.get(key):
+                m0 = r[key]["metrics"]
+                cells0 = "  ".join(f"{pct(m0[k]['rel_error']):>13}" for k in HEADLINE)
+                lines.append(f"{label:<6}  {cells0}   ({what})")
     med = result["summary"]["median_rel_error"]
     lines.append("median  " + "  ".join(f"{pct(med[k]):>13}" for k in HEADLINE))
     t = result["summary"]["target"]

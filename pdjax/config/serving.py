@@ -85,12 +85,15 @@ class SimConfig:
     num_pages: KV pages per instance (a group's deployment.<group>.num_pages wins). 0 = automatic: from the cost
       model's KV capacity (memory minus params and activations, `gpu_memory_utilization` of HBM) at the group's
       pp/tp on a GPU/TPU, scheduler.num_pages on host-cpu (what the CPU engine allocates). > 0 = exactly this many.
+    step_noise: multiply every simulated step by a factor drawn from the profile's measured step-time noise, when
+      it has one (CPU calibrations do, GPU profiles do not; pdjax.sim.step_cost.StepNoise, seeded by `seed`).
     """
     hardware: str = "a100-80gb-sxm"
     profile: str = ""
     model: str = ""
     num_pages: int = 0
     gpu_memory_utilization: float = 0.9
+    step_noise: bool = True
 
     def __post_init__(self):
         if not isinstance(self.num_pages, int) or self.num_pages < 0:

@@ -27,7 +27,8 @@ Rules (each chosen so a simulated run answers "what would the real engine do wit
   the cost model's KV capacity at the group's tp/pp (`kv_cache_capacity_tokens` with gpu_memory_utilization,
   activations for its token_budget and max_num_seqs) in pages; else (host-cpu) `scheduler.num_pages` as given,
   which is what the CPU engine allocates.
-- Step time: `make_step_time(model, hardware, tp, pp, params, padding)` of the group.
+- Step time: `make_step_time(model, hardware, tp, pp, params, padding, noise)` of the group (noise: the
+  profile's StepNoise, seeded by the run's seed and the role, when sim.step_noise).
 - Disaggregated KV links: from the instances' devices (pdjax.sim.disagg.kv_link), mixed instances' included;
   transfers on one link are serialized. `disaggregated_kwargs(setup, instances)`: the keyword arguments of
   simulate_disaggregated for a built setup (kv_bytes_of, router, serialize_transfers, the mixed pool).
@@ -40,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import zlib
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from pdjax.config.buckets import engine_buckets
@@ -54,7 +56,8 @@ from pdjax.sim.cost_model import CostParams, kv_bytes, kv_cache_capacity_tokens
 from pdjax.sim.disagg import DisaggSimInstance, kv_link, make_transfer_time
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 from pdjax.sim.simulator import SimInstance
-from pdjax.sim.step_cost import EnginePadding, SimProfile, load_sim_profile, make_step_time, padding_from_profile
+from pdjax.sim.step_cost import (EnginePadding, SimProfile, StepNoise, load_sim_profile, make_step_time,
+                                 padding_from_profile)
 
 DISAGG_BASE_POLICIES = ("sarathi", "prefill_only", "decode_only")
 
@@ -93,6 +96,8 @@ class SimSetup:
     serialize_transfers: bool = True
     mixed_prefill_queue_tokens: int = 8192     # deployment's mixed-pool thresholds (read with a 'mixed' group)
     mixed_decode_load: float = 1.0
+    step_noise: Tuple[float, ...] = ()         # the profile's StepNoise quantiles when sim.step_noise (else ())
+    seed: int = 0                              # the run's seed: seeds the step noise
 
     # The colocated group's parts, for the common one-group case.
     def _colocated(self) -> GroupSetup:
@@ -221,13 +226,20 @@ def build_setup(cfg) -> SimSetup:
     return SimSetup(model=model, hardware=hw, params=params, profile=profile_name, kind=dep.kind,
                     router=dep.router, groups=groups, async_scheduling=bool(cfg.engine.async_scheduling),
                     mixed_prefill_queue_tokens=dep.mixed_prefill_queue_tokens,
-                    mixed_decode_load=float(dep.mixed_decode_load))
+                    mixed_decode_load=float(dep.mixed_decode_load),
+                    step_noise=profile.step_noise if profile is not None and cfg.sim.step_noise else (),
+                    seed=int(cfg.seed))
 
 
 # --------------------------------------------------------------------------------------------------- parts
-def group_step_time(setup: SimSetup, role: str) -> Callable[[Any], float]:
+def group_step_time(setup: SimSetup, role: str, noise: bool = True) -> Callable[[Any], float]:
+    """The step time of `role`'s instances; with the setup's step noise (seeded by the run's seed and the role)
+    unless noise=False (the deterministic model, e.g. to compare with measured steps)."""
     g = setup.groups[role]
-    return make_step_time(setup.model, setup.hardware, g.tp, g.pp, setup.params, g.padding)
+    step_noise = None
+    if noise and setup.step_noise:
+        step_noise = StepNoise(setup.step_noise, seed=zlib.crc32(f"{setup.seed}/{role}".encode()))
+    return make_step_time(setup.model, setup.hardware, g.tp, g.pp, setup.params, g.padding, step_noise)
 
 
 def build_instances(setup: SimSetup) -> Dict[str, List[Any]]:

@@ -236,6 +236,21 @@ def fit_cost_params(measurements: Iterable[tuple[BatchComposition, float]], mode
 
 # --------------------------------------------------------------------------------------------------- step context
 STEP_CONTEXT_PARAMS = ("shape_switch_s", "idle_wake_s", "idle_wake_tau_s", "idle_wake_fixed_s")
+STEP_NOISE_QUANTILES = 101     # values at probabilities 0, 0.01, ..., 1
+MIN_NOISE_STEPS = 100
+
+
+def fit_step_noise(ratios: Sequence[float], num_quantiles: int = STEP_NOISE_QUANTILES) -> list[float]:
+    """The StepNoise quantiles (pdjax.sim.step_cost) of measured / predicted step seconds: the empirical
+    distribution at `num_quantiles` evenly spaced probabilities 0..1. Raises ValueError for fewer than
+    MIN_NOISE_STEPS ratios (a tail needs samples) or a non-positive one."""
+    r = np.asarray(list(ratios), float)
+    if r.size < MIN_NOISE_STEPS:
+        raise ValueError(f"fit_step_noise: {r.size} step ratios, expected at least {MIN_NOISE_STEPS} (a probe "
+                         "that ran too few steady decode steps)")
+    if not np.all(r > 0):
+        raise ValueError(f"fit_step_noise: ratios must be > 0, got min {float(r.min())!r}")
+    return [float(x) for x in np.quantile(r, np.linspace(0.0, 1.0, num_quantiles))]
 
 
 def fit_step_context(switch_deltas: Sequence[float], idle_deltas: Sequence[tuple[float, float]],

@@ -35,6 +35,13 @@ the previous step's SchedulerOutput and the idle seconds before this step; `take
 (only with padding), the idle-wake terms after an idle gap. With those CostParams at 0 (the default, every GPU
 profile) the context is ignored and the time is bit-identical to the context-free one.
 
+Step noise: a host-CPU profile may carry "step_noise" ({"quantiles": [...], ...}: the engine loop's measured /
+predicted step seconds on steady decode steps of a calibration probe, at evenly spaced probabilities 0..1;
+experiments.calibrate). With it (and sim.step_noise on), every simulated step is multiplied by a factor drawn
+i.i.d. from that distribution (`StepNoise`, seeded by the run's seed, so a run is still deterministic): the
+deterministic model has the right median but no tail, and the P99 TBT of a CPU engine is its step-time tail.
+GPU profiles carry none.
+
 Pipeline parallelism (pp > 1): `make_step_time` returns a `PipelineStepTime`, whose `stage_times(out)` gives the
 seconds of each stage (its layers only, `cost_model.stage_times`) and of each activation send; the simulator
 runs the stages as resources with up to pp batches in flight, so bubbles come out of the schedule (the old
@@ -50,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import random
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 from pdjax.config.buckets import Buckets
@@ -254,6 +262,36 @@ class _ContextCost:
         return cm.context_time(self.params, switched, ctx.idle_s)
 
 
+class StepNoise:
+    """Multiplicative step-time noise (module docstring): `noise()` draws a factor from the empirical
+    distribution given by `quantiles` (values at probabilities 0, 1/(n-1), ..., 1; linear in between) with its own
+    seeded generator. Raises ValueError for fewer than two quantiles, a decreasing or a non-positive one."""
+
+    def __init__(self, quantiles: Sequence[float], seed: int = 0):
+        q = tuple(float(x) for x in quantiles)
+        check_step_noise(q)
+        self.quantiles = q
+        self._rng = random.Random(seed)
+
+    def __call__(self) -> float:
+        q = self.quantiles
+        u = self._rng.random() * (len(q) - 1)
+        i = int(u)
+        if i >= len(q) - 1:
+            return q[-1]
+        return q[i] + (q[i + 1] - q[i]) * (u - i)
+
+
+def check_step_noise(quantiles: Sequence[float]) -> None:
+    q = list(quantiles)
+    if len(q) < 2:
+        raise ValueError(f"step_noise quantiles: {len(q)} given, expected at least 2 (probabilities 0..1)")
+    if any(not x > 0 for x in q):
+        raise ValueError(f"step_noise quantiles must be > 0 (step-time factors), got min {min(q)!r}")
+    if any(b < a for a, b in zip(q, q[1:])):
+        raise ValueError("step_noise quantiles must be non-decreasing (values at increasing probabilities)")
+
+
 class PipelineStepTime:
     """The step time of a pp-stage instance (module docstring): `stage_times(out, ctx=None) -> (per-stage
     seconds, per-boundary send seconds)` for the simulator's stage resources; calling it returns one batch's
@@ -263,10 +301,11 @@ class PipelineStepTime:
     takes_context = True
 
     def __init__(self, model: ModelSpec, hw: HardwareSpec, tp: int, pp: int, params: CostParams,
-                 padding: Optional[EnginePadding] = None):
+                 padding: Optional[EnginePadding] = None, noise: Optional[StepNoise] = None):
         self.model, self.hw, self.tp, self.pp, self.params, self.padding = model, hw, tp, pp, params, padding
         self._per_seq = cm.per_seq_host_s(params, tp * pp)
         self._context = _ContextCost(params, padding)
+        self.noise = noise
 
     def stage_times(self, out, ctx=None) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
         if self.padding is not None:
@@ -280,9 +319,12 @@ class PipelineStepTime:
             extra = 0.0
         if self._context.active:
             extra += self._context(out, ctx)
-        if extra == 0.0 and self.padding is None:
-            return stages, sends
-        return (stages[0] + extra,) + stages[1:], sends
+        if extra != 0.0 or self.padding is not None:
+            stages = (stages[0] + extra,) + tuple(stages[1:])
+        if self.noise is not None:   # one draw per batch, on every stage
+            f = self.noise()
+            stages = tuple(f * t for t in stages)
+        return stages, sends
 
     def __call__(self, out, ctx=None) -> float:
         stages, sends = self.stage_times(out, ctx)
@@ -297,11 +339,12 @@ class StepTime:
     pp = 1
 
     def __init__(self, model: ModelSpec, hw: HardwareSpec, tp: int, params: CostParams,
-                 padding: Optional[EnginePadding]):
+                 padding: Optional[EnginePadding], noise: Optional[StepNoise] = None):
         self.params, self.padding = params, padding
         self._cost = CachedIterationTime(model, hw, tp, params)
         self._per_seq = cm.per_seq_host_s(params, tp)
         self._context = _ContextCost(params, padding)
+        self.noise = noise
 
     def base(self, out) -> float:
         """The step's own seconds (no step context)."""
@@ -313,24 +356,24 @@ class StepTime:
         return self._cost(compact_composition(out))
 
     def __call__(self, out, ctx=None) -> float:
-        if self._context.active:
-            return self.base(out) + self._context(out, ctx)
-        return self.base(out)
+        t = self.base(out) + self._context(out, ctx) if self._context.active else self.base(out)
+        return t * self.noise() if self.noise is not None else t
 
 
 def make_step_time(model: ModelSpec, hw: HardwareSpec, tp: int = 1, pp: int = 1,
-                   params: Optional[CostParams] = None, padding: Optional[EnginePadding] = None
-                   ) -> Callable[[Any], float]:
+                   params: Optional[CostParams] = None, padding: Optional[EnginePadding] = None,
+                   noise: Optional[StepNoise] = None) -> Callable[[Any], float]:
     """A `(SchedulerOutput, ctx=None) -> seconds` function (the simulator's step_time): the cost model on the
     output's composition, padded as the engine pads it when `padding` is given, plus the step-context cost
     (`cost_model.context_time`: shape switch, idle wake) when a StepContext `ctx` is given (the simulator passes
     one: it has `takes_context`). pp > 1: a `PipelineStepTime` (per-stage times; the simulator pipelines batches,
-    so bubbles come from the simulated stage schedule)."""
+    so bubbles come from the simulated stage schedule). noise: a StepNoise multiplying every step (module
+    docstring); None: deterministic."""
     params = CostParams() if params is None else params
     _plan(model, hw, tp, pp)   # validate the layout now, not at the first step
     if pp > 1:
-        return PipelineStepTime(model, hw, tp, pp, params, padding)
-    return StepTime(model, hw, tp, params, padding)
+        return PipelineStepTime(model, hw, tp, pp, params, padding, noise)
+    return StepTime(model, hw, tp, params, padding, noise)
 
 
 # --------------------------------------------------------------------------------------------------- profiles
@@ -342,6 +385,7 @@ class SimProfile:
     machine: MachineProfile
     hardware_spec: Optional[HardwareSpec] = None     # frozen spec (host-cpu calibrations)
     padding: Optional[dict] = None                   # {"dense_attention": bool[, "attention": str, "decode_keys"]}
+    step_noise: Tuple[float, ...] = ()               # StepNoise quantiles (host-cpu calibrations; () = none)
 
 
 def padding_from_profile(padding: dict, buckets: Buckets, page_size: int) -> EnginePadding:
@@ -363,7 +407,14 @@ def load_sim_profile(path_or_name) -> SimProfile:
         if unknown:
             raise ValueError(f"profile {str(path_or_name)!r}: unknown padding keys {unknown}; expected some of "
                              f"{list(PADDING_KEYS)}")
-    return SimProfile(machine=machine, hardware_spec=HardwareSpec(**spec) if spec else None, padding=padding)
+    noise = tuple(float(x) for x in (data.get("step_noise") or {}).get("quantiles", ()))
+    if noise:
+        try:
+            check_step_noise(noise)
+        except ValueError as e:
+            raise ValueError(f"profile {str(path_or_name)!r}: {e}") from None
+    return SimProfile(machine=machine, hardware_spec=HardwareSpec(**spec) if spec else None, padding=padding,
+                      step_noise=noise)
 
 
 def save_sim_profile(path, machine: MachineProfile, hardware_spec: Optional[HardwareSpec] = None,
