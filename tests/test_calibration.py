@@ -168,7 +168,8 @@ def test_fit_cost_params_rejects_bad_input():
 def test_shipped_host_cpu_profile_follows_the_blocked_engine():
     """host-cpu is fitted on the CPU engine as it runs now: blocked attention (decodes by the longest context
     of the kernel's pass, not dense over the page bucket), the engine's one page bucket, the step-context terms
-    (shape switch, idle wake) measured directly, with its provenance and raw measurements."""
+    (shape switch, idle wake) measured directly, the engine loop's step noise, with its provenance and raw
+    measurements."""
     from pdjax.sim.step_cost import load_sim_profile
     profile = load_sim_profile(cal.PROFILES_DIR / "host-cpu.json")
     assert profile.padding == {"dense_attention": False, "attention": "blocked", "decode_keys": 128}
@@ -177,7 +178,12 @@ def test_shipped_host_cpu_profile_follows_the_blocked_engine():
     assert profile.machine.fit["num_measurements"] >= 50 and profile.machine.fit["median_rel_error"] < 0.2
     p = profile.machine.params
     assert set(cal.STEP_CONTEXT_PARAMS) <= set(profile.machine.fitted)
-    # Sub-millisecond to about a millisecond each on this engine (what the direct measurements show).
-    assert 0 < p.shape_switch_s < 2e-3 and 0 < p.idle_wake_s + p.idle_wake_fixed_s < 3e-3
-    raw = json.loads((cal.PROFILES_DIR / "host-cpu.json").read_text())["step_context"]
-    assert raw["switch"] and raw["idle"]
+    # At most about a millisecond each on this engine (what the direct measurements show; a shape switch measured
+    # 0.2-0.4 ms on a loaded machine and nothing on a quiet one, where the profile was last fitted).
+    assert 0 <= p.shape_switch_s < 2e-3 and 0 < p.idle_wake_s + p.idle_wake_fixed_s < 3e-3
+    data = json.loads((cal.PROFILES_DIR / "host-cpu.json").read_text())
+    assert data["step_context"]["switch"] and data["step_context"]["idle"]
+    # The engine loop's step noise, from the calibration probe: a factor distribution around 1 with a tail.
+    q = profile.step_noise
+    assert len(q) == 101 and data["step_noise"]["num_steps"] >= 100
+    assert 0.8 < q[50] < 1.3 and q[99] > q[50]
