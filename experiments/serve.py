@@ -84,6 +84,13 @@ def main(argv):
     except DistributedError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    except cli.UserError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        if not settings.multi:
+            raise
+        from pdjax.serving.distributed import end_after_failure  # noqa: PLC0415
+        end_after_failure(e)     # one line naming the dead peer (or this failure), exit 1
     if _DIGEST_DIR.value:
         coordinator.write_digest(_DIGEST_DIR.value)
     if not coordinator.is_main:

@@ -34,10 +34,20 @@ steps' collectives. Faults end the run within about `timeout_s` (flag --distribu
 results.json (process 0 writes only after the 'served' barrier, which every process must reach):
 - a process cannot reach the coordinator at start-up: it exits 1 with "error: process I of N: could not join
   the run at ADDR within T s" (a watchdog, because jax's client would abort unnamed at its deadline);
-- a process dies mid-run: the coordination service misses its heartbeats (heartbeat_timeout_seconds=timeout_s)
-  and terminates every other process (jax's client aborts it: exit status -6 / SIGABRT, its log naming the
-  task, e.g. "The following tasks are unhealthy (stopped sending heartbeats): 1"; a Python callback cannot be
-  installed in its place on jax 0.10.2: the client's missed_heartbeat_callback fails with std::bad_cast);
+- a process dies (or hangs) mid-run: `PeerWatchdog` (started by `initialize`) has every process bump its own
+  heartbeat key in the coordination service each timeout_s / 10 and watch everyone else's; a peer whose key has
+  not moved for timeout_s ends this process with exit 1 and "error: process I of N: process J sent no heartbeat
+  for T s (it died or hangs); ending the run" (lost contact with the coordination service itself, i.e. process
+  0 died: "error: process I of N: lost the coordinator at ADDR (process 0) for T s"). jax's own heartbeat
+  timeout is set to 2 x timeout_s + 10 s, so ours fires first (jax's would abort with SIGABRT and no name of
+  ours; a Python callback cannot be installed in its place on jax 0.10.2: missed_heartbeat_callback fails with
+  std::bad_cast). A process that passed the end-of-serving barrier marks itself done (`Coordinator.done`), so
+  peers finishing at different times are not mistaken for dead ones;
+- the step of a process fails (usually a collective or transfer whose peer just died: "Gloo all-reduce failed:
+  Connection closed by peer"): the entry point calls `end_after_failure`, which marks the process failed (its
+  peers end at their next look, naming it), waits up to timeout_s for the watchdog to name a dead peer, and
+  ends with one line (the dead peer's, with what this process saw) and exit 1 without jax's shutdown barrier
+  (which would wait for the dead peer and then abort);
 - a process waiting in the coordinator (`agree`, `barrier`) for longer than timeout_s raises `DistributedError`
   naming itself and the process it waited for; the entry point exits 1.
 KV transfers between instances on different processes go through `pdjax.serving.kv_transfer.transfer_kv` like any
@@ -56,7 +66,8 @@ import json
 import os
 import sys
 import threading
-from typing import Any, Dict, List, Optional
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -161,12 +172,131 @@ def initialize(settings: DistributedSettings) -> None:
     try:
         jax.distributed.initialize(settings.coordinator_address, num_processes=settings.num_processes,
                                    process_id=settings.process_id, initialization_timeout=timeout + 2,
-                                   heartbeat_timeout_seconds=timeout, shutdown_timeout_seconds=timeout)
+                                   heartbeat_timeout_seconds=2 * timeout + 10, shutdown_timeout_seconds=timeout)
     except Exception as e:   # noqa: BLE001  (XlaRuntimeError and friends)
         raise DistributedError(f"{message}: {str(e).splitlines()[0][:300]}") from e
     finally:
         watchdog.cancel()
     _INITIALIZED = settings
+    global _PEER_WATCHDOG
+    from jax._src import distributed as jax_distributed  # noqa: PLC0415
+    _PEER_WATCHDOG = PeerWatchdog(settings, jax_distributed.global_state.client)
+    _PEER_WATCHDOG.start()
+
+
+def _fatal(message: str) -> None:
+    """One error line, then end the process at once (other threads may be blocked inside JAX)."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+    os._exit(1)
+
+
+class PeerWatchdog:
+    """Every process bumps `pdjax/alive/<id>` in the coordination service and watches everyone else's (module
+    docstring). `on_dead(message)` ends the process (default: one error line, exit 1); `clock` and the interval
+    are injectable for tests. `done()` marks this process finished (peers stop watching it) and stops the
+    threads."""
+
+    def __init__(self, settings: DistributedSettings, client, *, on_dead: Callable[[str], None] = _fatal,
+                 clock: Callable[[], float] = time.monotonic, interval_s: Optional[float] = None):
+        self.settings, self.client, self.on_dead, self.clock = settings, client, on_dead, clock
+        self.interval_s = interval_s if interval_s is not None else max(0.05, settings.timeout_s / 10)
+        self._stop = threading.Event()
+        self._beats = 0
+        self._seen: Dict[int, Tuple[str, float]] = {}   # peer -> (last value, when it last changed)
+        self._lost_since: Optional[float] = None
+        self.peers_finished = False
+        self._thread: Optional[threading.Thread] = None
+
+    def _key(self, process_id: int) -> str:
+        return f"pdjax/alive/{process_id}"
+
+    def beat(self) -> None:
+        self._beats += 1
+        self.client.key_value_set(self._key(self.settings.process_id), str(self._beats), allow_overwrite=True)
+
+    def check(self, beat: bool = True) -> Optional[str]:
+        """One look at every peer: the error message when one failed, or one (or the service) is gone for
+        timeout_s, else None. Peers that are done, or ended because of another, are not watched."""
+        s, now = self.settings, self.clock()
+        me = f"process {s.process_id} of {s.num_processes}"
+        try:
+            if beat:
+                self.beat()
+            values = {}
+            for peer in range(s.num_processes):
+                if peer != s.process_id:
+                    try:
+                        values[peer] = self.client.key_value_try_get(self._key(peer))
+                    except Exception:  # noqa: BLE001  (not set yet: a peer still starting)
+                        values[peer] = ""
+        except Exception:  # noqa: BLE001  (the coordination service is unreachable)
+            self._lost_since = now if self._lost_since is None else self._lost_since
+            if now - self._lost_since >= s.timeout_s:
+                return f"{me}: lost the coordinator at {s.coordinator_address} (process 0) for {s.timeout_s:g} s"
+            return None
+        self._lost_since = None
+        self.peers_finished = all(v in ("done", "ended") for v in values.values())
+        for peer, value in values.items():
+            if value.startswith("failed"):
+                return f"{me}: process {peer} {value}; ending the run"
+            last = self._seen.get(peer)
+            if last is None or value != last[0]:
+                self._seen[peer] = (value, now)
+            elif value not in ("done", "ended") and now - last[1] >= s.timeout_s:
+                return f"{me}: process {peer} sent no heartbeat for {s.timeout_s:g} s (it died or hangs); ending the run"
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            message = self.check()
+            if message is not None and not self._stop.is_set():
+                self.done("ended")      # peers looking for the culprit skip this process
+                self.on_dead(message)
+                return
+
+    def start(self) -> None:
+        self.beat()
+        self._thread = threading.Thread(target=self._run, name="pdjax-peer-watchdog", daemon=True)
+        self._thread.start()
+
+    def done(self, state: str = "done") -> None:
+        self._stop.set()
+        try:
+            self.client.key_value_set(self._key(self.settings.process_id), state, allow_overwrite=True)
+        except Exception:  # noqa: BLE001  (the run is over either way)
+            pass
+
+    def find_dead_peer(self) -> Optional[str]:
+        """After this process failed (its key says so, it beats no more): keep checking for up to timeout_s for
+        a dead or failed peer; its message, or None once every peer ended (they saw this failure) or kept
+        beating to the end."""
+        deadline = self.clock() + self.settings.timeout_s + 2 * self.interval_s
+        while self.clock() < deadline:
+            message = self.check(beat=False)
+            if message is not None or self.peers_finished:
+                return message
+            time.sleep(self.interval_s)
+        return None
+
+
+_PEER_WATCHDOG: Optional[PeerWatchdog] = None
+
+
+def end_after_failure(error: BaseException) -> None:
+    """A multi-process run failed in this process with `error` (typically a collective or a transfer whose peer
+    died: "Gloo all-reduce failed: Connection closed by peer"). Tell the peers (they end at once, naming this
+    process), name the dead peer when the watchdog finds one within timeout_s, print one error line and end the
+    process with exit 1 at once: jax's shutdown barrier at exit would wait for the dead peer and then abort."""
+    s = _INITIALIZED
+    cause = " ".join(str(error).split())[:300] or type(error).__name__
+    if s is None or _PEER_WATCHDOG is None:
+        _fatal(cause)
+        return
+    watchdog = _PEER_WATCHDOG
+    watchdog.done(f"failed ({cause})")
+    dead = watchdog.find_dead_peer()
+    _fatal(f"{dead} [this process saw: {cause}]" if dead else f"process {s.process_id} of {s.num_processes}: {cause}")
 
 
 def schedule_digest_line(instance: str, out) -> str:
@@ -207,6 +337,9 @@ class Coordinator:
 
     def barrier(self, name: str) -> None:
         """Return once every process reached `name`."""
+
+    def done(self) -> None:
+        """This process is past the end-of-serving barrier: the peer watchdog stops watching it (and it others)."""
 
     def collect(self, runner, handle):
         """`runner.collect(handle)` (int32[num_seqs] sampled ids) on every process. The ids live on the runner's
@@ -287,6 +420,10 @@ class DistributedCoordinator(Coordinator):
         except Exception as e:  # noqa: BLE001
             raise self._fail(f"waiting for process {source}'s value {key}", e) from e
         return json.loads(text)
+
+    def done(self) -> None:
+        if _PEER_WATCHDOG is not None:
+            _PEER_WATCHDOG.done()
 
     def barrier(self, name: str) -> None:
         n = self._barriers.get(name, 0)

@@ -109,6 +109,7 @@ def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str, *, wor
     if bar is not None:
         bar.close()
     coordinator.barrier("served")    # every process finished serving (a dead one fails this): results may go out
+    coordinator.done()               # processes may now end at different times (pdjax.serving.distributed)
     during = compiles.since(warm_mark)
     info = {
         "backend": "real", "deployment": cfg.deployment.kind, "policy": cfg.scheduler.policy,
