@@ -40,15 +40,30 @@ def _serve_cmd(args, workdir, *extra):
 
 
 
-@pytest.fixture(scope="module")
-def single_process_tokens(tmp_path_factory):
-    """Greedy tokens of the same workload in one process (8 CPU devices, tp2 on devices [3, 4])."""
-    workdir = tmp_path_factory.mktemp("single") / "run"
+def _serve_single(args, workdir):
+    """Greedy tokens of `args` served in one process with 8 CPU devices (the deployments' global indices)."""
     env = {**BASE_ENV, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    out = subprocess.run(_serve_cmd(TP_ACROSS, workdir), cwd=REPO, env=env, capture_output=True, text=True,
+    out = subprocess.run(_serve_cmd(args, workdir), cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=RUN_TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads((workdir / "outputs.json").read_text())
+
+
+def _serve_across(args, tmp_path, expected_tokens):
+    """Serve `args` on 2 processes x 4 devices; check the tokens and that both processes took the same
+    schedule; returns results.json."""
+    workdir, digests = tmp_path / "run", tmp_path / "digests"
+    run_all(_serve_cmd(args, workdir, f"--schedule_digest_dir={digests}", "--distributed_timeout_s=60"), 2, tmp_path)
+    assert json.loads((workdir / "outputs.json").read_text()) == expected_tokens
+    _check_identical_schedules(digests)
+    assert sorted(os.listdir(digests)) == ["schedule_p0.json", "schedule_p1.json"]
+    return json.loads((workdir / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def single_process_tokens(tmp_path_factory):
+    """Greedy tokens of the same workload in one process (8 CPU devices, tp2 on devices [3, 4])."""
+    return _serve_single(TP_ACROSS, tmp_path_factory.mktemp("single") / "run")
 
 
 def _check_identical_schedules(digest_dir):
@@ -57,16 +72,10 @@ def _check_identical_schedules(digest_dir):
 
 
 def test_tp_across_two_processes_matches_single_process(tmp_path, single_process_tokens):
-    workdir, digests = tmp_path / "run", tmp_path / "digests"
-    run_all(_serve_cmd(TP_ACROSS, workdir, f"--schedule_digest_dir={digests}", "--distributed_timeout_s=60"),
-             2, tmp_path)
-    assert json.loads((workdir / "outputs.json").read_text()) == single_process_tokens
-    _check_identical_schedules(digests)
-    results = json.loads((workdir / "results.json").read_text())
+    results = _serve_across(TP_ACROSS, tmp_path, single_process_tokens)
     assert results["engine"]["num_processes"] == 2
     (inst,) = results["engine"]["instances"].values()
     assert inst["tp"] == 2 and len(inst["devices"]) == 2
-    assert sorted(os.listdir(digests)) == ["schedule_p0.json", "schedule_p1.json"]
 
 
 PP_ACROSS = ["--config.deployment.colocated.pp=2", "--config.deployment.colocated.devices=(3,4)"]
@@ -79,17 +88,8 @@ SWAP_PRESSURE = ["--config.scheduler.num_pages=10", "--config.scheduler.preempti
 def test_pipeline_stages_on_two_processes_match_single_process_with_swap(tmp_path):
     """pp2 with stage 0 on process 0 and stage 1 on process 1: the last stage's ids are read by process 1 and
     agreed; swapped pages are copied by the process holding each stage. Same tokens as one process."""
-    env = {**BASE_ENV, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    single = subprocess.run(_serve_cmd(PP_ACROSS + SWAP_PRESSURE, tmp_path / "single"), cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=RUN_TIMEOUT)
-    assert single.returncode == 0, single.stderr[-3000:]
-    workdir, digests = tmp_path / "run", tmp_path / "digests"
-    run_all(_serve_cmd(PP_ACROSS + SWAP_PRESSURE, workdir, f"--schedule_digest_dir={digests}",
-                       "--distributed_timeout_s=60"), 2, tmp_path)
-    assert (json.loads((workdir / "outputs.json").read_text())
-            == json.loads((tmp_path / "single" / "outputs.json").read_text()))
-    _check_identical_schedules(digests)
-    results = json.loads((workdir / "results.json").read_text())
+    tokens = _serve_single(PP_ACROSS + SWAP_PRESSURE, tmp_path / "single")
+    results = _serve_across(PP_ACROSS + SWAP_PRESSURE, tmp_path, tokens)
     assert results["num_preemptions"] > 0, "no swap happened: the test lost its KV pressure"
     (inst,) = results["engine"]["instances"].values()
     assert inst["pp"] == 2
@@ -97,12 +97,7 @@ def test_pipeline_stages_on_two_processes_match_single_process_with_swap(tmp_pat
 
 @pytest.mark.slow
 def test_disaggregated_across_two_processes_matches_single_process(tmp_path, single_process_tokens):
-    workdir, digests = tmp_path / "run", tmp_path / "digests"
-    run_all(_serve_cmd(DISAGG_ACROSS, workdir, f"--schedule_digest_dir={digests}", "--distributed_timeout_s=60"),
-             2, tmp_path)
-    assert json.loads((workdir / "outputs.json").read_text()) == single_process_tokens
-    _check_identical_schedules(digests)
-    results = json.loads((workdir / "results.json").read_text())
+    results = _serve_across(DISAGG_ACROSS, tmp_path, single_process_tokens)
     assert results["engine"]["kv_transfer"]["num_transfers"] > 0
 
 
