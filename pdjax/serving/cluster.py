@@ -84,8 +84,6 @@ import dataclasses
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-import numpy as np
-
 from pdjax.metrics import IterationRecord, request_record
 from pdjax.scheduler import BatchQueue, Request
 from pdjax.scheduler.instances import ROLE_POLICIES, ROLES, check_instance
