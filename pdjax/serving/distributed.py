@@ -288,15 +288,14 @@ def end_after_failure(error: BaseException) -> None:
     died: "Gloo all-reduce failed: Connection closed by peer"). Tell the peers (they end at once, naming this
     process), name the dead peer when the watchdog finds one within timeout_s, print one error line and end the
     process with exit 1 at once: jax's shutdown barrier at exit would wait for the dead peer and then abort."""
-    s = _INITIALIZED
+    s, watchdog = _INITIALIZED, _PEER_WATCHDOG
     cause = " ".join(str(error).split())[:300] or type(error).__name__
-    if s is None or _PEER_WATCHDOG is None:
-        _fatal(cause)
-        return
-    watchdog = _PEER_WATCHDOG
-    watchdog.done(f"failed ({cause})")
-    dead = watchdog.find_dead_peer()
-    _fatal(f"{dead} [this process saw: {cause}]" if dead else f"process {s.process_id} of {s.num_processes}: {cause}")
+    dead = None
+    if watchdog is not None:
+        watchdog.done(f"failed ({cause})")
+        dead = watchdog.find_dead_peer()
+    me = f"process {s.process_id} of {s.num_processes}" if s is not None else "this process"
+    _fatal(f"{dead} [this process saw: {cause}]" if dead else f"{me}: {cause}")
 
 
 def schedule_digest_line(instance: str, out) -> str:
@@ -345,8 +344,10 @@ class Coordinator:
         """`runner.collect(handle)` (int32[num_seqs] sampled ids) on every process. The ids live on the runner's
         `output_devices` (its mesh; a pipeline's last stage): when those are not on every process, the lowest
         process holding them reads them and the others get its value (`agree`), so every scheduler sees them."""
+        if self.num_processes == 1:
+            return runner.collect(handle)
         procs = sorted({d.process_index for d in getattr(runner, "output_devices", ())})
-        if self.num_processes == 1 or not procs or len(procs) == self.num_processes:
+        if not procs or len(procs) == self.num_processes:
             return runner.collect(handle)
         local = runner.collect(handle) if self.process_id == procs[0] else None
         ids = self.agree(None if local is None else [int(x) for x in local], source=procs[0])
