@@ -86,10 +86,12 @@ SWAP_PRESSURE = ["--config.scheduler.num_pages=10", "--config.scheduler.preempti
 
 
 def test_pipeline_stages_on_two_processes_match_single_process_with_swap(tmp_path):
-    """pp2 with stage 0 on process 0 and stage 1 on process 1: the last stage's ids are read by process 1 and
-    agreed; swapped pages are copied by the process holding each stage. Same tokens as one process."""
-    tokens = _serve_single(PP_ACROSS + SWAP_PRESSURE, tmp_path / "single")
-    results = _serve_across(PP_ACROSS + SWAP_PRESSURE, tmp_path, tokens)
+    """pp2 with stage 0 on process 0 and stage 1 on process 1, serving the trained orbax checkpoint (each process
+    restores it onto its own device): the last stage's ids are read by process 1 and agreed; swapped pages are
+    copied by the process holding each stage. Same tokens as one process."""
+    args = PP_ACROSS + SWAP_PRESSURE + ["--config.model.checkpoint=checkpoints/tiny-byte"]
+    tokens = _serve_single(args, tmp_path / "single")
+    results = _serve_across(args, tmp_path, tokens)
     assert results["num_preemptions"] > 0, "no swap happened: the test lost its KV pressure"
     (inst,) = results["engine"]["instances"].values()
     assert inst["pp"] == 2

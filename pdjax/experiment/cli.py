@@ -9,13 +9,15 @@
   (checkpoint steps, "Unable to initialize backend 'tpu'") stays out of the output; our tables, progress bars
   and warnings remain.
 - One line per user error: a bad --config override (a typo'd key, a value of the wrong type) or a `UserError`
-  raised by main prints `error: ...` on stderr and exits with status 2, never a traceback. Anything else is a
+  raised by main prints `error: ...` on stderr and exits with status 2 at once (`fail`), never a traceback (nor
+  the "Event loop is closed" noise of a failed orbax read: `ignore_closed_loop_callbacks`). Anything else is a
   bug and keeps its traceback.
 """
 from __future__ import annotations
 
 import ast
 import logging as py_logging
+import os
 import sys
 from typing import Callable, NoReturn, Optional
 
@@ -42,8 +44,26 @@ def one_line(error: BaseException) -> str:
 
 
 def fail(error: BaseException | str) -> NoReturn:
+    """Print the one-line error and end the process with EXIT_USER_ERROR at once: without interpreter shutdown,
+    where the threads of a failed orbax/TensorStore read print "Event loop is closed" tracebacks after our line
+    (and a multi-process run would wait in jax's shutdown barrier)."""
     print(f"error: {error if isinstance(error, str) else one_line(error)}", file=sys.stderr)
-    sys.exit(EXIT_USER_ERROR)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_USER_ERROR)
+
+
+def ignore_closed_loop_callbacks() -> None:
+    """After a failed orbax read, TensorStore's pending reads still call back into the checkpointer's event loop,
+    which the failure closed: each prints "RuntimeError: Event loop is closed" (an unraisable exception) around
+    the one-line error the user should see. Drop exactly those; everything else goes to the previous hook."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not (isinstance(unraisable.exc_value, RuntimeError)
+                and str(unraisable.exc_value) == "Event loop is closed"):
+            previous(unraisable)
+    sys.unraisablehook = hook
 
 
 def quiet_logging() -> None:
@@ -53,6 +73,9 @@ def quiet_logging() -> None:
     py_logging.getLogger().setLevel(max(py_logging.WARNING, logging.get_absl_logger().getEffectiveLevel()))
     for noisy in ("jax._src.xla_bridge", "absl", "orbax", "orbax.checkpoint"):
         py_logging.getLogger(noisy).setLevel(py_logging.WARNING)
+    # pdjax runs no asyncio of its own; orbax's reads that a failed restore abandons are logged by asyncio as
+    # "Task exception was never retrieved" after the one-line error.
+    py_logging.getLogger("asyncio").setLevel(py_logging.CRITICAL)
 
 
 def define_config_file(name: str, default: Optional[str], help_string: str):
@@ -72,6 +95,7 @@ def run(main: Callable) -> None:
     def wrapped(argv):
         started.append(True)
         quiet_logging()
+        ignore_closed_loop_callbacks()
         try:
             return main(argv)
         except UserError as e:

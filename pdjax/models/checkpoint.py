@@ -357,7 +357,10 @@ def restore_params(directory) -> Tuple[ModelSpec, LlamaParams]:
         with ocp.StandardCheckpointer() as ckptr:
             meta = ckptr.metadata(directory / ORBAX_SUBDIR)
             tree = getattr(meta, "item_metadata", meta)
-            abstract = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
+            # Onto this process's first device (the runner shards from there): the sharding stored at save time
+            # names the saver's device, which another process of a multi-process run does not have.
+            local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            abstract = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=local), tree)
             restored = ckptr.restore(directory / ORBAX_SUBDIR, abstract)
     except Exception as e:  # noqa: BLE001  (orbax/TensorStore raise plain Exception, ValueError, JSON errors)
         raise _corrupt(directory, f"restoring {ORBAX_SUBDIR}/ with orbax", e) from e
