@@ -44,10 +44,10 @@ results.json (process 0 writes only after the 'served' barrier, which every proc
   std::bad_cast). A process that passed the end-of-serving barrier marks itself done (`Coordinator.done`), so
   peers finishing at different times are not mistaken for dead ones;
 - the step of a process fails (usually a collective or transfer whose peer just died: "Gloo all-reduce failed:
-  Connection closed by peer"): the entry point calls `end_after_failure`, which marks the process failed (its
-  peers end at their next look, naming it), waits up to timeout_s for the watchdog to name a dead peer, and
-  ends with one line (the dead peer's, with what this process saw) and exit 1 without jax's shutdown barrier
-  (which would wait for the dead peer and then abort);
+  Connection closed by peer"): the entry point calls `end_after_failure`, which prints what this process saw
+  ("error: process I of N: CAUSE"), marks the process failed (its peers end at their next look, naming it),
+  waits up to timeout_s for the watchdog to name a dead peer (a second line, "error: ... process J sent no
+  heartbeat ..."), and exits 1 without jax's shutdown barrier (which would wait for the dead peer and abort);
 - a process waiting in the coordinator (`agree`, `barrier`) for longer than timeout_s raises `DistributedError`
   naming itself and the process it waited for; the entry point exits 1.
 KV transfers between instances on different processes go through `pdjax.serving.kv_transfer.transfer_kv` like any
@@ -290,12 +290,17 @@ def end_after_failure(error: BaseException) -> None:
     process with exit 1 at once: jax's shutdown barrier at exit would wait for the dead peer and then abort."""
     s, watchdog = _INITIALIZED, _PEER_WATCHDOG
     cause = " ".join(str(error).split())[:300] or type(error).__name__
-    dead = None
+    me = f"process {s.process_id} of {s.num_processes}" if s is not None else "this process"
+    # This process's own failure first: the wait below can be cut short (process 0 ending takes the coordination
+    # service with it, and jax's client then aborts this process).
+    sys.stderr.write(f"error: {me}: {cause}\n")
+    sys.stderr.flush()
     if watchdog is not None:
         watchdog.done(f"failed ({cause})")
         dead = watchdog.find_dead_peer()
-    me = f"process {s.process_id} of {s.num_processes}" if s is not None else "this process"
-    _fatal(f"{dead} [this process saw: {cause}]" if dead else f"{me}: {cause}")
+        if dead:
+            _fatal(dead)
+    os._exit(1)
 
 
 def schedule_digest_line(instance: str, out) -> str:
