@@ -377,13 +377,18 @@ def fit_and_save(cfg, runner, measured, *, repeats: int, out_path: str, profile_
         from pdjax.sim.replay import replay_steps, step_noise_ratios
         from pdjax.sim.step_cost import make_step_time
         step_time = make_step_time(runner.spec, hw, 1, 1, profile.params, padding)   # the fitted model, no noise
-        ratios = [r for batches, iterations in probe
-                  for r in step_noise_ratios(replay_steps(batches, iterations, step_time, padding))]
-        quantiles = fit_step_noise(ratios)
-        noise = {"num_steps": len(ratios), "p50": quantiles[50], "p90": quantiles[90], "p99": quantiles[99]}
-        extra["step_noise"] = {"quantiles": quantiles, "num_steps": len(ratios),
-                               "source": f"engine-loop probe ({len(probe)} run(s) of {PROBE_REQUESTS} requests, "
-                                         "steady decode steps, measured / fitted model)"}
+        try:
+            ratios = [r for batches, iterations in probe
+                      for r in step_noise_ratios(replay_steps(batches, iterations, step_time, padding))]
+            quantiles = fit_step_noise(ratios)
+        except ValueError as e:   # too few steady decode steps: a profile without noise, and the reason
+            noise = {"skipped": str(e)}
+            print(f"calibrate: no step noise in the profile: {e}", file=sys.stderr)
+        else:
+            noise = {"num_steps": len(ratios), "p50": quantiles[50], "p90": quantiles[90], "p99": quantiles[99]}
+            extra["step_noise"] = {"quantiles": quantiles, "num_steps": len(ratios),
+                                   "source": f"engine-loop probe ({len(probe)} run(s) of {PROBE_REQUESTS} "
+                                             "requests, steady decode steps, measured / fitted model)"}
     save_sim_profile(out_path, profile, hardware_spec=hw if hw.kind == "cpu" else None,
                      padding=padding.profile_dict(), extra=extra)
     return {"profile": out_path, "hardware": hw.name, "model": runner.spec.name, "attention_impl": impl,
