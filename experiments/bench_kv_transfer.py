@@ -255,7 +255,7 @@ def cross_process(ceiling: dict, reps: int, quick: bool, devices_per_process: in
     with each case's fraction of `ceiling`; {"error": ...} when the run fails or times out."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, os.path.join(repo, "launch"))
-    from local import end_processes, free_port, process_env  # noqa: PLC0415
+    from local import end_processes, free_port, process_env, wait_processes  # noqa: PLC0415
     base = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
@@ -270,11 +270,7 @@ def cross_process(ceiling: dict, reps: int, quick: bool, devices_per_process: in
                                                                                        devices_per_process)},
                                           stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
         try:
-            while any(p.poll() is None for p in procs) and time.perf_counter() - start < timeout_s:
-                if any(p.poll() not in (None, 0) for p in procs):
-                    break
-                time.sleep(0.2)
-            codes = [p.poll() for p in procs]
+            codes = wait_processes(procs, timeout_s, poll_s=0.2)
         finally:
             end_processes(procs, 0.0)
         wall = time.perf_counter() - start

@@ -25,7 +25,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 
 def free_port() -> int:
@@ -68,6 +68,17 @@ def end_processes(procs: Sequence[subprocess.Popen], grace: float) -> None:
         p.wait()
 
 
+def wait_processes(procs: Sequence[subprocess.Popen], timeout: float, poll_s: float = 0.05) -> List[Optional[int]]:
+    """Wait until every process exited 0, one exited non-zero, or `timeout` seconds passed; the exit codes then
+    (None: still running). Ends nothing: pair with end_processes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in procs]
+        if any(c not in (None, 0) for c in codes) or all(c == 0 for c in codes) or time.monotonic() > deadline:
+            return codes
+        time.sleep(poll_s)
+
+
 def launch(command: Sequence[str], n: int, port: int, devices: int, timeout: float, grace: float) -> int:
     procs: List[subprocess.Popen] = []
 
@@ -80,24 +91,20 @@ def launch(command: Sequence[str], n: int, port: int, devices: int, timeout: flo
         for i in range(n):
             env = {**os.environ, **process_env(dict(os.environ), i, n, port, devices)}
             procs.append(subprocess.Popen(list(command), env=env, start_new_session=True))
-        deadline = time.monotonic() + timeout
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                i, code = failed[0]
-                end_processes(procs, grace)
-                print(f"launch/local.py: process {i} of {n} exited with status {code}; ended the others",
-                      file=sys.stderr)
-                return code if 0 < code < 256 else 1
-            if all(c == 0 for c in codes):
-                return 0
-            if time.monotonic() > deadline:
-                running = [i for i, c in enumerate(codes) if c is None]
-                end_processes(procs, grace)
-                print(f"launch/local.py: timed out after {timeout:g} s; ended processes {running}", file=sys.stderr)
-                return 124
-            time.sleep(0.05)
+        codes = wait_processes(procs, timeout)
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            i, code = failed[0]
+            end_processes(procs, grace)
+            print(f"launch/local.py: process {i} of {n} exited with status {code}; ended the others",
+                  file=sys.stderr)
+            return code if 0 < code < 256 else 1
+        if all(c == 0 for c in codes):
+            return 0
+        running = [i for i, c in enumerate(codes) if c is None]
+        end_processes(procs, grace)
+        print(f"launch/local.py: timed out after {timeout:g} s; ended processes {running}", file=sys.stderr)
+        return 124
     except BaseException:
         end_processes(procs, grace)
         raise

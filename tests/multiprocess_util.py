@@ -5,11 +5,10 @@ import os
 import pathlib
 import subprocess
 import sys
-import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "launch"))
-from local import end_processes, free_port, process_env  # noqa: E402
+from local import end_processes, free_port, process_env, wait_processes  # noqa: E402
 
 BASE_ENV = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
 RUN_TIMEOUT = 240
@@ -30,13 +29,8 @@ def start(cmd, n, tmp_path, devices=4):
 def run_all(cmd, n, tmp_path, timeout=RUN_TIMEOUT, devices=4):
     """start(), wait until all exit (or one fails, or the timeout), end them; assert every exit code is 0."""
     procs = start(cmd, n, tmp_path, devices)
-    deadline = time.monotonic() + timeout
     try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.poll() not in (None, 0) for p in procs):
-                break
-            time.sleep(0.2)
-        codes = [p.poll() for p in procs]
+        codes = wait_processes(procs, timeout, poll_s=0.2)
     finally:
         end_processes(procs, 0.0)
     logs = [(tmp_path / f"p{i}.log").read_text()[-3000:] for i in range(n)]
