@@ -27,7 +27,7 @@ Used by configs/sweeps/sarathi_ablation_paper.py, configs/sim/capacity_paper.py 
     python -m experiments.serve --config=configs/sim/paper_base.py:yi34b-arxiv --workdir=/tmp/yi_arxiv
 """
 
-from pdjax.config.files import config_file, shared_trace
+from pdjax.config.files import config_file, replay_trace_lengths, shared_trace
 
 
 MODELS = {
@@ -70,18 +70,9 @@ def get_config(arg="yi34b"):
     # Ignored by the simulator (sim.num_pages = 0 sizes the KV cache from A100 memory); validation wants it to hold
     # one max-length request.
     c.scheduler.num_pages = 2 * t["max_model_len"] // c.scheduler.page_size
-    c.workload.kind = "trace"
-    c.workload.preset = ""
-    c.workload.trace_path = trace_path(trace)
-    c.workload.trace_start = 0
+    replay_trace_lengths(c.workload, trace_path(trace), num_requests=128)
     c.workload.arrival = "poisson"
     c.workload.rate = t["rate"]
-    c.workload.num_requests = 128
-    c.workload.vocab_size = 32000
-    c.workload.prompt_source = "random"
-    c.workload.fit_to_model = False
-    c.workload.scale = 1.0
-    c.workload.max_output_len = 0
     c.slo.ttft = 0.0
     c.slo.tbt = 0.0
     c.slo.tpot = 0.0

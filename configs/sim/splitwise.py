@@ -27,7 +27,7 @@ SLOs (our choice, ~5x the unloaded figures): TTFT 2 s, TBT 0.2 s.
 results.json "engine" / "mixed_pool" lists every change of phase of the mixed machines.
 """
 
-from pdjax.config.files import config_file, shared_trace
+from pdjax.config.files import config_file, replay_trace_lengths, shared_trace
 
 
 MACHINES = {"aa": "a100-80gb-sxm", "hh": "h100-sxm"}
@@ -51,18 +51,9 @@ def get_config(arg="aa-code"):
     c.scheduler.max_num_seqs = 256
     c.scheduler.max_model_len = 16384          # every row of both traces fits (conv's longest: 14089 tokens)
     c.scheduler.num_pages = 2048               # ignored: sim.num_pages = 0 sizes every KV cache from GPU memory
-    c.workload.kind = "trace"
-    c.workload.preset = ""
-    c.workload.trace_path = shared_trace(t["file"])
-    c.workload.trace_start = 0
+    replay_trace_lengths(c.workload, shared_trace(t["file"]), num_requests=1000)
     c.workload.arrival = "trace"               # the trace's own arrival times, scaled
     c.workload.trace_time_scale = t["time_scale"]
-    c.workload.num_requests = 1000
-    c.workload.vocab_size = 32000
-    c.workload.prompt_source = "random"
-    c.workload.fit_to_model = False
-    c.workload.scale = 1.0
-    c.workload.max_output_len = 0
     c.slo.ttft = 2.0
     c.slo.tbt = 0.2
     c.slo.tpot = 0.0

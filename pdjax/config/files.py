@@ -61,3 +61,19 @@ def shared_trace(name: str) -> str:
     """Absolute path of a trace in the team's shared folder (../shared/data/traces beside the repository), so
     config files that replay one work from any working directory."""
     return os.path.join(SHARED_TRACES_DIR, name)
+
+
+def replay_trace_lengths(workload, path: str, num_requests: int) -> None:
+    """Set a config's `workload` block to replay the first `num_requests` rows of the trace at `path` with their
+    own prompt and output lengths (random token ids from a 32000-token vocabulary, nothing rescaled or capped).
+    Arrivals stay the caller's choice (`workload.arrival`: the trace's own times, or Poisson at a rate)."""
+    workload.kind = "trace"
+    workload.preset = ""
+    workload.trace_path = path
+    workload.trace_start = 0
+    workload.num_requests = num_requests
+    workload.vocab_size = 32000
+    workload.prompt_source = "random"
+    workload.fit_to_model = False
+    workload.scale = 1.0
+    workload.max_output_len = 0
