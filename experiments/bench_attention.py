@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from experiments.ceilings import measure_ceilings, time_fn
+from pdjax.runtime.ceilings import measure_ceilings, time_fn
 from pdjax.experiment import cli
 from pdjax.kernels import reference
 

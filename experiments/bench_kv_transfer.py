@@ -55,7 +55,7 @@ import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from experiments.ceilings import host_copy_rate  # noqa: E402
+from pdjax.runtime.ceilings import host_copy_rate  # noqa: E402
 from pdjax.experiment import cli  # noqa: E402
 from pdjax.models.llama import KVCache  # noqa: E402
 from pdjax.runtime.mesh import make_mesh  # noqa: E402

@@ -190,7 +190,7 @@ def sim_table(num_requests: int = 256, rate: float = 1.0, seed: int = 0) -> dict
     from pdjax.config.scheduler import SchedulerConfig
     from pdjax.metrics import summarize_run
     from pdjax.scheduler import make_scheduler, request_from_workload
-    from pdjax.sim.calibration import load_profile
+    from pdjax.sim.profile import load_profile
     from pdjax.sim.cost_model import kv_cache_capacity_tokens
     from pdjax.sim.hardware import get_hardware_spec
     from pdjax.sim.simulator import SimInstance, simulate

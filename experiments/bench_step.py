@@ -2,7 +2,7 @@
 
 Prints JSON: for each attention implementation in --impls (side by side, same run, same ceilings), decode step
 time at batch 1/8/32/128 x context 128/1024 and prefill chunk time at 128/512/2048 tokens (one sequence from
-position 0), beside the machine's measured memory bandwidth and f32 matmul rate (`experiments/ceilings.py`, on
+position 0), beside the machine's measured memory bandwidth and f32 matmul rate (`pdjax/runtime/ceilings.py`, on
 the JAX device, measured before and after the points; the higher of the two counts, since other jobs on a shared
 machine only lower a measurement). Each entry has its roofline time and ratio = roofline / measured (1.0 = at
 the ceiling): decode is bytes moved (all weights + the KV read for the context + the KV written) over
@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from experiments.ceilings import measure_ceilings
+from pdjax.runtime.ceilings import measure_ceilings
 from pdjax.config.model_specs import get_model_spec
 from pdjax.kernels import ATTENTION_IMPLS
 from pdjax.models.llama import init_params

@@ -20,7 +20,7 @@ Token counts (written down, checked by tests/test_bench_throughput.py):
     fed_tokens       = sum over steps of the tokens fed = P * (L + N - 1) without preemption
                        (prefill_tokens_fed + decode_tokens_fed; the last output token is never fed back)
 Roofline: per executed step, max(FLOPs / matmul rate, bytes / copy bandwidth) with the ceilings measured in the
-same run (`experiments/ceilings.py`, before and after serving, the higher of the two: load from other jobs on a
+same run (`pdjax/runtime/ceilings.py`, before and after serving, the higher of the two: load from other jobs on a
 shared machine only lowers a measurement), summed over the steps; ratio = roofline_s / serving_s (1.0 = at the ceiling).
 FLOPs = 2 * non-embedding params * fed tokens + causal attention (4 * layers * q_heads * head_dim per
 query-key pair: each query token at position p sees p + 1 keys) + 2 * embedding params per sequence (lm_head
@@ -37,7 +37,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from experiments.ceilings import measure_ceilings
+from pdjax.runtime.ceilings import measure_ceilings
 from pdjax.config.buckets import engine_buckets
 from pdjax.config.model_specs import ModelSpec
 from pdjax.config.sampling import SamplingParams

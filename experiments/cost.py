@@ -32,7 +32,7 @@ def define_flags() -> None:
 def run(model: str, hardware: str, tp: int, pp: int, batches: list[str], profile: str = "a100",
         microbatches: int = 1) -> dict:
     from pdjax.config import get_model_spec  # noqa: PLC0415
-    from pdjax.sim.calibration import load_profile  # noqa: PLC0415
+    from pdjax.sim.profile import load_profile  # noqa: PLC0415
     from pdjax.sim.cost_model import BatchComposition, CostParams, iteration_time  # noqa: PLC0415
     from pdjax.sim.hardware import get_hardware_spec  # noqa: PLC0415
 

@@ -1,14 +1,34 @@
-"""Fit the A100 machine profile and write pdjax/sim/profiles/a100.json: an alias of
-`python -m experiments.fit_profile --hardware=a100` (see experiments/fit_profile.py for what is fitted on what).
+"""Fit the A100 machine profile and write pdjax/sim/profiles/a100.json: `python -m experiments.fit_profile
+--hardware=a100` under its own name (pdjax.sim.calibration.fit_operator_profile says what is fitted on what).
 
 python -m experiments.fit_a100 [--profiling_dir=../shared/data/profiling] [--out=pdjax/sim/profiles/a100.json]
 """
-import sys
+from __future__ import annotations
 
-from experiments import fit_profile
+import json
+import pathlib
+
+from absl import flags
+
 from pdjax.experiment import cli
+from pdjax.sim.calibration import fit_operator_profile, operator_fit_summary
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("hardware", "a100", "Profile to fit: 'a100' (the default here) or 'h100'.")
+flags.DEFINE_string("profiling_dir", str(pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "profiling"),
+                    "Directory with a100/, h100/ and network/ CSVs (see its SOURCES.md).")
+flags.DEFINE_string("out", "", "Profile JSON to write (default pdjax/sim/profiles/<hardware>.json).")
+flags.DEFINE_bool("evaluate_only", False, "Only print the errors of the shipped profile (and the 'before' one).")
+
+
+def main(argv):
+    del argv
+    try:
+        report = fit_operator_profile(FLAGS.hardware, FLAGS.profiling_dir, FLAGS.out, FLAGS.evaluate_only)
+    except ValueError as e:
+        raise cli.UserError(str(e)) from None
+    print(json.dumps(operator_fit_summary(report), indent=1))
+
 
 if __name__ == "__main__":
-    fit_profile.define_flags()
-    sys.argv.insert(1, "--hardware=a100")   # a later --hardware on the command line still wins
-    cli.run(fit_profile.main)
+    cli.run(main)

@@ -6,19 +6,19 @@ simulation, compare the latency metrics; three seeds by default, and the median 
     python -m experiments.sim_fidelity --profile=pdjax/sim/profiles/host-cpu.json   # skip calibration
 
 Per seed (`run_fidelity`): build the real engine's runner for the config (the same `build_runner` run_real uses)
-and compile its buckets; unless --profile is given, time experiments.calibrate's grid on that runner; serve the
-workload (the config with that seed) on the real engine (ColocatedEngine, as run_real does) into
+and compile its buckets; unless --profile is given, time the calibration grid (pdjax.runtime.probe) on that
+runner; serve the workload (the config with that seed) on the real engine (ColocatedEngine, as run_real does) into
 <workdir>/seed<N>/real; unless --profile, time the grid again and fit the profile on each point's mean of the two
 medians (bracketing: on a shared machine other jobs change step times over minutes, and the real run sits between
 the two timings); simulate the same config, seed and workload with the profile into <workdir>/seed<N>/sim.
 The calibration never sees the served workload (it times synthetic batch compositions), so each seed's run is a
 validation, not a fit. The step-context terms (shape switch, idle wake: pdjax.sim.cost_model.context_time) are
-measured directly (experiments.calibrate.profile_step_context), before and after the real run as well; each seed
+measured directly (pdjax.runtime.probe.profile_step_context), before and after the real run as well; each seed
 is also simulated with the same profile and those terms at 0 (<workdir>/seed<N>/sim_no_step_context, the
 report's "without_step_context", the table's "no ctx" line), which is what they buy in the same load conditions.
 
 Step noise: the calibration also serves its own probe workload on the engine loop before and after the real run
-(experiments.calibrate.probe_engine_loop); the measured / predicted ratios of its steady decode steps become the
+(pdjax.experiment.calibrate.probe_engine_loop); the measured / predicted ratios of its steady decode steps become the
 profile's step noise, which the simulator samples per step (the table's "no noise" line: the same profile
 without it).
 
@@ -115,8 +115,9 @@ def step_replay(batches: Sequence[tuple], iterations, step_time, padding) -> Opt
 def run_fidelity(config_dict: Dict[str, Any], workdir: str, *, profile: str = "", repeats: int = 5,
                  quick: bool = False, log=None) -> Dict[str, Any]:
     """One seed's check (module docstring; the seed is config_dict's); returns the report dict."""
-    from experiments.calibrate import (context_outputs, engine_grid, fit_and_save, median_decode_step_s,
-                                       merge_step_context, probe_engine_loop, profile_engine, profile_step_context)
+    from pdjax.experiment.calibrate import fit_and_save, probe_engine_loop
+    from pdjax.runtime.probe import context_outputs, engine_grid, profile_engine, profile_step_context
+    from pdjax.sim.calibration import median_decode_step_s, merge_step_context
     from pdjax.config.serving import serve_config_from_dict
     from pdjax.metrics import write_run_outputs
     from pdjax.scheduler import make_scheduler
@@ -126,7 +127,7 @@ def run_fidelity(config_dict: Dict[str, Any], workdir: str, *, profile: str = ""
     from pdjax.sim.build import build_setup, group_step_time
     from pdjax.sim.replay import ScheduleRecorder
     from pdjax.sim.run import run_sim
-    from pdjax.sim.step_cost import load_sim_profile
+    from pdjax.sim.profile import load_profile
     from pdjax.workload import make_workload
 
     os.makedirs(workdir, exist_ok=True)
@@ -197,7 +198,7 @@ def run_fidelity(config_dict: Dict[str, Any], workdir: str, *, profile: str = ""
     metrics = compare(real, sim)
     # The same profile without its step noise (the deterministic model): what the noise buys.
     no_noise = None
-    if profile and load_sim_profile(profile).step_noise:
+    if profile and load_profile(profile).step_noise:
         sim_nn, _ = simulate(profile, "sim_no_step_noise", noise=False)
         no_noise = {"metrics": compare(real, sim_nn)}
     # The same profile with the step-context terms at 0 (no shape-switch / idle-wake cost): what they buy.

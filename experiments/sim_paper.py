@@ -55,7 +55,7 @@ def _load_config(rel_path: str, arg: str):
 
 def _a100(model: str, tp: int):
     from pdjax.config.model_specs import get_model_spec
-    from pdjax.sim.calibration import load_profile
+    from pdjax.sim.profile import load_profile
     from pdjax.sim.hardware import get_hardware_spec
     return get_model_spec(model), get_hardware_spec("a100-80gb-pcie"), tp, load_profile("a100").params
 

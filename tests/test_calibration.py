@@ -10,13 +10,14 @@ from pdjax.config import get_model_spec
 from pdjax.sim import calibration as cal
 from pdjax.sim.cost_model import BatchComposition, CostParams, iteration_time
 from pdjax.sim.hardware import get_hardware_spec
+from pdjax.sim.profile import PROFILES_DIR, SCHEMA, Profile, load_profile, save_profile
 
 A100 = get_hardware_spec("a100-80gb-sxm")
 
 
 # ------------------------------------------------------------------------------------------------ profile files
 def test_shipped_a100_profile_loads_and_is_plausible():
-    profile = cal.load_profile("a100")
+    profile = load_profile("a100")
     p = profile.params
     assert profile.hardware == "a100-80gb-sxm"
     assert set(profile.fitted) >= {"gemm_flops_efficiency", "gemm_bandwidth_efficiency", "comm_bandwidth_efficiency"}
@@ -27,19 +28,40 @@ def test_shipped_a100_profile_loads_and_is_plausible():
 
 
 def test_profile_round_trip_and_errors(tmp_path):
-    profile = cal.MachineProfile(hardware="h100-sxm", params=CostParams(gemm_flops_efficiency=0.6),
-                                 fitted=("gemm_flops_efficiency",), fit={"median_rel_error": 0.05}, source="test")
+    profile = Profile(hardware="h100-sxm", params=CostParams(gemm_flops_efficiency=0.6),
+                      fitted=("gemm_flops_efficiency",), fit={"median_rel_error": 0.05}, source="test")
     path = tmp_path / "h100.json"
-    cal.save_profile(path, profile)
-    assert cal.load_profile(path) == profile
+    save_profile(path, profile)
+    assert load_profile(path) == profile
     data = json.loads(path.read_text())
-    assert data["schema"] == cal.SCHEMA
+    assert data["schema"] == SCHEMA
     data["schema"] = "something/v0"
     path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="schema='something/v0'"):
-        cal.load_profile(path)
+    with pytest.raises(ValueError, match="h100.json.*schema='something/v0'"):
+        load_profile(path)
     with pytest.raises(ValueError, match="not found; shipped profiles: \\[.*'a100'"):
-        cal.load_profile("b300")
+        load_profile("b300")
+
+
+@pytest.mark.parametrize("name", ["a100", "h100", "host-cpu"])
+def test_a_profile_loads_the_same_by_name_and_by_path(name):
+    """One loader: a shipped name and its file's path give equal profiles, with everything the file holds."""
+    by_name, by_path = load_profile(name), load_profile(PROFILES_DIR / f"{name}.json")
+    assert by_name == by_path and by_name.path == by_path.path
+    data = json.loads((PROFILES_DIR / f"{name}.json").read_text())
+    assert (by_name.padding is None) == ("padding" not in data)
+    assert len(by_name.step_noise) == len((data.get("step_noise") or {}).get("quantiles", ()))
+    assert (by_name.hardware_spec is None) == ("hardware_spec" not in data)
+    # Nothing dropped, nothing added (but the CostParams fields newer than the file, at their defaults).
+    assert by_name.to_dict() == {**data, "cost_params": {**CostParams().to_dict(), **data["cost_params"]}}
+
+
+def test_profile_save_is_atomic_and_round_trips_every_key(tmp_path):
+    shipped = load_profile("host-cpu")
+    path = tmp_path / "copy.json"
+    save_profile(path, shipped)
+    assert load_profile(path) == shipped and json.loads(path.read_text()) == shipped.to_dict()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.json"]     # no temporary left behind
 
 
 # ------------------------------------------------------------------------------------------------ Vidur A100 data
@@ -65,7 +87,7 @@ def test_vidur_loader_shapes(vidur):
 
 
 def test_shipped_a100_fit_reproduces_the_measurements(vidur):
-    params = cal.load_profile("a100").params
+    params = load_profile("a100").params
     out = cal.predict_operators(vidur, params, A100, get_hardware_spec("a100-80gb-pcie"))
     measured = {"gemm": vidur.gemm, "elementwise": vidur.elementwise, "attention_prefill": vidur.prefill,
                 "attention_decode": vidur.decode, "allreduce": vidur.allreduce}
@@ -85,7 +107,7 @@ def test_shipped_a100_fit_reproduces_the_measurements(vidur):
 
 def test_sanity_points_from_sources_md(vidur):
     """SOURCES.md: Llama-2-7B TP1 mlp_up_proj is ~3.365 ms at 4096 tokens and ~0.116 ms at 1 token."""
-    params = cal.load_profile("a100").params
+    params = load_profile("a100").params
     m = get_model_spec("llama-2-7b")
     up = dict(k=m.hidden_size, m=2 * m.intermediate_size)
     from pdjax.sim import cost_model as cm
@@ -100,7 +122,7 @@ def test_refit_from_scratch_matches_the_shipped_profile(shared_data):
     output is what is shipped (the fit is deterministic)."""
     params, report = cal.fit_vidur_a100(shared_data / "profiling")
     assert report["overall"]["median_rel_error"] < 0.10
-    shipped = cal.load_profile("a100").params
+    shipped = load_profile("a100").params
     assert params.gemm_flops_efficiency == pytest.approx(shipped.gemm_flops_efficiency, rel=0.02)
 
 
@@ -170,18 +192,17 @@ def test_shipped_host_cpu_profile_follows_the_blocked_engine():
     of the kernel's pass, not dense over the page bucket), the engine's one page bucket, the step-context terms
     (shape switch, idle wake) measured directly, the engine loop's step noise, with its provenance and raw
     measurements."""
-    from pdjax.sim.step_cost import load_sim_profile
-    profile = load_sim_profile(cal.PROFILES_DIR / "host-cpu.json")
+    profile = load_profile(PROFILES_DIR / "host-cpu.json")
     assert profile.padding == {"dense_attention": False, "attention": "blocked", "decode_keys": 128}
-    assert "blocked attention" in profile.machine.source and "pages=(64,)" in profile.machine.source
-    assert profile.machine.command and profile.hardware_spec is not None
-    assert profile.machine.fit["num_measurements"] >= 50 and profile.machine.fit["median_rel_error"] < 0.2
-    p = profile.machine.params
-    assert set(cal.STEP_CONTEXT_PARAMS) <= set(profile.machine.fitted)
+    assert "blocked attention" in profile.source and "pages=(64,)" in profile.source
+    assert profile.command and profile.hardware_spec is not None
+    assert profile.fit["num_measurements"] >= 50 and profile.fit["median_rel_error"] < 0.2
+    p = profile.params
+    assert set(cal.STEP_CONTEXT_PARAMS) <= set(profile.fitted)
     # At most about a millisecond each on this engine (what the direct measurements show; a shape switch measured
     # 0.2-0.4 ms on a loaded machine and nothing on a quiet one, where the profile was last fitted).
     assert 0 <= p.shape_switch_s < 2e-3 and 0 < p.idle_wake_s + p.idle_wake_fixed_s < 3e-3
-    data = json.loads((cal.PROFILES_DIR / "host-cpu.json").read_text())
+    data = json.loads((PROFILES_DIR / "host-cpu.json").read_text())
     assert data["step_context"]["switch"] and data["step_context"]["idle"]
     # The engine loop's step noise, from the calibration probe: a factor distribution around 1 with a tail.
     q = profile.step_noise

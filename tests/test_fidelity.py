@@ -105,13 +105,14 @@ def test_fidelity_must_hold(tmp_path):
 def test_calibration_without_enough_probe_steps_writes_a_profile_without_noise(tmp_path):
     """A probe that ran too few steady decode steps (here: none) leaves the noise out, says why, and the profile
     still loads (deterministic steps)."""
-    from experiments.calibrate import engine_grid, fit_and_save, profile_engine
+    from pdjax.experiment.calibrate import fit_and_save
+    from pdjax.runtime.probe import engine_grid, profile_engine
     from pdjax.config.serving import serve_config_from_dict
     from pdjax.serving.build import build_runner
-    from pdjax.sim.step_cost import load_sim_profile
+    from pdjax.sim.profile import load_profile
     cfg = serve_config_from_dict({**fidelity_config("small"), "backend": "real"})
     runner = build_runner(cfg)
     measured = profile_engine(runner, engine_grid(cfg, runner, quick=True), page_size=runner.page_size, repeats=1)
     report = fit_and_save(cfg, runner, measured, repeats=1, out_path=str(tmp_path / "p.json"), probe=[([], [])])
     assert "expected the same non-zero number" in report["step_noise"]["skipped"]
-    assert load_sim_profile(tmp_path / "p.json").step_noise == ()
+    assert load_profile(tmp_path / "p.json").step_noise == ()

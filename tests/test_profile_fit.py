@@ -4,12 +4,13 @@ import functools
 import numpy as np
 import pytest
 
-from experiments import fit_profile as fp
 from pdjax.config import get_model_spec
+from pdjax.sim import calibration as cal
 from pdjax.sim import cost_model as cm
-from pdjax.sim.calibration import load_profile, relative_errors
+from pdjax.sim.calibration import relative_errors
 from pdjax.sim.cost_model import BatchComposition, iteration_time
 from pdjax.sim.hardware import get_hardware_spec
+from pdjax.sim.profile import load_profile
 
 H100 = get_hardware_spec("h100-sxm")
 A100 = get_hardware_spec("a100-80gb-sxm")
@@ -17,12 +18,12 @@ A100 = get_hardware_spec("a100-80gb-sxm")
 
 @functools.lru_cache(maxsize=4)
 def _mlp(path, subdir, models):
-    return fp.load_mlp(path, subdir, models)
+    return cal.load_mlp(path, subdir, models)
 
 
 @functools.lru_cache(maxsize=1)
 def _allreduce(path):
-    return fp.load_allreduce(path)
+    return cal.load_allreduce(path)
 
 
 def test_h100_profile_predicts_held_out_rows(shared_data):
@@ -32,10 +33,10 @@ def test_h100_profile_predicts_held_out_rows(shared_data):
     profile = load_profile("h100")
     assert profile.hardware == "h100-sxm"
     data = _mlp(str(shared_data / "profiling"), "h100", ("llama-2-7b",))
-    held = fp.holdout_mask(data["layer"]["tokens"])
+    held = cal.holdout_mask(data.layer["tokens"])
     assert 0.2 < held.mean() < 0.3
-    after = fp.compute_errors(data, profile.params, H100, rows=held)
-    before = fp.compute_errors(data, load_profile("a100").fit and fp._before_params("a100"), H100, rows=held)
+    after = cal.compute_errors(data, profile.params, H100, rows=held)
+    before = cal.compute_errors(data, cal.before_params(), H100, rows=held)
     assert after["layer"]["all"]["all"]["median_rel_error"] < 0.06
     assert after["gemm"]["all"]["all"]["median_rel_error"] < 0.10
     for regime in ("memory", "transition"):
@@ -44,8 +45,8 @@ def test_h100_profile_predicts_held_out_rows(shared_data):
 
 def test_a100_fit_does_not_regress(shared_data):
     data = _mlp(str(shared_data / "profiling"), "a100", ("llama-2-7b", "llama-3-8b"))
-    now = fp.compute_errors(data, load_profile("a100").params, A100)
-    before = fp.compute_errors(data, fp._before_params("a100"), A100)
+    now = cal.compute_errors(data, load_profile("a100").params, A100)
+    before = cal.compute_errors(data, cal.before_params(), A100)
     for table in ("gemm", "layer"):
         assert now[table]["all"]["all"]["median_rel_error"] <= before[table]["all"]["all"]["median_rel_error"] + 1e-6
 
@@ -56,7 +57,7 @@ def test_allreduce_per_kind_fits_small_nvswitch_messages(shared_data):
     generic terms fitted on the PCIe box over-predict 8-GPU ones by > 1.5x)."""
     ar = _allreduce(str(shared_data / "profiling"))
     params = load_profile("a100").params
-    pred, generic = fp.predict_allreduce(ar, params), fp.predict_allreduce(ar, params, generic=True)
+    pred, generic = cal.predict_allreduce(ar, params), cal.predict_allreduce(ar, params, generic=True)
     switch = (ar["kind"] == "switch") & (ar["bytes"] < 1 << 20)
     assert np.median(relative_errors(pred[switch], ar["seconds"][switch])) < 0.35
     assert 0.7 < np.median(pred[switch] / ar["seconds"][switch]) < 1.3

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from pdjax.config import get_model_spec
 from pdjax.sim import cost_model as cm
-from pdjax.sim.calibration import load_profile
+from pdjax.sim.profile import load_profile
 from pdjax.sim.cost_model import BatchComposition, CostParams, iteration_time, kv_bytes, kv_cache_capacity_tokens
 from pdjax.sim.hardware import get_hardware_spec
 

@@ -10,11 +10,10 @@ import pytest
 from pdjax.config.model_specs import get_model_spec
 from pdjax.config.serving import serve_config_from_dict
 from pdjax.experiment.run import run_experiment
-from pdjax.sim.calibration import MachineProfile
 from pdjax.sim.cost_model import CostParams, kv_cache_capacity_tokens
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
-from pdjax.sim.build import build_setup, resolve_model, shipped_profile_for
-from pdjax.sim.step_cost import load_sim_profile, save_sim_profile
+from pdjax.sim.build import build_setup, resolve_model
+from pdjax.sim.profile import Profile, load_profile, profile_for, save_profile
 
 
 def gpu_config(deployment=None, **sim):
@@ -78,8 +77,8 @@ def test_model_and_profile_resolution(tmp_path):
     cfg = serve_config_from_dict({**gpu_config(), "model": {"checkpoint": str(tmp_path / "mystery")}})
     with pytest.raises(ValueError, match="set sim.model"):
         resolve_model(cfg)
-    assert shipped_profile_for("a100-80gb-pcie").name == "a100.json"
-    assert shipped_profile_for("a40") is None
+    assert profile_for("", "a100-80gb-pcie").path.endswith("/a100.json")
+    assert profile_for("", "a40") is None
     setup = build_setup(serve_config_from_dict(gpu_config(hardware="a40")))
     assert setup.profile == "" and setup.params == CostParams()      # first principles
 
@@ -90,11 +89,11 @@ def test_frozen_profile_makes_host_cpu_runs_deterministic(tmp_path):
                         intra_node_bandwidth=5e9, intra_node_latency=1e-6, inter_node_bandwidth=1e9,
                         inter_node_latency=1e-5, compute_units=2)
     path = tmp_path / "cpu.json"
-    save_sim_profile(path, MachineProfile("host-cpu", CostParams(iteration_overhead_s=2e-3)), spec,
-                     {"dense_attention": True}, extra={"measurements": []})
-    loaded = load_sim_profile(str(path))
+    save_profile(path, Profile("host-cpu", CostParams(iteration_overhead_s=2e-3), hardware_spec=spec,
+                               padding={"dense_attention": True}, extra={"measurements": []}))
+    loaded = load_profile(str(path))
     assert loaded.hardware_spec == spec and loaded.padding == {"dense_attention": True}
-    assert loaded.machine.params.iteration_overhead_s == 2e-3
+    assert loaded.params.iteration_overhead_s == 2e-3
     config = gpu_config(hardware="host-cpu", profile=str(path))
     config["model"] = {"checkpoint": "tiny-llama"}
     config["scheduler"].update(max_model_len=1024, num_pages=512, token_budget=256, max_num_seqs=32)
@@ -115,9 +114,60 @@ def test_frozen_profile_makes_host_cpu_runs_deterministic(tmp_path):
 
 def test_bad_profile_padding_key_is_named(tmp_path):
     path = tmp_path / "bad.json"
-    save_sim_profile(path, MachineProfile("host-cpu", CostParams()), padding={"dense_attention": True, "tile": 3})
-    with pytest.raises(ValueError, match="unknown padding keys \\['tile'\\]"):
-        load_sim_profile(str(path))
+    data = Profile("host-cpu", CostParams(), padding={"dense_attention": True}).to_dict()
+    data["padding"]["tile"] = 3
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="bad.json.*unknown padding keys \\['tile'\\]"):
+        load_profile(str(path))
+
+
+SHIPPED_HOST_CPU = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pdjax", "sim",
+                                "profiles", "host-cpu.json")
+
+
+def cpu_config(profile):
+    return {"backend": "sim", "model": {"checkpoint": "tiny-byte"}, "workload": {"preset": "chat"},
+            "sim": {"hardware": "host-cpu", "profile": profile}}
+
+
+def test_a_shipped_profile_by_name_is_the_same_profile_by_path():
+    """Issue 17 item 1: `sim.profile=host-cpu` (a documented shipped name) lost the profile's padding, its step
+    noise and its frozen hardware spec (read only for a value with a file suffix): a different simulation than
+    the same file given by path."""
+    by_name = build_setup(serve_config_from_dict(cpu_config("host-cpu")))
+    by_path = build_setup(serve_config_from_dict(cpu_config(SHIPPED_HOST_CPU)))
+    with open(SHIPPED_HOST_CPU) as f:
+        shipped = json.load(f)
+    assert by_path.padding is not None and by_path.padding.attention == shipped["padding"]["attention"]
+    assert len(by_path.step_noise) == len(shipped["step_noise"]["quantiles"]) == 101
+    assert by_path.hardware == HardwareSpec(**shipped["hardware_spec"])
+    assert by_name.padding == by_path.padding
+    assert by_name.step_noise == by_path.step_noise
+    assert by_name.hardware == by_path.hardware       # the frozen spec, not a re-measurement of this machine
+    assert by_name.params == by_path.params
+
+
+def test_malformed_profile_fails_in_one_line_naming_the_file(tmp_path):
+    """Issue 16 item 8: a malformed profile JSON said only "Expecting ',' delimiter" (after a traceback)."""
+    import subprocess
+    import sys
+    bad = tmp_path / "broken.json"
+    bad.write_text('{"schema": "pdjax.machine_profile/v1" "hardware": "a100"}')
+    with pytest.raises(ValueError, match=r"broken\.json.*not valid JSON \(Expecting ',' delimiter"):
+        load_profile(str(bad))
+    data = Profile("host-cpu", CostParams()).to_dict()
+    data["hardware_spec"] = {"name": "host-cpu", "flops": 1.0}
+    (tmp_path / "spec.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"spec\.json.*hardware_spec: unknown keys \['flops'\]"):
+        load_profile(str(tmp_path / "spec.json"))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "experiments.serve", "--config=configs/serve.py",
+                          "--config.backend=sim", f"--config.sim.profile={bad}", f"--workdir={tmp_path / 'run'}"],
+                         capture_output=True, text=True, cwd=repo, timeout=300)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: machine profile") and str(bad) in lines[0], out.stderr
+    assert not (tmp_path / "run" / "results.json").exists()
 
 
 def test_sim_config_validation_names_the_key():

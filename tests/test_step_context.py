@@ -14,7 +14,8 @@ from pdjax.sim.calibration import STEP_CONTEXT_PARAMS, fit_step_context
 from pdjax.sim.cost_model import BatchComposition, CostParams, iteration_time
 from pdjax.sim.hardware import get_hardware_spec
 from pdjax.sim.simulator import SimInstance, StepContext, simulate
-from pdjax.sim.step_cost import EnginePadding, load_sim_profile, make_step_time, padded_composition
+from pdjax.sim.profile import Profile, load_profile, save_profile
+from pdjax.sim.step_cost import EnginePadding, make_step_time, padded_composition
 
 SPEC, HW = get_model_spec("tiny-byte"), get_hardware_spec("a100-80gb-sxm")
 BUCKETS = Buckets(tokens=(16, 64, 256), seqs=(8, 32), pages=(64,))
@@ -197,13 +198,12 @@ def test_fit_step_context_recovers_terms():
 
 
 def test_profile_padding_keys_round_trip(tmp_path):
-    from pdjax.sim.calibration import MachineProfile
-    from pdjax.sim.step_cost import padding_from_profile, save_sim_profile
+    from pdjax.sim.step_cost import padding_from_profile
     path = tmp_path / "p.json"
-    save_sim_profile(path, MachineProfile("host-cpu", CostParams(shape_switch_s=1e-4)), padding=BLOCKED.profile_dict())
-    prof = load_sim_profile(path)
+    save_profile(path, Profile("host-cpu", CostParams(shape_switch_s=1e-4), padding=BLOCKED.profile_dict()))
+    prof = load_profile(path)
     assert prof.padding == {"dense_attention": False, "attention": "blocked", "decode_keys": 128}
     assert padding_from_profile(prof.padding, BUCKETS, 16) == BLOCKED
-    assert prof.machine.params.shape_switch_s == 1e-4
+    assert prof.params.shape_switch_s == 1e-4
     # An old profile (dense flag only) still loads, with no attention impl.
     assert padding_from_profile({"dense_attention": False}, BUCKETS, 16).attention == ""

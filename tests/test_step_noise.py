@@ -14,12 +14,13 @@ from pdjax.config.sampling import SamplingParams
 from pdjax.config.scheduler import SchedulerConfig
 from pdjax.metrics import IterationRecord, tbts
 from pdjax.scheduler import Request, make_scheduler
-from pdjax.sim.calibration import MIN_NOISE_STEPS, MachineProfile, fit_step_noise
+from pdjax.sim.calibration import MIN_NOISE_STEPS, fit_step_noise
 from pdjax.sim.cost_model import CostParams
 from pdjax.sim.hardware import get_hardware_spec
 from pdjax.sim.replay import replay_steps, step_noise_ratios
 from pdjax.sim.simulator import SimInstance, simulate
-from pdjax.sim.step_cost import (EnginePadding, StepNoise, load_sim_profile, make_step_time, save_sim_profile)
+from pdjax.sim.profile import Profile, load_profile, save_profile
+from pdjax.sim.step_cost import EnginePadding, StepNoise, make_step_time
 
 SPEC, HW = get_model_spec("tiny-byte"), get_hardware_spec("a100-80gb-sxm")
 BUCKETS = Buckets(tokens=(16, 64), seqs=(8,), pages=(64,))
@@ -105,9 +106,9 @@ def test_profile_carries_the_noise_and_sim_step_noise_switches_it(tmp_path):
     from pdjax.config.serving import serve_config_from_dict
     from pdjax.sim.build import build_setup, group_step_time
     path = tmp_path / "p.json"
-    save_sim_profile(path, MachineProfile("host-cpu", CostParams()), padding=PADDING.profile_dict(),
-                     extra={"step_noise": {"quantiles": [2.0, 2.0], "num_steps": 500}})
-    assert load_sim_profile(path).step_noise == (2.0, 2.0)
+    save_profile(path, Profile("host-cpu", CostParams(), padding=PADDING.profile_dict(),
+                               extra={"step_noise": {"quantiles": [2.0, 2.0], "num_steps": 500}}))
+    assert load_profile(path).step_noise == (2.0, 2.0)
     base = {"backend": "sim", "model": {"checkpoint": "tiny-byte"}, "workload": {"preset": "chat"},
             "sim": {"hardware": "a100-80gb-sxm", "profile": str(path)}}
     on = build_setup(serve_config_from_dict(base))
@@ -120,7 +121,7 @@ def test_profile_carries_the_noise_and_sim_step_noise_switches_it(tmp_path):
     bad["step_noise"]["quantiles"] = [2.0, 1.0]
     path.write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="p.json.*non-decreasing"):
-        load_sim_profile(path)
+        load_profile(path)
 
 
 def test_replay_classes_and_noise_ratios_take_steady_decodes_only():

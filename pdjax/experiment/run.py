@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Mapping
 
 from pdjax.config.serving import ServeConfig, serve_config_from_dict
 from pdjax.metrics import prepare_run_dir
+from pdjax.sim.profile import profile_for
 from pdjax.workload import length_report, make_workload
 
 
@@ -45,6 +46,8 @@ def prepare_experiment(config: Any, workdir: str, *, is_main: bool = True) -> Pr
     key, value or path; nothing has been run or compiled then."""
     config = to_plain_dict(config)
     cfg = serve_config_from_dict(config)
+    if cfg.backend == "sim":
+        profile_for(cfg.sim.profile, cfg.sim.hardware)    # a missing or malformed profile fails here, named
     if is_main:
         prepare_run_dir(workdir)
     workload = make_workload(cfg.workload, seed=cfg.seed)

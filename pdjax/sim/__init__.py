@@ -3,8 +3,9 @@ simulator that drives the unmodified schedulers.
 
 hardware     HardwareSpec registry (datasheet peaks, links) and host_cpu() measured at call time.
 cost_model   BatchComposition, CostParams, iteration_time -> CostBreakdown, kv_bytes, kv_cache_capacity_tokens.
-calibration  fit_cost_params (whole iterations), fit_vidur_a100 (operator profiles), machine-profile JSON.
-step_cost    the engine's padding (buckets) on top of the cost model, sim profiles, make_step_time.
+profile      Profile: one machine profile (cost params, padding, step noise), load_profile by name or path.
+calibration  the fits that make profiles: whole iterations (engine_profile), operator data (fit_operator_profile).
+step_cost    the engine's padding (buckets) on top of the cost model, step noise, make_step_time.
 simulator    simulate(requests, instances, router): the engine loop (sync or async) on a virtual clock.
 disagg       simulate_disaggregated: prefill and decode pools with KV transfers over the hardware's links.
 build        config -> parts: model, hardware, cost setup, instances of cfg.deployment, router, transfer times.
@@ -14,7 +15,7 @@ capacity     parallel_capacity_search: DESIGN.md §4 capacity by bisection, prob
 profiles/    shipped machine profiles (a100.json: `python -m experiments.fit_a100`; host-cpu.json:
              `python -m experiments.calibrate`).
 """
-from pdjax.sim.calibration import MachineProfile, fit_cost_params, load_profile, save_profile
+from pdjax.sim.calibration import fit_cost_params
 from pdjax.sim.capacity import parallel_capacity_search
 from pdjax.sim.cost_model import (BatchComposition, CostBreakdown, CostParams, iteration_time, kv_bytes,
                                   kv_cache_capacity_tokens, step_time_fn)
@@ -23,10 +24,11 @@ from pdjax.sim.disagg import simulate_disaggregated
 from pdjax.sim.hardware import HARDWARE_SPECS, HardwareSpec, get_hardware_spec, host_cpu
 from pdjax.sim.run import run_sim
 from pdjax.sim.simulator import SimInstance, SimResult, simulate
-from pdjax.sim.step_cost import load_sim_profile, make_step_time
+from pdjax.sim.profile import Profile, load_profile, save_profile
+from pdjax.sim.step_cost import make_step_time
 
-__all__ = ["BatchComposition", "CostBreakdown", "CostParams", "HARDWARE_SPECS", "HardwareSpec", "MachineProfile",
+__all__ = ["BatchComposition", "CostBreakdown", "CostParams", "HARDWARE_SPECS", "HardwareSpec", "Profile",
            "SimInstance", "SimResult", "build_setup", "fit_cost_params", "get_hardware_spec", "host_cpu",
-           "iteration_time", "kv_bytes", "kv_cache_capacity_tokens", "load_profile", "load_sim_profile",
+           "iteration_time", "kv_bytes", "kv_cache_capacity_tokens", "load_profile",
            "make_step_time", "parallel_capacity_search", "run_sim", "save_profile", "simulate",
            "simulate_disaggregated", "step_time_fn"]

@@ -51,13 +51,12 @@ from pdjax.config.deployment import ROLE_POLICIES
 from pdjax.scheduler import make_scheduler, request_from_workload
 from pdjax.scheduler.instances import check_instance, make_role_scheduler
 from pdjax.scheduler.routing import InstanceRouter
-from pdjax.sim.calibration import PROFILES_DIR
 from pdjax.sim.cost_model import CostParams, kv_bytes, kv_cache_capacity_tokens
 from pdjax.sim.disagg import DisaggSimInstance, kv_link, make_transfer_time
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 from pdjax.sim.simulator import SimInstance
-from pdjax.sim.step_cost import (EnginePadding, SimProfile, StepNoise, load_sim_profile, make_step_time,
-                                 padding_from_profile)
+from pdjax.sim.profile import Profile, profile_for
+from pdjax.sim.step_cost import EnginePadding, StepNoise, make_step_time, padding_from_profile
 
 DISAGG_BASE_POLICIES = ("sarathi", "prefill_only", "decode_only")
 
@@ -140,23 +139,11 @@ def resolve_model(cfg) -> ModelSpec:
                      f"pdjax_spec.json there); set sim.model to one of {sorted(MODEL_SPECS)}")
 
 
-def shipped_profile_for(hardware: str) -> Optional[pathlib.Path]:
-    """pdjax/sim/profiles/<hardware>.json, else <family>.json ('a100-80gb-pcie' -> a100.json), else None."""
-    key = hardware.strip().lower()
-    for name in (key, key.split("-")[0]):
-        path = PROFILES_DIR / f"{name}.json"
-        if path.is_file():
-            return path
-    return None
-
-
-def resolve_profile(cfg) -> Tuple[Optional[SimProfile], str]:
-    if cfg.sim.profile:
-        return load_sim_profile(cfg.sim.profile), cfg.sim.profile
-    path = shipped_profile_for(cfg.sim.hardware)
-    if path is None:
-        return None, ""
-    return load_sim_profile(path), str(path)
+def resolve_profile(cfg) -> Tuple[Optional[Profile], str]:
+    """The profile of `cfg.sim` (pdjax.sim.profile.profile_for) and what results record of it: sim.profile as
+    given, else the shipped file's path ('' for first principles)."""
+    profile = profile_for(cfg.sim.profile, cfg.sim.hardware)
+    return profile, cfg.sim.profile or (profile.path if profile is not None else "")
 
 
 def check_supported(cfg) -> None:
@@ -189,7 +176,7 @@ def _group_pages(cfg, group, sched_cfg, model, hw) -> Tuple[int, Optional[int]]:
     return capacity // sched_cfg.page_size, capacity
 
 
-def _padding(cfg, profile: Optional[SimProfile], sched_cfg) -> Optional[EnginePadding]:
+def _padding(cfg, profile: Optional[Profile], sched_cfg) -> Optional[EnginePadding]:
     if profile is None or profile.padding is None:
         return None
     s = sched_cfg
@@ -206,7 +193,7 @@ def build_setup(cfg) -> SimSetup:
     profile, profile_name = resolve_profile(cfg)
     hw = profile.hardware_spec if profile is not None and profile.hardware_spec is not None \
         else get_hardware_spec(cfg.sim.hardware)
-    params = profile.machine.params if profile is not None else CostParams()
+    params = profile.params if profile is not None else CostParams()
     # Devices: as many as the deployment asks for, plus any explicit index beyond that (other nodes).
     explicit = [d for role in dep.roles for d in dep.group(role).devices]
     assignment = validate_deployment(dep, model, max([dep.num_devices] + [d + 1 for d in explicit]))

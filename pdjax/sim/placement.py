@@ -333,10 +333,9 @@ def enumerate_placements(problem: PlacementProblem, affinities: Sequence[str] = 
 
 # --------------------------------------------------------------------------------------------------- simulation
 def _params(problem: PlacementProblem) -> CostParams:
-    from pdjax.sim.build import shipped_profile_for  # noqa: PLC0415
-    from pdjax.sim.step_cost import load_sim_profile  # noqa: PLC0415
-    path = problem.profile or shipped_profile_for(problem.node.hardware)
-    return load_sim_profile(path).machine.params if path else CostParams()
+    from pdjax.sim.profile import profile_for  # noqa: PLC0415
+    profile = profile_for(problem.profile, problem.node.hardware)
+    return profile.params if profile is not None else CostParams()
 
 
 def _scheduler(problem: PlacementProblem, policy: str, pages: int) -> SchedulerConfig:

@@ -1,4 +1,4 @@
-"""Step time of one SchedulerOutput for the simulator, including the real engine's shape padding; sim profiles.
+"""Step time of one SchedulerOutput for the simulator, including the real engine's shape padding.
 
 Why padding matters: the pdjax engine pads every step to (T, S, P) buckets (tokens, sequences, pages per
 sequence; powers of two by default, see pdjax.runtime.batch.Buckets) so it compiles a bounded number of times.
@@ -23,11 +23,9 @@ page of its sequence's table, so a step costs what its *bucket* costs, not what 
 Buckets are derived from the serve config with `engine_buckets`, the rule of pdjax.serving.build.default_buckets
 (tests check the two agree).
 
-A *sim profile* is a machine-profile JSON (pdjax.sim.calibration schema) with two optional extra keys that
-`load_profile` ignores: "hardware_spec" (the HardwareSpec the efficiencies are relative to, frozen at calibration
-time: `host_cpu()` re-measures a noisy machine, so the simulator must use the numbers the fit saw) and
-"padding" ({"dense_attention": bool, optional "attention": 'reference' | 'blocked' | 'pallas' and
-"decode_keys": the blocked decode pass's key block}: cost steps at the engine's bucket shapes and kernel).
+A profile (pdjax.sim.profile) may carry "padding" ({"dense_attention": bool, optional "attention": 'reference' |
+'blocked' | 'pallas' and "decode_keys": the blocked decode pass's key block}): `padding_from_profile` turns it into
+the EnginePadding of the serve config's buckets, so steps are costed at the engine's bucket shapes and kernel.
 
 Step context: the step-time functions take an optional second argument, a StepContext (pdjax.sim.simulator:
 the previous step's SchedulerOutput and the idle seconds before this step; `takes_context` says so), and add
@@ -55,14 +53,11 @@ mean context) at a fraction of the Python work.
 from __future__ import annotations
 
 import dataclasses
-import json
-import pathlib
 import random
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 from pdjax.config.buckets import Buckets
 from pdjax.config.model_specs import ModelSpec
-from pdjax.sim.calibration import MachineProfile, load_profile
 from pdjax.sim import cost_model as cm
 from pdjax.sim.cost_model import BatchComposition, CostParams, _plan
 from pdjax.sim.hardware import HardwareSpec
@@ -94,7 +89,7 @@ class EnginePadding:
             raise ValueError(f"EnginePadding.decode_keys={self.decode_keys!r}, expected a positive int")
 
     def profile_dict(self) -> dict:
-        """The sim profile's "padding" entry for this padding (buckets come from the serve config)."""
+        """The profile's "padding" entry for this padding (buckets come from the serve config)."""
         out = {"dense_attention": bool(self.dense_attention)}
         if self.attention:
             out["attention"] = self.attention
@@ -376,16 +371,8 @@ def make_step_time(model: ModelSpec, hw: HardwareSpec, tp: int = 1, pp: int = 1,
     return StepTime(model, hw, tp, params, padding, noise)
 
 
-# --------------------------------------------------------------------------------------------------- profiles
+# --------------------------------------------------------------------------------------------------- padding entry
 PADDING_KEYS = ("dense_attention", "attention", "decode_keys")
-
-
-@dataclasses.dataclass(frozen=True)
-class SimProfile:
-    machine: MachineProfile
-    hardware_spec: Optional[HardwareSpec] = None     # frozen spec (host-cpu calibrations)
-    padding: Optional[dict] = None                   # {"dense_attention": bool[, "attention": str, "decode_keys"]}
-    step_noise: Tuple[float, ...] = ()               # StepNoise quantiles (host-cpu calibrations; () = none)
 
 
 def padding_from_profile(padding: dict, buckets: Buckets, page_size: int) -> EnginePadding:
@@ -393,65 +380,3 @@ def padding_from_profile(padding: dict, buckets: Buckets, page_size: int) -> Eng
     (ATTENTION_IMPLS) and "decode_keys"}) at the serve config's buckets and page size."""
     return EnginePadding(buckets, page_size, bool(padding.get("dense_attention", True)),
                          str(padding.get("attention", "")), int(padding.get("decode_keys", BLOCKED_DECODE_KEYS)))
-
-
-def load_sim_profile(path_or_name) -> SimProfile:
-    """A machine profile plus the optional "hardware_spec" and "padding" keys (module docstring)."""
-    machine = load_profile(path_or_name)
-    path = pathlib.Path(path_or_name)
-    data = json.loads(path.read_text()) if path.suffix else {}
-    spec = data.get("hardware_spec")
-    padding = data.get("padding")
-    if padding is not None:
-        unknown = sorted(set(padding) - set(PADDING_KEYS))
-        if unknown:
-            raise ValueError(f"profile {str(path_or_name)!r}: unknown padding keys {unknown}; expected some of "
-                             f"{list(PADDING_KEYS)}")
-    noise = tuple(float(x) for x in (data.get("step_noise") or {}).get("quantiles", ()))
-    if noise:
-        try:
-            check_step_noise(noise)
-        except ValueError as e:
-            raise ValueError(f"profile {str(path_or_name)!r}: {e}") from None
-    return SimProfile(machine=machine, hardware_spec=HardwareSpec(**spec) if spec else None, padding=padding,
-                      step_noise=noise)
-
-
-def save_sim_profile(path, machine: MachineProfile, hardware_spec: Optional[HardwareSpec] = None,
-                     padding: Optional[dict] = None, extra: Optional[dict] = None) -> None:
-    """Write a sim profile JSON; `extra` keys (e.g. the raw "measurements") are stored alongside."""
-    data = dict(extra or {})
-    data.update(machine.to_dict())
-    if hardware_spec is not None:
-        data["hardware_spec"] = dataclasses.asdict(hardware_spec)
-    if padding is not None:
-        data["padding"] = dict(padding)
-    pathlib.Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-def fit_padded_engine(outputs: Sequence[Any], seconds: Sequence[float], model: ModelSpec, hw: HardwareSpec,
-                      padding: EnginePadding, fit_names: Sequence[str], initial: Optional[CostParams] = None,
-                      tiles: Sequence[int] = (1,)):
-    """Fit CostParams to whole-step seconds of the padded engine running `outputs` (SchedulerOutputs), with
-    exactly the step time `make_step_time(..., padding=padding)` predicts; returns (params, relative errors).
-    Multi-start Levenberg-Marquardt of pdjax.sim.calibration, one run per token tile in `tiles`."""
-    import numpy as np  # noqa: PLC0415
-    from pdjax.sim import calibration as cal  # noqa: PLC0415
-
-    batches = [padded_composition(out, padding) for out in outputs]
-    extra_seqs = np.array([len(out.num_new_tokens) - b.num_seqs for out, b in zip(outputs, batches)], float)
-    measured = np.asarray(seconds, float)
-    initial = CostParams() if initial is None else initial
-
-    def predict(p: CostParams):
-        return np.array(cm.iteration_times(batches, model, hw, 1, 1, p)) + p.per_seq_overhead_s * extra_seqs
-
-    best = None
-    for tile in tiles:
-        for start in cal._starts(initial.replace(gemm_token_tile=int(tile)), fit_names):
-            params = cal.fit_log_least_squares(predict, measured, start, fit_names)
-            err = cal.relative_errors(predict(params), measured)
-            score = float(np.mean(np.log1p(err) ** 2))
-            if best is None or score < best[0]:
-                best = (score, params, err)
-    return best[1], best[2]
