@@ -55,3 +55,26 @@ def test_runner_padding_is_the_profile_entry_the_simulator_reads(small):
     padding = engine_padding(runner)
     assert padding == EnginePadding(runner.buckets, runner.page_size, False, "blocked", entry["decode_keys"])
     assert padding.profile_dict() == {"dense_attention": False, "attention": "blocked", "decode_keys": 128}
+
+
+@pytest.mark.slow
+def test_calibrate_entry_point_writes_a_loadable_profile(tmp_path):
+    """Smoke test of `python -m experiments.calibrate` at its smallest size (~1 minute on 2 loaded cores: two bucket
+    shapes, the quick grid, one repeat, the engine-loop probe)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pdjax.sim.profile import load_profile
+    out_path = tmp_path / "cpu.json"
+    out = subprocess.run([sys.executable, "-m", "experiments.calibrate", f"--config={CONFIG}:small", "--quick",
+                          "--repeats=1", f"--out={out_path}"], capture_output=True, text=True,
+                         cwd=CONFIG.parents[2], timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    profile = load_profile(out_path)
+    assert report["profile"] == str(out_path) and report["attention_impl"] == "blocked"
+    assert profile.padding == {"dense_attention": False, "attention": "blocked", "decode_keys": 128}
+    assert profile.hardware_spec is not None and profile.fit["num_measurements"] == len(profile.extra["measurements"])
+    assert profile.extra["step_context"]["switch"]
+    assert report["step_noise"] is not None

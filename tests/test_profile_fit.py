@@ -112,3 +112,36 @@ def test_floor_makes_70b_steps_slower_than_device_work():
         got = iteration_time(BatchComposition((), ((32, 1024),)), m, A100, tp, 1, p)
         device = got.total - got.overhead
         assert 1.15 < got.total / device < 2.0
+
+
+def _entry_point(*args):
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=repo, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def test_fit_profile_entry_point_writes_what_is_shipped(tmp_path):
+    """Smoke test of `python -m experiments.fit_profile` (the H100 fit, a few seconds): the profile it writes is
+    the shipped h100.json up to float round-off, and it prints the per-regime medians before and after."""
+    import json
+    out = _entry_point("experiments.fit_profile", "--hardware=h100", f"--out={tmp_path / 'h100.json'}")
+    assert out.returncode == 0, out.stderr
+    printed = json.loads(out.stdout)
+    assert printed["profile"] == str(tmp_path / "h100.json") and set(printed["median_rel_error"]) == {"before", "after"}
+    fitted, shipped = load_profile(tmp_path / "h100.json"), load_profile("h100")
+    assert fitted.fitted == shipped.fitted and fitted.source == shipped.source
+    for name, value in shipped.params.to_dict().items():
+        assert getattr(fitted.params, name) == pytest.approx(value, rel=1e-6, abs=1e-15), name
+
+
+def test_fit_a100_entry_point_evaluates_and_rejects_bad_hardware():
+    import json
+    out = _entry_point("experiments.fit_a100", "--evaluate_only")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["hardware"] == "a100-80gb-sxm"
+    bad = _entry_point("experiments.fit_a100", "--hardware=b300")
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: --hardware='b300', expected one of ['a100', 'h100']"

@@ -200,7 +200,8 @@ def test_simulator_modules_import_no_jax():
     import subprocess
     import sys
     code = ("import sys; import pdjax.sim.simulator, pdjax.sim.run, pdjax.sim.build, pdjax.sim.disagg, "
-            "pdjax.sim.step_cost, pdjax.sim.capacity, pdjax.scheduler.instances, pdjax.scheduler.routing; "
+            "pdjax.sim.step_cost, pdjax.sim.capacity, pdjax.sim.profile, pdjax.sim.calibration, "
+            "pdjax.scheduler.instances, pdjax.scheduler.routing; "
             "from pdjax.experiment.run import run_experiment; "
             "print('jax' in sys.modules, 'flax' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -13,8 +13,8 @@ from pdjax.sim import cost_model as cm
 from pdjax.sim.calibration import STEP_CONTEXT_PARAMS, fit_step_context
 from pdjax.sim.cost_model import BatchComposition, CostParams, iteration_time
 from pdjax.sim.hardware import get_hardware_spec
-from pdjax.sim.simulator import SimInstance, StepContext, simulate
 from pdjax.sim.profile import Profile, load_profile, save_profile
+from pdjax.sim.simulator import SimInstance, StepContext, simulate
 from pdjax.sim.step_cost import EnginePadding, make_step_time, padded_composition
 
 SPEC, HW = get_model_spec("tiny-byte"), get_hardware_spec("a100-80gb-sxm")

@@ -17,9 +17,9 @@ from pdjax.scheduler import Request, make_scheduler
 from pdjax.sim.calibration import MIN_NOISE_STEPS, fit_step_noise
 from pdjax.sim.cost_model import CostParams
 from pdjax.sim.hardware import get_hardware_spec
+from pdjax.sim.profile import Profile, load_profile, save_profile
 from pdjax.sim.replay import replay_steps, step_noise_ratios
 from pdjax.sim.simulator import SimInstance, simulate
-from pdjax.sim.profile import Profile, load_profile, save_profile
 from pdjax.sim.step_cost import EnginePadding, StepNoise, make_step_time
 
 SPEC, HW = get_model_spec("tiny-byte"), get_hardware_spec("a100-80gb-sxm")

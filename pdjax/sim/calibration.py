@@ -825,6 +825,7 @@ def fit_operator_profile(hardware: str, profiling_dir, out: str = "", evaluate_o
     comm_fitted = tuple(f.name for f in dataclasses.fields(params)
                         if f.name.startswith("comm_") and f.name.count("_") >= 3 and getattr(params, f.name) > 0)
     fit_block["allreduce_per_kind"] = {k: v["all"] for k, v in allreduce_errors(ar, params).items()}
+    # (the text is kept as shipped profiles have it; HOST_PRIORS is above, in this module, since the fit moved)
     fit_block["host_priors"] = ("iteration_overhead_s, per_seq_overhead_s, tp_sync_s, tp_sync_per_seq_s, "
                                 "launch_overhead_s: priors (no whole-step rows); see experiments/fit_profile.py "
                                 "HOST_PRIORS")

@@ -1,7 +1,7 @@
 """Step replay: the simulator's step time on the batches a real engine ran, next to the time the engine took.
 
 Used twice: experiments.sim_fidelity separates the cost model's error from the divergence of two trajectories,
-and experiments.calibrate's engine-loop probe measures the step-time noise the simulator samples
+and the calibration's engine-loop probe (pdjax.experiment.calibrate) measures the step-time noise the simulator samples
 (`step_noise_ratios`; pdjax.sim.step_cost.StepNoise). No JAX: batches are SchedulerOutput compositions.
 
 A real iteration i is measured from its start to the next iteration's start when the engine went straight on
