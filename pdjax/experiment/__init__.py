@@ -1,1 +1,2 @@
-"""Experiment layer (above serving and sim): run one config on either backend, and sweeps of configs."""
+"""Experiment layer (above serving and sim): run one config on either backend, sweeps of configs, and the calibration
+that probes the real engine and fits a simulator profile (calibrate)."""

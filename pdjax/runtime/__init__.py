@@ -4,4 +4,5 @@
     step.make_step(spec, attention_fn) -> jitted step(params, kv_cache, batch) -> (ids int32[S], kv_cache)
     runner.ModelRunner(spec, params, num_pages=..., page_size=..., buckets=...).execute(SchedulerOutput)
     mesh.make_mesh(devices, dp, pp, tp)
+    probe: calibration grid and step-context timings of a runner     ceilings: the machine's measured ceilings
 """

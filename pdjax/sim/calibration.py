@@ -52,7 +52,6 @@ ITERATION_FIT_PARAMS = ("gemm_flops_efficiency", "gemm_bandwidth_efficiency", "a
                         "attn_bandwidth_efficiency", "iteration_overhead_s", "per_seq_overhead_s")
 
 
-
 # --------------------------------------------------------------------------------------------------- solver
 def _to_free(name: str, value: float) -> float:
     if name in _FRACTION_PARAMS:
@@ -148,6 +147,21 @@ def _starts(initial: CostParams, names: Sequence[str]) -> list[CostParams]:
     return [initial, scaled(3.0, 0.3), scaled(0.3, 3.0)]
 
 
+def _fit_multistart_tiles(predict: Callable[[CostParams], np.ndarray], measured, initial: CostParams,
+                          names: Sequence[str], tiles: Sequence[int]):
+    """`fit_log_least_squares` from each of `_starts` per token tile in `tiles`; (params, relative errors) of the
+    lowest mean log1p(relative error)^2."""
+    best = None
+    for tile in tiles:
+        for start in _starts(initial.replace(gemm_token_tile=int(tile)), names):
+            params = fit_log_least_squares(predict, measured, start, names)
+            err = relative_errors(predict(params), measured)
+            score = float(np.mean(np.log1p(err) ** 2))
+            if best is None or score < best[0]:
+                best = (score, params, err)
+    return best[1], best[2]
+
+
 def _fit_weighted_tiles(predict: Callable[[CostParams], np.ndarray], measured, initial: CostParams,
                         names: Sequence[str], tiles: Sequence[int], weights, iterations: int = 60) -> CostParams:
     """`fit_log_least_squares` once per token tile in `tiles` (weighted rows); the params of the lowest weighted
@@ -194,15 +208,7 @@ def fit_cost_params(measurements: Iterable[tuple[BatchComposition, float]], mode
     def predict(p):
         return np.array(cm.iteration_times(batches, model, hw, tp, pp, p))
 
-    best = None
-    for tile in tiles:
-        for start in _starts(initial.replace(gemm_token_tile=int(tile)), fit_names):
-            params = fit_log_least_squares(predict, measured, start, fit_names)
-            err = relative_errors(predict(params), measured)
-            score = float(np.mean(np.log1p(err) ** 2))
-            if best is None or score < best[0]:
-                best = (score, params, err)
-    _, params, err = best
+    params, err = _fit_multistart_tiles(predict, measured, initial, fit_names, tiles)
     return FitResult(params=params, median_rel_error=float(np.median(err)),
                      p90_rel_error=float(np.percentile(err, 90)), num_measurements=len(measured),
                      fitted=tuple(fit_names) + ("gemm_token_tile",))
@@ -213,7 +219,7 @@ def fit_padded_engine(outputs: Sequence[Any], seconds: Sequence[float], model: M
                       tiles: Sequence[int] = (1,)):
     """Fit CostParams to whole-step seconds of the padded engine running `outputs` (SchedulerOutputs), with
     exactly the step time `make_step_time(..., padding=padding)` predicts; returns (params, relative errors).
-    Multi-start Levenberg-Marquardt (`_starts`), one run per token tile in `tiles`."""
+    Multi-start Levenberg-Marquardt (`_starts`) per token tile in `tiles`."""
     batches = [padded_composition(out, padding) for out in outputs]
     extra_seqs = np.array([len(out.num_new_tokens) - b.num_seqs for out, b in zip(outputs, batches)], float)
     measured = np.asarray(seconds, float)
@@ -222,15 +228,7 @@ def fit_padded_engine(outputs: Sequence[Any], seconds: Sequence[float], model: M
     def predict(p: CostParams):
         return np.array(cm.iteration_times(batches, model, hw, 1, 1, p)) + p.per_seq_overhead_s * extra_seqs
 
-    best = None
-    for tile in tiles:
-        for start in _starts(initial.replace(gemm_token_tile=int(tile)), fit_names):
-            params = fit_log_least_squares(predict, measured, start, fit_names)
-            err = relative_errors(predict(params), measured)
-            score = float(np.mean(np.log1p(err) ** 2))
-            if best is None or score < best[0]:
-                best = (score, params, err)
-    return best[1], best[2]
+    return _fit_multistart_tiles(predict, measured, initial, fit_names, tiles)
 
 
 def fit_engine_profile(measured, model: ModelSpec, hw: HardwareSpec, padding: EnginePadding, *, source: str,
