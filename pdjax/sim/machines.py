@@ -60,11 +60,11 @@ class MachineSpec:
 
 _SPLITWISE = "Splitwise (ISCA'24) Table 2; splitwise-sim configs/hardware_repo/skus, configs/power_model/constant"
 _MACHINES = [
-    MachineSpec("dgx-a100", "a100-80gb-sxm", 8, tdp_w=6500, cost_per_hour=17.6, idle_w=63, prompt_w=400,
+    MachineSpec("dgx-a100", "a100-80gb-sxm", 8, tdp_w=6500, cost_per_hour=8 * 2.21, idle_w=63, prompt_w=400,
                 token_w=250, source=_SPLITWISE),
-    MachineSpec("dgx-h100", "h100-sxm", 8, tdp_w=10200, cost_per_hour=38.0, idle_w=75, prompt_w=700,
+    MachineSpec("dgx-h100", "h100-sxm", 8, tdp_w=10200, cost_per_hour=8 * 4.76, idle_w=75, prompt_w=700,
                 token_w=380, source=_SPLITWISE),
-    MachineSpec("dgx-h100-pcap", "h100-sxm", 8, tdp_w=7140, cost_per_hour=38.0, idle_w=75, prompt_w=490,
+    MachineSpec("dgx-h100-pcap", "h100-sxm", 8, tdp_w=7140, cost_per_hour=8 * 4.76, idle_w=75, prompt_w=490,
                 token_w=380, compute_scale=0.7, source=_SPLITWISE + "; GPUs capped at 70% of 700 W"),
 ]
 MACHINES: Dict[str, MachineSpec] = {m.name: m for m in _MACHINES}
