@@ -171,7 +171,7 @@ SLO_RULES = ("pdjax", "distserve")
 TPOT_DEFINITION = "per request: (last - first token time) / (output tokens - 1), requests with >= 2 tokens"
 
 
-def _percentile_with_unserved(values: Sequence[float], num_unserved: int, q: float) -> Optional[float]:
+def percentile_with_unserved(values: Sequence[float], num_unserved: int, q: float) -> Optional[float]:
     """numpy's linear percentile of `values` plus `num_unserved` infinitely late ones; None where it is infinite
     (it interpolates towards an unserved value) or there are no values at all."""
     ordered = sorted(values) + [float("inf")] * num_unserved
@@ -189,8 +189,8 @@ def distserve_slo_check(records: Sequence[RequestRecord], slos: SLOs, quantile: 
     a bound not given holds trivially."""
     served = completed(records)
     unserved = len(records) - len(served)
-    ttft_q = _percentile_with_unserved(ttfts(served), unserved, quantile)
-    tpot_q = _percentile_with_unserved(tpots(served), unserved, quantile)
+    ttft_q = percentile_with_unserved(ttfts(served), unserved, quantile)
+    tpot_q = percentile_with_unserved(tpots(served), unserved, quantile)
     ttft_ok = slos.ttft_s is None or (ttft_q is not None and ttft_q <= slos.ttft_s)
     tpot_ok = slos.tpot_s is None or (tpot_q is not None and tpot_q <= slos.tpot_s)
     return {"quantile": quantile, "ttft_p90_s": ttft_q, "tpot_p90_s": tpot_q, "ttft_ok": ttft_ok,
