@@ -27,5 +27,8 @@ setup(
         "test": ["pytest>=8,<10", "hypothesis>=6.100,<7"],
         # Sweeps on a cluster (python -m experiments.sweep --executor=ray); tested with ray 2.60.0.
         "cluster": ["ray[default]>=2.40,<3"],
+        # bench_throughput --backend=hf (PyTorch eager baseline, CPU); tested with torch 2.13.0+cpu and
+        # transformers 5.24. Never installed by CI.
+        "hf": ["torch>=2.2", "transformers>=4.45,<6"],
     },
 )

@@ -2,6 +2,13 @@
 
     python -m experiments.bench_throughput [--checkpoint=SPEC_OR_DIR] [--num_prompts=32] [--prompt_len=128]
         [--output_len=64] [--policy=sarathi] [--token_budget=2048] [--attention_impl=auto]
+        [--backend=hf --repeats=3 --hf_threads=0]
+
+--backend=hf runs the same job on HF transformers (PyTorch eager, CPU; the optional extra `hf`) side by side in
+the same run, as vLLM's benchmark_throughput --backend hf: the same weights (written as an HF checkpoint), the
+same prompts, greedy, exactly N tokens each. The backends alternate `--repeats` times, HF under both OpenMP wait
+policies (ACTIVE spins and collapses when another job holds a core; PASSIVE does not but is slower on a quiet
+machine), each one's best kept, the 1-minute load average printed beside them (pdjax.runtime.hf_baseline).
 
 Default model: a 4-layer Llama, hidden 256, 8 query / 2 KV heads (head_dim 32), MLP 768, vocab 512, float32,
 dummy weights (`bench_spec`, defined here, not in the registry). --checkpoint takes a registry spec name (dummy
@@ -29,7 +36,9 @@ rows). Bytes = all weights + the KV read (each sequence's context including this
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 import time
 from typing import List, Optional
 
@@ -43,6 +52,7 @@ from pdjax.config.model_specs import ModelSpec
 from pdjax.config.sampling import SamplingParams
 from pdjax.config.scheduler import SchedulerConfig
 from pdjax.models.llama import init_params
+from pdjax.runtime.hf_baseline import MissingExtraError, matching_outputs, require_hf, run_hf_subprocess
 from pdjax.runtime.runner import ModelRunner
 from pdjax.scheduler import Request, make_scheduler
 from pdjax.serving.engine import ColocatedEngine
@@ -56,6 +66,12 @@ _BUDGET = flags.DEFINE_integer("token_budget", 2048, "Tokens per iteration (sche
 _PAGE = flags.DEFINE_integer("page_size", 16, "KV page size.")
 _IMPL = flags.DEFINE_string("attention_impl", "auto", "Attention implementation (pdjax.kernels.ATTENTION_IMPLS).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the dummy weights and the prompts.")
+_BACKEND = flags.DEFINE_string("backend", "pdjax", "pdjax, or hf: pdjax and HF transformers (PyTorch eager) side "
+                               "by side, alternating (needs the 'hf' extra).")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "With --backend=hf: alternating rounds (best of each kept).")
+_HF_THREADS = flags.DEFINE_integer("hf_threads", 0, "With --backend=hf: PyTorch threads (0 = all cores).")
+
+BACKENDS = ("pdjax", "hf")
 
 
 def bench_spec() -> ModelSpec:
@@ -117,10 +133,57 @@ def step_cost(out, spec: ModelSpec, sizes: dict) -> tuple:
     return float(flops), float(moved)
 
 
+def _serve(runner: ModelRunner, cfg: SchedulerConfig, requests: List[Request]):
+    """(engine result, the executed SchedulerOutputs, wall seconds) of one serving of `requests`."""
+    sched = make_scheduler(cfg)
+    recorded = []
+    schedule = sched.schedule
+    sched.schedule = lambda now: recorded.append(schedule(now)) or recorded[-1]
+    engine = ColocatedEngine(runner, sched)
+    start = time.perf_counter()
+    result = engine.run(requests)
+    return result, recorded, time.perf_counter() - start
+
+
+def _hf_side_by_side(spec, params, requests: List[Request], output_len: int, repeats: int, threads: int,
+                     serve_pdjax) -> dict:
+    """Alternate pdjax and HF runs `repeats` times (HF under both OpenMP wait policies, each in a fresh
+    process) and keep each one's best output tokens/s; the machine's load average beside the numbers."""
+    from pdjax.models.checkpoint import save_hf_checkpoint  # noqa: PLC0415  (writes the HF copy only here)
+
+    prompts = [r.prompt_token_ids for r in requests]
+    num_output = len(prompts) * output_len
+    pdjax_tok_s, hf_tok_s = [], {"ACTIVE": [], "PASSIVE": []}
+    load = [os.getloadavg()[0]]
+    with tempfile.TemporaryDirectory() as hf_dir:
+        save_hf_checkpoint(hf_dir, spec, params)
+        for _ in range(repeats):
+            result = serve_pdjax()
+            pdjax_tok_s.append(num_output / result.duration_s)
+            for policy in hf_tok_s:
+                hf = run_hf_subprocess(hf_dir, prompts, output_len, threads, policy)
+                hf_tok_s[policy].append(num_output / hf["generate_s"])
+            load.append(os.getloadavg()[0])
+    ids = [r.request_id for r in requests]
+    best_hf = max(max(v) for v in hf_tok_s.values())
+    return {"repeats": repeats, "threads": threads, "torch": hf["torch"], "transformers": hf["transformers"],
+            "pdjax_output_tokens_per_s": pdjax_tok_s, "hf_output_tokens_per_s": hf_tok_s,
+            "pdjax_best": max(pdjax_tok_s), "hf_best": best_hf,
+            "hf_best_policy": max(hf_tok_s, key=lambda k: max(hf_tok_s[k])),
+            "speedup_vs_hf": max(pdjax_tok_s) / best_hf,
+            "requests_with_equal_tokens": matching_outputs(result.output_tokens, ids, hf["output_tokens"]),
+            "num_requests": len(ids), "load_avg_1min": load}
+
+
 def run(checkpoint: str = "", num_prompts: int = 32, prompt_len: int = 128, output_len: int = 64, *,
         policy: str = "sarathi", token_budget: int = 2048, page_size: int = 16, attention_impl: str = "auto",
-        seed: int = 0, ceilings: Optional[dict] = None) -> dict:
+        seed: int = 0, ceilings: Optional[dict] = None, backend: str = "pdjax", repeats: int = 3,
+        hf_threads: int = 0) -> dict:
     validate(num_prompts, prompt_len, output_len, token_budget, page_size)
+    if backend not in BACKENDS:
+        raise ValueError(f"--backend={backend!r}, expected one of {BACKENDS}")
+    if backend == "hf":
+        require_hf()
     spec, params = _load(checkpoint, seed)
     max_model_len = prompt_len + output_len
     if max_model_len > spec.max_position_embeddings:
@@ -139,16 +202,14 @@ def run(checkpoint: str = "", num_prompts: int = 32, prompt_len: int = 128, outp
     compile_s = runner.warmup(shapes)
     compiled = runner.compile_count
 
-    sched = make_scheduler(cfg)
-    recorded = []
-    schedule = sched.schedule
-    sched.schedule = lambda now: recorded.append(schedule(now)) or recorded[-1]
-    engine = ColocatedEngine(runner, sched)
     requests = _requests(spec.vocab_size, num_prompts, prompt_len, output_len, seed)
-    start = time.perf_counter()
-    result = engine.run(requests)
-    wall_s = time.perf_counter() - start
+    result, recorded, wall_s = _serve(runner, cfg, requests)
     serving_s = result.duration_s
+    side_by_side = None
+    if backend == "hf":
+        side_by_side = _hf_side_by_side(
+            spec, params, requests, output_len, repeats, hf_threads or os.cpu_count(),
+            lambda: _serve(runner, cfg, _requests(spec.vocab_size, num_prompts, prompt_len, output_len, seed))[0])
 
     if ceilings is None:  # the best of before and after the run: other jobs on a shared machine only lower it
         measured.append(measure_ceilings(jax.default_backend()))
@@ -191,6 +252,7 @@ def run(checkpoint: str = "", num_prompts: int = 32, prompt_len: int = 128, outp
                      "memory_bandwidth_bytes_per_s": ceilings["copy_bandwidth_Bps"],
                      "matmul": ceilings.get("matmul"), "copy_bytes": ceilings.get("copy_bytes")},
         "total_flops": sum(f for f, _ in costs), "total_bytes": sum(b for _, b in costs),
+        **({"hf": side_by_side} if side_by_side is not None else {}),
     }
 
 
@@ -198,12 +260,17 @@ def main(argv):
     del argv
     try:
         validate(_P.value, _L.value, _N.value, _BUDGET.value, _PAGE.value)
-    except ValueError as e:
+        if _BACKEND.value not in BACKENDS:
+            raise ValueError(f"--backend={_BACKEND.value!r}, expected one of {BACKENDS}")
+        if _BACKEND.value == "hf":
+            require_hf()
+    except (ValueError, MissingExtraError) as e:
         print(f"bench_throughput: {e}", file=sys.stderr)
         sys.exit(2)
     print(json.dumps(run(_CKPT.value, _P.value, _L.value, _N.value, policy=_POLICY.value,
                          token_budget=_BUDGET.value, page_size=_PAGE.value, attention_impl=_IMPL.value,
-                         seed=_SEED.value), indent=1))
+                         seed=_SEED.value, backend=_BACKEND.value, repeats=_REPEATS.value,
+                         hf_threads=_HF_THREADS.value), indent=1))
 
 
 if __name__ == "__main__":

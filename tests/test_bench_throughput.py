@@ -40,3 +40,28 @@ def test_cli_rejects_bad_flag_in_one_line():
     assert proc.returncode == 2 and proc.stdout == ""
     errors = [line for line in proc.stderr.splitlines() if "bench_throughput" in line]
     assert errors == ["bench_throughput: --output_len=0: expected an integer >= 1"]
+
+
+def test_side_by_side_with_hf_gives_the_same_greedy_tokens():
+    """--backend=hf (needs the 'hf' extra): the same weights and prompts on HF transformers give pdjax's tokens."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    d = bench_throughput.run("", 4, 16, 6, token_budget=64, ceilings=CEILINGS, backend="hf", repeats=1,
+                             hf_threads=1)
+    hf = d["hf"]
+    assert hf["requests_with_equal_tokens"] == hf["num_requests"] == 4
+    assert set(hf["hf_output_tokens_per_s"]) == {"ACTIVE", "PASSIVE"}
+    assert hf["hf_best"] == max(max(v) for v in hf["hf_output_tokens_per_s"].values())
+    assert hf["speedup_vs_hf"] == pytest.approx(hf["pdjax_best"] / hf["hf_best"])
+    assert len(hf["load_avg_1min"]) == 2
+
+
+def test_hf_backend_without_the_extra_is_one_line(monkeypatch):
+    import importlib.util
+    from pdjax.runtime import hf_baseline
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    with pytest.raises(hf_baseline.MissingExtraError, match=r"^--backend=hf needs torch \(the optional extra 'hf'\)"):
+        bench_throughput.run("tiny-llama", 2, 4, 2, backend="hf")
+    with pytest.raises(ValueError, match=r"^--backend='tf', expected one of \('pdjax', 'hf'\)$"):
+        bench_throughput.run("tiny-llama", 2, 4, 2, backend="tf")

@@ -286,3 +286,44 @@ def test_scheduler_and_config_import_no_jax():
             "print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+# ---------------------------------------------------------------- async scheduling (update_async / resolve_async)
+def _serve_fake(async_, abort_at=None):
+    """Serve five requests, one step per time unit (step i scheduled at i, ending at i + 1). Async: the step is
+    updated with placeholders half a unit before its end and resolved at its end, as the engine's async loop."""
+    s = make_scheduler(SchedulerConfig(policy="sarathi", token_budget=16, max_num_seqs=8, num_pages=64,
+                                       page_size=4, max_model_len=64))
+    reqs = [req(f"r{i}", 5 + 3 * i, max_tokens=3 + i) for i in range(5)]
+    for r in reqs:
+        s.add_request(r)
+    prev, i = None, 0
+    while prev is not None or s.has_unfinished():
+        if prev is not None:
+            if async_:
+                pending = s.update_async(prev, i - 0.5)
+                assert all(r.output_token_ids[k] == 0 for _, r, k, _ in pending.slots)   # placeholders
+                s.resolve_async(pending, fake_sample(prev), i)
+            else:
+                s.update(prev, fake_sample(prev), i)
+        prev = s.schedule(i) if s.has_unfinished() else None
+        if prev is not None and abort_at == i:
+            s.abort("r1", i)    # in flight: update skips it, resolve must not touch it
+        prev = prev if prev is not None and not prev.is_empty else None
+        i += 1
+    s.check_invariants()
+    return [(r.request_id, r.output_token_ids, r.all_token_ids, r.token_times, r.first_token_time, r.finish_time,
+             r.finish_reason) for r in reqs]
+
+
+def test_async_update_then_resolve_equals_the_sync_update():
+    sync, async_ = _serve_fake(False), _serve_fake(True)
+    assert sync == async_
+    assert all(reason == "length" for *_, reason in sync)
+
+
+def test_resolve_leaves_a_request_aborted_in_flight_alone():
+    sync, async_ = _serve_fake(False, abort_at=3), _serve_fake(True, abort_at=3)
+    assert sync == async_
+    aborted = dict((r[0], r) for r in async_)["r1"]
+    assert aborted[-1] == "aborted" and len(aborted[1]) == len(aborted[3])

@@ -17,6 +17,10 @@ SLOs: a request meets them when it completed and each given bound holds:
 A 1-token request has no gaps, so it meets the TBT and TPOT bounds trivially. Requests not served (rejected,
 aborted, unfinished) never meet SLOs; they stay in the denominator of slo_attainment and are left out of the
 latency statistics. With no SLOs given, "meeting SLOs" means completing.
+SLO rules (both in every summary, under `slo_rules`): `pdjax` is the above (the share of requests meeting every
+bound together); `distserve` is DistServe's: the P90 of TTFT over all requests and the P90 of TPOT over all
+requests with >= 2 tokens, each within its own target, computed separately (unserved requests count as
+infinitely late, so a P90 that falls among them is reported as None and fails).
 Throughput and goodput use the run duration: earliest arrival to the latest token, finish or iteration end.
 """
 from __future__ import annotations
@@ -163,6 +167,36 @@ def slo_attainment(records: Sequence[RequestRecord], slos: SLOs) -> Optional[flo
     return sum(meets_slos(r, slos) for r in records) / len(records)
 
 
+SLO_RULES = ("pdjax", "distserve")
+TPOT_DEFINITION = "per request: (last - first token time) / (output tokens - 1), requests with >= 2 tokens"
+
+
+def percentile_with_unserved(values: Sequence[float], num_unserved: int, q: float) -> Optional[float]:
+    """numpy's linear percentile of `values` plus `num_unserved` infinitely late ones; None where it is infinite
+    (it interpolates towards an unserved value) or there are no values at all."""
+    ordered = sorted(values) + [float("inf")] * num_unserved
+    if not ordered:
+        return None
+    h = (len(ordered) - 1) * q
+    lo, hi = int(np.floor(h)), int(np.ceil(h))
+    if ordered[hi] == float("inf"):
+        return None
+    return float(ordered[lo] + (h - lo) * (ordered[hi] - ordered[lo]))
+
+
+def distserve_slo_check(records: Sequence[RequestRecord], slos: SLOs, quantile: float = 0.9) -> Dict[str, Any]:
+    """DistServe's rule (module docstring): {'ttft_p90_s', 'tpot_p90_s', 'ttft_ok', 'tpot_ok', 'passes'};
+    a bound not given holds trivially."""
+    served = completed(records)
+    unserved = len(records) - len(served)
+    ttft_q = percentile_with_unserved(ttfts(served), unserved, quantile)
+    tpot_q = percentile_with_unserved(tpots(served), unserved, quantile)
+    ttft_ok = slos.ttft_s is None or (ttft_q is not None and ttft_q <= slos.ttft_s)
+    tpot_ok = slos.tpot_s is None or (tpot_q is not None and tpot_q <= slos.tpot_s)
+    return {"quantile": quantile, "ttft_p90_s": ttft_q, "tpot_p90_s": tpot_q, "ttft_ok": ttft_ok,
+            "tpot_ok": tpot_ok, "passes": bool(records) and ttft_ok and tpot_ok}
+
+
 def goodput_rps(records: Sequence[RequestRecord], slos: SLOs, duration_s: float) -> float:
     """Requests meeting `slos` per second of run duration (0 for an empty run)."""
     met = sum(meets_slos(r, slos) for r in records)
@@ -219,6 +253,7 @@ def summarize_run(records: Sequence[RequestRecord], iterations: Sequence[Iterati
     duration = run_duration(records, iterations)
     output_tokens = sum(len(r.token_times) for r in records)
     reasons = [r.finish_reason for r in records]
+    attainment = slo_attainment(records, slos)
     summary: Dict[str, Any] = {
         "num_requests": len(records),
         "num_completed": len(done),
@@ -241,8 +276,11 @@ def summarize_run(records: Sequence[RequestRecord], iterations: Sequence[Iterati
         "normalized_latency": stats(normalized_latencies(done)),
         "tbt_max": max(tbts(done), default=None),
         "slos": slos.to_dict(),
-        "slo_attainment": slo_attainment(records, slos),
+        "slo_attainment": attainment,
         "goodput_rps": goodput_rps(records, slos, duration),
+        "slo_rules": {"pdjax": {"attainment": attainment},
+                      "distserve": distserve_slo_check(records, slos)},
+        "tpot_definition": TPOT_DEFINITION,
         "iterations": summarize_iterations(list(iterations)),
     }
     return summary

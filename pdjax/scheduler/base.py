@@ -40,7 +40,8 @@ Choices (the "why" of the hot path):
 from __future__ import annotations
 
 import bisect
-from typing import Dict, List, Optional, Sequence
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from pdjax.config.scheduler import SchedulerConfig
 from pdjax.scheduler.block_manager import BlockManager, extend_page_keys
@@ -54,6 +55,18 @@ SWAPPED = RequestStatus.SWAPPED
 WAITING_FOR_KV = RequestStatus.WAITING_FOR_KV
 FINISHED = RequestStatus.FINISHED
 REJECTED = RequestStatus.REJECTED
+
+PLACEHOLDER_TOKEN = 0   # the id update_async appends until the step's real id reaches the host
+
+
+@dataclasses.dataclass
+class PendingTokens:
+    """The placeholders `update_async` appended for one dispatched step, for `resolve_async` to overwrite.
+
+    slots: (batch index, request, output index, all-token index) per request that got a token;
+    finished: the requests that finished on a placeholder (their finish time is the step's end)."""
+    slots: List[Tuple[int, Request, int, int]]
+    finished: List[Request]
 
 
 def _priority_key(req: Request):
@@ -241,6 +254,31 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is RUNNING]
             self._removed_from_running = False
         return finished
+
+    def update_async(self, output: SchedulerOutput, now: float) -> PendingTokens:
+        """update() for a step whose sampled ids are still on the device (async scheduling, as vLLM's
+        AsyncScheduler): each sampled request gets PLACEHOLDER_TOKEN so the next step can be scheduled at once.
+        The real ids replace them in resolve_async; no policy reads a token's value before then (stop tokens
+        are refused with async scheduling, since a placeholder cannot be checked against them)."""
+        lens = [(len(r.output_token_ids), len(r.all_token_ids)) for r in output.reqs]
+        finished = self.update(output, [PLACEHOLDER_TOKEN if s else -1 for s in output.do_sample], now)
+        slots = [(i, r, n_out, n_all) for i, (r, (n_out, n_all)) in enumerate(zip(output.reqs, lens))
+                 if len(r.output_token_ids) > n_out]
+        return PendingTokens(slots, finished)
+
+    @staticmethod
+    def resolve_async(pending: PendingTokens, sampled_token_ids: Sequence[int], now: float) -> None:
+        """Write the step's real ids (one per scheduled request, as for update()) over the placeholders of
+        `pending`, stamped with the step's end time `now`."""
+        for i, req, n_out, n_all in pending.slots:
+            tok = int(sampled_token_ids[i])
+            req.output_token_ids[n_out] = tok
+            req.all_token_ids[n_all] = tok
+            req.token_times[n_out] = now
+            if n_out == 0:
+                req.first_token_time = now
+        for req in pending.finished:
+            req.finish_time = now
 
     def check_invariants(self) -> None:
         """Block-manager accounting plus: every live request sits in exactly one queue matching its status."""

@@ -51,7 +51,6 @@ from pdjax.metrics import IterationRecord, RequestRecord, request_record
 from pdjax.scheduler import BatchQueue, Request
 
 TokenCallback = Callable[[str, int, float], None]   # (request_id, token_id, time_s)
-PLACEHOLDER_TOKEN = 0
 
 
 @dataclasses.dataclass
@@ -238,17 +237,10 @@ class ColocatedEngine:
 
     def _run_async(self, arrivals: ArrivalQueue) -> None:
         sched = self.scheduler
-        in_flight = None    # (out, handle, start, placeholders) of the dispatched, uncollected step
+        in_flight = None    # (out, handle, start) of the dispatched, uncollected step
         while True:
             host_start = self._now()
-            finished_early = []
-            placeholders = []
-            if in_flight is not None:
-                out_prev = in_flight[0]
-                spec = [PLACEHOLDER_TOKEN if s else -1 for s in out_prev.do_sample]
-                finished_early = sched.update(out_prev, spec, host_start)
-                placeholders = [(req, len(req.output_token_ids) - 1, len(req.all_token_ids) - 1)
-                                for req, s in zip(out_prev.reqs, out_prev.do_sample) if s]
+            pending = sched.update_async(in_flight[0], host_start) if in_flight is not None else None
             arrivals.admit(host_start)
             out = sched.schedule(host_start) if sched.has_unfinished() else None
             if out is not None:
@@ -261,24 +253,15 @@ class ColocatedEngine:
                 self._copies_only(out)
             if in_flight is not None:
                 self._overlap += self._now() - host_start
-                out_prev, handle_prev, start_prev, _ = in_flight
+                out_prev, handle_prev, start_prev = in_flight
                 sampled = self.coordinator.collect(self.runner, handle_prev)
                 end = self._now()
-                it = iter(int(t) for t in sampled if t >= 0)
-                for req, out_idx, all_idx in placeholders:
-                    tok = next(it)
-                    req.output_token_ids[out_idx] = tok
-                    req.all_token_ids[all_idx] = tok
-                    req.token_times[out_idx] = end
-                    if out_idx == 0:
-                        req.first_token_time = end
-                for req in finished_early:
-                    req.finish_time = end
-                self._record(out_prev, sampled, start_prev, end, finished_early)
+                sched.resolve_async(pending, sampled, end)
+                self._record(out_prev, sampled, start_prev, end, pending.finished)
                 in_flight = None
             if handle is not None:
                 start = self._iterations[-1].end_time if self._iterations else host_start
-                in_flight = (out, handle, max(start, host_start), None)
+                in_flight = (out, handle, max(start, host_start))
                 continue
             if not sched.has_unfinished():
                 if arrivals.exhausted:

@@ -1,0 +1,152 @@
+"""Serving stacks defined by published per-step fits: a step's time as one engine measured it (no JAX).
+
+The `pdjax` stack is the cost model itself (hardware roofline x fitted efficiencies + host terms,
+pdjax.sim.cost_model). A *step-fit stack* instead reproduces another engine's measured step times: DistServe's
+simulator (simdistserve) carries such fits for DistServe's own engine and for the vLLM it compared against
+(OPT-13B TP 1/2/4 and OPT-66B TP 2/3/4/8 on A100-80GB; ../shared/data/profiling/distserve/, see its SOURCES.md).
+A fit is valid only for the (model, hardware, tp) it was measured on: `StepFitStack.fit_for` refuses any
+other with the combinations it holds.
+
+Step time of one pipeline stage (seconds), for prefill chunks (n_i new tokens at offset o_i) and decodes
+(context c_j including the new token), with the file's coefficients in milliseconds:
+- prefill-only step (the fit's own regime, o_i = 0): a + b·Σn_i + c·Σn_i²
+- decode-only step of B requests: a + b·Σc_j + c·B, the small- or large-batch fit by B against the threshold
+- a mixed step (chunked prefill; extrapolated, the fits hold no mixed step): the prefill fit over the chunks
+  plus the decode fit's per-context and per-request terms (b·Σc_j + c·B, without its intercept: one step has
+  one floor); a chunk at offset o attends to o + n keys, so its quadratic term is c·(n² + 2·n·o), which is
+  c·n² for a whole prompt and keeps the term proportional to attention work for a chunk.
+- pp stages: the step's time / pp per stage (simdistserve's convention).
+- the engine's own per-step overhead outside the fits (simdistserve's worker overhead: 2 ms + 1e-4 ms per
+  context token of the batch, on the first stage), as explicit parameters `step_floor_s` and
+  `per_context_token_s`; both are printed with every run (`describe`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Dict, Mapping, Sequence, Tuple
+
+from pdjax.config.files import REPO_ROOT
+
+SHARED_PROFILING_DIR = os.path.normpath(os.path.join(REPO_ROOT, os.pardir, "shared", "data", "profiling"))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFit:
+    """One (model, hardware, tp)'s fit, coefficients in milliseconds (module docstring)."""
+    prefill: Tuple[float, float, float]
+    decode_small: Tuple[float, float, float]
+    decode_large: Tuple[float, float, float]
+    large_batch_threshold: int
+
+    def prefill_ms(self, chunks: Sequence[Tuple[int, int]]) -> float:
+        """The prefill fit over (new tokens, offset) chunks; 0 for none."""
+        if not chunks:
+            return 0.0
+        a, b, c = self.prefill
+        return a + b * sum(n for n, _ in chunks) + c * sum(n * n + 2 * n * o for n, o in chunks)
+
+    def decode_ms(self, contexts: Sequence[int], intercept: bool = True) -> float:
+        """The decode fit over the decodes' context lengths (new token included); 0 for none."""
+        if not contexts:
+            return 0.0
+        batch = len(contexts)
+        a, b, c = self.decode_small if batch < self.large_batch_threshold else self.decode_large
+        return (a if intercept else 0.0) + b * sum(contexts) + c * batch
+
+    def step_ms(self, chunks: Sequence[Tuple[int, int]], contexts: Sequence[int]) -> float:
+        """One whole step (all stages), before pp and the stack's overhead terms."""
+        if not chunks:
+            return self.decode_ms(contexts)
+        return self.prefill_ms(chunks) + self.decode_ms(contexts, intercept=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFitStack:
+    """A serving stack given by per-step fits on one hardware, keyed by (pdjax model name, tp)."""
+    name: str
+    hardware: str
+    fits: Mapping[Tuple[str, int], StepFit]
+    step_floor_s: float = 0.0
+    per_context_token_s: float = 0.0
+    source: str = ""
+
+    def fit_for(self, model: str, hardware: str, tp: int) -> StepFit:
+        """The fit of (model, hardware, tp); a clear error naming what the stack holds otherwise."""
+        fit = self.fits.get((model, tp))
+        if fit is None or hardware != self.hardware:
+            held = ", ".join(f"{m} tp={t}" for m, t in sorted(self.fits))
+            raise ValueError(f"stack {self.name!r} has no step fit for model={model!r} tp={tp} on "
+                             f"hardware={hardware!r}: it was fitted on {self.hardware!r} for {held} "
+                             "(a step-fit stack does not extrapolate to other models, TP degrees or hardware)")
+        return fit
+
+    def stage_time_s(self, fit: StepFit, chunks: Sequence[Tuple[int, int]], contexts: Sequence[int],
+                     pp: int = 1, first_stage: bool = True) -> float:
+        """Seconds one pipeline stage spends on the step: the fit / pp, plus the overhead on the first stage."""
+        seconds = fit.step_ms(chunks, contexts) / 1e3 / pp
+        if first_stage and (chunks or contexts):
+            context_tokens = sum(o + n for n, o in chunks) + sum(contexts)
+            seconds += self.step_floor_s + self.per_context_token_s * context_tokens
+        return seconds
+
+    def describe(self) -> Dict[str, object]:
+        """The stack's parameters, as printed with a run and recorded in its results."""
+        return {"stack": self.name, "kind": "step_fit", "hardware": self.hardware, "source": self.source,
+                "step_floor_s": self.step_floor_s, "per_context_token_s": self.per_context_token_s,
+                "fitted": sorted(f"{m}/tp{t}" for m, t in self.fits)}
+
+
+# DistServe's files name models by their HF ids.
+_DISTSERVE_MODELS = {"facebook/opt-13b": "opt-13b", "facebook/opt-66b": "opt-66b", "facebook/opt-175b": "opt-175b"}
+
+
+def _triple(values, where: str) -> Tuple[float, float, float]:
+    if not isinstance(values, (list, tuple)) or len(values) != 3:
+        raise ValueError(f"{where}={values!r}, expected three coefficients [a, b, c]")
+    return tuple(float(v) for v in values)
+
+
+def load_distserve_fits(path: str) -> Dict[Tuple[str, int], StepFit]:
+    """The step fits of one simdistserve profile file (`profiler-*.json`): {(pdjax model, tp): StepFit}."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ValueError(f"step-fit file {path!r}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"step-fit file {path!r} is not valid JSON: {e}") from None
+    fits = {}
+    for hf_name, by_tp in data.items():
+        model = _DISTSERVE_MODELS.get(hf_name)
+        if model is None:
+            raise ValueError(f"step-fit file {path!r}: model {hf_name!r}, expected one of {sorted(_DISTSERVE_MODELS)}")
+        for tp, p in by_tp.items():
+            where = f"{path}: {hf_name} tp={tp}"
+            fits[(model, int(tp))] = StepFit(prefill=_triple(p["prefill"], f"{where} prefill"),
+                                             decode_small=_triple(p["decoding_smallbs"], f"{where} decoding_smallbs"),
+                                             decode_large=_triple(p["decoding_largebs"], f"{where} decoding_largebs"),
+                                             large_batch_threshold=int(p["decoding_large_small_bs_threshold"]))
+    return fits
+
+
+# simdistserve's worker overhead per step (its add_ray_overhead): 2 ms + 1e-4 ms per context token.
+_SIMDISTSERVE_OVERHEAD = dict(step_floor_s=2e-3, per_context_token_s=1e-7)
+
+STEP_FIT_STACKS = {
+    "distserve": ("distserve/profiler-a100-80g.distserve.json", "DistServe's engine (simdistserve fits)"),
+    "distserve-vllm": ("distserve/profiler-a100-80g.vllm.json",
+                       "the vLLM DistServe compared against (simdistserve fits)"),
+}
+STACKS = ("pdjax",) + tuple(STEP_FIT_STACKS)
+
+
+def load_stack(name: str, profiling_dir: str = SHARED_PROFILING_DIR) -> StepFitStack:
+    """A shipped step-fit stack by name, read from the shared profiling data (`profiling_dir`)."""
+    if name not in STEP_FIT_STACKS:
+        raise ValueError(f"stack={name!r}, expected one of {STACKS} ('pdjax' is the cost model itself)")
+    rel, what = STEP_FIT_STACKS[name]
+    path = os.path.join(profiling_dir, rel)
+    return StepFitStack(name=name, hardware="a100-80gb-sxm", fits=load_distserve_fits(path),
+                        source=f"{what}: {rel}", **_SIMDISTSERVE_OVERHEAD)
