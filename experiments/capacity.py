@@ -33,15 +33,16 @@ def main(argv):
     from pdjax.config.serving import serve_config_from_dict
     from pdjax.experiment.run import to_plain_dict
     from pdjax.metrics import write_json
+    from pdjax.sim.build import build_setup
     from pdjax.sim.capacity import search_config_capacity
     if _TBT.value is None and _TTFT.value is None:
         raise cli.UserError("no limit given: pass --slo_tbt_p99 and/or --slo_ttft_p99 (seconds)")
     if not 0 < _LO.value < _HI.value:
         raise cli.UserError(f"--lo={_LO.value} --hi={_HI.value}, expected 0 < lo < hi")
     config = to_plain_dict(_CONFIG.value)
-    try:
-        serve_config_from_dict(config)
-    except ValueError as e:
+    try:     # the config, and what the simulator builds from it (hardware, profile, deployment vs. the model)
+        build_setup(serve_config_from_dict(config))
+    except (ValueError, OSError) as e:
         raise cli.UserError(cli.one_line(e)) from None
     report = search_config_capacity(config, tbt_p99=_TBT.value, ttft_p99=_TTFT.value,
                                     lo=_LO.value, hi=_HI.value, parallel=_PARALLEL.value, rel_tol=_REL_TOL.value,

@@ -7,6 +7,7 @@ Prompts: a JSON list of token-id lists. OUT.json: {"tokens": [[...], ...]} in pr
 from __future__ import annotations
 
 import json
+import pathlib
 
 from absl import flags
 
@@ -31,11 +32,25 @@ flags.register_multi_flags_validator(
     message="--token_budget must be 0 (automatic) or >= --chunk_size")
 
 
+def check_output_path(flag: str, path: str) -> None:
+    """UserError unless `path` can be written as a file: not a directory, and no file where its parent
+    directories would go (those are created)."""
+    target = pathlib.Path(path)
+    if target.is_dir():
+        raise cli.UserError(f"--{flag}={path!r} is a directory; expected the path of a file to write")
+    parent = next((p for p in target.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise cli.UserError(f"--{flag}={path!r}: {str(parent)!r} is a file, not a directory")
+
+
 def main(argv):
     if len(argv) > 1:
         raise cli.UserError(f"unexpected arguments {argv[1:]}")
     if not FLAGS.prompts or not FLAGS.out:
         raise cli.UserError("--prompts and --out are required")
+    check_output_path("out", FLAGS.out)             # before anything is loaded or generated
+    if FLAGS.dump_logits:
+        check_output_path("dump_logits", FLAGS.dump_logits)
     from pdjax.runtime.generate import run_generate  # noqa: PLC0415  (keeps --help fast)
 
     try:    # bad inputs found while loading: the prompts file, the checkpoint (missing, truncated), lengths

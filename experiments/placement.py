@@ -11,10 +11,12 @@ disaggregated and colocated placements, and the wall time.
 """
 from __future__ import annotations
 
-import csv
 import json
 
-from absl import app, flags
+from absl import flags
+
+from pdjax.experiment import cli
+from pdjax.sim.placement import AFFINITIES, COLOCATED_POLICIES
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "opt-13b", "Model spec name.")
@@ -23,7 +25,7 @@ flags.DEFINE_integer("gpus_per_node", 0, "GPUs per node (0: the spec's).")
 flags.DEFINE_float("intra_node_gbps", 0.0, "Intra-node link GB/s per GPU per direction (0: the spec's).")
 flags.DEFINE_float("inter_node_gbps", 0.0, "Inter-node link GB/s per GPU per direction (0: the spec's).")
 flags.DEFINE_integer("budget", 4, "GPU budget.")
-flags.DEFINE_string("trace", "", "Trace CSV (num_prefill_tokens, num_decode_tokens) for the lengths.")
+flags.DEFINE_string("trace", "", "Trace CSV for the lengths (any format of pdjax.workload.traces).")
 flags.DEFINE_string("preset", "chat", "Workload preset when no --trace is given.")
 flags.DEFINE_integer("num_requests", 300, "Requests per simulation.")
 flags.DEFINE_integer("max_model_len", 2048, "Max prompt + output tokens (OPT: 2048).")
@@ -31,25 +33,35 @@ flags.DEFINE_integer("seed", 0, "Workload seed.")
 flags.DEFINE_float("ttft", 0.2, "TTFT SLO (s).")
 flags.DEFINE_float("tpot", 0.1, "TPOT SLO (s).")
 flags.DEFINE_float("attainment", 0.9, "SLO attainment target.")
-flags.DEFINE_list("affinity", ["high", "low"], "DistServe placement families to search.")
-flags.DEFINE_list("colocated", ["sarathi", "vllm_v0"], "Colocated policies to compare.")
+flags.DEFINE_list("affinity", list(AFFINITIES), f"DistServe placement families to search (of {AFFINITIES}).")
+flags.DEFINE_list("colocated", list(COLOCATED_POLICIES), f"Colocated policies to compare (of {COLOCATED_POLICIES}).")
 flags.DEFINE_integer("workers", 2, "Processes.")
 flags.DEFINE_string("profile", "", "Machine profile (default: the shipped one for the hardware).")
 flags.DEFINE_integer("top", 10, "Rows of the ranking to print (0: all).")
 
 
+def _names_among(flag: str, allowed) -> None:
+    """Checked at parsing: a name outside `allowed` fails in one line naming it (pdjax.experiment.cli)."""
+    def check(names) -> bool:
+        bad = [n for n in names if n not in allowed]
+        if bad:
+            raise flags.ValidationError(f"unknown {', '.join(map(repr, bad))}; expected some of {', '.join(allowed)}")
+        return True
+    flags.register_validator(flag, check)
+
+
+_names_among("affinity", AFFINITIES)
+_names_among("colocated", COLOCATED_POLICIES)
+
+
 def trace_workload(path: str, max_model_len: int, num_requests: int, seed: int) -> dict:
     """Empirical length distributions of the trace rows with prompt + output <= max_model_len (DistServe's
-    filtering), as a WorkloadConfig dict."""
-    prompts, outputs = [], []
-    with open(path) as f:
-        for row in csv.DictReader(f):
-            p, d = int(row["num_prefill_tokens"]), int(row["num_decode_tokens"])
-            if p + d <= max_model_len:
-                prompts.append(p)
-                outputs.append(d)
+    filtering), as a WorkloadConfig dict. Raises ValueError (OSError for an unreadable file) naming the trace."""
+    from pdjax.workload.traces import load_trace  # noqa: PLC0415
+    rows = [r for r in load_trace(path).rows if r.prompt_len + r.output_len <= max_model_len]
+    prompts, outputs = [r.prompt_len for r in rows], [r.output_len for r in rows]
     if not prompts:
-        raise ValueError(f"--trace={path!r}: no row fits max_model_len={max_model_len}")
+        raise ValueError(f"--trace={path!r}: no row fits max_model_len={max_model_len} (prompt + output tokens)")
     return {"kind": "synthetic", "arrival": "poisson", "num_requests": num_requests, "seed": seed,
             "prompt_len": {"kind": "empirical", "samples": tuple(prompts)},
             "output_len": {"kind": "empirical", "samples": tuple(outputs)}, "max_model_len": max_model_len}
@@ -76,20 +88,21 @@ def run(model: str, hardware: str, budget: int, workload: dict, ttft: float, tpo
 
 
 def main(argv):
-    del argv
-    if FLAGS.trace:
-        workload = trace_workload(FLAGS.trace, FLAGS.max_model_len, FLAGS.num_requests, FLAGS.seed)
-    else:
-        workload = {"preset": FLAGS.preset, "num_requests": FLAGS.num_requests, "seed": FLAGS.seed,
-                    "max_model_len": FLAGS.max_model_len}
-    try:
+    if len(argv) > 1:
+        raise cli.UserError(f"unexpected arguments {argv[1:]}")
+    try:     # a bad trace, model, hardware, profile, preset or budget: one line naming it
+        if FLAGS.trace:
+            workload = trace_workload(FLAGS.trace, FLAGS.max_model_len, FLAGS.num_requests, FLAGS.seed)
+        else:
+            workload = {"preset": FLAGS.preset, "num_requests": FLAGS.num_requests, "seed": FLAGS.seed,
+                        "max_model_len": FLAGS.max_model_len}
         out = run(FLAGS.model, FLAGS.hardware, FLAGS.budget, workload, FLAGS.ttft, FLAGS.tpot, FLAGS.attainment,
                   FLAGS.gpus_per_node, FLAGS.intra_node_gbps, FLAGS.inter_node_gbps, FLAGS.workers,
                   FLAGS.affinity, FLAGS.colocated, FLAGS.profile, FLAGS.max_model_len, FLAGS.top)
-    except ValueError as e:
-        raise app.UsageError(str(e)) from None
+    except (ValueError, OSError) as e:
+        raise cli.UserError(cli.one_line(e)) from None
     print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

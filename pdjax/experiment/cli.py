@@ -8,10 +8,12 @@
 - Quiet: absl logs at WARNING unless --verbosity / -v is given, so the INFO chatter of orbax, absl and JAX
   (checkpoint steps, "Unable to initialize backend 'tpu'") stays out of the output; our tables, progress bars
   and warnings remain.
-- One line per user error: a bad --config override (a typo'd key, a value of the wrong type) or a `UserError`
-  raised by main prints `error: ...` on stderr and exits with status 2 at once (`fail`), never a traceback (nor
-  the "Event loop is closed" noise of a failed orbax read: `ignore_closed_loop_callbacks`). Anything else is a
-  bug and keeps its traceback.
+- One line per user error: a bad flag or --config override (a typo'd key, a value of the wrong type or out of
+  range: `parse_flags`) or a `UserError` (pdjax.errors; any layer raises it where it finds the mistake, and an
+  entry point turns the ValueError of its config and build phase into one) raised by main prints `error: ...` on
+  stderr and exits with status 2 at once (`fail`), never a traceback (nor absl's usage text, nor the "Event loop
+  is closed" noise of a failed orbax read: `ignore_closed_loop_callbacks`). Anything else is a bug and keeps its
+  traceback.
 """
 from __future__ import annotations
 
@@ -23,11 +25,13 @@ from typing import Callable, NoReturn, Optional
 
 from absl import app, flags, logging
 
+from pdjax import errors
+
 EXIT_USER_ERROR = 2
 
 
-class UserError(Exception):
-    """A mistake in what the user asked for (a bad key, value or path); printed as one line."""
+# pdjax.errors.UserError: raised by any layer for a mistake in what the user asked for; printed as one line.
+UserError = errors.UserError
 
 
 def one_line(error: BaseException) -> str:
@@ -88,6 +92,24 @@ def define_config_file(name: str, default: Optional[str], help_string: str):
         fail(f"bad command-line flag: {one_line(e)}")
 
 
+def flag_error_line(error: BaseException) -> str:
+    """absl's text for a bad flag value, with Python's conversion jargon said plainly."""
+    text = one_line(error)
+    for jargon, plain in (("invalid literal for int() with base 10: ", "expected an integer, got "),
+                          ("could not convert string to float: ", "expected a number, got ")):
+        text = text.replace(jargon, plain)
+    return text if text.startswith("flag --") else f"bad command-line flag: {text}"
+
+
+def parse_flags(argv):
+    """absl's flag parsing, with a bad value (wrong type, out of range, a failed validator) reported as one
+    `error:` line with status 2 instead of absl's "FATAL Flags parsing error" with status 1."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        fail(flag_error_line(e))
+
+
 def run(main: Callable) -> None:
     """app.run(main) with quiet logs and one-line user errors (see the module docstring)."""
     started = []
@@ -102,7 +124,7 @@ def run(main: Callable) -> None:
             fail(e)
 
     try:
-        app.run(wrapped)
+        app.run(wrapped, flags_parser=parse_flags)
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         if started:
             raise

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax.config.model_specs import DTYPE_BYTES, ModelSpec, RopeScaling, get_model_spec
+from pdjax.errors import UserError
 from pdjax.models.llama import check_runnable, init_params, jnp_dtype
 from pdjax.models.params import (LayerParams, LlamaParams, WeightInfo, check_params, check_shapes, flat_params,
                                  param_table, table_items)
@@ -39,7 +40,7 @@ SPEC_FILE = "pdjax_spec.json"
 ORBAX_SUBDIR = "params"
 
 
-class CheckpointCorruptError(ValueError):
+class CheckpointCorruptError(UserError):
     """A checkpoint file could not be read: truncated or corrupt (the reader's error is the __cause__)."""
 
 
@@ -262,7 +263,7 @@ def load_hf_checkpoint(directory, dtype=None) -> Tuple[ModelSpec, LlamaParams]:
     directory = pathlib.Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file():
-        raise ValueError(f"{directory} has no config.json (not an HF checkpoint directory)")
+        raise UserError(f"{directory} has no config.json (not an HF checkpoint directory)")
     spec = spec_from_hf_config(_read_json(directory, config_path), name=directory.name)
     index_path = directory / "model.safetensors.index.json"
     if index_path.is_file():
@@ -271,7 +272,7 @@ def load_hf_checkpoint(directory, dtype=None) -> Tuple[ModelSpec, LlamaParams]:
     else:
         files = sorted(p.name for p in directory.glob("*.safetensors"))
         if not files:
-            raise ValueError(f"{directory} has no *.safetensors files")
+            raise UserError(f"{directory} has no *.safetensors files")
     handles = {}
     for f in files:
         try:
@@ -351,7 +352,7 @@ def restore_params(directory) -> Tuple[ModelSpec, LlamaParams]:
     directory = pathlib.Path(directory).absolute()
     try:
         spec = spec_from_json((directory / SPEC_FILE).read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, TypeError, AttributeError) as e:   # not JSON / not a spec
         raise _corrupt(directory, f"reading {SPEC_FILE}", e) from e
     try:
         with ocp.StandardCheckpointer() as ckptr:
@@ -380,10 +381,10 @@ def load_model(checkpoint: str, *, dtype=None, seed: int = 0) -> Tuple[ModelSpec
             return spec, params
         if (path / "config.json").is_file():
             return load_hf_checkpoint(path, dtype)
-        raise ValueError(f"checkpoint directory {checkpoint!r} has neither {SPEC_FILE} (orbax) nor "
+        raise UserError(f"checkpoint directory {checkpoint!r} has neither {SPEC_FILE} (orbax) nor "
                          f"config.json (HF)")
     if os.sep in checkpoint or checkpoint.startswith("."):
-        raise ValueError(f"checkpoint {checkpoint!r} is not a directory (and not a registry spec name)")
+        raise UserError(f"checkpoint {checkpoint!r} is not a directory (and not a registry spec name)")
     spec = get_model_spec(checkpoint)
     check_runnable(spec)
     return spec, init_params(spec, seed, dtype)

@@ -21,6 +21,7 @@ from typing import List, Optional, Sequence
 
 from pdjax.config.buckets import Buckets, engine_buckets
 from pdjax.config.serving import ServeConfig
+from pdjax.errors import UserError
 from pdjax.scheduler import Request, request_from_workload
 from pdjax.scheduler.instances import make_role_scheduler
 from pdjax.serving.cluster import ClusterEngine, Instance
@@ -41,10 +42,22 @@ def resolve_checkpoint(checkpoint: str) -> str:
 
 
 def default_buckets(cfg: ServeConfig) -> Buckets:
-    """The step's shape buckets for `cfg` (pdjax.config.buckets.engine_buckets; the simulator pads the same)."""
+    """The step's shape buckets for `cfg` (pdjax.config.buckets.engine_buckets; the simulator pads the same).
+    Raises UserError when an explicit list's largest bucket is below what a step can hold (the token budget,
+    max_num_seqs, max_model_len's pages): such a step would have no shape to run in."""
     sc, ec = cfg.scheduler, cfg.engine
-    return engine_buckets(sc.token_budget, sc.max_num_seqs, sc.max_model_len, sc.page_size,
-                          ec.token_buckets, ec.seq_buckets, ec.page_buckets)
+    buckets = engine_buckets(sc.token_budget, sc.max_num_seqs, sc.max_model_len, sc.page_size,
+                             ec.token_buckets, ec.seq_buckets, ec.page_buckets)
+    for key, largest, needed, what in (
+            ("token_buckets", buckets.max_tokens, sc.token_budget, f"the token budget {sc.token_budget}"),
+            ("seq_buckets", buckets.max_seqs, sc.max_num_seqs, f"max_num_seqs={sc.max_num_seqs}"),
+            ("page_buckets", buckets.max_pages, -(-sc.max_model_len // sc.page_size),
+             f"the pages of max_model_len={sc.max_model_len} ({-(-sc.max_model_len // sc.page_size)} of "
+             f"{sc.page_size} tokens)")):
+        if largest < needed:
+            raise UserError(f"engine.{key}={tuple(getattr(ec, key))}: the largest, {largest}, is below {what}; "
+                            f"expected one >= {needed} (or () for automatic buckets)")
+    return buckets
 
 
 def build_requests(cfg: ServeConfig, workload: Optional[Sequence] = None) -> List[Request]:
@@ -125,7 +138,24 @@ def build_engine(cfg: ServeConfig, *, devices: Optional[Sequence] = None, params
                  on_token: Optional[TokenCallback] = None, compile_counter=None):
     """The engine of cfg.deployment: a ColocatedEngine (sync or async scheduling) for one colocated instance,
     a ClusterEngine of colocated replicas behind the router for several, a DisaggregatedEngine (the
-    ClusterEngine of prefill and decode instances) for a disaggregated deployment. Arguments as build_instances."""
+    ClusterEngine of prefill and decode instances) for a disaggregated deployment. Arguments as build_instances.
+
+    Nothing is compiled yet, so whatever in `cfg` cannot be built is the user's input, and raises UserError (the
+    ValueError or OSError found, as its __cause__): the checkpoint (missing, malformed, truncated), the model
+    spec or dtype, the deployment against the model and the devices, the buckets, async scheduling where it
+    cannot run."""
+    try:
+        return _build_engine(cfg, devices=devices, params=params, spec=spec, on_token=on_token,
+                             compile_counter=compile_counter)
+    except UserError:
+        raise
+    except OSError as e:
+        raise UserError(f"{e.filename}: {e.strerror}" if e.filename else str(e)) from e
+    except ValueError as e:
+        raise UserError(str(e)) from e
+
+
+def _build_engine(cfg: ServeConfig, *, devices, params, spec, on_token, compile_counter):
     dep, ec = cfg.deployment, cfg.engine
     instances = build_instances(cfg, devices=devices, params=params, spec=spec)
     common = dict(on_token=on_token, compile_counter=compile_counter, fail_on_compile=ec.fail_on_compile)
@@ -136,7 +166,7 @@ def build_engine(cfg: ServeConfig, *, devices: Optional[Sequence] = None, params
         return ColocatedEngine(inst.runner, inst.scheduler, async_scheduling=ec.async_scheduling,
                                max_in_flight=in_flight, **common)
     if ec.async_scheduling:
-        raise ValueError(f"engine.async_scheduling=True runs one colocated instance (ColocatedEngine); this "
+        raise UserError(f"engine.async_scheduling=True runs one colocated instance (ColocatedEngine); this "
                          f"deployment has {len(instances)} instances ({', '.join(i.name for i in instances)}), "
                          "served by the multi-instance loop, which schedules synchronously")
     # Multi-instance loop: each instance keeps up to its runner's pp batches in flight (max_in_flight=None).

@@ -47,6 +47,7 @@ import dataclasses
 import time
 from typing import Callable, List, Optional, Sequence
 
+from pdjax.errors import UserError
 from pdjax.metrics import IterationRecord, RequestRecord, request_record
 from pdjax.scheduler import BatchQueue, Request
 
@@ -60,6 +61,11 @@ class EngineResult:
     output_tokens: dict                 # request_id -> list of generated token ids
     duration_s: float
     host_overlap_s: float               # host work done while a step was in flight
+
+
+class CompileDuringRunError(UserError, RuntimeError):
+    """A step compiled after warm-up with engine.fail_on_compile=True: the run stops as asked, in one line (a
+    UserError for the entry points; a RuntimeError, as it was before)."""
 
 
 class CompileTracker:
@@ -78,7 +84,7 @@ class CompileTracker:
             return 0
         seen, self._seen = self._seen, self.counter()
         if self._seen > seen and self.fail:
-            raise RuntimeError(f"{self._seen - seen} XLA compile(s) during {where} after warm-up "
+            raise CompileDuringRunError(f"{self._seen - seen} XLA compile(s) during {where} after warm-up "
                                "(engine.fail_on_compile=True): a shape, sharding or function was not precompiled")
         return self._seen - seen
 
@@ -148,14 +154,19 @@ class ColocatedEngine:
             coordinator = Coordinator()
         self.coordinator = coordinator
 
-    def run(self, requests: Sequence[Request], *, progress: Optional[Callable[[int], None]] = None) -> EngineResult:
-        """Serve `requests` (scheduler Requests with arrival times relative to the start) until all finish."""
+    def check_requests(self, requests: Sequence[Request]) -> None:
+        """Raise UserError when this engine cannot serve `requests` (async scheduling with stop tokens or a
+        hand-off policy); run() checks it, and a run checks it before warm-up compiles anything."""
         if self.async_scheduling:
             with_stops = [r.request_id for r in requests if r.sampling.stop_token_ids]
             if with_stops or getattr(self.scheduler, "handoff_after_prefill", False):
-                raise ValueError(
+                raise UserError(
                     f"async scheduling needs requests that finish at max_tokens (no stop tokens; requests "
                     f"{with_stops[:3]} have some) on a colocated policy; use async_scheduling=False")
+
+    def run(self, requests: Sequence[Request], *, progress: Optional[Callable[[int], None]] = None) -> EngineResult:
+        """Serve `requests` (scheduler Requests with arrival times relative to the start) until all finish."""
+        self.check_requests(requests)
         self._t0 = self.clock()
         self._iterations: List[IterationRecord] = []
         self._overlap = 0.0

@@ -97,7 +97,9 @@ def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str, *, wor
     if cfg.engine.compilation_cache:
         enable_compilation_cache(cfg.engine.compilation_cache_dir)
     disaggregated = cfg.deployment.kind == "disaggregated"
-    engine = build_engine(cfg, compile_counter=compiles.count)
+    engine = build_engine(cfg, compile_counter=compiles.count)   # a UserError for anything cfg cannot build
+    if hasattr(engine, "check_requests"):
+        engine.check_requests(requests)      # before warm-up compiles anything
     engine.coordinator = coordinator
     mark = compiles.count()
     compile_s = _warm_up(engine, cfg) if cfg.engine.warmup else 0.0

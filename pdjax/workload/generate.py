@@ -138,6 +138,9 @@ def _sessions(cfg: WorkloadConfig, seed: int, prompt: LengthDist, output: Length
 
 
 def _from_trace(cfg: WorkloadConfig, seed: int, trace: Trace) -> List[WorkloadRequest]:
+    if cfg.trace_start >= len(trace.rows):
+        raise ValueError(f"workload.trace_start={cfg.trace_start} is beyond the end of {trace.path}, which has "
+                         f"{len(trace.rows)} rows; expected trace_start <= {len(trace.rows) - 1} (rows count from 0)")
     rows = trace.rows[cfg.trace_start:cfg.trace_start + cfg.num_requests]
     if len(rows) < cfg.num_requests:
         raise ValueError(f"workload.num_requests={cfg.num_requests} with trace_start={cfg.trace_start}, but "

@@ -10,7 +10,8 @@ The format is recognised from the header (the columns in ../shared/data/traces/S
 - simple:    prompt_tokens,output_tokens[,arrival_time] (seconds) for hand-written files.
 Arrival times are returned in seconds from the earliest row. Extra columns are ignored; blank lines are
 skipped. Any other malformed row (wrong column count, a cell that is not a number, a length < 1, a negative
-time, totals or block counts that disagree) raises ValueError naming the file and its 1-based line number.
+time, totals or block counts that disagree) raises ValueError naming the file and its 1-based line number; a
+file that is not UTF-8 text (a binary file) raises ValueError naming the file.
 """
 from __future__ import annotations
 
@@ -126,6 +127,14 @@ def _detect(header: List[str], path: str) -> Tuple[_Format, Dict[str, int]]:
 def load_trace(path: str) -> Trace:
     """Read a trace CSV (format from its header). Arrival times are made relative to the earliest row."""
     path = os.fspath(path)
+    try:
+        return _load_trace(path)
+    except UnicodeDecodeError as e:   # a binary file (or another encoding): name the file, not the codec
+        raise ValueError(f"{path}: not a text CSV file (byte 0x{e.object[e.start]:02x} is not UTF-8); expected a "
+                         "trace CSV with a header line") from None
+
+
+def _load_trace(path: str) -> Trace:
     rows: List[TraceRequest] = []
     with open(path, newline="") as f:
         reader = csv.reader(f)
