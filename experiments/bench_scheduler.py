@@ -20,6 +20,7 @@ import argparse
 import gc
 import json
 import platform
+import sys
 import time
 
 from pdjax.config import SamplingParams, SchedulerConfig
@@ -117,8 +118,17 @@ def int_at_least(low: int):
     return parse
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """A bad flag is one `error: ...` line with status 2, as in every other entry point (no 12-line usage first;
+    --help still shows it)."""
+
+    def error(self, message):
+        print(f"error: {' '.join(message.split())}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_scheduler", description=__doc__.split("\n")[0])
+    p = OneLineErrors(prog="python -m experiments.bench_scheduler", description=__doc__.split("\n")[0])
     p.add_argument("--policy", default="sarathi", choices=POLICIES)
     p.add_argument("--requests", type=int_at_least(1), default=256)
     p.add_argument("--prompt_len", type=int_at_least(1), default=512)

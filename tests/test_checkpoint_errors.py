@@ -101,3 +101,20 @@ def test_generate_cli_names_the_truncated_checkpoint_in_one_line(orbax_copy, tmp
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: checkpoint {str(orbax_copy)!r} is truncated or corrupt")
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("spec_text", ['{"name": "x"}', '[1, 2]', '{"name": "x", "vocab_size": 259, "colour": 1}'])
+def test_a_spec_file_that_is_not_a_spec_is_named(orbax_copy, spec_text):
+    """Valid JSON that is not a ModelSpec (missing or unknown keys, not an object): the file is named, one line."""
+    (orbax_copy / "pdjax_spec.json").write_text(spec_text)
+    with pytest.raises(CheckpointCorruptError) as info:
+        load_model(str(orbax_copy))
+    _check(info.value, orbax_copy, "reading pdjax_spec.json failed")
+
+
+def test_checkpoint_errors_are_user_errors(tmp_path):
+    from pdjax.errors import UserError
+    assert issubclass(CheckpointCorruptError, UserError)
+    for bad in ("/nonexistent/ckpt", str(tmp_path)):      # not a directory; a directory with neither format
+        with pytest.raises(UserError):
+            load_model(bad)

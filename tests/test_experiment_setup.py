@@ -14,6 +14,7 @@ from pdjax.config.deployment import DeploymentConfig, InstanceGroupConfig
 from pdjax.config.files import config_file
 from pdjax.config.scheduler import SchedulerConfig
 from pdjax.config.serving import EngineConfig, ModelConfig, SimConfig, SLOConfig, serve_config_from_dict
+from pdjax.errors import UserError
 from pdjax.experiment.run import prepare_experiment, run_experiment, to_plain_dict
 from pdjax.metrics import RUN_FILES, RequestRecord, prepare_run_dir, summarize_table, write_run_outputs
 from pdjax.workload import WorkloadConfig, describe_length_report
@@ -72,7 +73,7 @@ def test_bad_trace_path_fails_before_the_backend_runs(tmp_path, monkeypatch):
     config.workload.kind = "trace"
     config.workload.preset = ""
     config.workload.trace_path = str(tmp_path / "missing.csv")
-    with pytest.raises(OSError):
+    with pytest.raises(UserError, match="missing.csv: No such file or directory"):   # one line at start-up
         run_experiment(config, str(tmp_path / "out"))
 
 

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, Dict, List, Mapping
 
 from pdjax.config.serving import ServeConfig, serve_config_from_dict
+from pdjax.errors import user_errors
 from pdjax.metrics import prepare_run_dir
 from pdjax.workload import length_report, make_workload
 
@@ -42,17 +43,18 @@ class PreparedExperiment:
 def prepare_experiment(config: Any, workdir: str, *, is_main: bool = True) -> PreparedExperiment:
     """Validate `config` (configs/serve.py layout; for the simulator also its setup: hardware, cost profile, the
     deployment against the model), ready `workdir` (only when `is_main`: process 0 of a multi-process run), build
-    the workload. Raises ValueError (or OSError for unreadable files) naming the bad key, value or path; nothing
-    has been run or compiled then. (The real backend's checkpoint and deployment are checked when its engine is
-    built, before warm-up: pdjax.serving.build.build_engine raises UserError.)"""
-    config = to_plain_dict(config)
-    cfg = serve_config_from_dict(config)
-    if cfg.backend == "sim":     # hardware, cost profile (missing or malformed: named), the deployment vs. the model
-        from pdjax.sim.build import build_setup  # noqa: PLC0415  (cheap, no JAX)
-        build_setup(cfg)
-    if is_main:
-        prepare_run_dir(workdir)
-    workload = make_workload(cfg.workload, seed=cfg.seed)
+    the workload. Raises UserError (pdjax.errors; a ValueError) naming the bad key, value or path; nothing has
+    been run or compiled then. (The real backend's checkpoint and deployment are checked when its engine is
+    built, before warm-up: pdjax.serving.build.build_engine raises UserError too.)"""
+    with user_errors():
+        config = to_plain_dict(config)
+        cfg = serve_config_from_dict(config)
+        if cfg.backend == "sim":     # hardware, cost profile (missing or malformed: named), the deployment vs. model
+            from pdjax.sim.build import build_setup  # noqa: PLC0415  (cheap, no JAX)
+            build_setup(cfg)
+        if is_main:
+            prepare_run_dir(workdir)
+        workload = make_workload(cfg.workload, seed=cfg.seed)
     return PreparedExperiment(cfg, config, workdir, workload, length_report(cfg.workload, workload))
 
 

@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence
 
 from pdjax.config.buckets import Buckets, engine_buckets
 from pdjax.config.serving import ServeConfig
-from pdjax.errors import UserError
+from pdjax.errors import UserError, user_errors
 from pdjax.scheduler import Request, request_from_workload
 from pdjax.scheduler.instances import make_role_scheduler
 from pdjax.serving.cluster import ClusterEngine, Instance
@@ -144,15 +144,9 @@ def build_engine(cfg: ServeConfig, *, devices: Optional[Sequence] = None, params
     ValueError or OSError found, as its __cause__): the checkpoint (missing, malformed, truncated), the model
     spec or dtype, the deployment against the model and the devices, the buckets, async scheduling where it
     cannot run."""
-    try:
+    with user_errors():
         return _build_engine(cfg, devices=devices, params=params, spec=spec, on_token=on_token,
                              compile_counter=compile_counter)
-    except UserError:
-        raise
-    except OSError as e:
-        raise UserError(f"{e.filename}: {e.strerror}" if e.filename else str(e)) from e
-    except ValueError as e:
-        raise UserError(str(e)) from e
 
 
 def _build_engine(cfg: ServeConfig, *, devices, params, spec, on_token, compile_counter):
