@@ -73,10 +73,9 @@ def main(argv):
     try:
         initialize(settings)      # before any JAX use; no-op for one process
         coordinator = make_coordinator(settings, record_digest=bool(_DIGEST_DIR.value))
-        try:
-            prep = prepare_experiment(_CONFIG.value, _WORKDIR.value, is_main=coordinator.is_main)
-        except (ValueError, OSError) as e:
-            raise cli.UserError(cli.one_line(e)) from e
+        # A bad config, path or file here, or a config the engine cannot be built from in run_prepared (before
+        # warm-up), raises UserError: one line (cli.run). Any other exception is a bug and keeps its traceback.
+        prep = prepare_experiment(_CONFIG.value, _WORKDIR.value, is_main=coordinator.is_main)
         note = describe_length_report(prep.length_report)
         if note and coordinator.is_main:
             print(note)
