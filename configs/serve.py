@@ -14,7 +14,7 @@ import ml_collections
 
 from pdjax.config.files import config_block
 from pdjax.config.scheduler import SchedulerConfig
-from pdjax.config.serving import EngineConfig, ModelConfig, SLOConfig, deployment_block, sim_block
+from pdjax.config.serving import EngineConfig, ModelConfig, ServerConfig, SLOConfig, deployment_block, sim_block
 from pdjax.workload import WorkloadConfig
 
 
@@ -47,4 +47,6 @@ def get_config():
     c.deployment = deployment_block()
     # Simulator only (hardware, cost profile, KV memory): what the real engine has no use for.
     c.sim = sim_block(hardware="host-cpu", num_pages=0)
+    # HTTP API server only (python -m experiments.api_server): queue bound (429 beyond it), SIGTERM drain time.
+    c.server = config_block(ServerConfig)
     return c

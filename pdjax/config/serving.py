@@ -102,6 +102,26 @@ class SimConfig:
             raise ValueError(f"sim.gpu_memory_utilization={self.gpu_memory_utilization!r}, expected in (0, 1]")
 
 
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP API server (experiments.api_server) only; experiments.serve ignores it.
+    max_queued_requests: requests the server holds at once (queued or running in the engine); one more is
+      answered 429 instead of growing the queue without bound (0 = no bound).
+    drain_timeout_s: on SIGTERM, in-flight requests get this long to finish; the rest are aborted, then the run's
+      result files are written. model_name: the name /v1/models serves ('' = the checkpoint's directory name)."""
+    max_queued_requests: int = 256
+    drain_timeout_s: float = 30.0
+    model_name: str = ""
+
+    def __post_init__(self):
+        if isinstance(self.max_queued_requests, bool) or not isinstance(self.max_queued_requests, int) \
+                or self.max_queued_requests < 0:
+            raise ValueError(f"server.max_queued_requests={self.max_queued_requests!r}, expected an int >= 0 "
+                             "(0 = no bound)")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"server.drain_timeout_s={self.drain_timeout_s!r}, expected seconds >= 0")
+
+
 # Keys the sim block no longer has -> what replaces them (the deployment block serves both backends).
 REMOVED_SIM_KEYS = {
     "tp": "deployment.colocated.tp",
@@ -173,6 +193,7 @@ class ServeConfig:
     slo: SLOConfig
     sim: SimConfig
     deployment: DeploymentConfig = DeploymentConfig()   # colocated unless the config says otherwise
+    server: ServerConfig = ServerConfig()               # the HTTP API server's settings (experiments.api_server)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -185,7 +206,7 @@ def serve_config_from_dict(d: Mapping[str, Any]) -> ServeConfig:
     from pdjax.workload import WorkloadConfig  # noqa: PLC0415
 
     d = dict(d)
-    top = {"backend", "seed", "model", "engine", "scheduler", "workload", "slo", "sim", "deployment"}
+    top = {"backend", "seed", "model", "engine", "scheduler", "workload", "slo", "sim", "deployment", "server"}
     unknown = sorted(set(d) - top)
     if unknown:
         raise ValueError(f"unknown config key(s) {unknown}; known top-level keys: {sorted(top)}")
@@ -210,4 +231,5 @@ def serve_config_from_dict(d: Mapping[str, Any]) -> ServeConfig:
         slo=dataclass_from_dict(SLOConfig, d.get("slo"), "slo"),
         sim=dataclass_from_dict(SimConfig, sim, "sim"),
         deployment=deployment_from_dict(d.get("deployment")),
+        server=dataclass_from_dict(ServerConfig, d.get("server"), "server"),
     )

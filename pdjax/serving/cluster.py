@@ -348,10 +348,23 @@ class ClusterEngine:
             handle = inst.runner.dispatch(out) if self.overlap else None
             queue.push(out, (start, handle))
 
-    def run(self, requests: Sequence[Request], *, progress: Optional[Callable[[int], None]] = None
-            ) -> ClusterResult:
-        """Serve `requests` (scheduler Requests, arrival times relative to the start) until all finish."""
-        arrivals = ArrivalQueue(requests, self._route_arrival)
+    def abort(self, request_id: str, now: float) -> bool:
+        """Finish `request_id` as 'aborted' wherever it is, freeing its pages at once: its in-flight KV transfer
+        and staged KV are dropped, every instance holding it aborts it (a prefill side that handed it off frees
+        its held pages). False if no instance held it. Call it from the loop's thread between steps."""
+        self._in_flight = [f for f in self._in_flight if f.record.request_id != request_id]
+        self._staged.pop(request_id, None)
+        found = False
+        for inst in self.instances:
+            found = inst.scheduler.abort(request_id, now) is not None or found
+        return found
+
+    def run(self, requests: Sequence[Request], *, progress: Optional[Callable[[int], None]] = None,
+            source=None) -> ClusterResult:
+        """Serve `requests` (scheduler Requests, arrival times relative to the start) until all finish.
+        source: an online request source (pdjax.serving.online.OnlineSource; as ColocatedEngine.run)."""
+        arrivals = (ArrivalQueue(requests, self._route_arrival) if source is None
+                    else source.arrivals(self._route_arrival, self.abort))
         iterations: List[IterationRecord] = []
         transfers: List[TransferRecord] = []
         t0 = self._t0 = self.clock()

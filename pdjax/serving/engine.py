@@ -164,15 +164,19 @@ class ColocatedEngine:
                     f"async scheduling needs requests that finish at max_tokens (no stop tokens; requests "
                     f"{with_stops[:3]} have some) on a colocated policy; use async_scheduling=False")
 
-    def run(self, requests: Sequence[Request], *, progress: Optional[Callable[[int], None]] = None) -> EngineResult:
-        """Serve `requests` (scheduler Requests with arrival times relative to the start) until all finish."""
+    def run(self, requests: Sequence[Request], *, progress: Optional[Callable[[int], None]] = None,
+            source=None) -> EngineResult:
+        """Serve `requests` (scheduler Requests with arrival times relative to the start) until all finish.
+        source: an online request source (pdjax.serving.online.OnlineSource) whose requests and aborts join
+        while the loop runs, at its admission points; the run then ends once it is closed and all finished."""
         self.check_requests(requests)
         self._t0 = self.clock()
         self._iterations: List[IterationRecord] = []
         self._overlap = 0.0
         self._progress = progress
         self.compiles.reset()
-        arrivals = ArrivalQueue(requests, self.scheduler.add_request)
+        arrivals = (ArrivalQueue(requests, self.scheduler.add_request) if source is None
+                    else source.arrivals(self.scheduler.add_request, self.abort))
         arrivals.admit(self._now())
         loop = self._run_async if self.async_scheduling else self._run_sync
         loop(arrivals)
@@ -181,6 +185,11 @@ class ColocatedEngine:
             requests=[request_record(r) for r in all_reqs], iterations=self._iterations,
             output_tokens={r.request_id: list(r.output_token_ids) for r in all_reqs},
             duration_s=self._now(), host_overlap_s=self._overlap)
+
+    def abort(self, request_id: str, now: float) -> bool:
+        """Finish `request_id` as 'aborted' and free its pages at once (the scheduler's abort); False if it is
+        not live. Call it from the loop's thread between steps (an online source's admission points)."""
+        return self.scheduler.abort(request_id, now) is not None
 
     # ---------------------------------------------------------------------------------------------------------
     def _now(self) -> float:

@@ -86,28 +86,37 @@ def _request_fingerprint(requests) -> str:
 
 
 def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str, *, workload: Optional[Sequence] = None,
-             extra: Optional[Dict[str, Any]] = None, coordinator=None) -> Dict[str, Any]:
+             extra: Optional[Dict[str, Any]] = None, coordinator=None, online=None) -> Dict[str, Any]:
     """Serve `workload` (WorkloadRequests; default cfg's) on the real engine and write the run outputs to
     `workdir` (see pdjax.experiment.run for the checks before); `extra` joins results.json. Returns the summary.
-    coordinator: pdjax.serving.distributed's, for a multi-process run (module docstring); None: one process."""
+    coordinator: pdjax.serving.distributed's, for a multi-process run (module docstring); None: one process.
+    online: a front end serving requests as they come (pdjax.serving.api.bridge.EngineBridge; one process): the
+    run's requests are those of `online.source` (pdjax.serving.online.OnlineSource) instead of `workload`,
+    `online.on_token` gets every token, and `online.attach(engine)` is called once warm-up is done; the run ends
+    when the source is closed and its requests finished, and `extra` is then read (the front end may fill it)."""
     from pdjax.serving.distributed import Coordinator  # noqa: PLC0415
     coordinator = coordinator if coordinator is not None else Coordinator()
-    requests = build_requests(cfg, workload)
+    requests = build_requests(cfg, workload) if online is None else []
     coordinator.check_same("request list", _request_fingerprint(requests))
     if cfg.engine.compilation_cache:
         enable_compilation_cache(cfg.engine.compilation_cache_dir)
     disaggregated = cfg.deployment.kind == "disaggregated"
-    engine = build_engine(cfg, compile_counter=compiles.count)   # a UserError for anything cfg cannot build
+    engine = build_engine(cfg, compile_counter=compiles.count,    # a UserError for anything cfg cannot build
+                          on_token=online.on_token if online else None)
     if hasattr(engine, "check_requests"):
         engine.check_requests(requests)      # before warm-up compiles anything
     engine.coordinator = coordinator
     mark = compiles.count()
     compile_s = _warm_up(engine, cfg) if cfg.engine.warmup else 0.0
     warm_mark = compiles.count()
-    bar = progress_bar(cfg, len(requests), f"serve {cfg.scheduler.policy}", "req")
+    bar = progress_bar(cfg, len(requests), f"serve {cfg.scheduler.policy}", "req") if online is None else None
     startup_s = time.time() - pdjax.IMPORT_TIME
     start = time.perf_counter()
-    result = engine.run(requests, progress=_tick(bar))
+    if online is not None:
+        online.attach(engine)
+        result = engine.run([], source=online.source)
+    else:
+        result = engine.run(requests, progress=_tick(bar))
     if bar is not None:
         bar.close()
     coordinator.barrier("served")    # every process finished serving (a dead one fails this): results may go out

@@ -1,0 +1,89 @@
+"""Serve one config's deployment over HTTP until SIGTERM / SIGINT, then write the run's result files.
+
+    serve(config, workdir, host="127.0.0.1", port=8000)
+
+Start-up: the config is validated and the workdir readied as for experiments.serve (pdjax.experiment.run.
+prepare_experiment: a bad key, value or path raises ValueError / OSError before anything compiles), then the HTTP
+server starts at once (/health answers 503 "starting") while the engine thread builds, warms up and serves
+(pdjax.serving.run.run_real with the bridge as its `online` front end: the same build path, warm-up and result
+files as experiments.serve). /health turns 200 once warm-up is done.
+
+Shutdown (SIGTERM or SIGINT): uvicorn stops accepting connections and gives the in-flight requests
+server.drain_timeout_s to finish (streams keep streaming); those still running then are cancelled, which aborts
+them in the engine. The engine run ends and writes config.json, results.json, requests.csv, token_times.csv,
+iterations.csv, outputs.json and the plots for every request the server handed to the engine (the aborted ones
+as 'aborted'), under results.json's "server" block the address and model name. Returns the run's summary.
+A failure of the engine thread ends the server and is raised here (the requests in flight get an error).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Any, Dict, Optional
+
+from pdjax.experiment.run import prepare_experiment
+from pdjax.serving.api.app import create_app
+from pdjax.serving.api.bridge import EngineBridge
+
+
+class EngineFailed(RuntimeError):
+    """The engine thread raised; the original exception is the __cause__."""
+
+
+def model_name_of(cfg) -> str:
+    return cfg.server.model_name or os.path.basename(os.path.normpath(cfg.model.checkpoint))
+
+
+def serve(config: Any, workdir: str, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
+          announce=print) -> Dict[str, Any]:
+    import uvicorn  # noqa: PLC0415
+
+    prep = prepare_experiment(config, workdir)
+    cfg = prep.cfg
+    if cfg.backend != "real":
+        raise ValueError(f"backend={cfg.backend!r}: the API server serves the real engine (backend='real')")
+    name = model_name_of(cfg)
+    bridge = EngineBridge(max_queued=cfg.server.max_queued_requests)
+    app = create_app(bridge, model_name=name, eos_token_id=cfg.model.eos_token_id)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                                           timeout_graceful_shutdown=cfg.server.drain_timeout_s))
+    extra = {"server": {"host": host, "port": port, "model_name": name,
+                        "max_queued_requests": cfg.server.max_queued_requests}}
+    outcome: Dict[str, Any] = {}
+
+    class Online:    # run_real's front end: the bridge, announcing readiness
+        source, on_token = bridge.source, bridge.on_token
+
+        @staticmethod
+        def attach(engine):
+            bridge.attach(engine)
+            announce(f"serving {name!r} at http://{host}:{port}/v1 (max_model_len {bridge.max_model_len}; "
+                     f"SIGTERM or Ctrl-C stops and writes the results to {workdir})")
+            sys.stdout.flush()
+
+    def engine_thread():
+        from pdjax.serving.run import run_real  # noqa: PLC0415  (imports JAX)
+        try:
+            outcome["summary"] = run_real(cfg, prep.config, workdir, workload=[], extra=extra, online=Online)
+        except BaseException as e:  # noqa: BLE001  (reported by serve() in the main thread)
+            outcome["error"] = e
+            bridge.fail(f"{type(e).__name__}: {e}")
+            server.should_exit = True
+
+    thread = threading.Thread(target=engine_thread, name="pdjax-engine", daemon=True)
+    # uvicorn re-raises the signal it caught once it has stopped; a no-op handler keeps the process alive for
+    # the results (the engine thread still has to end and write them).
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        thread.start()
+        server.run()
+        bridge.shutdown()          # nothing new; whatever is still live is aborted
+        thread.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if "error" in outcome:
+        raise EngineFailed(f"the engine failed: {outcome['error']}") from outcome["error"]
+    return outcome.get("summary", {})
