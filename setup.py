@@ -30,5 +30,9 @@ setup(
         # bench_throughput --backend=hf (PyTorch eager baseline, CPU); tested with torch 2.13.0+cpu and
         # transformers 5.24. Never installed by CI.
         "hf": ["torch>=2.2", "transformers>=4.45,<6"],
+        # The OpenAI-compatible HTTP server (python -m experiments.api_server) and its test's clients; tested with
+        # fastapi 0.165, uvicorn 0.54, prometheus-client 0.26, openai 3.57, httpx 0.28.
+        "serve": ["fastapi>=0.110,<1", "uvicorn>=0.29,<1", "prometheus-client>=0.20,<1", "openai>=1.40,<4",
+                  "httpx>=0.27,<1"],
     },
 )

@@ -21,7 +21,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 from pdjax.experiment.run import prepare_experiment
 from pdjax.serving.api.app import create_app
