@@ -288,6 +288,19 @@ def test_queue_bound_answers_429_and_a_burst_of_aborts_leaks_no_pages(server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
+def test_bench_api_server_replays_the_config_workload(server):
+    """experiments.bench_api_server at its smallest: the config's workload, replayed with the openai client."""
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.bench_api_server", "--config=configs/serve.py",
+         f"--base_url={server.url}/v1", "--config.workload.num_requests=3", "--config.workload.rate=20",
+         f"--config.scheduler.max_model_len={MAX_LEN}", "--config.workload.max_output_len=8"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    client = json.loads(out.stdout)["client"]
+    assert client["num_requests"] == client["num_completed"] == 3
+    assert 3 <= client["total_output_tokens"] <= 24 and client["ttft"]["p50"] > 0
+
+
 def test_sigterm_drains_in_flight_requests_and_writes_the_run(server, reference):
     """Last test of the module: it stops the server."""
     seen = sum(v for (name, _, _), v in server.metrics().items() if name == "pdjax_requests_finished_total")
