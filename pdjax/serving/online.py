@@ -10,9 +10,11 @@ after the call). The run ends once the source is `close`d and every request it a
 Arrival times: a request's arrival is stamped on the engine clock as the moment it was submitted (the engine's
 now at admission minus the time it waited in the inbox), so TTFT includes the wait for the loop.
 
-`OnlineSource(on_admit=..., on_poll=...)`: callbacks run on the engine thread: on_admit(req, accepted) after each
-admission (accepted False: the scheduler rejected it, it is finished), on_poll() after every admission point (a
-front end notices there the requests that finished without a token: aborted, rejected at a handoff).
+`OnlineSource(on_admit=..., on_poll=..., has_output=...)`: callbacks run on the engine thread: on_admit(req,
+accepted) after each admission (accepted False: the scheduler rejected it, it is finished), on_poll() at every
+admission point and before the loop blocks for an arrival (a front end posts its buffered tokens there and
+notices the requests that finished without a token: aborted, rejected at a handoff); has_output() -> True makes
+the next admission point due at once (next_time -inf), so a loop that waits for a KV transfer to land polls.
 """
 from __future__ import annotations
 
@@ -33,9 +35,9 @@ class OnlineSource:
 
     def __init__(self, *, clock: Callable[[], float] = time.perf_counter,
                  on_admit: Optional[Callable[[object, bool], None]] = None,
-                 on_poll: Optional[Callable[[], None]] = None):
+                 on_poll: Optional[Callable[[], None]] = None, has_output: Optional[Callable[[], bool]] = None):
         self.clock = clock
-        self.on_admit, self.on_poll = on_admit, on_poll
+        self.on_admit, self.on_poll, self.has_output = on_admit, on_poll, has_output
         self._cond = threading.Condition()
         self._inbox: collections.deque = collections.deque()
         self._closed = False
@@ -104,7 +106,9 @@ class OnlineArrivals(ArrivalQueue):
 
     @property
     def next_time(self) -> float:
-        return float("-inf") if self.source._inbox else float("inf")
+        src = self.source
+        due = src._inbox or (src.has_output is not None and src.has_output())
+        return float("-inf") if due else float("inf")
 
     def admit(self, t: float) -> int:
         rejected = 0
@@ -141,5 +145,10 @@ class OnlineArrivals(ArrivalQueue):
 
     def wait(self, now: Callable[[], float], sleep: Callable[[float], None]) -> int:
         """Block until a command arrives (or the source closes), then admit."""
-        self.source._wait(self.POLL_S)
+        src = self.source
+        had_output = src.has_output is not None and src.has_output()
+        if src.on_poll is not None:
+            src.on_poll()               # deliver what the last step produced before sleeping
+        if not had_output:              # (a loop that came for the output only goes back to its own waiting)
+            src._wait(self.POLL_S)
         return self.admit(now())

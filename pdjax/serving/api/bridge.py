@@ -6,6 +6,8 @@
     abort(rid) / stop(rid, kept)             --->  OnlineSource abort: scheduler.abort frees the pages
     shutdown(): close the source, abort the rest; the engine thread writes the run's result files and ends
 
+Token events are posted to the event loop in one batch per step, at the engine's next admission point (right
+after it dispatched the next step, so delivery overlaps the device), not one wake-up per token.
 Events on a request's queue (tuples): ('token', token_id, finish_reason or None) per output token, the last one
 carrying the finish reason; ('finish', reason, None) for an end without a token (aborted); ('error', message,
 None) for a request the engine rejected or an engine failure. Finish reasons are the engine's ('length', 'stop',
@@ -47,10 +49,20 @@ class _Live:
     done: bool = False
 
     def push(self, event: tuple) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-        except RuntimeError:   # the event loop is closed (server gone): nobody is listening
-            pass
+        _post(self.loop, [(self.queue, event)])
+
+
+def _deliver(items) -> None:
+    for queue, event in items:
+        queue.put_nowait(event)
+
+
+def _post(loop, items) -> None:
+    """Hand events to their queues on `loop` (one wake-up of the event loop for all of them)."""
+    try:
+        loop.call_soon_threadsafe(_deliver, items)
+    except RuntimeError:   # the event loop is closed (server gone): nobody is listening
+        pass
 
 
 def _final(req: Request) -> Optional[str]:
@@ -66,7 +78,8 @@ class EngineBridge:
     def __init__(self, *, max_queued: int = 0, metrics: Optional[ServerMetrics] = None):
         self.max_queued = max_queued
         self.metrics = metrics if metrics is not None else ServerMetrics()
-        self.source = OnlineSource(on_admit=self._on_admit, on_poll=self._on_poll)
+        self.source = OnlineSource(on_admit=self._on_admit, on_poll=self._on_poll,
+                                   has_output=lambda: bool(self._batch))
         self.ready = threading.Event()
         self.failed: Optional[str] = None
         self.schedulers: Dict[str, object] = {}
@@ -75,6 +88,7 @@ class EngineBridge:
         self.async_scheduling = False
         self._live: Dict[str, _Live] = {}
         self._lock = threading.Lock()
+        self._batch: List[tuple] = []     # token events of the current step, posted at the next admission point
 
     # ---- engine thread
     def attach(self, engine) -> None:
@@ -112,7 +126,7 @@ class EngineBridge:
         m.generation_tokens.labels(inst).inc()
         reason = _final(req)
         last = reason is not None and len(live.token_times) >= len(req.output_token_ids)
-        live.push(("token", token_id, reason if last else None))
+        self._batch.append((live, ("token", token_id, reason if last else None)))
         if last:
             self._finished(live, reason)
 
@@ -127,8 +141,21 @@ class EngineBridge:
             live.push(("error", req.reject_reason or "rejected by the scheduler", None))
             self._finished(live, "rejected")
 
+    def _flush(self) -> None:
+        """Post the step's token events: one event-loop wake-up per step, not one per token (the GIL is shared
+        with the engine thread)."""
+        batch, self._batch = self._batch, []
+        by_loop: Dict[asyncio.AbstractEventLoop, list] = {}
+        for live, event in batch:
+            by_loop.setdefault(live.loop, []).append((live.queue, event))
+        for loop, items in by_loop.items():
+            _post(loop, items)
+
     def _on_poll(self) -> None:
-        """Requests over without a token still to deliver: aborted, rejected at a handoff."""
+        """Post the step's tokens; then the requests over without a token still to deliver: aborted, rejected
+        at a handoff."""
+        if self._batch:
+            self._flush()
         if not self._live:
             return
         with self._lock:

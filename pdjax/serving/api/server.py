@@ -28,6 +28,9 @@ from pdjax.serving.api.app import create_app
 from pdjax.serving.api.bridge import EngineBridge
 
 
+SWITCH_INTERVAL_S = 0.0005
+
+
 class EngineFailed(RuntimeError):
     """The engine thread raised; the original exception is the __cause__."""
 
@@ -72,6 +75,9 @@ def serve(config: Any, workdir: str, *, host: str = "127.0.0.1", port: int = 800
             bridge.fail(f"{type(e).__name__}: {e}")
             server.should_exit = True
 
+    # The engine thread and the event loop share the GIL: a thread that wants it back (the engine after a step)
+    # waits at most this long for the other to yield (CPython's default is 5 ms, a whole step of the tiny model).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     thread = threading.Thread(target=engine_thread, name="pdjax-engine", daemon=True)
     # uvicorn re-raises the signal it caught once it has stopped; a no-op handler keeps the process alive for
     # the results (the engine thread still has to end and write them).
