@@ -27,14 +27,12 @@ def main(argv):
         raise cli.UserError(f"unexpected arguments {argv[1:]}; settings go in --config.KEY=VALUE flags")
     from pdjax.metrics import summarize_table  # noqa: PLC0415
     from pdjax.serving.api.server import EngineFailed, serve  # noqa: PLC0415
-    try:
-        summary = serve(_CONFIG.value, _WORKDIR.value, host=_HOST.value, port=_PORT.value,
+    try:     # a bad key, value or path is a UserError (one line) before anything compiles; so is a layout that
+        summary = serve(_CONFIG.value, _WORKDIR.value, host=_HOST.value, port=_PORT.value,   # cannot be built
                         log_level=_LOG_LEVEL.value)
-    except (ValueError, OSError) as e:     # a bad key, value or path, before anything compiled
-        raise cli.UserError(cli.one_line(e)) from e
-    except EngineFailed as e:              # a layout that cannot run is the user's; anything else a bug
-        if isinstance(e.__cause__, (ValueError, OSError)):
-            raise cli.UserError(cli.one_line(e.__cause__)) from e
+    except EngineFailed as e:
+        if isinstance(e.__cause__, cli.UserError):
+            raise e.__cause__ from None
         raise
     if summary:
         print(summarize_table(summary))

@@ -3,7 +3,7 @@
     serve(config, workdir, host="127.0.0.1", port=8000)
 
 Start-up: the config is validated and the workdir readied as for experiments.serve (pdjax.experiment.run.
-prepare_experiment: a bad key, value or path raises ValueError / OSError before anything compiles), then the HTTP
+prepare_experiment: a bad key, value or path raises pdjax.errors.UserError before anything compiles), then the HTTP
 server starts at once (/health answers 503 "starting") while the engine thread builds, warms up and serves
 (pdjax.serving.run.run_real with the bridge as its `online` front end: the same build path, warm-up and result
 files as experiments.serve). /health turns 200 once warm-up is done.
@@ -23,6 +23,7 @@ import sys
 import threading
 from typing import Any, Dict
 
+from pdjax.errors import UserError
 from pdjax.experiment.run import prepare_experiment
 from pdjax.serving.api.app import create_app
 from pdjax.serving.api.bridge import EngineBridge
@@ -46,7 +47,7 @@ def serve(config: Any, workdir: str, *, host: str = "127.0.0.1", port: int = 800
     prep = prepare_experiment(config, workdir)
     cfg = prep.cfg
     if cfg.backend != "real":
-        raise ValueError(f"backend={cfg.backend!r}: the API server serves the real engine (backend='real')")
+        raise UserError(f"backend={cfg.backend!r}: the API server serves the real engine (backend='real')")
     name = model_name_of(cfg)
     bridge = EngineBridge(max_queued=cfg.server.max_queued_requests)
     app = create_app(bridge, model_name=name, eos_token_id=cfg.model.eos_token_id)
