@@ -261,6 +261,24 @@ def test_disconnected_stream_is_aborted_and_frees_its_pages(server):
     assert server.finished("aborted") == aborted + 1
 
 
+def test_non_streaming_client_that_gives_up_aborts_its_request(server):
+    server.wait_idle()
+    aborted = server.finished("aborted")
+
+    async def run():
+        clients, streams = await _open_streams(server, 4, MAX_LEN - 40)   # company: slower steps
+        async with httpx.AsyncClient(base_url=server.url, timeout=0.2) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post("/v1/completions", json={"prompt": "a", "max_tokens": MAX_LEN - 40})
+        for (resp, _), client in zip(streams, clients):
+            await resp.aclose()
+            await client.aclose()
+
+    asyncio.run(run())
+    server.wait_idle()
+    assert server.finished("aborted") == aborted + 5
+
+
 def test_queue_bound_answers_429_and_a_burst_of_aborts_leaks_no_pages(server):
     server.wait_idle()
     aborted = server.finished("aborted")
@@ -328,6 +346,6 @@ def test_sigterm_drains_in_flight_requests_and_writes_the_run(server, reference)
     assert len(rows) == seen + 1               # every request the engine saw, the drained one included
     assert rows[rid]["finish_reason"] == "length" and int(rows[rid]["num_output_tokens"]) == NEW_TOKENS
     reasons = [r["finish_reason"] for r in rows.values()]
-    assert reasons.count("aborted") == BOUND + 1 and "stop" in reasons
+    assert reasons.count("aborted") == BOUND + 1 + 5 and "stop" in reasons
     assert json.loads((wd / "outputs.json").read_text())[rid] == ids
     assert all(os.path.exists(wd / f) for f in ("iterations.csv", "token_times.csv", "config.json"))

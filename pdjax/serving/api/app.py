@@ -33,6 +33,7 @@ from pdjax.serving.api import protocol
 from pdjax.serving.api.bridge import Busy, EngineBridge, Unavailable
 
 OPENAI_FINISH = {"length": "length", "stop": "stop", "aborted": "abort"}
+DISCONNECT_POLL_S = 0.05    # a non-streaming request checks this often whether its client went away
 
 
 class ApiError(Exception):
@@ -292,7 +293,7 @@ def create_app(bridge: EngineBridge, *, model_name: str, eos_token_id: int = -1)
         task = asyncio.ensure_future(collect())
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=0.25)
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
                 if done:
                     break
                 if await raw.is_disconnected():
