@@ -28,7 +28,6 @@ from pdjax.experiment.run import prepare_experiment
 from pdjax.serving.api.app import create_app
 from pdjax.serving.api.bridge import EngineBridge
 
-
 SWITCH_INTERVAL_S = 0.0005
 
 
