@@ -16,6 +16,8 @@ after checking every restored tensor against the spec's table (missing, unexpect
 A file that cannot be read back (truncated or corrupt: bad JSON, a safetensors header or tensor that does not
 fit its file, an orbax/TensorStore read error) raises CheckpointCorruptError, one line naming the checkpoint, the
 file or step that failed and the reader's own first line; the reader's exception is kept as __cause__.
+A file that reads back but holds NaN or inf weights (flipped bytes that still decode) raises NonFiniteWeightsError
+(a CheckpointCorruptError) from `load_model`, naming the tensor (`check_finite`, after every checkpoint loader).
 """
 from __future__ import annotations
 
@@ -369,18 +371,49 @@ def restore_params(directory) -> Tuple[ModelSpec, LlamaParams]:
     return spec, params_from_dict(restored)
 
 
+class NonFiniteWeightsError(CheckpointCorruptError):
+    """A checkpoint's weights hold NaN or inf values (a corrupt file that still decodes, or diverged training)."""
+
+
+def _display_path(path: str) -> str:
+    """'layers.2.w_gate' -> 'layers[2].w_gate' (as the tensor is reached in LlamaParams)."""
+    parts = path.split(".")
+    return f"layers[{parts[1]}].{parts[2]}" if parts[0] == "layers" else path
+
+
+def check_finite(checkpoint, spec: ModelSpec, params: LlamaParams, *, hf: bool = False) -> None:
+    """Raise NonFiniteWeightsError, one line naming the checkpoint, the first tensor (in table order) holding NaN
+    or inf values and how many, unless every weight is finite. hf: also name the HF tensor it was read from.
+    One reduction per tensor on the weights' device and one transfer of the counts."""
+    flat = flat_params(params)
+    counts = jax.device_get([jnp.sum(~jnp.isfinite(x)) for x in flat.values()])
+    bad = [(path, int(n)) for path, n in zip(flat, counts) if n]
+    if not bad:
+        return
+    path, n = bad[0]
+    name = _display_path(path)
+    if hf:
+        name += f" ({_hf_name(table_items(param_table(spec))[path])[0]})"
+    more = f" (and {len(bad) - 1} more tensor(s) with non-finite values)" if len(bad) > 1 else ""
+    raise NonFiniteWeightsError(f"checkpoint {str(checkpoint)!r}: params {name} has {n} non-finite values (NaN or "
+                                f"inf) of {flat[path].size}{more}: the file is corrupt or the weights diverged")
+
+
 def load_model(checkpoint: str, *, dtype=None, seed: int = 0) -> Tuple[ModelSpec, LlamaParams]:
     """(spec, params) from an orbax dir written by `save_params`, an HF directory, or a registry spec name
-    (random dummy weights with `seed`)."""
+    (random dummy weights with `seed`). A checkpoint's weights are checked to be finite (`check_finite`)."""
     path = pathlib.Path(checkpoint)
     if path.is_dir():
         if (path / SPEC_FILE).is_file():
             spec, params = restore_params(path)
+            check_finite(checkpoint, spec, params)
             if dtype is not None:
                 params = jax.tree_util.tree_map(lambda x: x.astype(jnp_dtype(dtype)), params)
             return spec, params
         if (path / "config.json").is_file():
-            return load_hf_checkpoint(path, dtype)
+            spec, params = load_hf_checkpoint(path, dtype)
+            check_finite(checkpoint, spec, params, hf=True)
+            return spec, params
         raise UserError(f"checkpoint directory {checkpoint!r} has neither {SPEC_FILE} (orbax) nor "
                          f"config.json (HF)")
     if os.sep in checkpoint or checkpoint.startswith("."):

@@ -5,8 +5,9 @@ prompt the pages for prompt + max_new_tokens up front, and every iteration packs
 first one decode token per running sequence and then the next prefill chunk (<= chunk_size tokens) of each
 prompt still prefilling. Prompts of different lengths therefore share mixed batches: some sequences decode
 while others are still prefilling. Each iteration is a `SchedulerOutput`, so the runner contract is exercised
-end to end. Decoding is greedy. `run_generate` is the whole `experiments.generate` command (files in, files
-out, written atomically via a tmp file + os.replace).
+end to end. Decoding is greedy. A prompt whose logits are not finite (NaN or inf) stops the generation with
+NonFiniteLogitsError naming the prompt and the step (no token is made up for it). `run_generate` is the whole
+`experiments.generate` command (files in, files out, written atomically via a tmp file + os.replace).
 """
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ import numpy as np
 from pdjax.models.checkpoint import load_model
 from pdjax.runtime.batch import Buckets
 from pdjax.runtime.runner import ModelRunner
-from pdjax.scheduler.output import SchedulerOutput
+from pdjax.scheduler.output import NONFINITE_LOGITS, SchedulerOutput
+
+
+class NonFiniteLogitsError(ValueError):
+    """A prompt's logits held NaN or inf, so no token could be drawn (generation stops: it never emits id 0)."""
 
 
 class PageAllocator:
@@ -130,9 +135,13 @@ def generate(runner, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, c
             left -= len(tokens)
         if return_logits:
             logits = runner.execute_logits(out)
-            sampled = np.argmax(logits, axis=-1).astype(np.int32)
+            sampled = np.where(np.isfinite(logits).all(axis=-1), np.argmax(logits, axis=-1), NONFINITE_LOGITS)
         else:
             sampled = runner.execute(out)
+        for j in np.flatnonzero(np.asarray(sampled) == NONFINITE_LOGITS):
+            if out.do_sample[j]:
+                raise NonFiniteLogitsError(f"prompt {out.req_ids[j]}: non-finite logits (NaN or inf) at step {step}: "
+                                           "no token could be sampled (the weights or activations hold NaN or inf)")
         for j, rid in enumerate(out.req_ids):
             i = int(rid)
             was_prefill = out.is_prefill[j]

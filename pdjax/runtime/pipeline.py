@@ -45,7 +45,6 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
@@ -57,8 +56,7 @@ from pdjax.models.params import TOP_FIELDS, param_table
 from pdjax.runtime import mesh as mesh_lib
 from pdjax.runtime.batch import Buckets, RaggedBatch, empty_batch
 from pdjax.runtime.runner import ModelRunner
-from pdjax.runtime.sampling import sample_tokens
-from pdjax.runtime.step import fed_token_ids
+from pdjax.runtime.step import fed_token_ids, sampled_ids
 from pdjax.scheduler.output import SchedulerOutput
 
 
@@ -128,7 +126,7 @@ def stage_forward(params: StageParams, kv_cache: KVCache, hidden, batch: RaggedB
     taken from prev_ids, the previous step's sampled ids) or the previous stage's hidden [T, H].
     Output: (hidden [T, H], kv_cache) for stages before the last; for the last stage (float32 logits [S, V] at
     batch.sample_indices, kv_cache) when output == 'logits', else (sampled ids int32[max_seqs] (rows past S are
-    0, as pdjax.runtime.step), kv_cache)."""
+    0, NONFINITE_LOGITS for non-finite logits: pdjax.runtime.step.sampled_ids), kv_cache)."""
     x = embed(params, fed_token_ids(batch, prev_ids)) if first else hidden
     x, kv_cache = forward_layers(params.layers, kv_cache, x, batch.positions, batch.slot_mapping, batch.kv_lens,
                                  batch.page_indices, batch.cu_q_lens, batch.num_seqs, spec=spec,
@@ -138,8 +136,7 @@ def stage_forward(params: StageParams, kv_cache: KVCache, hidden, batch: RaggedB
     logits = final_logits(params, x[batch.sample_indices], spec)
     if output == "logits":
         return logits, kv_cache
-    ids = sample_tokens(logits, batch.kv_lens, batch.temperature, batch.top_k, batch.top_p, batch.seed)
-    return jnp.zeros((max_seqs,), jnp.int32).at[:ids.shape[0]].set(ids.astype(jnp.int32)), kv_cache
+    return sampled_ids(logits, batch, max_seqs), kv_cache
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -306,6 +306,21 @@ class ModelRunner:
         for (slot, _), data in zip(swap_out, out_data):
             self.host_pages[slot] = data
 
+    def zero_pages(self, pages: Sequence[int]) -> None:
+        """Overwrite device `pages` with zeros in every stage, K and V. For the pages a request whose logits went
+        non-finite leaves behind: attention weighs a page's not yet written slots by 0, and 0 * NaN = NaN would
+        poison the next request given the page. Uses the swap-in copies (precompiled by warmup(swap=True))."""
+        template = self.kv_stages[0].k[0]                       # [num_kv_heads, num_pages, page_size, head_dim]
+        kvh, _, ps, hd = template.shape
+        for a, b, size in swap_chunks(len(pages)):
+            chunk = np.full(size, self.num_pages, np.int32)     # out of range -> dropped
+            chunk[:b - a] = pages[a:b]
+            stages = self.kv_stages
+            for st, (lo, hi) in enumerate(self.layer_ranges):
+                zeros = np.zeros((hi - lo, kvh, size, ps, hd), template.dtype)
+                stages[st] = _scatter_pages_donated(stages[st], chunk, zeros, zeros)
+            self.kv_stages = stages
+
     def free_host_slots(self, slots: Sequence[int]) -> None:
         for slot in slots:
             self.host_pages.pop(slot, None)

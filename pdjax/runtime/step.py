@@ -1,5 +1,9 @@
 """The functional step: step(params, kv_cache, batch, prev_ids) -> (sampled ids int32[max_seqs], kv_cache).
 
+A sequence whose logits hold a NaN or an inf gets the id NONFINITE_LOGITS (-2, pdjax.scheduler.output) instead of
+a sample (argmax of NaN logits is id 0, which looked like a real token): the flag travels in the ids array itself,
+so it costs one [S, V] reduction on the device and no extra output, transfer or compiled shape.
+
 `make_step` returns the jitted step with the KV cache donated (updated in place); only the sampled ids come back
 to the host. They are padded to a fixed `max_seqs` rows (the largest sequence bucket), so one step's output can
 feed the next step whatever its bucket: tokens with `batch.token_src[i] >= 0` are taken on the device from
@@ -18,6 +22,7 @@ from pdjax.config.model_specs import ModelSpec
 from pdjax.models.llama import KVCache, LlamaParams, forward_hidden, logits_from_hidden
 from pdjax.runtime.batch import RaggedBatch
 from pdjax.runtime.sampling import sample_tokens
+from pdjax.scheduler.output import NONFINITE_LOGITS
 
 
 def fed_token_ids(batch: RaggedBatch, prev_ids):
@@ -35,13 +40,20 @@ def forward_logits(params: LlamaParams, kv_cache: KVCache, batch: RaggedBatch, p
     return logits_from_hidden(params, hidden[batch.sample_indices]), kv_cache
 
 
+def sampled_ids(logits, batch: RaggedBatch, max_seqs: int):
+    """int32[max_seqs]: the token sampled from each row of float32 logits [S, V] (rows past S are 0), or
+    NONFINITE_LOGITS for a row holding a NaN or an inf."""
+    ids = sample_tokens(logits, batch.kv_lens, batch.temperature, batch.top_k, batch.top_p, batch.seed)
+    ids = jnp.where(jnp.isfinite(logits).all(axis=-1), ids.astype(jnp.int32), NONFINITE_LOGITS)
+    return jnp.zeros((max_seqs,), jnp.int32).at[:ids.shape[0]].set(ids)
+
+
 def step(params: LlamaParams, kv_cache: KVCache, batch: RaggedBatch, prev_ids, *, spec: ModelSpec,
          attention_fn: Callable, max_seqs: int):
-    """(sampled token ids int32[max_seqs] (rows past S are 0), updated kv_cache). A sampled token sits at
-    position kv_len."""
+    """(sampled token ids int32[max_seqs] (`sampled_ids`: rows past S are 0, NONFINITE_LOGITS where a row's
+    logits are not finite), updated kv_cache). A sampled token sits at position kv_len."""
     logits, kv_cache = forward_logits(params, kv_cache, batch, prev_ids, spec=spec, attention_fn=attention_fn)
-    ids = sample_tokens(logits, batch.kv_lens, batch.temperature, batch.top_k, batch.top_p, batch.seed)
-    return jnp.zeros((max_seqs,), jnp.int32).at[:ids.shape[0]].set(ids.astype(jnp.int32)), kv_cache
+    return sampled_ids(logits, batch, max_seqs), kv_cache
 
 
 def _jit(fn, on_trace, out_shardings, **static):

@@ -142,6 +142,19 @@ class BlockManager:
                     k2p[k] = p
                     page_key[p] = k
 
+    def uncache(self, pages: Iterable[int]) -> None:
+        """Drop the prefix-cache entries of free `pages` (their KV is being overwritten: a request whose logits
+        went non-finite left NaN in them); they become plain free pages. Pages in use are refused."""
+        for p in pages:
+            if self.ref_count[p] != 0:
+                raise RuntimeError(f"uncache of page {p}, which is in use (refcount {self.ref_count[p]})")
+            key = self.page_key[p]
+            if key is not None:
+                del self._key_to_page[key]
+                del self._free_cached[p]
+                self.page_key[p] = None
+                self._free.append(p)
+
     # ---- swapping
     def swap_out(self, table: Sequence[int]) -> Tuple[List[int], List[Tuple[int, int]]]:
         """Move `table`'s pages to host slots: returns (slots, [(host_slot, device_page)]) and frees the pages.

@@ -11,6 +11,10 @@ from typing import Any, List, Sequence, Tuple
 
 from pdjax.config.sampling import SamplingParams
 
+# What a runner returns for a scheduled sequence instead of a token id (a sampled id is >= 0):
+NOT_SAMPLED = -1          # do_sample was False for it
+NONFINITE_LOGITS = -2     # its logits held NaN or inf: no token can be drawn (the engine fails the request)
+
 
 @dataclasses.dataclass
 class SchedulerOutput:

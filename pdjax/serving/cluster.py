@@ -90,7 +90,8 @@ from pdjax.scheduler.instances import ROLE_POLICIES, ROLES, check_instance
 from pdjax.scheduler.mixed import MixedPool
 from pdjax.scheduler.routing import InstanceRouter
 from pdjax.serving.distributed import Coordinator
-from pdjax.serving.engine import ArrivalQueue, CompileTracker, EngineResult, TokenCallback
+from pdjax.serving.engine import (ArrivalQueue, CompileTracker, EngineResult, TokenCallback, fail_nonfinite,
+                                  scrub_pages)
 from pdjax.serving.kv_transfer import StagedKV, scatter_kv_pages, transfer_kv
 
 @dataclasses.dataclass
@@ -428,17 +429,21 @@ class ClusterEngine:
                 out, (start, handle) = queue.pop()     # the oldest batch: wait for it, apply it
                 sampled = self.coordinator.collect(inst.runner, handle if self.overlap else inst.runner.dispatch(out))
                 end = now()
+                sampled, aborted, pages = fail_nonfinite(inst.scheduler, out, sampled, end,
+                                                         f"{inst.name} step {inst.num_steps}")
                 finished = inst.scheduler.update(out, sampled, end)
                 iterations.append(IterationRecord(
                     step=inst.num_steps, start_time=start, end_time=end, num_prefill_tokens=out.num_prefill_tokens,
                     num_decode_tokens=out.num_decode_tokens, num_seqs=out.num_seqs, instance=inst.name,
                     num_compiles=self.compiles.new(f"{inst.name} iteration {inst.num_steps}")))
                 inst.num_steps += 1
+                if pages:
+                    scrub_pages(inst.runner, inst.scheduler, pages, self.compiles)
                 if self.on_token is not None:
                     for rid, tok in zip(out.req_ids, sampled):
                         if tok >= 0:
                             self.on_token(rid, int(tok), end)
-                n_done = 0
+                n_done = len(aborted)
                 for req in finished:
                     if req.finish_reason == "handoff":
                         n_done += not self._handoff(inst, req, now, transfers)

@@ -36,6 +36,12 @@ Compiles: with `compile_counter` (pdjax.runtime.compiles.count) every IterationR
 compiles JAX reported since the previous record, so a latency that includes a compile is never mistaken for a
 step; `fail_on_compile=True` raises at the first one instead.
 
+Non-finite logits: a runner returns NONFINITE_LOGITS (pdjax.scheduler.output) instead of a token id for a
+sequence whose logits hold a NaN or an inf (pdjax.runtime.step). The engine never emits a token for it: it aborts
+that request (finish_reason 'aborted', reject_reason naming the step), logs one warning line naming the request
+and the step, and serves the others on (`fail_nonfinite`; with async scheduling the placeholder token it had
+already applied is taken back). Broken weights therefore show as aborted requests, never as token 0.
+
 Multi-controller runs (`coordinator`, pdjax.serving.distributed): every clock reading of the loop goes through
 `coordinator.now(...)` (process 0's time, so every process schedules and admits identically) and every
 SchedulerOutput through `coordinator.digest(...)`; the default single-process Coordinator returns the local
@@ -44,12 +50,14 @@ values unchanged and digests nothing unless asked, so the loop is exactly the pl
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from pdjax.errors import UserError
 from pdjax.metrics import IterationRecord, RequestRecord, request_record
 from pdjax.scheduler import BatchQueue, Request
+from pdjax.scheduler.output import NONFINITE_LOGITS, NOT_SAMPLED
 
 TokenCallback = Callable[[str, int, float], None]   # (request_id, token_id, time_s)
 
@@ -61,6 +69,52 @@ class EngineResult:
     output_tokens: dict                 # request_id -> list of generated token ids
     duration_s: float
     host_overlap_s: float               # host work done while a step was in flight
+
+
+def nonfinite_reason(where: str) -> str:
+    """The reject_reason of a request failed for non-finite logits at `where` ('step 12', 'decode0 step 3')."""
+    return f"non-finite logits (NaN or inf) at {where}: no token could be sampled"
+
+
+def fail_nonfinite(scheduler, out, sampled, now: float, where: str
+                   ) -> Tuple[Sequence[int], List[Request], List[int]]:
+    """Abort each request of `out` whose sampled id is NONFINITE_LOGITS (module docstring), one warning line each;
+    returns (sampled with those rows set to NOT_SAMPLED, for scheduler.update; the aborted requests; the device
+    pages they held, for `scrub_pages`). Shared by the colocated and the multi-instance engine. `where`: the step,
+    as the log line and reject_reason name it."""
+    if NONFINITE_LOGITS not in sampled:
+        return sampled, [], []
+    sampled = list(sampled)
+    aborted, pages = [], []
+    for j, tok in enumerate(sampled):
+        if tok != NONFINITE_LOGITS:
+            continue
+        sampled[j] = NOT_SAMPLED
+        rid = out.req_ids[j]
+        logging.warning("request %r: %s; request aborted (the other requests continue)", rid, nonfinite_reason(where))
+        live = scheduler.get_request(rid)
+        held = list(live.page_table) if live is not None else []
+        req = scheduler.abort(rid, now)
+        if req is not None:
+            req.reject_reason = nonfinite_reason(where)
+            aborted.append(req)
+            pages += held
+    return sampled, aborted, pages
+
+
+def scrub_pages(runner, scheduler, pages: Sequence[int], compiles: "CompileTracker") -> None:
+    """Zero the device pages an aborted non-finite request left free (`runner.zero_pages`: NaN left in a page's
+    unwritten slots would poison the next request given it) and drop them from the prefix cache; pages still
+    shared with a live request (a cached prefix) are left alone. Call after the iteration is recorded: a first
+    zeroing may compile its copy (unless warm-up precompiled the swap copies), which belongs to no iteration."""
+    bm = scheduler.block_manager
+    free = [p for p in dict.fromkeys(pages) if bm.ref_count[p] == 0]
+    zero = getattr(runner, "zero_pages", None)
+    if not free or zero is None:
+        return
+    bm.uncache(free)
+    zero(free)
+    compiles.reset()
 
 
 class CompileDuringRunError(UserError, RuntimeError):
@@ -246,14 +300,44 @@ class ColocatedEngine:
             out, (handle, start) = queue.pop()               # the oldest batch: wait for it, apply it
             sampled = self.coordinator.collect(self.runner, handle)
             end = self._now()
+            sampled, aborted, pages = fail_nonfinite(sched, out, sampled, end, f"step {len(self._iterations)}")
             finished = sched.update(out, sampled, end)
-            self._record(out, sampled, start, end, finished)
+            self._record(out, sampled, start, end, finished + aborted)
+            if pages:
+                scrub_pages(self.runner, sched, pages, self.compiles)
 
     def _copies_only(self, out) -> None:
         """An empty batch that still carries swap copies (a request swapped itself out while every other one was
         in flight) goes to the runner for its copies: a later batch swaps those pages back in."""
         if out.swap_out or out.swap_in:
             self.runner.collect(self.runner.dispatch(out))
+
+    def _take_back_nonfinite(self, pending, sampled, now: float) -> Tuple[List[Request], List[int]]:
+        """Async scheduling: each placeholder of `pending` whose sampled id is NONFINITE_LOGITS is dropped (the
+        last token its request holds: its next step is not applied yet) and taken out of `pending`, and the
+        request aborted (or marked aborted when the placeholder already finished it), one warning line each.
+        Returns (those requests, the device pages they held, for `scrub_pages`)."""
+        if NONFINITE_LOGITS not in sampled:
+            return [], []
+        where = f"step {len(self._iterations)}"
+        failed, pages, kept = [], [], []
+        for slot in pending.slots:
+            i, req, n_out, n_all = slot
+            if int(sampled[i]) != NONFINITE_LOGITS:
+                kept.append(slot)
+                continue
+            logging.warning("request %r: %s; request aborted (the other requests continue)", req.request_id,
+                            nonfinite_reason(where))
+            pages += req.page_table
+            del req.output_token_ids[n_out:], req.all_token_ids[n_all:], req.token_times[n_out:]
+            if n_out == 0:
+                req.first_token_time = None
+            if self.scheduler.abort(req.request_id, now) is None:     # finished on the placeholder already
+                req.finish_reason, req.finish_time = "aborted", now
+            req.reject_reason = nonfinite_reason(where)
+            failed.append(req)
+        pending.slots[:] = kept
+        return failed, pages
 
     def _run_async(self, arrivals: ArrivalQueue) -> None:
         sched = self.scheduler
@@ -276,8 +360,12 @@ class ColocatedEngine:
                 out_prev, handle_prev, start_prev = in_flight
                 sampled = self.coordinator.collect(self.runner, handle_prev)
                 end = self._now()
+                failed, pages = self._take_back_nonfinite(pending, sampled, end)
                 sched.resolve_async(pending, sampled, end)
-                self._record(out_prev, sampled, start_prev, end, pending.finished)
+                self._record(out_prev, sampled, start_prev, end,
+                             pending.finished + [r for r in failed if r not in pending.finished])
+                if pages:   # (the step in flight wrote these pages before the zeros land: they follow it)
+                    scrub_pages(self.runner, sched, pages, self.compiles)
                 in_flight = None
             if handle is not None:
                 start = self._iterations[-1].end_time if self._iterations else host_start
