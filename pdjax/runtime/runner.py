@@ -11,6 +11,10 @@ the call (device pages and host slots are all read first, then written), so a pa
 same call is handled whatever the order. Copies move in chunks padded to SWAP_BUCKETS pages, so swapping
 compiles two shapes per direction, both precompiled by `warmup(swap=True)`.
 
+Slow paths are named once per process at construction (one warning line each, `slow_path_warnings`): the Pallas
+kernel on CPU (interpret mode, ~100x slower than the blocked path) and a page size beyond max_model_len (every
+sequence's single page is read whole by the attention, however short the sequence).
+
 No compile after warm-up: every array the step sees is placed exactly as at warm-up (params and KV cache
 committed to the runner's mesh, a single-device mesh by default; the batch as host numpy; the previous step's
 ids as the step's own replicated output), so warm-up compiles each (T, S, P) bucket once and the run reuses it.
@@ -18,6 +22,7 @@ ids as the step's own replicated output), so warm-up compiles each (T, S, P) buc
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -34,6 +39,27 @@ from pdjax.runtime.step import make_forward_logits, make_step
 from pdjax.scheduler.output import SchedulerOutput
 
 SWAP_BUCKETS = (8, 64)   # pages per swap copy; more pages move in several copies of the largest
+_warned = set()          # slow-path warnings already given in this process
+
+
+def slow_path_warnings(attention_impl: str, backend: str, page_size: int, max_model_len: int) -> List[str]:
+    """One line per slow path this runner configuration takes (none for the default ones)."""
+    notes = []
+    if attention_impl == "pallas" and backend == "cpu":
+        notes.append("attention_impl='pallas' on CPU runs the Pallas kernel in interpret mode, about 100x slower "
+                     "than the default blocked path: use attention_impl='auto' unless you are testing the kernel")
+    if page_size > max_model_len:
+        notes.append(f"page_size={page_size} exceeds max_model_len={max_model_len}: every sequence gets one page of "
+                     f"{page_size} tokens and the attention reads all of it however short the sequence (slow); "
+                     f"a page size <= max_model_len (default 16) serves the same requests")
+    return notes
+
+
+def _warn_slow_paths(*args) -> None:
+    for note in slow_path_warnings(*args):
+        if note not in _warned:
+            _warned.add(note)
+            logging.warning("%s", note)
 
 
 def host_local(arr) -> np.ndarray:
@@ -132,6 +158,7 @@ class ModelRunner:
             buckets = Buckets.powers_of_two(512, 64, -(-self.max_model_len // self.page_size))
         self.buckets = buckets
         self.attention_fn = get_attention_fn(attention_impl)
+        _warn_slow_paths(attention_impl, jax.default_backend(), self.page_size, self.max_model_len)
 
     @property
     def compile_count(self) -> int:
