@@ -46,7 +46,8 @@ def main(argv):
     except (ValueError, OSError) as e:   # missing or corrupt checkpoint, unknown spec name
         raise cli.UserError(cli.one_line(e)) from None
     max_len = 512
-    buckets = Buckets(tokens=(16, 32, 64, _BUDGET.value), seqs=(_REQUESTS.value,), pages=(max_len // 16,))
+    tokens = tuple(sorted({t for t in (16, 32, 64) if t < _BUDGET.value} | {_BUDGET.value}))   # none above the budget
+    buckets = Buckets(tokens=tokens, seqs=(_REQUESTS.value,), pages=(max_len // 16,))
     runner = ModelRunner(spec, params, num_pages=_REQUESTS.value * max_len // 16, page_size=16, buckets=buckets,
                          max_model_len=max_len)
     compile_s = runner.warmup()
@@ -76,7 +77,7 @@ def main(argv):
             b = jax.device_put(b)
             jax.block_until_ready(b)
             start = time.perf_counter()
-            ids, runner.kv_cache = runner._step(runner.params, runner.kv_cache, b)
+            ids, runner.kv_cache = runner._step(runner.params, runner.kv_cache, b, runner._no_prev_ids)
             jax.block_until_ready(ids)
             total += time.perf_counter() - start
         device_s.append(total)

@@ -1,4 +1,5 @@
 """Step benchmark: python -m experiments.bench_step [--spec=tiny-llama] [--repeats=5] [--impls=reference,blocked]
+(smoke run: --decode_batches=1 --decode_contexts=32 --prefill_tokens=16 --repeats=1)
 
 Prints JSON: for each attention implementation in --impls (side by side, same run, same ceilings), decode step
 time at batch 1/8/32/128 x context 128/1024 and prefill chunk time at 128/512/2048 tokens (one sequence from
@@ -37,6 +38,9 @@ flags.DEFINE_string("spec", "tiny-llama", "Registry spec (dummy weights).")
 flags.DEFINE_integer("repeats", 5, "Timed calls per point (median reported).")
 flags.DEFINE_integer("page_size", 16, "KV page size.")
 flags.DEFINE_list("impls", ["reference", "blocked"], "Attention implementations to run side by side.")
+flags.DEFINE_list("decode_batches", ["1", "8", "32", "128"], "Decode batch sizes (smoke run: 1).")
+flags.DEFINE_list("decode_contexts", ["128", "1024"], "Decode context lengths, multiples of --page_size.")
+flags.DEFINE_list("prefill_tokens", ["128", "512", "2048"], "Prefill chunk sizes.")
 
 DECODE_BATCHES = (1, 8, 32, 128)
 DECODE_CONTEXTS = (128, 1024)
@@ -88,17 +92,20 @@ def _model_sizes(spec, params) -> dict:
             "kv_bytes_per_token": spec.kv_bytes_per_token(dtype_bytes)}
 
 
-def run_impls(impls, spec, params, repeats: int, page_size: int) -> dict:
-    """All points for every attention implementation (one runner each, timed in turns); rooflines are added
-    by `_add_rooflines`."""
+def run_impls(impls, spec, params, repeats: int, page_size: int, decode_batches=DECODE_BATCHES,
+              decode_contexts=DECODE_CONTEXTS, prefill_tokens=PREFILL_TOKENS) -> dict:
+    """All points (decode_batches x decode_contexts, prefill_tokens) for every attention implementation (one
+    runner each, timed in turns); rooflines are added by `_add_rooflines`."""
+    decode_batches, decode_contexts = tuple(decode_batches), tuple(decode_contexts)
+    prefill_tokens = tuple(prefill_tokens)
     sizes = _model_sizes(spec, params)
     param_bytes, kv_token_bytes = sizes["param_bytes"], sizes["kv_bytes_per_token"]
-    max_pages_per_seq = max(DECODE_CONTEXTS + PREFILL_TOKENS) // page_size
-    num_pages = max(DECODE_BATCHES) * max(DECODE_CONTEXTS) // page_size + max_pages_per_seq
+    max_pages_per_seq = -(-max(decode_contexts + prefill_tokens) // page_size)
+    num_pages = max(decode_batches) * max(decode_contexts) // page_size + max_pages_per_seq
     # Token buckets start at 8 (as runners do): a 1-token shape compiles to a slower XLA CPU program.
-    buckets = Buckets(tokens=tuple(sorted({max(8, n) for n in DECODE_BATCHES + PREFILL_TOKENS})),
-                      seqs=DECODE_BATCHES,
-                      pages=tuple(sorted({c // page_size for c in DECODE_CONTEXTS + PREFILL_TOKENS})))
+    buckets = Buckets(tokens=tuple(sorted({max(8, n) for n in decode_batches + prefill_tokens})),
+                      seqs=tuple(sorted(set(decode_batches))),
+                      pages=tuple(sorted({-(-c // page_size) for c in decode_contexts + prefill_tokens})))
     runners = {impl: ModelRunner(spec, params, num_pages=num_pages, page_size=page_size, buckets=buckets,
                                  attention_impl=impl, max_model_len=max_pages_per_seq * page_size)
                for impl in impls}
@@ -114,14 +121,14 @@ def run_impls(impls, spec, params, repeats: int, page_size: int) -> dict:
             results[impl]["compile_s"][key] = max(0.0, first - runner.warmup([shape]))
         return _timed(runners, out, repeats)
 
-    for ctx in DECODE_CONTEXTS:
-        for batch in DECODE_BATCHES:
+    for ctx in decode_contexts:
+        for batch in decode_batches:
             seconds = measure(_decode_out(spec, rng, batch, ctx, page_size))
             moved = param_bytes + batch * ctx * kv_token_bytes + batch * kv_token_bytes
             for impl in impls:
                 results[impl]["decode"].append({"batch": batch, "context": ctx, "step_s": seconds[impl],
                                                 "bytes_moved": moved, "tokens_per_s": batch / seconds[impl]})
-    for n in PREFILL_TOKENS:
+    for n in prefill_tokens:
         seconds = measure(_prefill_out(spec, rng, n, page_size))
         attn_flops = 2 * 2 * spec.num_layers * spec.num_heads * spec.head_dim * n * (n + 1) / 2
         flops = 2 * sizes["body_params"] * n + attn_flops + 2 * sizes["embed_params"]
@@ -146,7 +153,8 @@ def _add_rooflines(results: dict, ceilings: dict) -> None:
             point["ratio"] = point["roofline_s"] / point["step_s"]
         by_key = {f"decode_{d['batch']}x{d['context']}": d["ratio"] for d in res["decode"]}
         by_key.update({f"prefill_{p['tokens']}": p["ratio"] for p in res["prefill"]})
-        res["targets"] = {k: {"target": t, "ratio": by_key[k], "met": by_key[k] >= t} for k, t in TARGETS.items()}
+        res["targets"] = {k: {"target": t, "ratio": by_key[k], "met": by_key[k] >= t} for k, t in TARGETS.items()
+                          if k in by_key}     # (a smaller grid than the default has some of them)
 
 
 def _compare(results: dict, impls) -> dict:
@@ -166,7 +174,8 @@ def _compare(results: dict, impls) -> dict:
 
 
 def run(spec_name: str = "tiny-llama", repeats: int = 5, page_size: int = 16,
-        impls=("reference", "blocked")) -> dict:
+        impls=("reference", "blocked"), decode_batches=DECODE_BATCHES, decode_contexts=DECODE_CONTEXTS,
+        prefill_tokens=PREFILL_TOKENS) -> dict:
     impls = list(impls)
     for impl in impls:
         if impl not in ATTENTION_IMPLS:
@@ -175,7 +184,7 @@ def run(spec_name: str = "tiny-llama", repeats: int = 5, page_size: int = 16,
     params = init_params(spec, 0)
     # Best of a measurement before and after the points: other jobs on a shared machine only lower a ceiling.
     before = measure_ceilings(jax.default_backend())
-    results = run_impls(impls, spec, params, repeats, page_size)
+    results = run_impls(impls, spec, params, repeats, page_size, decode_batches, decode_contexts, prefill_tokens)
     after = measure_ceilings(jax.default_backend())
     ceilings = {**before, **{k: max(before[k], after[k]) for k in ("matmul_flops", "copy_bandwidth_Bps")}}
     _add_rooflines(results, ceilings)
@@ -189,7 +198,8 @@ def run(spec_name: str = "tiny-llama", repeats: int = 5, page_size: int = 16,
 
 def main(argv):
     del argv
-    print(json.dumps(run(FLAGS.spec, FLAGS.repeats, FLAGS.page_size, FLAGS.impls), indent=1))
+    grid = [[int(x) for x in getattr(FLAGS, name)] for name in ("decode_batches", "decode_contexts", "prefill_tokens")]
+    print(json.dumps(run(FLAGS.spec, FLAGS.repeats, FLAGS.page_size, FLAGS.impls, *grid), indent=1))
 
 
 if __name__ == "__main__":

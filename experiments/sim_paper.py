@@ -8,6 +8,7 @@
     python -m experiments.sim_paper --table=tile             # tile quantization: 256 vs 257 tokens
     python -m experiments.sim_paper --table=disagg           # colocated vs prefill/decode disaggregation
     python -m experiments.sim_paper --table=all --workdir=/tmp/paper --parallel=2
+    python -m experiments.sim_paper --table=disagg --num_requests=20    # smoke run: 20 requests per simulation
 
 Prints JSON (one object per table) and a Markdown rendering of each table on stderr. Hardware/cost: the A100
 profile shipped in pdjax/sim/profiles/a100.json (fitted on Vidur's A100 operator profiles), A100-80GB PCIe pairs
@@ -45,6 +46,9 @@ _TABLE = flags.DEFINE_enum("table", "all", ["all", "ablation", "chunking", "capa
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/pdjax_sim_paper", "Sweep/capacity outputs.")
 _PARALLEL = flags.DEFINE_integer("parallel", 2, "Processes for sweep points / capacity probes.", lower_bound=1)
 _CAPACITY_TRACES = flags.DEFINE_list("capacity_traces", ["chat", "arxiv"], "Traces of the capacity table.")
+_NUM_REQUESTS = flags.DEFINE_integer("num_requests", 0, "Requests per simulation of the ablation, capacity and "
+                                     "disagg tables (0: each config's own; a small value is a smoke run).",
+                                     lower_bound=0)
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 
@@ -73,15 +77,23 @@ def markdown(title: str, columns: List[str], rows: List[List[Any]]) -> str:
 
 
 # --------------------------------------------------------------------------------------------------- tables
-def table_ablation(workdir: str, parallel: int) -> Dict[str, Any]:
+def _requests_override(config: dict, num_requests: int) -> dict:
+    """`config` (a plain serve-config dict) with workload.num_requests set, unless num_requests is 0."""
+    if num_requests:
+        config["workload"]["num_requests"] = num_requests
+    return config
+
+
+def table_ablation(workdir: str, parallel: int, num_requests: int = 0) -> Dict[str, Any]:
     from pdjax.config.serving import serve_config_from_dict
     from pdjax.experiment.run import run_experiment, to_plain_dict
     from pdjax.experiment.sweep import run_sweep
     out = {}
     for trace in ("chat", "arxiv"):
         sweep = to_plain_dict(_load_config("configs/sweeps/sarathi_ablation_paper.py", trace))
+        _requests_override(sweep["base"], num_requests)
         rows = run_sweep(sweep, os.path.join(workdir, f"ablation_{trace}"), run_experiment, parallel=parallel,
-                         validate=serve_config_from_dict)
+                         validate=serve_config_from_dict, log=lambda line: print(line, file=sys.stderr))  # stdout: JSON
         out[trace] = [{"scheme": r["policy"], "token_budget": r["token_budget"],
                        "ttft_p50_s": r["ttft_p50"], "ttft_p99_s": r.get("ttft_p99"), "tbt_p99_s": r["tbt_p99"],
                        "tbt_p50_s": r["tbt_p50"],
@@ -108,7 +120,8 @@ CAPACITY_MODELS = ("mistral7b", "yi34b", "llama70b")
 CAPACITY_TRACES = ("chat", "arxiv")
 
 
-def table_capacity(workdir: str, parallel: int, traces=CAPACITY_TRACES) -> List[Dict[str, Any]]:
+def table_capacity(workdir: str, parallel: int, traces=CAPACITY_TRACES, num_requests: int = 0
+                   ) -> List[Dict[str, Any]]:
     from pdjax.sim.capacity import search_config_capacity
     from pdjax.experiment.run import to_plain_dict
     from pdjax.metrics import write_json
@@ -121,7 +134,8 @@ def table_capacity(workdir: str, parallel: int, traces=CAPACITY_TRACES) -> List[
             for slo_name in ("strict", "relaxed"):
                 for policy in ("sarathi", "vllm_v0", "orca"):
                     arg = f"{model}-{policy}-{slo_name}-{trace}"
-                    cfg = to_plain_dict(_load_config("configs/sim/capacity_paper.py", arg))
+                    cfg = _requests_override(to_plain_dict(_load_config("configs/sim/capacity_paper.py", arg)),
+                                             num_requests)
                     slo = cfg["slo"]["tbt"]          # the config carries its P99 TBT SLO
                     report = search_config_capacity(cfg, tbt_p99=slo, lo=0.05, hi=8.0, parallel=parallel,
                                                     rel_tol=0.05, max_rounds=8)
@@ -173,7 +187,7 @@ DISAGG_LAYOUTS = {"2xtp1": "colocated sarathi, 2 replicas TP1", "1xtp2": "coloca
 DISAGG_MIN_ATTAINMENT = 0.9
 
 
-def table_disagg() -> Dict[str, Any]:
+def table_disagg(num_requests: int = 0) -> Dict[str, Any]:
     from pdjax.config.serving import serve_config_from_dict
     from pdjax.experiment.run import to_plain_dict
     from pdjax.metrics import summarize_run
@@ -183,7 +197,8 @@ def table_disagg() -> Dict[str, Any]:
         rows, best = [], {}
         for rate in rates:
             for layout in DISAGG_LAYOUTS:
-                config = to_plain_dict(_load_config("configs/sim/disagg_paper.py", f"{layout}-{trace}"))
+                config = _requests_override(
+                    to_plain_dict(_load_config("configs/sim/disagg_paper.py", f"{layout}-{trace}")), num_requests)
                 config["workload"]["rate"] = rate
                 cfg = serve_config_from_dict(config)
                 result, _ = simulate_config(cfg)
@@ -245,12 +260,14 @@ def main(argv):
     result = {}
     for name in names:
         if name == "ablation":
-            result[name] = table_ablation(_WORKDIR.value, _PARALLEL.value)
+            result[name] = table_ablation(_WORKDIR.value, _PARALLEL.value, _NUM_REQUESTS.value)
         elif name == "capacity":
-            result[name] = table_capacity(_WORKDIR.value, _PARALLEL.value, tuple(_CAPACITY_TRACES.value))
+            result[name] = table_capacity(_WORKDIR.value, _PARALLEL.value, tuple(_CAPACITY_TRACES.value),
+                                          _NUM_REQUESTS.value)
+        elif name == "disagg":
+            result[name] = table_disagg(_NUM_REQUESTS.value)
         else:
-            result[name] = {"chunking": table_chunking, "mixing": table_mixing, "tile": table_tile,
-                            "disagg": table_disagg}[name]()
+            result[name] = {"chunking": table_chunking, "mixing": table_mixing, "tile": table_tile}[name]()
         print(render(name, result[name]) + "\n", file=sys.stderr)
     print(json.dumps(result, indent=2))
 
