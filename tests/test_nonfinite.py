@@ -36,35 +36,47 @@ def _flip_bytes(path: pathlib.Path, start: int, length: int = 2048) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_a_corrupted_orbax_file_that_still_decodes_is_refused_naming_the_tensor(tmp_path):
-    ckpt = tmp_path / "tiny-byte"
+@pytest.fixture(scope="module")
+def corrupted(tmp_path_factory):
+    """A copy of tiny-byte with the corruption of issue 16 in a range of its largest data file that still decodes
+    (zstd keeps it raw) into NaN/inf in layers[0].w_up: flips that break the compression fail in the reader
+    instead (tests/test_checkpoint_errors.py)."""
+    ckpt = tmp_path_factory.mktemp("corrupted") / "tiny-byte"
     shutil.copytree(TINY, ckpt)
     data = max((ckpt / "params").rglob("ocdbt.process_0/d/*"), key=lambda p: p.stat().st_size)
-    # This range of the largest data file decodes (zstd keeps it raw) into NaN/inf in layers[0].w_up: the flips
-    # that break the compression fail in the reader instead (tests/test_checkpoint_errors.py).
     _flip_bytes(data, int(0.7 * data.stat().st_size))
+    return ckpt
+
+
+def test_a_corrupted_orbax_file_that_still_decodes_is_refused_naming_the_tensor(corrupted):
     with pytest.raises(NonFiniteWeightsError) as info:
-        load_model(str(ckpt))
+        load_model(str(corrupted))
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith(f"checkpoint {str(ckpt)!r}: params layers[0].w_up has 3 non-finite values")
+    assert message.startswith(f"checkpoint {str(corrupted)!r}: params layers[0].w_up has 3 non-finite values")
 
 
-def test_generate_refuses_the_corrupted_checkpoint_in_one_line(tmp_path):
-    ckpt = tmp_path / "tiny-byte"
-    shutil.copytree(TINY, ckpt)
-    data = max((ckpt / "params").rglob("ocdbt.process_0/d/*"), key=lambda p: p.stat().st_size)
-    _flip_bytes(data, int(0.7 * data.stat().st_size))
+def _cli(module, *args):
+    proc = subprocess.run([sys.executable, "-m", f"experiments.{module}", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    return proc.returncode, proc.stderr.strip().splitlines()
+
+
+def test_serve_and_generate_refuse_the_corrupted_checkpoint_in_one_line(tmp_path, corrupted):
+    """Both served it before: 8/8 requests completed, attainment 1.000, every output token 0."""
+    expected = f"error: checkpoint {str(corrupted)!r}: params layers[0].w_up has 3 non-finite values"
     prompts = tmp_path / "prompts.json"
     prompts.write_text("[[1, 2, 3, 4, 5], [9, 8, 7]]")
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, "-m", "experiments.generate", f"--checkpoint={ckpt}",
-                           f"--prompts={prompts}", f"--out={out}", "--max_new_tokens=4"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert lines[-1].startswith(f"error: checkpoint {str(ckpt)!r}: params layers[0].w_up has 3 non-finite values")
+    rc, lines = _cli("generate", f"--checkpoint={corrupted}", f"--prompts={prompts}", f"--out={out}",
+                     "--max_new_tokens=4")
+    assert rc == 2 and lines[-1].startswith(expected), lines[-5:]
     assert not out.exists()
+    rc, lines = _cli("serve", "--config=configs/serve.py", f"--config.model.checkpoint={corrupted}",
+                     "--config.engine.mode=offline", "--config.workload.num_requests=8",
+                     f"--workdir={tmp_path / 'serve'}")
+    assert rc == 2 and lines[-1].startswith(expected), lines[-5:]
+    assert not (tmp_path / "serve" / "results.json").exists()
 
 
 @pytest.fixture(scope="module")
