@@ -185,14 +185,20 @@ def _padding(cfg, profile: Optional[Profile], sched_cfg) -> Optional[EnginePaddi
     return padding_from_profile(profile.padding, buckets, s.page_size)   # dense flag and attention impl
 
 
-def build_setup(cfg) -> SimSetup:
-    """Resolve model, hardware, cost parameters and every group of the deployment (module docstring)."""
+def build_setup(cfg, hardware: Optional[HardwareSpec] = None) -> SimSetup:
+    """Resolve model, hardware, cost parameters and every group of the deployment (module docstring).
+    `hardware`: a HardwareSpec replacing the resolved one (the placement search's node types with their own
+    link figures; a serve config names a registry spec)."""
     check_supported(cfg)
     dep = cfg.deployment
     model = resolve_model(cfg)
     profile, profile_name = resolve_profile(cfg)
-    hw = profile.hardware_spec if profile is not None and profile.hardware_spec is not None \
-        else get_hardware_spec(cfg.sim.hardware)
+    if hardware is not None:
+        hw = hardware
+    elif profile is not None and profile.hardware_spec is not None:
+        hw = profile.hardware_spec
+    else:
+        hw = get_hardware_spec(cfg.sim.hardware)
     params = profile.params if profile is not None else CostParams()
     # Devices: as many as the deployment asks for, plus any explicit index beyond that (other nodes).
     explicit = [d for role in dep.roles for d in dep.group(role).devices]
@@ -253,14 +259,15 @@ def build_router(setup: SimSetup, instances: List[Any]) -> InstanceRouter:
 def build_transfer_time(setup: SimSetup) -> Callable[[DisaggSimInstance, DisaggSimInstance, int], float]:
     """transfer_time(src, dst, num_tokens) for the instances of a disaggregated `setup` (links from their
     device placement; the KV lives on the pp·tp devices of each instance)."""
-    devices = {name: devs for g in setup.groups.values() for name, devs in zip(g.names, g.devices)}
+    devices = {name: (devs, g.pp) for g in setup.groups.values() for name, devs in zip(g.names, g.devices)}
     cache: Dict[Tuple[str, str], Callable[[int], float]] = {}
 
     def transfer_time(src: DisaggSimInstance, dst: DisaggSimInstance, num_tokens: int) -> float:
         key = (src.name, dst.name)
         fn = cache.get(key)
         if fn is None:
-            bw, lat, streams = kv_link(setup.hardware, devices[src.name], devices[dst.name])
+            (src_devices, src_pp), (dst_devices, dst_pp) = devices[src.name], devices[dst.name]
+            bw, lat, streams = kv_link(setup.hardware, src_devices, dst_devices, src_pp, dst_pp)
             fn = cache[key] = make_transfer_time(setup.model, bw, lat, streams, setup.params)
         return fn(num_tokens)
     return transfer_time

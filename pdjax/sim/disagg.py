@@ -36,9 +36,10 @@ Choices (and why):
   instances first, each group in index order. Ties in the heaps go by insertion order: deterministic.
 - Transfer time of a request with p prompt tokens: `p2p_time(kv_bytes(model, p) / streams, link)` of the cost
   model (comm_fixed_s + link latency + bytes / (bandwidth · comm_bandwidth_efficiency)). The KV is sharded over
-  the tp·pp devices of each side; stream i moves device i's share to device i of the other side, so
-  streams = min(tp·pp of prefill, tp·pp of decode) and the slowest stream's link sets the bandwidth
-  (`kv_link`): both devices on one node -> the node's link (NVLink pair on a pairwise box, else the intra-node
+  the tp·pp devices of each side; with equal pp each stage sends its layers' KV to the same stage of the
+  other side (min(tp) streams per stage), otherwise stream i moves device i's share to device i of the other
+  side (min(tp·pp) streams); the slowest stream's link sets the bandwidth (`kv_link`, also the placement
+  search's): both devices on one node -> the node's link (NVLink pair on a pairwise box, else the intra-node
   link: NVSwitch / PCIe), different nodes -> the inter-node network. Device placement comes from
   `deployment.device_assignment` (explicit `devices` put groups on other nodes).
 - Transfers on one (prefill instance, decode instance) link are serialized by default (a FIFO transfer queue:
@@ -169,25 +170,39 @@ class DisaggSimResult(SimResult):
 
 
 # --------------------------------------------------------------------------------------------------- links
-def kv_link(hw: HardwareSpec, src_devices: Sequence[int], dst_devices: Sequence[int]) -> Tuple[float, float, int]:
+def kv_link(hw: HardwareSpec, src_devices: Sequence[int], dst_devices: Sequence[int], src_pp: int = 1,
+            dst_pp: int = 1) -> Tuple[float, float, int]:
     """(bandwidth per stream in bytes/s, latency in s, number of parallel streams) of a KV transfer between an
-    instance on `src_devices` and one on `dst_devices` (device indices; node = index // devices_per_node).
-    Stream i pairs src_devices[i] with dst_devices[i]; the slowest pair's link sets the bandwidth."""
+    instance on `src_devices` and one on `dst_devices` (device indices in stage-major order, `src_pp` / `dst_pp`
+    pipeline stages; node = index // devices_per_node). The one link model of the simulator and the placement
+    search (pdjax.sim.placement). Device pairs: with equal pp, stage s of the source sends its layers' KV to
+    stage s of the destination, min(tp_src, tp_dst) streams per stage (stage s's first devices); otherwise
+    stream i pairs src_devices[i] with dst_devices[i], min(len) streams. The slowest pair's link sets the
+    bandwidth, the slowest's latency the latency: both devices on one node -> the node's link (the NVLink pair on
+    a pairwise box, else the intra-node link: NVSwitch / PCIe), different nodes -> the inter-node network."""
     if not src_devices or not dst_devices:
         raise ValueError(f"kv_link: src_devices={list(src_devices)}, dst_devices={list(dst_devices)}, expected "
                          "at least one device on each side")
-    streams = min(len(src_devices), len(dst_devices))
-    links = []
-    for a, b in zip(src_devices[:streams], dst_devices[:streams]):
+    for devices, pp in ((src_devices, src_pp), (dst_devices, dst_pp)):
+        if pp < 1 or len(devices) % pp:
+            raise ValueError(f"kv_link: {len(devices)} devices in {pp} pipeline stages, expected pp >= 1 "
+                             "dividing the device count")
+    if src_pp == dst_pp:
+        tp_src, tp_dst = len(src_devices) // src_pp, len(dst_devices) // dst_pp
+        k = min(tp_src, tp_dst)
+        pairs = [(src_devices[s * tp_src + i], dst_devices[s * tp_dst + i]) for s in range(src_pp) for i in range(k)]
+    else:
+        pairs = list(zip(src_devices, dst_devices))
+    bandwidth, latency = float("inf"), 0.0
+    for a, b in pairs:
         if a // hw.devices_per_node != b // hw.devices_per_node:
-            links.append((hw.inter_node_bandwidth, hw.inter_node_latency))
+            bw, lat = hw.inter_node_bandwidth, hw.inter_node_latency
         elif hw.intra_node_topology == "pairwise" and a // 2 == b // 2:
-            links.append((hw.pairwise_bandwidth, hw.intra_node_latency))
+            bw, lat = hw.pairwise_bandwidth, hw.intra_node_latency
         else:
-            links.append((hw.intra_node_bandwidth, hw.intra_node_latency))
-    bandwidth = min(bw for bw, _ in links)
-    latency = max(lat for _, lat in links)
-    return bandwidth, latency, streams
+            bw, lat = hw.intra_node_bandwidth, hw.intra_node_latency
+        bandwidth, latency = min(bandwidth, bw), max(latency, lat)
+    return bandwidth, latency, len(pairs)
 
 
 def make_transfer_time(model, bandwidth: float, latency: float, streams: int = 1,

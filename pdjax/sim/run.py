@@ -42,10 +42,12 @@ def simulate_setup(setup: SimSetup, requests) -> SimResult:
                                   **disaggregated_kwargs(setup, instances))
 
 
-def simulate_config(cfg, workload=None) -> Tuple[SimResult, SimSetup]:
+def simulate_config(cfg, workload=None, hardware=None) -> Tuple[SimResult, SimSetup]:
     """Simulate a ServeConfig (workload: WorkloadRequests, default make_workload(cfg.workload, cfg.seed)); returns
-    the result (a DisaggSimResult for a disaggregated deployment) and the setup it was built from."""
-    setup = build_setup(cfg)
+    the result (a DisaggSimResult for a disaggregated deployment) and the setup it was built from. The one
+    simulate path: `--config.backend=sim` (run_sim) and every placement candidate (pdjax.sim.placement) come
+    through here. hardware: a HardwareSpec overriding the config's (build_setup)."""
+    setup = build_setup(cfg, hardware)
     return simulate_setup(setup, build_requests(cfg, workload)), setup
 
 
