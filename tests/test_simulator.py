@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -224,7 +225,7 @@ def test_simulation_is_deterministic():
     for _ in range(2):
         insts = [SimInstance(f"i{k}", make_scheduler(cfg), make_step_time(model, hw)) for k in range(2)]
         res = simulate(make_requests(50, seed=3), insts, LeastOutstandingTokensRouter())
-        runs.append((res.requests, [it.__dict__ for it in res.iterations]))
+        runs.append((res.requests, [dataclasses.asdict(it) for it in res.iterations]))
     assert runs[0] == runs[1]
 
 
@@ -423,3 +424,36 @@ def test_context_taking_step_time_keeps_the_engine_schedule(async_scheduling):
     assert len(sim_log) == len(engine_log) > 30 and sim_log == engine_log
     assert [(it.start_time, it.end_time) for it in sim_result.iterations] == \
         [(it.start_time, it.end_time) for it in engine_result.iterations]
+
+
+def test_pending_requests_are_made_on_arrival_and_dropped_once_recorded():
+    """Memory (issue 19): a PendingRequest becomes its Request when it arrives, and a finished request is kept
+    only as its RequestRecord (not by the simulator, nor by its scheduler's `finished` list); the records equal
+    those of a run on ready-made Requests."""
+    import gc
+    from pdjax.sim.simulator import PendingRequest
+    cfg = SchedulerConfig(policy="sarathi", token_budget=96, max_num_seqs=8, max_model_len=512, num_pages=60)
+    made = []
+
+    def lazy(req):
+        rid, prompt, max_tokens, t = req.request_id, list(req.prompt_token_ids), req.max_tokens, req.arrival_time
+
+        def make():
+            made.append(t)
+            return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), t)
+        return PendingRequest(rid, t, make)
+
+    def on_schedule(instance, out, t):
+        assert all(a <= t for a in made), "a request was made before it arrived"
+
+    eager = simulate(make_requests(40, seed=5), [SimInstance("i", make_scheduler(cfg), dyadic_step_time)])
+    inst = SimInstance("lazy", make_scheduler(cfg), dyadic_step_time)
+    pending = [lazy(r) for r in make_requests(40, seed=5)]
+    res = simulate(pending, [inst], on_schedule=on_schedule)
+    assert res.requests == eager.requests
+    assert [dataclasses.asdict(i) for i in res.iterations] == [dataclasses.asdict(i) for i in eager.iterations]
+    assert len(made) == 40 and not inst.scheduler.finished
+    gc.collect()
+    ids = {p.request_id for p in pending}
+    held = [o for o in gc.get_objects() if isinstance(o, Request) and o.request_id in ids and o.finish_reason]
+    assert held == [], f"{len(held)} finished requests are still referenced"

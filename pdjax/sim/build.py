@@ -39,6 +39,7 @@ No JAX.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import zlib
@@ -54,7 +55,7 @@ from pdjax.scheduler.routing import InstanceRouter
 from pdjax.sim.cost_model import CostParams, kv_bytes, kv_cache_capacity_tokens
 from pdjax.sim.disagg import DisaggSimInstance, kv_link, make_transfer_time
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
-from pdjax.sim.simulator import SimInstance
+from pdjax.sim.simulator import PendingRequest, SimInstance
 from pdjax.sim.profile import Profile, profile_for
 from pdjax.sim.step_cost import EnginePadding, StepNoise, make_step_time, padding_from_profile
 
@@ -285,6 +286,17 @@ def disaggregated_kwargs(setup: SimSetup, instances: Dict[str, List[Any]]) -> Di
             "serialize_transfers": setup.serialize_transfers, "mixed": instances.get("mixed", []),
             "mixed_prefill_queue_tokens": setup.mixed_prefill_queue_tokens,
             "mixed_decode_load": setup.mixed_decode_load}
+
+
+def build_pending_requests(cfg, workload=None) -> list:
+    """build_requests' requests as pdjax.sim.simulator.PendingRequests: each Request is made when it arrives
+    (the simulators take either)."""
+    from pdjax.workload import make_workload  # noqa: PLC0415
+    if workload is None:
+        workload = make_workload(cfg.workload, cfg.seed)
+    offline = cfg.engine.mode == "offline"
+    return [PendingRequest(str(wr.request_id), 0.0 if offline else float(wr.arrival_time),
+                           functools.partial(request_from_workload, wr, offline=offline)) for wr in workload]
 
 
 def build_requests(cfg, workload=None) -> list:

@@ -78,13 +78,13 @@ import itertools
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from pdjax.metrics import IterationRecord, request_record, stats
+from pdjax.metrics import IterationRecord, stats
 from pdjax.scheduler.instances import Instance
 from pdjax.scheduler.mixed import MixedPool
 from pdjax.sim.cost_model import CostParams, kv_bytes, p2p_time
 from pdjax.sim.hardware import HardwareSpec
 from pdjax.sim.pipeline import StagePipeline, StageTimer, pipeline_summary
-from pdjax.sim.simulator import SimResult, placeholder_sample
+from pdjax.sim.simulator import SimResult, SimRequests, placeholder_sample
 
 ROLES = ("prefill", "decode", "mixed")
 
@@ -249,7 +249,8 @@ class _Cluster:
         self.transfer_time, self.kv_bytes_of = transfer_time, kv_bytes_of
         self.serialize_transfers, self.sample, self.on_schedule = serialize_transfers, sample, on_schedule
         self.max_iterations = max_iterations
-        self.pending = sorted(requests, key=lambda r: (r.arrival_time, r.request_id))
+        self.requests = SimRequests(requests)
+        self.pending = self.requests.pending      # in arrival order; entries before next_arrival have arrived
         self.next_arrival = 0
         self.iterations: List[IterationRecord] = []
         self.transfers: List[TransferRecord] = []
@@ -289,9 +290,15 @@ class _Cluster:
             self.waking[idx] = True
             if len(self.iterations) > self.max_iterations:
                 raise RuntimeError(f"simulation exceeded max_iterations={self.max_iterations}")
+            done = None
             for req in finished:
                 if req.finish_reason == "handoff":
                     self.handoff(idx, req, t)
+                else:
+                    done = done or []
+                    done.append(req)
+            if finished:
+                self.requests.finished(done or (), inst.scheduler)   # handed-off ones finish on the decode side
 
     def handoff(self, src_idx: int, req, t: float) -> None:
         """A finished prefill: the decode router (MixedPool.pick_decode) picks its instance; a rejection releases
@@ -333,7 +340,7 @@ class _Cluster:
         """Every arrival at t goes to the prefill instance the router (MixedPool.pick_prefill) picks (a rejection
         finishes it there)."""
         while self.next_arrival < len(self.pending) and self.pending[self.next_arrival].arrival_time <= t:
-            req = self.pending[self.next_arrival]
+            req = self.requests.arrived(self.next_arrival)
             self.next_arrival += 1
             inst = self.pool.pick_prefill(req, t)
             inst.scheduler.add_request(req)
@@ -410,7 +417,7 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[DisaggSimInstan
         c.admit_arrivals(now)
         c.start_steps(now)
     c.check_done(now)
-    return DisaggSimResult(requests=[request_record(r) for r in c.pending], iterations=c.iterations,
+    return DisaggSimResult(requests=c.requests.records(), iterations=c.iterations,
                            duration_s=max((it.end_time for it in c.iterations), default=0.0),
                            wall_s=time.perf_counter() - wall_start, num_iterations=len(c.iterations),
                            transfers=c.transfers, mixed_pool=c.pool.summary() if mixed else None,

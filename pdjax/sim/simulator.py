@@ -46,8 +46,12 @@ engine mirrors nothing. The cost of a shape switch or an idle wake is the step-t
 (cost_model.context_time): with those parameters at 0 the times, hence the schedules, are exactly those of a
 context-free step time. Plain functions (one argument) are called as before.
 
-Speed: the loop is a heap of completion times merged with the sorted arrival list; everything per iteration is
-the scheduler's own work plus one step-time call (see pdjax.sim.step_cost for the fast cost path).
+Speed and memory: the loop is a heap of completion times merged with the sorted arrival list; everything per
+iteration is the scheduler's own work plus one step-time call (see pdjax.sim.step_cost for the fast cost path),
+and no routing bookkeeping unless the router asks for it (`observe_step`). Requests may be given as
+PendingRequests (pdjax.sim.build does): each becomes its scheduler Request when it arrives, and every request that
+finishes for good is turned into its RequestRecord at once and dropped (`SimRequests`), so a run holds the token
+lists of its live requests only, not of all of them (experiments/bench_sim.py measures both).
 """
 from __future__ import annotations
 
@@ -130,9 +134,59 @@ class SimInstance:
         return self.pipeline.dispatch(out, t, stages, sends)
 
 
+class PendingRequest:
+    """A request that has not arrived: its sort keys (request_id, arrival_time, exactly the Request's) and
+    `make() -> Request`, called when it arrives (pdjax.sim.build.build_pending_requests). With these, and every
+    finished request turned into its RequestRecord at once (`SimRequests`), a long run holds the token lists of the
+    live requests only."""
+    __slots__ = ("request_id", "arrival_time", "make")
+
+    def __init__(self, request_id: str, arrival_time: float, make: Callable[[], object]):
+        self.request_id, self.arrival_time, self.make = request_id, arrival_time, make
+
+
+class SimRequests:
+    """The requests of one simulation in (arrival_time, request_id) order and their RequestRecords: a request is
+    made when it arrives (`arrived`: a PendingRequest becomes its Request), recorded when it finishes for good
+    (`finished`: the record is taken and the request dropped, here and from its scheduler's `finished` list,
+    which the simulator consumes as the engine's output loop does), and every request still held is recorded at
+    the end (`records`: rejected ones, which finish inside add_request, and any left unfinished)."""
+
+    def __init__(self, requests: Sequence):
+        self.pending = sorted(requests, key=lambda r: (r.arrival_time, r.request_id))
+        self._records: List[Optional[RequestRecord]] = [None] * len(self.pending)
+        self._slot: dict = {}           # id(Request) -> its index, while it is live
+
+    def arrived(self, i: int):
+        req = self.pending[i]
+        if req.__class__ is PendingRequest:
+            req = self.pending[i] = req.make()
+        self._slot[id(req)] = i
+        return req
+
+    def finished(self, reqs: Sequence, scheduler) -> None:
+        for req in reqs:
+            i = self._slot.pop(id(req), None)
+            if i is not None:
+                self._records[i] = request_record(req)
+                self.pending[i] = None
+        scheduler.finished.clear()
+
+    def records(self) -> List[RequestRecord]:
+        out = self._records
+        for i, rec in enumerate(out):
+            if rec is None:
+                req = self.pending[i]
+                out[i] = request_record(req.make() if req.__class__ is PendingRequest else req)
+        return out
+
+
 def placeholder_sample(out) -> List[int]:
     """The simulator's sampled ids: PLACEHOLDER_TOKEN where do_sample is True, else -1."""
-    return [PLACEHOLDER_TOKEN if s else -1 for s in out.do_sample]
+    do_sample = out.do_sample
+    if False not in do_sample:
+        return [PLACEHOLDER_TOKEN] * len(do_sample)
+    return [PLACEHOLDER_TOKEN if s else -1 for s in do_sample]
 
 
 class _Replicas:
@@ -151,7 +205,8 @@ class _Replicas:
         self.observe_step = getattr(router, "observe_step", None)
         self.async_scheduling = async_scheduling
         self.sample, self.on_schedule, self.max_iterations = sample, on_schedule, max_iterations
-        self.pending = sorted(requests, key=lambda r: (r.arrival_time, r.request_id))
+        self.requests = SimRequests(requests)
+        self.pending = self.requests.pending      # in arrival order; entries before next_arrival have arrived
         self.next_arrival = 0
         self.iterations: List[IterationRecord] = []
         self.completions: list = []       # heap of (end_time, instance index)
@@ -182,6 +237,8 @@ class _Replicas:
                 for req in finished:
                     if req.finish_reason == "handoff":    # prefill_only: no decode side simulated, free pages
                         inst.scheduler.release(req.request_id)
+                if finished:
+                    self.requests.finished(finished, inst.scheduler)
             if self.observe_step is not None:
                 self.observe_step(inst, out)
             self.iterations.append(IterationRecord(
@@ -197,7 +254,7 @@ class _Replicas:
         instance's loop admits it."""
         pending, instances = self.pending, self.instances
         while self.next_arrival < len(pending) and pending[self.next_arrival].arrival_time <= t:
-            req = pending[self.next_arrival]
+            req = self.requests.arrived(self.next_arrival)
             self.next_arrival += 1
             inst = self.router(req, instances)
             inst.inbox.append(req)
@@ -272,7 +329,9 @@ class _Replicas:
             prev = inst.dispatched
             inst.dispatched = None
             if prev is not None:
-                sched.update(prev[0], self.sample(prev[0]), prev[2])
+                finished = sched.update(prev[0], self.sample(prev[0]), prev[2])
+                if finished:
+                    self.requests.finished(finished, sched)
             self.admit(inst, t)
             new = None
             if sched.has_unfinished():
@@ -307,7 +366,7 @@ class _Replicas:
 
     def result(self, wall_start: float) -> SimResult:
         iterations = self.iterations
-        return SimResult(requests=[request_record(r) for r in self.pending], iterations=iterations,
+        return SimResult(requests=self.requests.records(), iterations=iterations,
                          duration_s=max((it.end_time for it in iterations), default=0.0),
                          wall_s=time.perf_counter() - wall_start, num_iterations=len(iterations),
                          pipeline=None if self.async_scheduling else pipeline_summary(
