@@ -77,3 +77,49 @@ def test_every_placement_is_a_deployment_block(budget, per_node):
         assignment = validate_deployment(dep, spec, -(-budget // per_node) * per_node)
         names = [n for role in dep.roles for n in dep.instance_names(role)]
         assert [assignment[n] for n in names] == [tuple(d) for d in c.devices]
+
+
+def test_a_ranked_placement_is_what_its_serve_config_simulates(tmp_path):
+    """One simulate path: a candidate's records are those of `experiments.serve --config.backend=sim` run on its
+    serve config (the ranking row's deployment block plus the problem's blocks), file for file."""
+    import csv
+    from pdjax.experiment.run import prepare_experiment, run_prepared
+    prob = pl.PlacementProblem(model="opt-13b", node=pl.NodeType("a100-80gb-sxm"), gpu_budget=2, workload=WORKLOAD,
+                               ttft_s=0.5, tpot_s=0.1, max_model_len=1024)
+    cands = pl.enumerate_placements(prob)
+    picked = [next(c for c in cands if c.kind == kind) for kind in ("high", "colocated")]
+    picked.append(next(c for c in cands if c.kind == "colocated" and c.policy == "vllm_v0"))
+    for i, c in enumerate(picked):
+        config = pl.serve_config(prob, c, rate=3.0)
+        assert config["deployment"] == pl.Evaluation(c, 0.0, 0.0, (), 0.0).row(prob)["deployment"]
+        records = pl.simulate_placement(prob, c, 3.0)
+        workdir = tmp_path / f"run{i}"
+        run_prepared(prepare_experiment(config, str(workdir)))
+        with open(workdir / "requests.csv") as f:
+            rows = list(csv.DictReader(f))
+        assert [r["request_id"] for r in rows] == [r.request_id for r in records]
+        assert [float(r["first_token_time"]) for r in rows] == [r.first_token_time for r in records]
+        assert [float(r["finish_time"]) for r in rows] == [r.finish_time for r in records]
+
+
+def test_disaggregated_groups_carry_their_budgets():
+    prob = problem(2, 2)
+    c = next(c for c in pl.enumerate_placements(prob) if c.kind != "colocated")
+    dep = c.deployment(prob)
+    assert (dep["prefill"]["token_budget"], dep["prefill"]["max_num_seqs"]) == (prob.prefill_token_budget,
+                                                                               prob.decode_max_num_seqs)
+    assert dep["decode"]["token_budget"] == max(prob.decode_max_num_seqs, prob.prefill_token_budget)
+    assert "token_budget" not in c.deployment()["prefill"]
+
+
+def test_placement_links_are_the_simulators():
+    """One link model: a candidate's links are kv_link's (equal PP: stage to stage), which the simulator uses."""
+    from pdjax.sim.disagg import kv_link
+    prob = problem(8, 4, max_pp=2)
+    hw = prob.node.spec()
+    for c in pl.enumerate_placements(prob):
+        if c.kind == "colocated":
+            continue
+        expect = [kv_link(hw, c.devices[i], c.devices[c.num_prefill + j], c.prefill.pp, c.decode.pp)
+                  for i in range(c.num_prefill) for j in range(c.num_decode)]
+        assert list(c.links) == expect

@@ -529,3 +529,19 @@ def test_pp2_groups_from_the_config():
     assert stats["prefill0"]["pp"] == stats["decode0"]["pp"] == 2
     assert stats["prefill0"]["mean_batches_in_flight"] > 1.0
     assert 0.0 < result.pipeline["bubble_fraction"] < 1.0
+
+
+def test_kv_link_pairs_pipeline_stages():
+    """Equal PP: stage s sends its layers' KV to stage s (min(tp) streams per stage), as the placement search
+    models it; unequal PP: devices in order."""
+    sxm = get_hardware_spec("a100-80gb-sxm").replace(devices_per_node=4)
+    # prefill tp2 x pp2 on node 0, decode tp1 x pp2 on devices 4 (node 1) and 2 (node 0)
+    bw, _, streams = kv_link(sxm, (0, 1, 2, 3), (4, 2), 2, 2)
+    assert streams == 2 and bw == sxm.inter_node_bandwidth          # pairs (0, 4), (2, 2)
+    bw, _, streams = kv_link(sxm, (0, 1, 2, 3), (5, 6), 2, 2)
+    assert streams == 2 and bw == sxm.inter_node_bandwidth
+    bw, _, streams = kv_link(sxm, (0, 1, 2, 3), (1, 3), 2, 2)
+    assert streams == 2 and bw == sxm.intra_node_bandwidth          # pairs (0, 1), (2, 3)
+    assert kv_link(sxm, (0, 1, 2, 3), (4, 5), 1, 2)[2] == 2          # unequal pp: (0, 4), (1, 5)
+    with pytest.raises(ValueError, match="3 devices in 2 pipeline stages"):
+        kv_link(sxm, (0, 1, 2), (4, 5), 2, 2)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -14,8 +15,8 @@ from pdjax.scheduler import POLICY_CLASSES, Request, make_scheduler
 from pdjax.serving.engine import ColocatedEngine
 from pdjax.sim.cost_model import BatchComposition, CostParams, iteration_time
 from pdjax.sim.hardware import get_hardware_spec
-from pdjax.sim.simulator import (SimInstance, least_outstanding_tokens_router, make_router, placeholder_sample,
-                                 round_robin_router, simulate)
+from pdjax.scheduler.routing import LeastOutstandingTokensRouter, RoundRobinRouter
+from pdjax.sim.simulator import SimInstance, placeholder_sample, simulate
 from pdjax.sim.step_cost import (CachedIterationTime, EnginePadding, compact_composition,
                                  make_step_time, padded_composition, padded_shape)
 from pdjax.config.buckets import Buckets, engine_buckets
@@ -223,28 +224,31 @@ def test_simulation_is_deterministic():
     runs = []
     for _ in range(2):
         insts = [SimInstance(f"i{k}", make_scheduler(cfg), make_step_time(model, hw)) for k in range(2)]
-        res = simulate(make_requests(50, seed=3), insts, least_outstanding_tokens_router())
-        runs.append((res.requests, [it.__dict__ for it in res.iterations]))
+        res = simulate(make_requests(50, seed=3), insts, LeastOutstandingTokensRouter())
+        runs.append((res.requests, [dataclasses.asdict(it) for it in res.iterations]))
     assert runs[0] == runs[1]
 
 
 def test_round_robin_and_least_outstanding_routing():
     cfg = SchedulerConfig(policy="sarathi", token_budget=128, max_num_seqs=8, max_model_len=512, num_pages=256)
     insts = [SimInstance(f"i{k}", make_scheduler(cfg), dyadic_step_time) for k in range(3)]
-    res = simulate(make_requests(31, seed=4), insts, round_robin_router())
-    assert [i.num_routed for i in insts] == [11, 10, 10]
+    rr = RoundRobinRouter()
+    res = simulate(make_requests(31, seed=4), insts, rr)
+    assert rr.num_routed == {"i0": 11, "i1": 10, "i2": 10}
     assert {it.instance for it in res.iterations} == {"i0", "i1", "i2"}
     assert all(r.finish_reason == "length" for r in res.requests)
-    assert all(i.outstanding_tokens == 0 for i in insts), "every routed token was run"
+    lot = LeastOutstandingTokensRouter()
+    simulate(make_requests(31, seed=4), [SimInstance(f"i{k}", make_scheduler(cfg), dyadic_step_time)
+                                         for k in range(3)], lot)
+    assert lot.outstanding == {"i0": 0, "i1": 0, "i2": 0}, "every routed token was run"
 
     # Least outstanding tokens: one huge request first, then small ones avoid its instance while it is loaded.
     big = Request("big", [1] * 500, SamplingParams(max_tokens=10), 0.0)
     small = [Request(f"s{k}", [1] * 8, SamplingParams(max_tokens=2), TICK * (1 + k)) for k in range(4)]
     insts = [SimInstance(f"i{k}", make_scheduler(cfg), dyadic_step_time) for k in range(2)]
-    simulate([big] + small, insts, least_outstanding_tokens_router())
-    assert insts[0].num_routed == 1 and insts[1].num_routed == 4
-    with pytest.raises(ValueError, match="router='nope'"):
-        make_router("nope")
+    lot = LeastOutstandingTokensRouter()
+    simulate([big] + small, insts, lot)
+    assert lot.num_routed == {"i0": 1, "i1": 4}
 
 
 def test_rejected_requests_do_not_stall():
@@ -420,3 +424,36 @@ def test_context_taking_step_time_keeps_the_engine_schedule(async_scheduling):
     assert len(sim_log) == len(engine_log) > 30 and sim_log == engine_log
     assert [(it.start_time, it.end_time) for it in sim_result.iterations] == \
         [(it.start_time, it.end_time) for it in engine_result.iterations]
+
+
+def test_pending_requests_are_made_on_arrival_and_dropped_once_recorded():
+    """Memory (issue 19): a PendingRequest becomes its Request when it arrives, and a finished request is kept
+    only as its RequestRecord (not by the simulator, nor by its scheduler's `finished` list); the records equal
+    those of a run on ready-made Requests."""
+    import gc
+    from pdjax.sim.simulator import PendingRequest
+    cfg = SchedulerConfig(policy="sarathi", token_budget=96, max_num_seqs=8, max_model_len=512, num_pages=60)
+    made = []
+
+    def lazy(req):
+        rid, prompt, max_tokens, t = req.request_id, list(req.prompt_token_ids), req.max_tokens, req.arrival_time
+
+        def make():
+            made.append(t)
+            return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), t)
+        return PendingRequest(rid, t, make)
+
+    def on_schedule(instance, out, t):
+        assert all(a <= t for a in made), "a request was made before it arrived"
+
+    eager = simulate(make_requests(40, seed=5), [SimInstance("i", make_scheduler(cfg), dyadic_step_time)])
+    inst = SimInstance("lazy", make_scheduler(cfg), dyadic_step_time)
+    pending = [lazy(r) for r in make_requests(40, seed=5)]
+    res = simulate(pending, [inst], on_schedule=on_schedule)
+    assert res.requests == eager.requests
+    assert [dataclasses.asdict(i) for i in res.iterations] == [dataclasses.asdict(i) for i in eager.iterations]
+    assert len(made) == 40 and not inst.scheduler.finished
+    gc.collect()
+    ids = {p.request_id for p in pending}
+    held = [o for o in gc.get_objects() if isinstance(o, Request) and o.request_id in ids and o.finish_reason]
+    assert held == [], f"{len(held)} finished requests are still referenced"

@@ -53,9 +53,10 @@ class RequestRecord:
                 bad("completed but first_scheduled_time is None")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class IterationRecord:
-    """One engine iteration (one jitted step): wall-clock start/end, what it ran, and on which instance."""
+    """One engine iteration (one jitted step): wall-clock start/end, what it ran, and on which instance.
+    Slotted: a long simulation keeps hundreds of thousands of them."""
     step: int
     start_time: float
     end_time: float

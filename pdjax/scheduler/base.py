@@ -436,15 +436,15 @@ class Scheduler:
         """Schedule one token for each running decode, in admission order, while `budget` lasts.
 
         Running requests in the prefill phase are appended to `prefills` (when given). Returns the budget left.
-        This is the hot loop: page growth and emission are inlined."""
+        This is the hot loop: page growth is inlined and the decodes that need no preemption are emitted in
+        bulk (`_emit_decodes`, in batch order: a run is flushed before any slow-path emission)."""
         ps = self._ps
         step = self.step
         bm = self.block_manager
-        a_req, a_id, a_tok = out.reqs.append, out.req_ids.append, out.token_ids.append
-        a_c, a_n, a_pt = out.num_computed_tokens.append, out.num_new_tokens.append, out.page_tables.append
-        a_s, a_smp, a_pre = out.do_sample.append, out.sampling.append, out.is_prefill.append
         used = 0      # decode tokens of this pass, both paths
-        n_fast = 0    # of which emitted inline (the slow path's _emit counts its own)
+        n_fast = 0    # of which emitted in bulk (the slow path's _emit counts its own)
+        run: List[Request] = []
+        add = run.append
         floor = self._floor
         for req in self.running:
             if req.status is not RUNNING or req.sched_step > floor:   # gone, or in flight
@@ -463,24 +463,37 @@ class Scheduler:
                 if bm._free or bm._free_cached:
                     bm.allocate(table, 1)
                 else:
+                    if run:
+                        n_fast += self._emit_decodes(out, run)
+                        run = []
+                        add = run.append
                     if self._schedule_running(out, req, 1, now):
                         used += 1
                     continue
-            a_req(req)
-            a_id(req.request_id)
-            a_tok(req.all_token_ids[c:c + 1])
-            a_c(c)
-            a_n(1)
-            a_pt(table)
-            a_s(True)
-            a_smp(req.sampling)
-            a_pre(False)
+            add(req)
             req.sched_step = step
             req.schedule_times.append(now)
-            n_fast += 1
             used += 1
+        if run:
+            n_fast += self._emit_decodes(out, run)
         out.num_decode_tokens += n_fast
         return budget - used
+
+    @staticmethod
+    def _emit_decodes(out: SchedulerOutput, run: List[Request]) -> int:
+        """Append one decode token of every request of `run` to `out` (what `_emit(out, req, 1, now)` appends
+        for a decode, minus the counters and the request's own stamps); returns len(run)."""
+        k = len(run)
+        out.reqs += run
+        out.req_ids += [r.request_id for r in run]
+        out.token_ids += [r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + 1] for r in run]
+        out.num_computed_tokens += [r.num_computed_tokens for r in run]
+        out.num_new_tokens += [1] * k
+        out.page_tables += [r.page_table for r in run]
+        out.do_sample += [True] * k
+        out.sampling += [r.sampling for r in run]
+        out.is_prefill += [False] * k
+        return k
 
     def _pick_victim(self) -> Optional[Request]:
         """The victim by the module docstring's rule; None when it is in an in-flight batch (then nobody is

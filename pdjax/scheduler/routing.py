@@ -79,3 +79,43 @@ class InstanceRouter:
 
     def __call__(self, request=None, instances=None):
         return self.pick()
+
+
+class RoundRobinRouter:
+    """Test-only: instances in turn (as InstanceRouter's 'round_robin', over whatever instances it is called
+    with), counting the requests routed to each (`num_routed`, by instance name)."""
+
+    def __init__(self):
+        self._count = 0
+        self.num_routed = {}
+
+    def __call__(self, request, instances: Sequence):
+        inst = instances[self._count % len(instances)]
+        self._count += 1
+        self.num_routed[inst.name] = self.num_routed.get(inst.name, 0) + 1
+        return inst
+
+
+class LeastOutstandingTokensRouter(RoundRobinRouter):
+    """Test-only: the instance with the fewest outstanding tokens (ties to the lowest index), where an
+    instance's outstanding tokens are the tokens its routed requests will feed (prompt + max_tokens - 1 each)
+    minus the tokens its steps ran. The simulator tells it every completed step (`observe_step`); the
+    bookkeeping lives here, not in the simulator's loop."""
+
+    def __init__(self):
+        super().__init__()
+        self.outstanding = {}
+
+    def __call__(self, request, instances: Sequence):
+        outstanding = self.outstanding
+        best = instances[0]
+        for inst in instances[1:]:
+            if outstanding.get(inst.name, 0) < outstanding.get(best.name, 0):
+                best = inst
+        outstanding[best.name] = outstanding.get(best.name, 0) + request.num_prompt_tokens + request.max_tokens - 1
+        self.num_routed[best.name] = self.num_routed.get(best.name, 0) + 1
+        return best
+
+    def observe_step(self, inst, out) -> None:
+        self.outstanding[inst.name] = self.outstanding.get(inst.name, 0) - out.num_prefill_tokens \
+            - out.num_decode_tokens

@@ -39,6 +39,7 @@ No JAX.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import zlib
@@ -54,7 +55,7 @@ from pdjax.scheduler.routing import InstanceRouter
 from pdjax.sim.cost_model import CostParams, kv_bytes, kv_cache_capacity_tokens
 from pdjax.sim.disagg import DisaggSimInstance, kv_link, make_transfer_time
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
-from pdjax.sim.simulator import SimInstance
+from pdjax.sim.simulator import PendingRequest, SimInstance
 from pdjax.sim.profile import Profile, profile_for
 from pdjax.sim.step_cost import EnginePadding, StepNoise, make_step_time, padding_from_profile
 
@@ -185,14 +186,20 @@ def _padding(cfg, profile: Optional[Profile], sched_cfg) -> Optional[EnginePaddi
     return padding_from_profile(profile.padding, buckets, s.page_size)   # dense flag and attention impl
 
 
-def build_setup(cfg) -> SimSetup:
-    """Resolve model, hardware, cost parameters and every group of the deployment (module docstring)."""
+def build_setup(cfg, hardware: Optional[HardwareSpec] = None) -> SimSetup:
+    """Resolve model, hardware, cost parameters and every group of the deployment (module docstring).
+    `hardware`: a HardwareSpec replacing the resolved one (the placement search's node types with their own
+    link figures; a serve config names a registry spec)."""
     check_supported(cfg)
     dep = cfg.deployment
     model = resolve_model(cfg)
     profile, profile_name = resolve_profile(cfg)
-    hw = profile.hardware_spec if profile is not None and profile.hardware_spec is not None \
-        else get_hardware_spec(cfg.sim.hardware)
+    if hardware is not None:
+        hw = hardware
+    elif profile is not None and profile.hardware_spec is not None:
+        hw = profile.hardware_spec
+    else:
+        hw = get_hardware_spec(cfg.sim.hardware)
     params = profile.params if profile is not None else CostParams()
     # Devices: as many as the deployment asks for, plus any explicit index beyond that (other nodes).
     explicit = [d for role in dep.roles for d in dep.group(role).devices]
@@ -253,14 +260,15 @@ def build_router(setup: SimSetup, instances: List[Any]) -> InstanceRouter:
 def build_transfer_time(setup: SimSetup) -> Callable[[DisaggSimInstance, DisaggSimInstance, int], float]:
     """transfer_time(src, dst, num_tokens) for the instances of a disaggregated `setup` (links from their
     device placement; the KV lives on the pp·tp devices of each instance)."""
-    devices = {name: devs for g in setup.groups.values() for name, devs in zip(g.names, g.devices)}
+    devices = {name: (devs, g.pp) for g in setup.groups.values() for name, devs in zip(g.names, g.devices)}
     cache: Dict[Tuple[str, str], Callable[[int], float]] = {}
 
     def transfer_time(src: DisaggSimInstance, dst: DisaggSimInstance, num_tokens: int) -> float:
         key = (src.name, dst.name)
         fn = cache.get(key)
         if fn is None:
-            bw, lat, streams = kv_link(setup.hardware, devices[src.name], devices[dst.name])
+            (src_devices, src_pp), (dst_devices, dst_pp) = devices[src.name], devices[dst.name]
+            bw, lat, streams = kv_link(setup.hardware, src_devices, dst_devices, src_pp, dst_pp)
             fn = cache[key] = make_transfer_time(setup.model, bw, lat, streams, setup.params)
         return fn(num_tokens)
     return transfer_time
@@ -278,6 +286,17 @@ def disaggregated_kwargs(setup: SimSetup, instances: Dict[str, List[Any]]) -> Di
             "serialize_transfers": setup.serialize_transfers, "mixed": instances.get("mixed", []),
             "mixed_prefill_queue_tokens": setup.mixed_prefill_queue_tokens,
             "mixed_decode_load": setup.mixed_decode_load}
+
+
+def build_pending_requests(cfg, workload=None) -> list:
+    """build_requests' requests as pdjax.sim.simulator.PendingRequests: each Request is made when it arrives
+    (the simulators take either)."""
+    from pdjax.workload import make_workload  # noqa: PLC0415
+    if workload is None:
+        workload = make_workload(cfg.workload, cfg.seed)
+    offline = cfg.engine.mode == "offline"
+    return [PendingRequest(str(wr.request_id), 0.0 if offline else float(wr.arrival_time),
+                           functools.partial(request_from_workload, wr, offline=offline)) for wr in workload]
 
 
 def build_requests(cfg, workload=None) -> list:

@@ -36,9 +36,10 @@ Choices (and why):
   instances first, each group in index order. Ties in the heaps go by insertion order: deterministic.
 - Transfer time of a request with p prompt tokens: `p2p_time(kv_bytes(model, p) / streams, link)` of the cost
   model (comm_fixed_s + link latency + bytes / (bandwidth · comm_bandwidth_efficiency)). The KV is sharded over
-  the tp·pp devices of each side; stream i moves device i's share to device i of the other side, so
-  streams = min(tp·pp of prefill, tp·pp of decode) and the slowest stream's link sets the bandwidth
-  (`kv_link`): both devices on one node -> the node's link (NVLink pair on a pairwise box, else the intra-node
+  the tp·pp devices of each side; with equal pp each stage sends its layers' KV to the same stage of the
+  other side (min(tp) streams per stage), otherwise stream i moves device i's share to device i of the other
+  side (min(tp·pp) streams); the slowest stream's link sets the bandwidth (`kv_link`, also the placement
+  search's): both devices on one node -> the node's link (NVLink pair on a pairwise box, else the intra-node
   link: NVSwitch / PCIe), different nodes -> the inter-node network. Device placement comes from
   `deployment.device_assignment` (explicit `devices` put groups on other nodes).
 - Transfers on one (prefill instance, decode instance) link are serialized by default (a FIFO transfer queue:
@@ -77,13 +78,13 @@ import itertools
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from pdjax.metrics import IterationRecord, request_record, stats
+from pdjax.metrics import IterationRecord, stats
 from pdjax.scheduler.instances import Instance
 from pdjax.scheduler.mixed import MixedPool
 from pdjax.sim.cost_model import CostParams, kv_bytes, p2p_time
 from pdjax.sim.hardware import HardwareSpec
 from pdjax.sim.pipeline import StagePipeline, StageTimer, pipeline_summary
-from pdjax.sim.simulator import SimResult, placeholder_sample
+from pdjax.sim.simulator import SimResult, SimRequests, placeholder_sample
 
 ROLES = ("prefill", "decode", "mixed")
 
@@ -169,25 +170,39 @@ class DisaggSimResult(SimResult):
 
 
 # --------------------------------------------------------------------------------------------------- links
-def kv_link(hw: HardwareSpec, src_devices: Sequence[int], dst_devices: Sequence[int]) -> Tuple[float, float, int]:
+def kv_link(hw: HardwareSpec, src_devices: Sequence[int], dst_devices: Sequence[int], src_pp: int = 1,
+            dst_pp: int = 1) -> Tuple[float, float, int]:
     """(bandwidth per stream in bytes/s, latency in s, number of parallel streams) of a KV transfer between an
-    instance on `src_devices` and one on `dst_devices` (device indices; node = index // devices_per_node).
-    Stream i pairs src_devices[i] with dst_devices[i]; the slowest pair's link sets the bandwidth."""
+    instance on `src_devices` and one on `dst_devices` (device indices in stage-major order, `src_pp` / `dst_pp`
+    pipeline stages; node = index // devices_per_node). The one link model of the simulator and the placement
+    search (pdjax.sim.placement). Device pairs: with equal pp, stage s of the source sends its layers' KV to
+    stage s of the destination, min(tp_src, tp_dst) streams per stage (stage s's first devices); otherwise
+    stream i pairs src_devices[i] with dst_devices[i], min(len) streams. The slowest pair's link sets the
+    bandwidth, the slowest's latency the latency: both devices on one node -> the node's link (the NVLink pair on
+    a pairwise box, else the intra-node link: NVSwitch / PCIe), different nodes -> the inter-node network."""
     if not src_devices or not dst_devices:
         raise ValueError(f"kv_link: src_devices={list(src_devices)}, dst_devices={list(dst_devices)}, expected "
                          "at least one device on each side")
-    streams = min(len(src_devices), len(dst_devices))
-    links = []
-    for a, b in zip(src_devices[:streams], dst_devices[:streams]):
+    for devices, pp in ((src_devices, src_pp), (dst_devices, dst_pp)):
+        if pp < 1 or len(devices) % pp:
+            raise ValueError(f"kv_link: {len(devices)} devices in {pp} pipeline stages, expected pp >= 1 "
+                             "dividing the device count")
+    if src_pp == dst_pp:
+        tp_src, tp_dst = len(src_devices) // src_pp, len(dst_devices) // dst_pp
+        k = min(tp_src, tp_dst)
+        pairs = [(src_devices[s * tp_src + i], dst_devices[s * tp_dst + i]) for s in range(src_pp) for i in range(k)]
+    else:
+        pairs = list(zip(src_devices, dst_devices))
+    bandwidth, latency = float("inf"), 0.0
+    for a, b in pairs:
         if a // hw.devices_per_node != b // hw.devices_per_node:
-            links.append((hw.inter_node_bandwidth, hw.inter_node_latency))
+            bw, lat = hw.inter_node_bandwidth, hw.inter_node_latency
         elif hw.intra_node_topology == "pairwise" and a // 2 == b // 2:
-            links.append((hw.pairwise_bandwidth, hw.intra_node_latency))
+            bw, lat = hw.pairwise_bandwidth, hw.intra_node_latency
         else:
-            links.append((hw.intra_node_bandwidth, hw.intra_node_latency))
-    bandwidth = min(bw for bw, _ in links)
-    latency = max(lat for _, lat in links)
-    return bandwidth, latency, streams
+            bw, lat = hw.intra_node_bandwidth, hw.intra_node_latency
+        bandwidth, latency = min(bandwidth, bw), max(latency, lat)
+    return bandwidth, latency, len(pairs)
 
 
 def make_transfer_time(model, bandwidth: float, latency: float, streams: int = 1,
@@ -234,7 +249,8 @@ class _Cluster:
         self.transfer_time, self.kv_bytes_of = transfer_time, kv_bytes_of
         self.serialize_transfers, self.sample, self.on_schedule = serialize_transfers, sample, on_schedule
         self.max_iterations = max_iterations
-        self.pending = sorted(requests, key=lambda r: (r.arrival_time, r.request_id))
+        self.requests = SimRequests(requests)
+        self.pending = self.requests.pending      # in arrival order; entries before next_arrival have arrived
         self.next_arrival = 0
         self.iterations: List[IterationRecord] = []
         self.transfers: List[TransferRecord] = []
@@ -274,9 +290,15 @@ class _Cluster:
             self.waking[idx] = True
             if len(self.iterations) > self.max_iterations:
                 raise RuntimeError(f"simulation exceeded max_iterations={self.max_iterations}")
+            done = None
             for req in finished:
                 if req.finish_reason == "handoff":
                     self.handoff(idx, req, t)
+                else:
+                    done = done or []
+                    done.append(req)
+            if finished:
+                self.requests.finished(done or (), inst.scheduler)   # handed-off ones finish on the decode side
 
     def handoff(self, src_idx: int, req, t: float) -> None:
         """A finished prefill: the decode router (MixedPool.pick_decode) picks its instance; a rejection releases
@@ -318,7 +340,7 @@ class _Cluster:
         """Every arrival at t goes to the prefill instance the router (MixedPool.pick_prefill) picks (a rejection
         finishes it there)."""
         while self.next_arrival < len(self.pending) and self.pending[self.next_arrival].arrival_time <= t:
-            req = self.pending[self.next_arrival]
+            req = self.requests.arrived(self.next_arrival)
             self.next_arrival += 1
             inst = self.pool.pick_prefill(req, t)
             inst.scheduler.add_request(req)
@@ -395,7 +417,7 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[DisaggSimInstan
         c.admit_arrivals(now)
         c.start_steps(now)
     c.check_done(now)
-    return DisaggSimResult(requests=[request_record(r) for r in c.pending], iterations=c.iterations,
+    return DisaggSimResult(requests=c.requests.records(), iterations=c.iterations,
                            duration_s=max((it.end_time for it in c.iterations), default=0.0),
                            wall_s=time.perf_counter() - wall_start, num_iterations=len(c.iterations),
                            transfers=c.transfers, mixed_pool=c.pool.summary() if mixed else None,

@@ -25,11 +25,11 @@ What this module does with that (a GPU budget instead of a traffic rate, and who
   MLP width; PP dividing the layer count; the weights and one max-length request's KV must fit
   (`kv_cache_capacity_tokens`). Candidates that simulate identically (same layouts, counts and transfer links)
   are kept once (on one node, every `low` candidate is also a `high` one).
-- Each candidate is simulated whole (the real prefill_only/decode_only schedulers through
-  `pdjax.sim.disagg.simulate_disaggregated`; colocated ones through `pdjax.sim.simulator.simulate`) with the KV
-  transfer over the link its placement gives: same node -> the node's link (NVLink pair, NVSwitch or PCIe),
-  else the inter-node network; streams = min(devices of the two instances) (low affinity: per stage, so the
-  streams are PP·min(TP_p, TP_d), all inside nodes). Link figures come from the node type.
+- Each candidate is simulated whole (its serve config through pdjax.sim.run.simulate_config: the real
+  prefill_only/decode_only schedulers, or the colocated policy's replicas) with the KV transfer over the link its
+  placement gives (pdjax.sim.disagg.kv_link): same node -> the node's link (NVLink pair, NVSwitch or PCIe),
+  else the inter-node network; equal PP: per stage, PP·min(TP_p, TP_d) streams (low affinity: all inside
+  nodes), else min(devices of the two instances). Link figures come from the node type.
 - Goodput: the highest arrival rate whose SLO attainment (share of requests meeting both TTFT and TPOT) is at
   least the target, by doubling then bisection on the rate (same seed: arrivals rescaled, lengths unchanged);
   reported per GPU (rate / GPUs the candidate uses), as DistServe ranks placements.
@@ -37,7 +37,11 @@ What this module does with that (a GPU budget instead of a traffic rate, and who
   parent dies, PR_SET_PDEATHSIG, and the pool is shut down with its queued work cancelled on any exit).
   Every evaluation is deterministic, so the ranking is the same serially and in parallel.
 - Each ranking row carries `deployment`: the placement as a serve config's deployment block (groups, layouts,
-  devices), to run it with `experiments.serve` on either backend.
+  devices, each group's token budget and sequence limit), to run it with `experiments.serve` on either backend.
+  One simulate path: a candidate is simulated as its whole serve config (`serve_config`: that block plus the
+  problem's model, scheduler knobs, workload, hardware and profile) through pdjax.sim.run.simulate_config, the
+  function `--config.backend=sim` runs, and its KV links are the simulator's (pdjax.sim.disagg.kv_link); so a
+  ranked placement's numbers are what `experiments.serve --config.backend=sim` reports for that config.
 Not modelled here: Splitwise's mixed pool; DistServe's online re-planning. No JAX.
 """
 from __future__ import annotations
@@ -54,8 +58,8 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pdjax.config.model_specs import ModelSpec, get_model_spec
-from pdjax.config.scheduler import SchedulerConfig
-from pdjax.sim.cost_model import CostParams, kv_bytes, kv_cache_capacity_tokens
+from pdjax.sim.cost_model import kv_cache_capacity_tokens
+from pdjax.sim.disagg import kv_link
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 
 AFFINITIES = ("high", "low")
@@ -162,18 +166,23 @@ class Placement:
             return f"colocated-{self.policy} {self.num_prefill}x{self.prefill}"
         return f"disagg-{self.kind} P {self.num_prefill}x{self.prefill} + D {self.num_decode}x{self.decode}"
 
-    def deployment(self) -> Dict[str, Any]:
+    def deployment(self, problem: Optional["PlacementProblem"] = None) -> Dict[str, Any]:
         """This placement as a serve config's `deployment` block (pdjax.config.deployment), so that
-        `--config.backend=sim` (or the real engine) runs it: groups with their instances, layouts and devices."""
-        def group(layout: Layout, first: int, count: int) -> Dict[str, Any]:
+        `--config.backend=sim` (or the real engine) runs it: groups with their instances, layouts and devices;
+        given the `problem`, each group's token_budget and max_num_seqs too (`role_budgets`: what the search
+        simulated; the rest of the run is `serve_config`)."""
+        def group(layout: Layout, first: int, count: int, role: str) -> Dict[str, Any]:
             devices = [d for inst in self.devices[first:first + count] for d in inst]
-            return {"num_instances": count, "pp": layout.pp, "tp": layout.tp, "devices": devices}
+            block = {"num_instances": count, "pp": layout.pp, "tp": layout.tp, "devices": devices}
+            if problem is not None:
+                block["token_budget"], block["max_num_seqs"] = role_budgets(problem, role, self.policy)
+            return block
         if self.kind == "colocated":
             return {"kind": "colocated", "router": "round_robin",
-                    "colocated": group(self.prefill, 0, self.num_prefill)}
+                    "colocated": group(self.prefill, 0, self.num_prefill, "colocated")}
         return {"kind": "disaggregated", "router": "round_robin",
-                "prefill": group(self.prefill, 0, self.num_prefill),
-                "decode": group(self.decode, self.num_prefill, self.num_decode)}
+                "prefill": group(self.prefill, 0, self.num_prefill, "prefill"),
+                "decode": group(self.decode, self.num_prefill, self.num_decode, "decode")}
 
     def key(self) -> tuple:
         """What the simulation depends on (candidates with equal keys simulate identically)."""
@@ -239,43 +248,11 @@ def _place_instances(groups: Sequence[Layout], budget: int, per_node: int) -> Op
     return out if used <= budget else None
 
 
-def _link(hw: HardwareSpec, src: Sequence[int], dst: Sequence[int], streams: int) -> Tuple[float, float, int]:
-    """(bandwidth, latency, streams) of moving KV from devices `src` to `dst`: the slowest device pair's link
-    (pairs matched in order, `streams` of them)."""
-    worst_bw, worst_lat = math.inf, 0.0
-    for a, b in zip(src[:streams], dst[:streams]):
-        if a // hw.devices_per_node != b // hw.devices_per_node:
-            bw, lat = hw.inter_node_bandwidth, hw.inter_node_latency
-        elif hw.intra_node_topology == "pairwise" and a // 2 == b // 2:
-            bw, lat = hw.pairwise_bandwidth, hw.intra_node_latency
-        else:
-            bw, lat = hw.intra_node_bandwidth, hw.intra_node_latency
-        worst_bw, worst_lat = min(worst_bw, bw), max(worst_lat, lat)
-    return worst_bw, worst_lat, streams
-
-
-def _stage_pairs(src: Sequence[int], dst: Sequence[int], ps: Layout, ds: Layout) -> Tuple[List[int], List[int]]:
-    """Device pairs of a transfer when both sides have the same PP: stage s of the prefill sends its layers' KV
-    to stage s of the decode, min(tp_p, tp_d) streams per stage."""
-    k = min(ps.tp, ds.tp)
-    a, b = [], []
-    for s in range(ps.pp):
-        a += list(src[s * ps.tp:s * ps.tp + k])
-        b += list(dst[s * ds.tp:s * ds.tp + k])
-    return a, b
-
-
 def _links(hw, devices, num_prefill, prefill: Layout, decode: Layout) -> Tuple[Tuple[float, float, int], ...]:
-    out = []
-    for i in range(num_prefill):
-        for j in range(num_prefill, len(devices)):
-            src, dst = devices[i], devices[j]
-            if prefill.pp == decode.pp:
-                a, b = _stage_pairs(src, dst, prefill, decode)
-                out.append(_link(hw, a, b, len(a)))
-            else:
-                out.append(_link(hw, src, dst, min(len(src), len(dst))))
-    return tuple(out)
+    """Per (prefill i, decode j) the KV link of the simulator (pdjax.sim.disagg.kv_link): what a serve run of
+    this placement's deployment block moves its KV over."""
+    return tuple(kv_link(hw, devices[i], devices[j], prefill.pp, decode.pp)
+                 for i in range(num_prefill) for j in range(num_prefill, len(devices)))
 
 
 def enumerate_placements(problem: PlacementProblem, affinities: Sequence[str] = AFFINITIES,
@@ -332,71 +309,51 @@ def enumerate_placements(problem: PlacementProblem, affinities: Sequence[str] = 
 
 
 # --------------------------------------------------------------------------------------------------- simulation
-def _params(problem: PlacementProblem) -> CostParams:
-    from pdjax.sim.profile import profile_for  # noqa: PLC0415
-    profile = profile_for(problem.profile, problem.node.hardware)
-    return profile.params if profile is not None else CostParams()
+def role_budgets(problem: PlacementProblem, role: str, policy: str) -> Tuple[int, int]:
+    """(token_budget, max_num_seqs) of an instance: prefill: DistServe's prefill token limit; decode: room for
+    every running sequence; colocated sarathi: its chunk budget; colocated vllm_v0: whole prompts (the max model
+    length). Every role runs up to decode_max_num_seqs sequences."""
+    if role == "prefill":
+        budget = problem.prefill_token_budget
+    elif role == "decode":
+        budget = max(problem.decode_max_num_seqs, problem.prefill_token_budget)
+    elif policy == "sarathi":
+        budget = problem.sarathi_token_budget
+    else:
+        budget = max(problem.max_model_len, problem.prefill_token_budget)
+    return budget, problem.decode_max_num_seqs
 
 
-def _scheduler(problem: PlacementProblem, policy: str, pages: int) -> SchedulerConfig:
-    """prefill_only: DistServe's prefill token limit; decode_only: room for every running sequence; sarathi: its
-    chunk budget; vllm_v0: whole prompts (the max model length)."""
-    budget = {"prefill_only": problem.prefill_token_budget, "sarathi": problem.sarathi_token_budget,
-              "vllm_v0": max(problem.max_model_len, problem.prefill_token_budget),
-              "decode_only": max(problem.decode_max_num_seqs, problem.prefill_token_budget)}[policy]
-    return SchedulerConfig(policy=policy, token_budget=budget, max_num_seqs=problem.decode_max_num_seqs,
-                           max_model_len=problem.max_model_len, page_size=problem.page_size, num_pages=pages)
-
-
-def _pages(problem, model, hw, layout: Layout, sched_budget: int) -> int:
-    cap = kv_cache_capacity_tokens(model, hw, layout.tp, layout.pp, problem.mem_util,
-                                   max_num_batched_tokens=sched_budget, max_num_seqs=problem.decode_max_num_seqs)
-    return cap // problem.page_size
+def serve_config(problem: PlacementProblem, placement: Placement, rate: float) -> Dict[str, Any]:
+    """The serve config (plain dict, configs/serve.py's layout, every unset key at its default) that runs
+    `placement` at `rate` req/s: `placement.deployment(problem)` with the problem's model, scheduler knobs,
+    workload (its caps follow scheduler.max_model_len, its seed is the run's), hardware, profile and memory
+    utilization. `simulate_placement` simulates exactly this through the `--config.backend=sim` path
+    (pdjax.sim.run.simulate_config); only a NodeType that overrides its hardware's figures is passed as a
+    hardware override (a serve config names a registry spec)."""
+    base_policy = placement.policy if placement.kind == "colocated" else "sarathi"   # the roles' base
+    budget, max_seqs = role_budgets(problem, "colocated", base_policy)
+    workload = {k: v for k, v in problem.workload.items() if k not in ("max_model_len", "seed")}
+    workload["rate"] = float(rate)
+    pages = max(4096, 2 * -(-problem.max_model_len // problem.page_size))    # validation only: sim sizes the KV
+    return {"backend": "sim", "seed": int(problem.workload.get("seed", 0)),
+            "model": {"checkpoint": problem.model},
+            "scheduler": {"policy": base_policy, "token_budget": budget, "max_num_seqs": max_seqs,
+                          "max_model_len": problem.max_model_len, "page_size": problem.page_size,
+                          "num_pages": pages},
+            "workload": workload,
+            "sim": {"hardware": problem.node.hardware, "profile": problem.profile, "num_pages": 0,
+                    "gpu_memory_utilization": problem.mem_util},
+            "deployment": placement.deployment(problem)}
 
 
 def simulate_placement(problem: PlacementProblem, placement: Placement, rate: float):
-    """Run `placement` at `rate` req/s; returns the request records."""
-    from pdjax.config.deployment import instance_name  # noqa: PLC0415
-    from pdjax.scheduler import make_scheduler, request_from_workload  # noqa: PLC0415
-    from pdjax.scheduler.routing import InstanceRouter  # noqa: PLC0415
-    from pdjax.sim.disagg import DisaggSimInstance, make_transfer_time, simulate_disaggregated  # noqa: PLC0415
-    from pdjax.sim.simulator import SimInstance, simulate  # noqa: PLC0415
-    from pdjax.sim.step_cost import make_step_time  # noqa: PLC0415
-    from pdjax.workload import make_workload  # noqa: PLC0415
-
-    model, hw, params = get_model_spec(problem.model), problem.node.spec(), _params(problem)
-    workload = dict(problem.workload, rate=float(rate))
-    requests = [request_from_workload(wr) for wr in make_workload(workload)]
-
-    def sched(policy: str, layout: Layout) -> SchedulerConfig:
-        probe = _scheduler(problem, policy, 1 << 30)
-        cfg = _scheduler(problem, policy, _pages(problem, model, hw, layout, probe.token_budget))
-        return dataclasses.replace(cfg, vocab_size=model.vocab_size)
-
-    if placement.kind == "colocated":
-        cfg = sched(placement.policy, placement.prefill)
-        step = make_step_time(model, hw, placement.prefill.tp, placement.prefill.pp, params)
-        instances = [SimInstance(instance_name("colocated", i), make_scheduler(cfg), step)
-                     for i in range(placement.num_prefill)]
-        return simulate(requests, instances, InstanceRouter("round_robin", instances, role="colocated")).requests
-    pcfg, dcfg = sched("prefill_only", placement.prefill), sched("decode_only", placement.decode)
-    pstep = make_step_time(model, hw, placement.prefill.tp, placement.prefill.pp, params)
-    dstep = make_step_time(model, hw, placement.decode.tp, placement.decode.pp, params)
-    prefill = [DisaggSimInstance(f"prefill{i}", "prefill", make_scheduler(pcfg), pstep)
-               for i in range(placement.num_prefill)]
-    decode = [DisaggSimInstance(f"decode{j}", "decode", make_scheduler(dcfg), dstep)
-              for j in range(placement.num_decode)]
-    fns = {}
-    for i in range(placement.num_prefill):
-        for j in range(placement.num_decode):
-            bw, lat, streams = placement.links[i * placement.num_decode + j]
-            fns[(f"prefill{i}", f"decode{j}")] = make_transfer_time(model, bw, lat, streams, params)
-
-    def transfer_time(src, dst, num_tokens: int) -> float:
-        return fns[(src.name, dst.name)](num_tokens)
-
-    result = simulate_disaggregated(requests, prefill, decode, transfer_time,
-                                    kv_bytes_of=lambda n: kv_bytes(model, n))
+    """Run `placement` at `rate` req/s (its `serve_config`, simulated as `--config.backend=sim` runs it);
+    returns the request records."""
+    from pdjax.config.serving import serve_config_from_dict  # noqa: PLC0415
+    from pdjax.sim.run import simulate_config  # noqa: PLC0415
+    cfg = serve_config_from_dict(serve_config(problem, placement, rate))
+    result, _ = simulate_config(cfg, hardware=problem.node.spec())
     return result.requests
 
 
@@ -414,12 +371,14 @@ class Evaluation:
     probes: Tuple[Tuple[float, float], ...]    # (rate, attainment) in the order run
     wall_s: float
 
-    def row(self) -> Dict[str, Any]:
+    def row(self, problem: Optional[PlacementProblem] = None) -> Dict[str, Any]:
+        """The ranking row; `deployment` is the placement's block (with each group's budgets given the problem:
+        what serve_config runs)."""
         p = self.placement
         return {"placement": p.name, "kind": p.kind, "policy": p.policy, "num_gpus": p.num_gpus,
                 "prefill": str(p.prefill), "num_prefill": p.num_prefill,
                 "decode": str(p.decode) if p.decode else None, "num_decode": p.num_decode,
-                "devices": [list(d) for d in p.devices], "deployment": p.deployment(),
+                "devices": [list(d) for d in p.devices], "deployment": p.deployment(problem),
                 "kv_link_gbps": sorted({round(bw / 1e9, 1) for bw, _, _ in p.links}) or None,
                 "goodput_rps": round(self.goodput_rps, 4), "per_gpu_goodput_rps": round(self.per_gpu_rps, 4),
                 "num_probes": len(self.probes), "wall_s": round(self.wall_s, 2)}
@@ -518,7 +477,7 @@ def search(problem: PlacementProblem, *, workers: int = 1, affinities: Sequence[
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
     ranked = rank(evaluations)
-    rows = [e.row() for e in ranked]
+    rows = [e.row(problem) for e in ranked]
     disagg = [r for r in rows if r["kind"] != "colocated"]
     coloc = [r for r in rows if r["kind"] == "colocated"]
     return {"ranking": rows, "best_disaggregated": disagg[0] if disagg else None,

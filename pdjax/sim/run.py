@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Tuple
 
-from pdjax.sim.build import (SimSetup, build_instances, build_requests, build_router, build_setup,
+from pdjax.sim.build import (SimSetup, build_instances, build_pending_requests, build_router, build_setup,
                              build_transfer_time, disaggregated_kwargs)
 from pdjax.sim.disagg import simulate_disaggregated
 from pdjax.sim.simulator import SimResult, simulate
@@ -33,7 +33,7 @@ def is_disaggregated(cfg) -> bool:
 
 
 def simulate_setup(setup: SimSetup, requests) -> SimResult:
-    """Simulate the built deployment `setup` on `requests` (scheduler Requests)."""
+    """Simulate the built deployment `setup` on `requests` (scheduler Requests or PendingRequests)."""
     instances = build_instances(setup)
     if setup.kind == "colocated":
         replicas = instances["colocated"]
@@ -42,11 +42,13 @@ def simulate_setup(setup: SimSetup, requests) -> SimResult:
                                   **disaggregated_kwargs(setup, instances))
 
 
-def simulate_config(cfg, workload=None) -> Tuple[SimResult, SimSetup]:
+def simulate_config(cfg, workload=None, hardware=None) -> Tuple[SimResult, SimSetup]:
     """Simulate a ServeConfig (workload: WorkloadRequests, default make_workload(cfg.workload, cfg.seed)); returns
-    the result (a DisaggSimResult for a disaggregated deployment) and the setup it was built from."""
-    setup = build_setup(cfg)
-    return simulate_setup(setup, build_requests(cfg, workload)), setup
+    the result (a DisaggSimResult for a disaggregated deployment) and the setup it was built from. The one
+    simulate path: `--config.backend=sim` (run_sim) and every placement candidate (pdjax.sim.placement) come
+    through here. hardware: a HardwareSpec overriding the config's (build_setup)."""
+    setup = build_setup(cfg, hardware)
+    return simulate_setup(setup, build_pending_requests(cfg, workload)), setup
 
 
 def iterations_per_instance(result: SimResult, setup: SimSetup) -> dict:

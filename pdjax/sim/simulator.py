@@ -46,8 +46,12 @@ engine mirrors nothing. The cost of a shape switch or an idle wake is the step-t
 (cost_model.context_time): with those parameters at 0 the times, hence the schedules, are exactly those of a
 context-free step time. Plain functions (one argument) are called as before.
 
-Speed: the loop is a heap of completion times merged with the sorted arrival list; everything per iteration is
-the scheduler's own work plus one step-time call (see pdjax.sim.step_cost for the fast cost path).
+Speed and memory: the loop is a heap of completion times merged with the sorted arrival list; everything per
+iteration is the scheduler's own work plus one step-time call (see pdjax.sim.step_cost for the fast cost path),
+and no routing bookkeeping unless the router asks for it (`observe_step`). Requests may be given as
+PendingRequests (pdjax.sim.build does): each becomes its scheduler Request when it arrives, and every request that
+finishes for good is turned into its RequestRecord at once and dropped (`SimRequests`), so a run holds the token
+lists of its live requests only, not of all of them (experiments/bench_sim.py measures both).
 """
 from __future__ import annotations
 
@@ -58,6 +62,7 @@ from collections import deque
 from typing import Callable, List, Optional, Sequence
 
 from pdjax.metrics import IterationRecord, RequestRecord, request_record
+from pdjax.scheduler.routing import InstanceRouter
 from pdjax.sim.pipeline import StagePipeline, StageTimer, StepContext, pipeline_summary  # noqa: F401 (re-export)
 
 PLACEHOLDER_TOKEN = 0
@@ -104,8 +109,6 @@ class SimInstance:
         self.dispatched = None         # async: (out, start, end) queued on the device, its update still due
         self.device_free = 0.0         # async: when the device finishes its queued work
         self.waits_for_arrival = False  # async: the host sleeps until this instance's next arrival
-        self.outstanding_tokens = 0    # router load signal: tokens routed requests will feed, minus tokens run
-        self.num_routed = 0
 
     @property
     def max_in_flight(self) -> int:
@@ -131,78 +134,151 @@ class SimInstance:
         return self.pipeline.dispatch(out, t, stages, sends)
 
 
-def round_robin_router():
-    counter = [0]
+class PendingRequest:
+    """A request that has not arrived: its sort keys (request_id, arrival_time, exactly the Request's) and
+    `make() -> Request`, called when it arrives (pdjax.sim.build.build_pending_requests). With these, and every
+    finished request turned into its RequestRecord at once (`SimRequests`), a long run holds the token lists of the
+    live requests only."""
+    __slots__ = ("request_id", "arrival_time", "make")
 
-    def route(req, instances: Sequence[SimInstance]) -> SimInstance:
-        inst = instances[counter[0] % len(instances)]
-        counter[0] += 1
-        return inst
-    return route
-
-
-def least_outstanding_tokens_router():
-    def route(req, instances: Sequence[SimInstance]) -> SimInstance:
-        best = instances[0]
-        for inst in instances[1:]:
-            if inst.outstanding_tokens < best.outstanding_tokens:
-                best = inst
-        return best
-    return route
+    def __init__(self, request_id: str, arrival_time: float, make: Callable[[], object]):
+        self.request_id, self.arrival_time, self.make = request_id, arrival_time, make
 
 
-ROUTERS = {"round_robin": round_robin_router, "least_outstanding_tokens": least_outstanding_tokens_router}
+class SimRequests:
+    """The requests of one simulation in (arrival_time, request_id) order and their RequestRecords: a request is
+    made when it arrives (`arrived`: a PendingRequest becomes its Request), recorded when it finishes for good
+    (`finished`: the record is taken and the request dropped, here and from its scheduler's `finished` list,
+    which the simulator consumes as the engine's output loop does), and every request still held is recorded at
+    the end (`records`: rejected ones, which finish inside add_request, and any left unfinished)."""
 
+    def __init__(self, requests: Sequence):
+        self.pending = sorted(requests, key=lambda r: (r.arrival_time, r.request_id))
+        self._records: List[Optional[RequestRecord]] = [None] * len(self.pending)
+        self._slot: dict = {}           # id(Request) -> its index, while it is live
 
-def make_router(name: str):
-    try:
-        return ROUTERS[name]()
-    except KeyError:
-        raise ValueError(f"router={name!r}, expected one of {sorted(ROUTERS)}") from None
+    def arrived(self, i: int):
+        req = self.pending[i]
+        if req.__class__ is PendingRequest:
+            req = self.pending[i] = req.make()
+        self._slot[id(req)] = i
+        return req
+
+    def finished(self, reqs: Sequence, scheduler) -> None:
+        for req in reqs:
+            i = self._slot.pop(id(req), None)
+            if i is not None:
+                self._records[i] = request_record(req)
+                self.pending[i] = None
+        scheduler.finished.clear()
+
+    def records(self) -> List[RequestRecord]:
+        out = self._records
+        for i, rec in enumerate(out):
+            if rec is None:
+                req = self.pending[i]
+                out[i] = request_record(req.make() if req.__class__ is PendingRequest else req)
+        return out
 
 
 def placeholder_sample(out) -> List[int]:
     """The simulator's sampled ids: PLACEHOLDER_TOKEN where do_sample is True, else -1."""
-    return [PLACEHOLDER_TOKEN if s else -1 for s in out.do_sample]
+    do_sample = out.do_sample
+    if False not in do_sample:
+        return [PLACEHOLDER_TOKEN] * len(do_sample)
+    return [PLACEHOLDER_TOKEN if s else -1 for s in do_sample]
 
 
-def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, *,
-             async_scheduling: bool = False,
-             sample: Callable = placeholder_sample, on_schedule: Optional[Callable] = None,
-             max_iterations: int = 50_000_000) -> SimResult:
-    """Run `requests` (scheduler Requests, arrival_time in seconds) through `instances` until all finish.
+class _Replicas:
+    """The state of one colocated simulation and its steps (the module docstring's loop), as pdjax.sim.disagg's
+    _Cluster is for a disaggregated one:
+      finish_steps(t)    every step ending at t: update its scheduler (sync), record the iteration
+      route_arrivals(t)  every arrival at t: the router picks an instance, the request joins its inbox
+      start_steps(t)     every woken instance not blocked collecting runs its engine loop (run_loop: the batch
+                         queue; run_async: the asynchronous loop) until it blocks or waits for an arrival
+    A router with an `observe_step(instance, out)` method (a test-only router of pdjax.scheduler.routing that
+    keeps its own load figures) is told every completed step; no other per-step routing work is done."""
 
-    router(req, instances) -> instance (default round robin). async_scheduling: replay the engine's
-    asynchronous loop (module docstring) instead of the synchronous one. sample(out) -> sampled ids (one per scheduled
-    request, -1 where do_sample is False). on_schedule(instance, out, now) is called after every non-empty
-    schedule() (tests use it to record the outputs). Raises RuntimeError when an instance has unfinished
-    requests, schedules nothing and no arrival is left, or after `max_iterations` iterations.
-    """
-    if not instances:
-        raise ValueError("simulate: no instances")
-    if async_scheduling:
-        piped = [i.name for i in instances if i.max_in_flight > 1 or i.timer.stage_times is not None]
-        if piped:
-            raise ValueError(f"simulate: async_scheduling with pipeline stages / batches in flight on instances "
-                             f"{piped}: the engine refuses that combination (pdjax.serving.engine); use one or the "
-                             "other")
-    wall_start = time.perf_counter()
-    router = router or round_robin_router()
-    pending = sorted(requests, key=lambda r: (r.arrival_time, r.request_id))
-    num_pending = len(pending)
-    iterations: List[IterationRecord] = []
-    append_iteration = iterations.append
-    completions: list = []       # heap of (end_time, instance index)
-    heappush, heappop = heapq.heappush, heapq.heappop
-    next_arrival = 0
-    now = 0.0
-    multi = len(instances) > 1
-    names = [inst.name if multi else "" for inst in instances]
-    waking = [False] * len(instances)    # ready to run its loop at the current time
-    index_of = {id(inst): i for i, inst in enumerate(instances)}
-    inf = float("inf")
+    def __init__(self, requests, instances, router, async_scheduling, sample, on_schedule, max_iterations):
+        self.instances = list(instances)
+        self.router = router
+        self.observe_step = getattr(router, "observe_step", None)
+        self.async_scheduling = async_scheduling
+        self.sample, self.on_schedule, self.max_iterations = sample, on_schedule, max_iterations
+        self.requests = SimRequests(requests)
+        self.pending = self.requests.pending      # in arrival order; entries before next_arrival have arrived
+        self.next_arrival = 0
+        self.iterations: List[IterationRecord] = []
+        self.completions: list = []       # heap of (end_time, instance index)
+        multi = len(self.instances) > 1
+        self.names = [inst.name if multi else "" for inst in self.instances]
+        self.waking = [False] * len(self.instances)     # ready to run its loop at the current time
+        self.index_of = {id(inst): i for i, inst in enumerate(self.instances)}
 
+    # ------------------------------------------------------------------------------------------- events
+    def next_event_time(self) -> float:
+        inf = float("inf")
+        t_arrival = self.pending[self.next_arrival].arrival_time if self.next_arrival < len(self.pending) else inf
+        t_done = self.completions[0][0] if self.completions else inf
+        return t_arrival if t_arrival < t_done else t_done
+
+    def finish_steps(self, t: float) -> None:
+        """Every step ending at t: (sync) collect the oldest batch in flight and update the scheduler with it (the
+        async loop updated it at dispatch), record the iteration, wake the instance."""
+        completions = self.completions
+        while completions and completions[0][0] <= t:
+            _, idx = heapq.heappop(completions)
+            inst = self.instances[idx]
+            out, start = inst.in_flight[0], inst.in_flight[1]
+            inst.in_flight = None
+            if not self.async_scheduling:
+                inst.pipeline.collect(t)      # the oldest batch in flight (= inst.in_flight), in dispatch order
+                finished = inst.scheduler.update(out, self.sample(out), t)
+                for req in finished:
+                    if req.finish_reason == "handoff":    # prefill_only: no decode side simulated, free pages
+                        inst.scheduler.release(req.request_id)
+                if finished:
+                    self.requests.finished(finished, inst.scheduler)
+            if self.observe_step is not None:
+                self.observe_step(inst, out)
+            self.iterations.append(IterationRecord(
+                step=len(self.iterations), start_time=start, end_time=t,
+                num_prefill_tokens=out.num_prefill_tokens, num_decode_tokens=out.num_decode_tokens,
+                num_seqs=len(out.req_ids), instance=self.names[idx]))
+            self.waking[idx] = True
+            if len(self.iterations) > self.max_iterations:
+                raise RuntimeError(f"simulation exceeded max_iterations={self.max_iterations}")
+
+    def route_arrivals(self, t: float) -> None:
+        """Every arrival at t: router(request, instances) picks its instance; it waits in that inbox until the
+        instance's loop admits it."""
+        pending, instances = self.pending, self.instances
+        while self.next_arrival < len(pending) and pending[self.next_arrival].arrival_time <= t:
+            req = self.requests.arrived(self.next_arrival)
+            self.next_arrival += 1
+            inst = self.router(req, instances)
+            inst.inbox.append(req)
+            self.waking[self.index_of[id(inst)]] = True
+
+    def start_steps(self, t: float) -> None:
+        for idx, inst in enumerate(self.instances):
+            if not self.waking[idx]:
+                continue
+            self.waking[idx] = False
+            if self.async_scheduling:
+                # After a collect with nothing dispatched, the engine waits for an arrival (admitting any that came
+                # during the step) instead of scheduling again at once.
+                if not inst.busy and (not inst.waits_for_arrival or (inst.inbox and
+                                                                     inst.inbox[0].arrival_time <= t)):
+                    inst.waits_for_arrival = False
+                    self.run_async(idx, t)
+            elif not inst.busy:
+                self.run_loop(idx, t)
+
+    # ------------------------------------------------------------------------------------------- engine loops
+    @staticmethod
     def admit(inst: SimInstance, t: float) -> int:
+        """Move every request of inst's inbox that arrived by t into its scheduler; returns how many."""
         box = inst.inbox
         n = 0
         add = inst.scheduler.add_request
@@ -211,51 +287,11 @@ def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, 
             n += 1
         return n
 
-    def run_async(idx: int, t: float) -> None:
-        """The engine's async loop of instance `idx` from host time t, until the host blocks on a step or waits.
-
-        `dispatched`: the step on (or queued for) the device whose update is still due; the host updates the
-        scheduler for it at once (with its final end time: the engine's placeholders are later patched to
-        exactly that), admits, schedules the next step and dispatches it behind it on the device, then blocks
-        until the earlier step completes."""
-        inst = instances[idx]
-        sched = inst.scheduler
-        while True:
-            prev = inst.dispatched
-            inst.dispatched = None
-            if prev is not None:
-                sched.update(prev[0], sample(prev[0]), prev[2])
-            admit(inst, t)
-            new = None
-            if sched.has_unfinished():
-                out = sched.schedule(t)
-                if not out.is_empty:
-                    if on_schedule is not None:
-                        on_schedule(inst, out, t)
-                    start = inst.device_free if inst.device_free > t else t
-                    if inst.takes_context:
-                        end = start + inst.step_time(out, inst.context(out, inst.device_free, t))
-                    else:
-                        end = start + inst.step_time(out)
-                    inst.device_free = end
-                    new = (out, start, end)
-            if prev is not None:
-                inst.in_flight = prev              # the host blocks collecting prev
-                inst.dispatched = new
-                inst.waits_for_arrival = new is None
-                heappush(completions, (prev[2], idx))
-                return
-            if new is None:
-                inst.waits_for_arrival = True      # idle or blocked: woken by its next arrival
-                return
-            inst.dispatched = new
-
-    def run_loop(idx: int, t: float) -> None:
+    def run_loop(self, idx: int, t: float) -> None:
         """The engine's batch-queue loop of instance `idx` at time t, until the host blocks collecting the oldest
         batch in flight or has to wait for an arrival."""
-        inst = instances[idx]
-        sched = inst.scheduler
-        pipe = inst.pipeline
+        inst = self.instances[idx]
+        sched, pipe, admit, on_schedule = inst.scheduler, inst.pipeline, self.admit, self.on_schedule
         while True:
             if not sched.has_unfinished():
                 if not admit(inst, t):
@@ -277,63 +313,104 @@ def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, 
                     continue
             out, start, end = pipe.peek()      # the host blocks collecting the oldest batch
             inst.in_flight = (out, start)
-            heappush(completions, (end if end > t else t, idx))
+            heapq.heappush(self.completions, (end if end > t else t, idx))
             return
 
+    def run_async(self, idx: int, t: float) -> None:
+        """The engine's async loop of instance `idx` from host time t, until the host blocks on a step or waits.
+
+        `dispatched`: the step on (or queued for) the device whose update is still due; the host updates the
+        scheduler for it at once (with its final end time: the engine's placeholders are later patched to
+        exactly that), admits, schedules the next step and dispatches it behind it on the device, then blocks
+        until the earlier step completes."""
+        inst = self.instances[idx]
+        sched = inst.scheduler
+        while True:
+            prev = inst.dispatched
+            inst.dispatched = None
+            if prev is not None:
+                finished = sched.update(prev[0], self.sample(prev[0]), prev[2])
+                if finished:
+                    self.requests.finished(finished, sched)
+            self.admit(inst, t)
+            new = None
+            if sched.has_unfinished():
+                out = sched.schedule(t)
+                if not out.is_empty:
+                    if self.on_schedule is not None:
+                        self.on_schedule(inst, out, t)
+                    start = inst.device_free if inst.device_free > t else t
+                    if inst.takes_context:
+                        end = start + inst.step_time(out, inst.context(out, inst.device_free, t))
+                    else:
+                        end = start + inst.step_time(out)
+                    inst.device_free = end
+                    new = (out, start, end)
+            if prev is not None:
+                inst.in_flight = prev              # the host blocks collecting prev
+                inst.dispatched = new
+                inst.waits_for_arrival = new is None
+                heapq.heappush(self.completions, (prev[2], idx))
+                return
+            if new is None:
+                inst.waits_for_arrival = True      # idle or blocked: woken by its next arrival
+                return
+            inst.dispatched = new
+
+    # ------------------------------------------------------------------------------------------- end
+    def check_done(self, t: float) -> None:
+        stuck = [i.name for i in self.instances if i.scheduler.has_unfinished() or i.inbox or i.dispatched]
+        if stuck:
+            raise RuntimeError(f"simulation cannot make progress at t={t}: instances {stuck} have unfinished "
+                               "requests but schedule nothing and no arrivals are left")
+
+    def result(self, wall_start: float) -> SimResult:
+        iterations = self.iterations
+        return SimResult(requests=self.requests.records(), iterations=iterations,
+                         duration_s=max((it.end_time for it in iterations), default=0.0),
+                         wall_s=time.perf_counter() - wall_start, num_iterations=len(iterations),
+                         pipeline=None if self.async_scheduling else pipeline_summary(
+                             (inst.name or f"instance{i}", inst.pipeline) for i, inst in enumerate(self.instances)))
+
+
+def check_async_instances(instances: Sequence[SimInstance]) -> None:
+    """The engine refuses asynchronous scheduling with pipeline stages or batches in flight: so does simulate."""
+    piped = [i.name for i in instances if i.max_in_flight > 1 or i.timer.stage_times is not None]
+    if piped:
+        raise ValueError(f"simulate: async_scheduling with pipeline stages / batches in flight on instances "
+                         f"{piped}: the engine refuses that combination (pdjax.serving.engine); use one or the "
+                         "other")
+
+
+def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, *,
+             async_scheduling: bool = False,
+             sample: Callable = placeholder_sample, on_schedule: Optional[Callable] = None,
+             max_iterations: int = 50_000_000) -> SimResult:
+    """Run `requests` (scheduler Requests, arrival_time in seconds) through `instances` until all finish.
+
+    router(req, instances) -> instance (default round robin: pdjax.scheduler.routing.InstanceRouter).
+    async_scheduling: replay the engine's asynchronous loop (module docstring) instead of the synchronous one.
+    sample(out) -> sampled ids (one per scheduled request, -1 where do_sample is False). on_schedule(instance,
+    out, now) is called after every non-empty schedule() (tests use it to record the outputs). Raises
+    RuntimeError when an instance has unfinished requests, schedules nothing and no arrival is left, or after
+    `max_iterations` iterations.
+    """
+    if not instances:
+        raise ValueError("simulate: no instances")
+    if async_scheduling:
+        check_async_instances(instances)
+    wall_start = time.perf_counter()
+    if router is None:
+        router = InstanceRouter("round_robin", instances, role="colocated")
+    state = _Replicas(requests, instances, router, async_scheduling, sample, on_schedule, max_iterations)
+    now = 0.0
     while True:
-        t_arrival = pending[next_arrival].arrival_time if next_arrival < num_pending else inf
-        t_done = completions[0][0] if completions else inf
-        t_next = t_arrival if t_arrival < t_done else t_done
-        if t_next == inf:
+        t = state.next_event_time()
+        if t == float("inf"):
             break
-        now = t_next
-        while completions and completions[0][0] <= now:
-            _, idx = heappop(completions)
-            inst = instances[idx]
-            out, start = inst.in_flight[0], inst.in_flight[1]
-            inst.in_flight = None
-            if not async_scheduling:
-                inst.pipeline.collect(now)      # the oldest batch in flight (= inst.in_flight), in dispatch order
-                finished = inst.scheduler.update(out, sample(out), now)
-                for req in finished:
-                    if req.finish_reason == "handoff":    # prefill_only: no decode side simulated, free pages
-                        inst.scheduler.release(req.request_id)
-            inst.outstanding_tokens -= out.num_prefill_tokens + out.num_decode_tokens
-            append_iteration(IterationRecord(
-                step=len(iterations), start_time=start, end_time=now,
-                num_prefill_tokens=out.num_prefill_tokens, num_decode_tokens=out.num_decode_tokens,
-                num_seqs=len(out.req_ids), instance=names[idx]))
-            waking[idx] = True
-            if len(iterations) > max_iterations:
-                raise RuntimeError(f"simulation exceeded max_iterations={max_iterations}")
-        while next_arrival < num_pending and pending[next_arrival].arrival_time <= now:
-            req = pending[next_arrival]
-            next_arrival += 1
-            inst = router(req, instances)
-            inst.outstanding_tokens += req.num_prompt_tokens + req.max_tokens - 1   # tokens it will feed
-            inst.num_routed += 1
-            inst.inbox.append(req)
-            waking[index_of[id(inst)]] = True
-        for idx, inst in enumerate(instances):
-            if waking[idx]:
-                waking[idx] = False
-                if async_scheduling:
-                    # After a collect with nothing dispatched, the engine waits for an arrival (admitting any
-                    # that came during the step) instead of scheduling again at once.
-                    if not inst.busy and (not inst.waits_for_arrival or (inst.inbox and
-                                                                         inst.inbox[0].arrival_time <= now)):
-                        inst.waits_for_arrival = False
-                        run_async(idx, now)
-                elif not inst.busy:
-                    run_loop(idx, now)
-
-    stuck = [i.name for i in instances if i.scheduler.has_unfinished() or i.inbox or i.dispatched]
-    if stuck:
-        raise RuntimeError(f"simulation cannot make progress at t={now}: instances {stuck} have unfinished "
-                           "requests but schedule nothing and no arrivals are left")
-    return SimResult(requests=[request_record(r) for r in pending], iterations=iterations,
-                     duration_s=max((it.end_time for it in iterations), default=0.0),
-                     wall_s=time.perf_counter() - wall_start, num_iterations=len(iterations),
-                     pipeline=None if async_scheduling else pipeline_summary(
-                         (inst.name or f"instance{i}", inst.pipeline) for i, inst in enumerate(instances)))
-
+        now = t
+        state.finish_steps(now)
+        state.route_arrivals(now)
+        state.start_steps(now)
+    state.check_done(now)
+    return state.result(wall_start)

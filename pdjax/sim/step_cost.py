@@ -102,9 +102,16 @@ class EnginePadding:
 def compact_composition(out) -> BatchComposition:
     """The cost-model composition of a SchedulerOutput with decodes folded into <= 2 groups of equal context sum
     (same `iteration_time` as BatchComposition.from_scheduler_output when pp == 1)."""
+    starts, news = out.num_computed_tokens, out.num_new_tokens
+    if True not in out.is_prefill and news.count(1) == len(news):     # decodes only: no Python loop
+        count, total = len(news), sum(starts)
+        if not count:
+            return BatchComposition((), ())
+        q, r = divmod(total, count)
+        return BatchComposition((), ((count - r, q), (r, q + 1)) if r else ((count, q),))
     prefills = []
     count = total = 0
-    for is_prefill, start, new in zip(out.is_prefill, out.num_computed_tokens, out.num_new_tokens):
+    for is_prefill, start, new in zip(out.is_prefill, starts, news):
         if is_prefill or new != 1:
             prefills.append((new, start))
         else:
