@@ -62,10 +62,10 @@ from collections import deque
 from typing import Callable, List, Optional, Sequence
 
 from pdjax.metrics import IterationRecord, RequestRecord, request_record
+from pdjax.scheduler.base import PLACEHOLDER_TOKEN
 from pdjax.scheduler.routing import InstanceRouter
 from pdjax.sim.pipeline import StagePipeline, StageTimer, StepContext, pipeline_summary  # noqa: F401 (re-export)
 
-PLACEHOLDER_TOKEN = 0
 
 
 @dataclasses.dataclass
@@ -320,16 +320,18 @@ class _Replicas:
         """The engine's async loop of instance `idx` from host time t, until the host blocks on a step or waits.
 
         `dispatched`: the step on (or queued for) the device whose update is still due; the host updates the
-        scheduler for it at once (with its final end time: the engine's placeholders are later patched to
-        exactly that), admits, schedules the next step and dispatches it behind it on the device, then blocks
-        until the earlier step completes."""
+        scheduler for it with placeholders at once (`update_async`, as the engine), admits, schedules the next
+        step and dispatches it behind it on the device, then blocks until the earlier step completes. The
+        step's ids and end time are known here already, so they are resolved (`resolve_async`) right away."""
         inst = self.instances[idx]
         sched = inst.scheduler
         while True:
             prev = inst.dispatched
             inst.dispatched = None
             if prev is not None:
-                finished = sched.update(prev[0], self.sample(prev[0]), prev[2])
+                pending = sched.update_async(prev[0], t)
+                sched.resolve_async(pending, self.sample(prev[0]), prev[2])
+                finished = pending.finished
                 if finished:
                     self.requests.finished(finished, sched)
             self.admit(inst, t)
