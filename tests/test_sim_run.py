@@ -232,3 +232,32 @@ def test_both_backends_build_the_same_scheduler_from_one_config(policy):
     assert sim.config == real.config                    # host-cpu: num_pages as given, nothing else changes
     gpu = build_setup(serve_config_from_dict({**config, "sim": {"hardware": "a100-80gb-sxm"}}))
     assert dataclasses.replace(gpu.scheduler_config, num_pages=cfg.scheduler.num_pages) == real.config
+
+
+def test_every_simulation_reports_energy_and_machine_hours(tmp_path):
+    """sim.energy: each instance's GPUs draw prompt power in prefill-bearing steps, token power in decode-only
+    steps and idle power otherwise (recomputed here from iterations.csv), on the hardware's machine SKU."""
+    from pdjax.sim.machines import get_machine
+    cfg = gpu_config({"colocated": {"num_instances": 2, "tp": 2}})
+    run_experiment(cfg, str(tmp_path))
+    results = json.loads(read(tmp_path / "results.json"))
+    energy, duration = results["sim"]["energy"], results["sim"]["simulated_duration_s"]
+    machine = get_machine("dgx-a100")
+    with open(tmp_path / "iterations.csv") as f:
+        rows = list(csv.DictReader(f))
+    want = 0.0
+    for name in ("replica0", "replica1"):
+        mine = [r for r in rows if r["instance"] == name]
+        prompt = sum(float(r["end_time"]) - float(r["start_time"]) for r in mine if int(r["num_prefill_tokens"]))
+        token = sum(float(r["end_time"]) - float(r["start_time"]) for r in mine if not int(r["num_prefill_tokens"]))
+        assert energy["per_instance"][name]["prompt_s"] == pytest.approx(prompt)
+        want += 2 * (prompt * machine.prompt_w + token * machine.token_w + (duration - prompt - token) * machine.idle_w)
+    assert energy["available"] and energy["energy_j"] == pytest.approx(want)
+    assert energy["energy_per_request_j"] == pytest.approx(want / results["num_completed"])
+    assert energy["machine_hours"] == pytest.approx(2 * 2 / 8 * duration / 3600)
+    assert energy["cost_usd"] == pytest.approx(energy["machine_hours"] * machine.cost_per_hour)
+    cpu = gpu_config(hardware="host-cpu")
+    cpu["model"] = {"checkpoint": "tiny-byte"}
+    cpu["scheduler"].update(max_model_len=1024, token_budget=256)
+    run_experiment(cpu, str(tmp_path / "cpu"))
+    assert json.loads(read(tmp_path / "cpu" / "results.json"))["sim"]["energy"]["available"] is False

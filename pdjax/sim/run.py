@@ -14,7 +14,8 @@ Outputs: `write_run_outputs` (results.json, CSVs, plots) with
   engine's keys num_transfers, kv_bytes, moved_bytes, seconds, bandwidth_bytes_per_s);
 - "sim": the simulator's own (speed in simulated iterations per wall second, model, hardware, profile, router,
   per group its layout, pages and KV capacity; colocated: pipeline-stage occupancy when the simulator reports it;
-  disaggregated: per-transfer time and link-queue percentiles).
+  disaggregated: per-transfer time and link-queue percentiles; `energy`: energy per request, machine-hours and
+  cost on the hardware's machine SKU, pdjax.sim.machines).
 No JAX.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Tuple
 from pdjax.sim.build import (SimSetup, build_instances, build_pending_requests, build_router, build_setup,
                              build_transfer_time, disaggregated_kwargs)
 from pdjax.sim.disagg import simulate_disaggregated
+from pdjax.sim.machines import energy_report, machine_for_hardware
 from pdjax.sim.simulator import SimResult, simulate
 
 
@@ -78,6 +80,24 @@ def engine_info(result: SimResult, setup: SimSetup, cfg) -> dict:
     return info
 
 
+def energy_info(result: SimResult, setup: SimSetup) -> dict:
+    """results.json's sim.energy block: energy (J, and per completed request), machine-hours and cost of the
+    run on the hardware's machine SKU (pdjax.sim.machines), each instance using pp x tp of its GPUs; a reason
+    instead where the hardware has no SKU (e.g. host-cpu)."""
+    try:
+        machine = machine_for_hardware(setup.hardware.name)
+    except ValueError as e:
+        return {"available": False, "reason": str(e)}
+    names = [(name, g.pp * g.tp) for g in setup.groups.values() for name in g.names]
+    unnamed = len(names) == 1   # one colocated instance records its iterations under ''
+    instances = {("" if unnamed else name): (machine, gpus) for name, gpus in names}
+    num_completed = sum(1 for r in result.requests if r.completed)
+    report = energy_report(result.iterations, instances, result.duration_s, num_completed)
+    if unnamed:
+        report["per_instance"] = {names[0][0]: report["per_instance"][""]}
+    return {"available": True, **report}
+
+
 def sim_info(result: SimResult, setup: SimSetup, cfg=None) -> dict:
     """results.json's "sim" block: the simulator's speed and what it resolved."""
     info = {
@@ -98,6 +118,7 @@ def sim_info(result: SimResult, setup: SimSetup, cfg=None) -> dict:
                           "padding": dataclasses.asdict(g.padding) if g.padding else None}
                    for role, g in setup.groups.items()},
         "iterations_per_instance": iterations_per_instance(result, setup),
+        "energy": energy_info(result, setup),
     }
     if setup.kind == "colocated":   # the one group's figures at the top, as before
         g = setup.groups["colocated"]
