@@ -8,7 +8,7 @@ import pytest
 from pdjax.config.model_specs import get_model_spec
 from pdjax.config.sampling import SamplingParams
 from pdjax.config.scheduler import SchedulerConfig
-from pdjax.scheduler import BatchQueue, Request, SchedulerOutput, make_scheduler
+from pdjax.scheduler import BatchQueue, Request, RequestStatus, SchedulerOutput, make_scheduler
 from pdjax.scheduler.batch_queue import mean_in_flight
 from pdjax.scheduler.fake_runner import fake_sample
 from pdjax.sim.cost_model import BatchComposition, CostParams, iteration_time, stage_link, stage_times
@@ -108,7 +108,7 @@ def test_an_in_flight_victim_is_never_preempted_the_requester_waits(policy):
     s.update(b, fake_sample(b), 3.0)    # old: 12 computed, its 3 pages full; young in flight
     assert s.block_manager.num_free_pages == 0 and s.is_in_flight(young)
     waited = s.schedule(3.0)
-    assert waited.is_empty and not waited.preempted_req_ids and young.status == "running"
+    assert waited.is_empty and not waited.preempted_req_ids and young.status is RequestStatus.RUNNING
     b = batches.pop(0)
     s.update(b, fake_sample(b), 4.0)    # young applied: now it can be preempted
     out = s.schedule(4.0)

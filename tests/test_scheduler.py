@@ -1,5 +1,6 @@
 """Scheduler library: config validation, request lifecycle, rejection/abort, prefix caching,
 disaggregation protocol, and the no-JAX layering rule."""
+import enum
 import random
 import subprocess
 import sys
@@ -59,6 +60,17 @@ def test_valid_configs_for_every_policy():
     for policy in ("sarathi", "chunked_only", "chunked_prefill_first", "vllm_v1", "prefill_only", "decode_only"):
         cfg = SchedulerConfig(policy=policy, token_budget=256)
         assert cfg.chunking and make_scheduler(cfg).name == policy
+
+
+def test_request_status_is_an_int_enum_printed_by_name():
+    assert issubclass(RequestStatus, enum.IntEnum)
+    r = req("a", 4, max_tokens=1)
+    assert r.status is RequestStatus.WAITING and f"{r.status}" == "waiting" and "status=waiting" in repr(r)
+    finished = [st for st in RequestStatus if st >= RequestStatus.FINISHED]
+    assert finished == [RequestStatus.FINISHED, RequestStatus.REJECTED]
+    for st in RequestStatus:
+        r.status = st
+        assert r.is_finished == (st in finished)
 
 
 # ---------------------------------------------------------------- lifecycle, rejection, abort

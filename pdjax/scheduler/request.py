@@ -13,19 +13,26 @@ starting before it is a prefill chunk, anything after is a decode.
 """
 from __future__ import annotations
 
+import enum
 from typing import List, Optional, Sequence
 
 from pdjax.config.sampling import SamplingParams
 
 
-class RequestStatus:
-    WAITING = "waiting"
-    RUNNING = "running"
-    PREEMPTED = "preempted"          # recompute preemption: waiting again, no KV kept
-    SWAPPED = "swapped"              # swap preemption: KV on host slots
-    WAITING_FOR_KV = "waiting_for_kv"  # decode_only: handed off, KV transfer not yet marked arrived
-    FINISHED = "finished"
-    REJECTED = "rejected"
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its lifecycle. Members are singletons, so `status is RequestStatus.RUNNING` is exact;
+    the two finished states come last (as in vLLM's RequestStatus), so `status >= FINISHED` means finished.
+    str() is the lower-case name ("running"), as messages and reprs print it."""
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()          # recompute preemption: waiting again, no KV kept
+    SWAPPED = enum.auto()            # swap preemption: KV on host slots
+    WAITING_FOR_KV = enum.auto()     # decode_only: handed off, KV transfer not yet marked arrived
+    FINISHED = enum.auto()
+    REJECTED = enum.auto()
+
+    def __str__(self) -> str:
+        return self.name.lower()
 
 
 FINISH_REASONS = ("length", "stop", "aborted", "rejected", "handoff")
