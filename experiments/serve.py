@@ -21,7 +21,7 @@ from absl import flags
 from pdjax.experiment import cli
 from pdjax.experiment.run import prepare_experiment, run_prepared
 from pdjax.metrics import summarize_table
-from pdjax.models import byte_tokenizer
+from pdjax.workload import byte_tokenizer
 from pdjax.workload import describe_length_report
 
 

@@ -48,7 +48,7 @@ def main(argv):
     import numpy as np  # noqa: PLC0415
 
     from pdjax.config.model_specs import get_model_spec  # noqa: PLC0415
-    from pdjax.models import byte_tokenizer as tok  # noqa: PLC0415
+    from pdjax.workload import byte_tokenizer as tok  # noqa: PLC0415
     from pdjax.models import train as tr  # noqa: PLC0415
     from pdjax.models.checkpoint import load_model, save_params  # noqa: PLC0415
     from pdjax.runtime.generate import generate, generation_buckets  # noqa: PLC0415

@@ -2,7 +2,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pdjax.models import byte_tokenizer as tok
+from pdjax.workload import byte_tokenizer as tok
 
 
 @settings(max_examples=200, deadline=None)

@@ -184,3 +184,24 @@ def test_serve_cli_is_quiet_and_errors_are_one_line(tmp_path):
     assert "ttft" in ok.stdout
     noisy = [line for line in ok.stderr.splitlines() if "INFO" in line or "Unable to initialize backend" in line]
     assert noisy == []
+
+
+def test_serve_on_the_simulator_imports_no_jax(tmp_path):
+    """`--config.backend=sim` runs without JAX: an import hook makes any import of jax/jaxlib/flax fail."""
+    code = ("import runpy, sys\n"
+            "class NoJax:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('jax', 'jaxlib', 'flax'):\n"
+            "            raise ImportError(f'the simulator backend imported {name}')\n"
+            "sys.meta_path.insert(0, NoJax())\n"
+            "sys.argv = ['serve', '--config=configs/serve.py', '--config.backend=sim',\n"
+            f"            '--config.workload.num_requests=4', '--workdir={tmp_path / 'sim'}']\n"
+            "try:\n"
+            "    runpy.run_module('experiments.serve', run_name='__main__', alter_sys=True)\n"
+            "except SystemExit as e:\n"
+            "    assert not e.code, e.code\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert os.path.isfile(tmp_path / "sim" / "results.json")

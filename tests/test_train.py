@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pdjax.config.model_specs import get_model_spec
-from pdjax.models import byte_tokenizer as tok
+from pdjax.workload import byte_tokenizer as tok
 from pdjax.models import train as tr
 from pdjax.models.llama import init_params
 from pdjax.runtime.batch import Buckets
