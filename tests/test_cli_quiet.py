@@ -28,7 +28,7 @@ def test_sim_sweep_is_quiet(tmp_path):
     (["experiments.sweep", "--config=configs/sweeps/budget.py:sim", "--config.base.scheduler.polcy=x",
       "--workdir=WORKDIR"], "error: bad command-line flag: 'polcy' Did you mean \"policy\" instead of \"polcy\"?"),
     (["experiments.sweep", "--config=configs/sweeps/budget.py:sim", "--config.base.scheduler.max_num_seqs=-3",
-      "--workdir=WORKDIR"], "error: sweep point token_budget=256: scheduler: max_num_seqs=-3, expected a positive int"),
+      "--workdir=WORKDIR"], "error: sweep point token_budget=256: scheduler.max_num_seqs=-3, expected a positive int"),
     (["experiments.sweep", "--config=configs/sweeps/budget.py:sim", "--workdir=WORKDIR", "--max_retries=3"],
      "error: --max_retries is for --executor=ray"),
     (["experiments.capacity", "--slo_tbt_p99=0.1", "--config.scheduler.polcy=x"],

@@ -38,8 +38,8 @@ def test_deployment_default_is_colocated_and_parses_from_a_config_dict():
 @pytest.mark.parametrize("block,message", [
     ({"kind": "split"}, "deployment.kind='split'"),
     ({"router": "random"}, "deployment.router='random'"),
-    ({"prefill": {"tp": 0}}, "deployment.prefill: tp=0, expected a positive int"),
-    ({"decode": {"num_pages": -1}}, "deployment.decode: num_pages=-1"),
+    ({"prefill": {"tp": 0}}, "deployment.prefill.tp=0, expected a positive int"),
+    ({"decode": {"num_pages": -1}}, "deployment.decode.num_pages=-1"),
     ({"decode": {"tp": 2, "devices": [1]}}, "has 1 entries, expected"),
     ({"decode": {"devices": [1, 1], "num_instances": 2}}, "lists a device twice"),
     ({"prefill": {"chips": 2}}, "unknown config key.*deployment.prefill.chips"),

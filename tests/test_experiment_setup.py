@@ -178,7 +178,7 @@ def test_serve_cli_is_quiet_and_errors_are_one_line(tmp_path):
     assert "polcy" in bad.stderr and "policy" in bad.stderr
     bad = _serve("--config.scheduler.token_budget=-3", f"--workdir={tmp_path / 'x'}")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "error: scheduler: token_budget=-3, expected a positive int"]
+        "error: scheduler.token_budget=-3, expected a positive int"]
     ok = _serve("--config.backend=sim", "--config.workload.num_requests=6", f"--workdir={tmp_path / 'sim'}")
     assert ok.returncode == 0, ok.stderr
     assert "ttft" in ok.stdout

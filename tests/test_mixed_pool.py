@@ -49,8 +49,8 @@ def test_mixed_group_config_and_validation():
             ({"kind": "disaggregated", "mixed_prefill_queue_tokens": 0}, "mixed_prefill_queue_tokens=0, expected"),
             ({"kind": "disaggregated", "mixed_decode_load": 0.0}, r"mixed_decode_load=0.0, expected a fraction"),
             ({"kind": "disaggregated", "mixed_decode_load": 1.5}, r"mixed_decode_load=1.5, expected a fraction"),
-            ({"kind": "disaggregated", "mixed": {"num_instances": -1}}, "deployment.mixed: num_instances=-1"),
-            ({"kind": "disaggregated", "decode": {"num_instances": 0}}, "deployment.decode: num_instances=0"),
+            ({"kind": "disaggregated", "mixed": {"num_instances": -1}}, "deployment.mixed.num_instances=-1"),
+            ({"kind": "disaggregated", "decode": {"num_instances": 0}}, "deployment.decode.num_instances=0"),
             ({"mixed": {"chips": 1}}, "unknown config key.*deployment.mixed.chips")):
         with pytest.raises(ValueError, match=match):
             deployment_from_dict(block)

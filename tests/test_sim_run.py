@@ -177,7 +177,7 @@ def test_sim_config_validation_names_the_key():
         serve_config_from_dict(gpu_config({"router": "least_outstanding_tokens"}))
     with pytest.raises(ValueError, match="sim.num_pages=-1"):
         serve_config_from_dict(gpu_config(num_pages=-1))
-    with pytest.raises(ValueError, match="deployment.colocated: tp=0"):
+    with pytest.raises(ValueError, match="deployment.colocated.tp=0, expected a positive int"):
         serve_config_from_dict(gpu_config({"colocated": {"tp": 0}}))
 
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Tuple
 
-from pdjax.config.parse import dataclass_from_dict
+from pdjax.config.parse import FieldError, check_fields, dataclass_from_dict, nonneg_int, number, one_of, positive_int
 from pdjax.config.pipeline import check_pipeline_parallel
 
 DEPLOYMENT_KINDS = ("colocated", "disaggregated")
@@ -60,6 +60,7 @@ MIXED_BASE_POLICY = "sarathi"
 _NAME_PREFIX = {"colocated": "replica", "prefill": "prefill", "decode": "decode", "mixed": "mixed"}
 # Keys a group no longer has -> what replaces them (deployment_from_dict names it).
 REMOVED_GROUP_KEYS = {"dp": "num_instances"}
+SCHEDULER_BLOCKS_VALUE = "(0 = the scheduler block's value)"
 
 
 def check_role(role: str) -> str:
@@ -73,11 +74,6 @@ def instance_name(role: str, index: int) -> str:
     return f"{_NAME_PREFIX[check_role(role)]}{index}"
 
 
-def _positive_int(value, where: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{where}={value!r}, expected a positive int")
-
-
 @dataclasses.dataclass(frozen=True)
 class InstanceGroupConfig:
     """One role's instances. num_instances: replicas (each its own scheduler and KV cache, behind the router);
@@ -85,24 +81,16 @@ class InstanceGroupConfig:
     pp/tp: pipeline stages and tensor-parallel degree of each instance (mesh data=1 x stage=pp x tensor=tp).
     num_pages / token_budget / max_num_seqs: scheduler overrides (0 = the scheduler block's value).
     devices: explicit device indices of all instances (len == num_instances·pp·tp) or () for automatic placement."""
-    num_instances: int = 1
-    pp: int = 1
-    tp: int = 1
-    num_pages: int = 0
-    token_budget: int = 0
-    max_num_seqs: int = 0
+    num_instances: int = nonneg_int(1, expected="a positive int (0 is allowed for the mixed pool only)")
+    pp: int = positive_int(1)
+    tp: int = positive_int(1)
+    num_pages: int = nonneg_int(0, note=SCHEDULER_BLOCKS_VALUE)
+    token_budget: int = nonneg_int(0, note=SCHEDULER_BLOCKS_VALUE)
+    max_num_seqs: int = nonneg_int(0, note=SCHEDULER_BLOCKS_VALUE)
     devices: Tuple[int, ...] = ()
 
     def __post_init__(self):
-        n = self.num_instances
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ValueError(f"num_instances={n!r}, expected a positive int (0 is allowed for the mixed pool only)")
-        for name in ("pp", "tp"):
-            _positive_int(getattr(self, name), name)
-        for name in ("num_pages", "token_budget", "max_num_seqs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name}={value!r}, expected an int >= 0 (0 = the scheduler block's value)")
+        check_fields(self)
         devices = tuple(self.devices)
         for d in devices:
             if not isinstance(d, int) or isinstance(d, bool) or d < 0:
@@ -135,40 +123,33 @@ class DeploymentConfig:
     mixed_decode_load: the decode pool is overloaded for a handoff when every decode instance's load with it
       (max of its KV-page and sequence-slot fractions) exceeds this (a fraction in (0, 1]).
     Module docstring and pdjax.scheduler.mixed: what a mixed machine then does."""
-    kind: str = "colocated"
-    router: str = "round_robin"
+    kind: str = one_of("colocated", DEPLOYMENT_KINDS)
+    router: str = one_of("round_robin", ROUTERS)
     colocated: InstanceGroupConfig = InstanceGroupConfig()
     prefill: InstanceGroupConfig = InstanceGroupConfig()
     decode: InstanceGroupConfig = InstanceGroupConfig()
     mixed: InstanceGroupConfig = InstanceGroupConfig(num_instances=0)
-    mixed_prefill_queue_tokens: int = 8192
-    mixed_decode_load: float = 1.0
+    mixed_prefill_queue_tokens: int = positive_int(8192, expected=(
+        "an int >= 1 (prompt tokens queued on a prefill instance above which the prefill pool is overloaded)"))
+    mixed_decode_load: float = number(1.0, low=0, high=1, low_open=True, expected=(
+        "a fraction in (0, 1] (a decode instance's KV-page / sequence-slot load above which the decode pool is "
+        "overloaded)"))
 
     def __post_init__(self):
-        if self.kind not in DEPLOYMENT_KINDS:
-            raise ValueError(f"deployment.kind={self.kind!r}, expected one of {DEPLOYMENT_KINDS}")
-        if self.router not in ROUTERS:
-            hint = " ('least_outstanding_tokens' is now 'least_loaded')" \
-                if self.router == "least_outstanding_tokens" else ""
-            raise ValueError(f"deployment.router={self.router!r}, expected one of {ROUTERS}{hint}")
+        if self.router == "least_outstanding_tokens":
+            raise FieldError("deployment.router", self.router,
+                             f"one of {ROUTERS} ('least_outstanding_tokens' is now 'least_loaded')")
+        check_fields(self, "deployment")
         for role in ROLES:
             if not isinstance(getattr(self, role), InstanceGroupConfig):
                 raise TypeError(f"deployment.{role}={getattr(self, role)!r}, expected an InstanceGroupConfig")
             if role != "mixed" and getattr(self, role).num_instances < 1:
-                raise ValueError(f"deployment.{role}: num_instances=0, expected a positive int (only "
-                                 f"deployment.mixed may have 0 instances)")
+                raise FieldError(f"deployment.{role}.num_instances", getattr(self, role).num_instances,
+                                 "a positive int (only deployment.mixed may have 0 instances)")
         if self.mixed.num_instances and self.kind != "disaggregated":
             raise ValueError(f"deployment.mixed.num_instances={self.mixed.num_instances} with deployment.kind="
                              f"{self.kind!r}: the mixed pool is part of a disaggregated deployment; expected kind="
                              "'disaggregated' or deployment.mixed.num_instances=0")
-        q = self.mixed_prefill_queue_tokens
-        if not isinstance(q, int) or isinstance(q, bool) or q < 1:
-            raise ValueError(f"deployment.mixed_prefill_queue_tokens={q!r}, expected an int >= 1 (prompt tokens "
-                             "queued on a prefill instance above which the prefill pool is overloaded)")
-        load = self.mixed_decode_load
-        if not isinstance(load, (int, float)) or isinstance(load, bool) or not 0 < load <= 1:
-            raise ValueError(f"deployment.mixed_decode_load={load!r}, expected a fraction in (0, 1] (a decode "
-                             "instance's KV-page / sequence-slot load above which the decode pool is overloaded)")
 
     @property
     def roles(self) -> Tuple[str, ...]:

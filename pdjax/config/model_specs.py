@@ -8,7 +8,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from pdjax.config.parse import FieldError, check_fields, one_of, positive_int
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8": 1}
+ARCHS = ("llama", "opt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,37 +31,32 @@ class ModelSpec:
     dimensions only, for the simulator).
     """
     name: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    arch: str = "llama"
+    vocab_size: int = positive_int()
+    hidden_size: int = positive_int()
+    intermediate_size: int = positive_int()
+    num_layers: int = positive_int()
+    num_heads: int = positive_int()
+    num_kv_heads: int = positive_int()
+    head_dim: int = positive_int()
+    arch: str = one_of("llama", ARCHS)
     rope_theta: float = 10000.0
     rope_scaling: Optional[RopeScaling] = None
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
-    max_position_embeddings: int = 4096
+    max_position_embeddings: int = positive_int(4096)
     sliding_window: Optional[int] = None
-    dtype: str = "bfloat16"
+    dtype: str = one_of("bfloat16", tuple(DTYPE_BYTES))
 
     def __post_init__(self):
-        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                      "num_kv_heads", "head_dim", "max_position_embeddings"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"ModelSpec {self.name!r}: {field}={value!r}, expected a positive int")
+        try:
+            check_fields(self)
+        except FieldError as e:
+            raise ValueError(f"ModelSpec {self.name!r}: {e}") from None
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"ModelSpec {self.name!r}: num_heads={self.num_heads} is not a multiple of "
                 f"num_kv_heads={self.num_kv_heads} (grouped-query attention needs whole groups)")
-        if self.arch not in ("llama", "opt"):
-            raise ValueError(f"ModelSpec {self.name!r}: arch={self.arch!r}, expected 'llama' or 'opt'")
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"ModelSpec {self.name!r}: dtype={self.dtype!r}, expected one of {sorted(DTYPE_BYTES)}")
 
     @property
     def q_per_kv(self) -> int:

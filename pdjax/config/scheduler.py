@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from pdjax.config.parse import check_fields, flag, nonneg_int, number, one_of, positive_int
+
 POLICIES = ("vllm_v0", "orca", "decode_first", "sarathi", "chunked_only", "chunked_prefill_first", "vllm_v1",
             "prefill_only", "decode_only")
 CHUNKING_POLICIES = frozenset({"sarathi", "chunked_only", "chunked_prefill_first", "vllm_v1", "prefill_only",
@@ -29,10 +31,7 @@ DEFAULT_WATERMARK = 0.01            # every policy but vllm_v1, when `watermark`
 VLLM_V1_DEFAULT_WATERMARK = 0.0     # vLLM's SchedulerConfig.watermark default
 PREEMPTION_MODES = ("recompute", "swap")
 ORDERINGS = ("fcfs", "priority")
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+OFF = "(0 = off)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,60 +62,37 @@ class SchedulerConfig:
     min_prefill_tokens: prefill-starvation guard of the stall-free policies: when prefill work is pending,
       decodes get at most token_budget - min_prefill_tokens tokens (0 = off; then no decode ever stalls).
     """
-    policy: str = "sarathi"
-    token_budget: int = 2048
-    max_num_seqs: int = 128
-    max_model_len: int = 2048
-    page_size: int = 16
-    num_pages: int = 4096
-    enable_prefix_caching: bool = False
-    enable_chunking: bool = True
-    preemption_mode: str = "recompute"
-    num_host_pages: int = 0
-    ordering: str = "fcfs"
-    watermark: Optional[float] = None
-    scheduler_reserve_full_isl: bool = True
-    tile_size: int = 0
-    dynamic_chunking: bool = False
-    dynamic_chunk_ref_context: int = 4096
-    dynamic_chunk_min_tokens: int = 64
-    long_prefill_token_threshold: int = 0
-    max_num_partial_prefills: int = 0
-    max_long_partial_prefills: int = 0
-    min_prefill_tokens: int = 0
-    vocab_size: int = 0            # > 0: prompts with token ids >= vocab_size are rejected (set by the engine)
+    policy: str = one_of("sarathi", POLICIES)
+    token_budget: int = positive_int(2048)
+    max_num_seqs: int = positive_int(128)
+    max_model_len: int = positive_int(2048)
+    page_size: int = positive_int(16)
+    num_pages: int = positive_int(4096)
+    enable_prefix_caching: bool = flag(False)
+    enable_chunking: bool = flag(True)
+    preemption_mode: str = one_of("recompute", PREEMPTION_MODES)
+    num_host_pages: int = nonneg_int(0, note=OFF)
+    ordering: str = one_of("fcfs", ORDERINGS)
+    watermark: Optional[float] = number(None, low=0.0, high=1.0, high_open=True, optional=True, expected=(
+        f"a fraction in [0, 1), or None for the policy's default ({VLLM_V1_DEFAULT_WATERMARK} under 'vllm_v1', "
+        f"{DEFAULT_WATERMARK} otherwise)"))
+    scheduler_reserve_full_isl: bool = flag(True)
+    tile_size: int = nonneg_int(0, note=OFF)
+    dynamic_chunking: bool = flag(False)
+    dynamic_chunk_ref_context: int = positive_int(4096)
+    dynamic_chunk_min_tokens: int = positive_int(64)
+    long_prefill_token_threshold: int = nonneg_int(0, note=OFF)
+    max_num_partial_prefills: int = nonneg_int(0, note=OFF)
+    max_long_partial_prefills: int = nonneg_int(0, note=OFF)
+    min_prefill_tokens: int = nonneg_int(0, note=OFF)
+    # > 0: prompts with token ids >= vocab_size are rejected (set by the engine)
+    vocab_size: int = nonneg_int(0, note="(0 = unchecked)")
 
     def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy={self.policy!r}, expected one of {POLICIES}")
-        for name in ("token_budget", "max_num_seqs", "max_model_len", "page_size", "num_pages",
-                     "dynamic_chunk_ref_context", "dynamic_chunk_min_tokens"):
-            v = getattr(self, name)
-            if not _is_int(v) or v <= 0:
-                raise ValueError(f"{name}={v!r}, expected a positive int")
-        for name in ("num_host_pages", "tile_size", "long_prefill_token_threshold", "max_num_partial_prefills",
-                     "max_long_partial_prefills", "min_prefill_tokens"):
-            v = getattr(self, name)
-            if not _is_int(v) or v < 0:
-                raise ValueError(f"{name}={v!r}, expected an int >= 0 (0 = off)")
-        for name in ("enable_prefix_caching", "enable_chunking", "dynamic_chunking", "scheduler_reserve_full_isl"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r}, expected a bool")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode={self.preemption_mode!r}, expected one of {PREEMPTION_MODES}")
-        if self.ordering not in ORDERINGS:
-            raise ValueError(f"ordering={self.ordering!r}, expected one of {ORDERINGS}")
-        if self.watermark is not None and not (isinstance(self.watermark, (int, float))
-                                               and not isinstance(self.watermark, bool)
-                                               and 0.0 <= self.watermark < 1.0):
-            raise ValueError(f"watermark={self.watermark!r}, expected a fraction in [0, 1), or None for the "
-                             f"policy's default ({VLLM_V1_DEFAULT_WATERMARK} under 'vllm_v1', "
-                             f"{DEFAULT_WATERMARK} otherwise)")
+        check_fields(self)
         if not self.scheduler_reserve_full_isl and self.policy != "vllm_v1":
             raise ValueError(f"scheduler_reserve_full_isl=False is read by policy 'vllm_v1' only, got "
                              f"policy={self.policy!r} (which admits on its first chunk's pages); leave it True")
-        if not isinstance(self.vocab_size, int) or self.vocab_size < 0:
-            raise ValueError(f"vocab_size={self.vocab_size!r}, expected an int >= 0 (0 = unchecked)")
         if self.preemption_mode == "swap" and self.num_host_pages < 1:
             raise ValueError(f"preemption_mode='swap' needs num_host_pages >= 1, got {self.num_host_pages}")
         if not self.chunking:

@@ -14,10 +14,11 @@ import ml_collections
 
 from pdjax.config.deployment import REMOVED_GROUP_KEYS, ROLES, DeploymentConfig, deployment_from_dict
 from pdjax.config.files import config_block
-from pdjax.config.parse import coerce, dataclass_from_dict
+from pdjax.config.parse import FieldError, check_fields, coerce, dataclass_from_dict, nonneg_int, number, one_of
 
 BACKENDS = ("real", "sim")
 MODES = ("online", "offline")
+NO_SLO = "(0 = no SLO)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +41,7 @@ class EngineConfig:
     fail_on_compile: raise at the first XLA compile after warm-up instead of flagging the iteration.
     compilation_cache / compilation_cache_dir: JAX's persistent compilation cache ('' = ~/.cache/pdjax/xla, or
     $XDG_CACHE_HOME/pdjax/xla), so a rerun with the same shapes loads its executables instead of compiling."""
-    mode: str = "online"
+    mode: str = one_of("online", MODES)
     token_buckets: Tuple[int, ...] = ()
     seq_buckets: Tuple[int, ...] = ()
     page_buckets: Tuple[int, ...] = ()
@@ -53,21 +54,18 @@ class EngineConfig:
     compilation_cache_dir: str = ""
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"engine.mode={self.mode!r}, expected one of {MODES}")
+        check_fields(self, "engine")
 
 
 @dataclasses.dataclass(frozen=True)
 class SLOConfig:
     """Latency SLOs in seconds; 0 means no SLO on that metric."""
-    ttft: float = 0.0
-    tbt: float = 0.0
-    tpot: float = 0.0
+    ttft: float = number(0.0, low=0, note=NO_SLO)
+    tbt: float = number(0.0, low=0, note=NO_SLO)
+    tpot: float = number(0.0, low=0, note=NO_SLO)
 
     def __post_init__(self):
-        for name in ("ttft", "tbt", "tpot"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"slo.{name}={getattr(self, name)!r}, expected >= 0 (0 = no SLO)")
+        check_fields(self, "slo")
 
     def as_dict(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if v > 0}
@@ -91,15 +89,12 @@ class SimConfig:
     hardware: str = "a100-80gb-sxm"
     profile: str = ""
     model: str = ""
-    num_pages: int = 0
-    gpu_memory_utilization: float = 0.9
+    num_pages: int = nonneg_int(0, note="(0 = automatic)")
+    gpu_memory_utilization: float = number(0.9, low=0, high=1, low_open=True)
     step_noise: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.num_pages, int) or self.num_pages < 0:
-            raise ValueError(f"sim.num_pages={self.num_pages!r}, expected an int >= 0 (0 = automatic)")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"sim.gpu_memory_utilization={self.gpu_memory_utilization!r}, expected in (0, 1]")
+        check_fields(self, "sim")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +179,7 @@ def deployment_block(**values) -> ml_collections.ConfigDict:
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
-    backend: str
+    backend: str = one_of(dataclasses.MISSING, BACKENDS)
     seed: int
     model: ModelConfig
     engine: EngineConfig
@@ -196,8 +191,7 @@ class ServeConfig:
     server: ServerConfig = ServerConfig()               # the HTTP API server's settings (experiments.api_server)
 
     def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r}, expected one of {BACKENDS}")
+        check_fields(self)
 
 
 def serve_config_from_dict(d: Mapping[str, Any]) -> ServeConfig:
@@ -212,7 +206,7 @@ def serve_config_from_dict(d: Mapping[str, Any]) -> ServeConfig:
         raise ValueError(f"unknown config key(s) {unknown}; known top-level keys: {sorted(top)}")
     backend = coerce(str, d.get("backend", "real"), "backend")
     if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}, expected one of {BACKENDS}")
+        raise FieldError("backend", backend, f"one of {BACKENDS}")
     scheduler = dataclass_from_dict(SchedulerConfig, d.get("scheduler"), "scheduler")
     workload = dict(d.get("workload") or {})
     if "max_model_len" in workload:

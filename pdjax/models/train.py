@@ -27,6 +27,7 @@ import numpy as np
 import optax
 
 from pdjax.config.model_specs import ModelSpec
+from pdjax.config.parse import check_fields, is_int, number, positive_int
 from pdjax.models.llama import (LayerParams, LlamaParams, attention_residual, check_runnable, logits_from_hidden,
                                 mlp_block, param_shapes, project_qkv, rms_norm, rope_cos_sin)
 
@@ -203,24 +204,19 @@ def evaluate(params: LlamaParams, data: np.ndarray, spec: ModelSpec, *, seq_len:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 450
-    batch: int = 16
-    seq_len: int = 256
-    lr: float = 3e-3
+    steps: int = positive_int(450)
+    batch: int = positive_int(16)
+    seq_len: int = positive_int(256)
+    lr: float = number(3e-3, low=0, low_open=True)
     warmup_steps: int = 30
     weight_decay: float = 0.1
     clip_norm: float = 1.0
     seed: int = 0
-    log_every: int = 100
+    log_every: int = positive_int(100)
 
     def __post_init__(self):
-        for field in ("steps", "batch", "seq_len", "log_every"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"train.{field}={value!r}, expected an int >= 1")
-        if not self.lr > 0:
-            raise ValueError(f"train.lr={self.lr!r}, expected a number > 0")
-        if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps < self.steps:
+        check_fields(self, "train")
+        if not is_int(self.warmup_steps) or not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"train.warmup_steps={self.warmup_steps!r}, expected an int in [0, steps={self.steps})")
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional, Tuple, Union
 
+from pdjax.config.parse import (FieldError, check_fields, flag, is_int, is_number, nonneg_int, number, one_of,
+                                positive_int, text)
 from pdjax.workload.arrivals import ARRIVAL_KINDS
 from pdjax.workload.lengths import LengthDist, length_dist
 from pdjax.workload.presets import PRESETS
@@ -15,6 +17,7 @@ from pdjax.workload.presets import PRESETS
 WORKLOAD_KINDS = ("synthetic", "trace")
 WORKLOAD_ARRIVALS = ARRIVAL_KINDS + ("trace",)
 PROMPT_SOURCES = ("random", "text")
+NO_CAP = "(0 = no cap)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,54 +51,42 @@ class WorkloadConfig:
       (output-length tokens), then a new user message. Turn k arrives turn_gap_s after turn k-1 (open loop).
       A session ends early when its next prompt would break the caps.
     """
-    kind: str = "synthetic"
-    num_requests: int = 64
-    seed: int = 0
-    arrival: str = "poisson"
+    kind: str = one_of("synthetic", WORKLOAD_KINDS)
+    num_requests: int = positive_int(64)
+    seed: int = nonneg_int(0)
+    arrival: str = one_of("poisson", WORKLOAD_ARRIVALS)
     rate: float = 1.0
     cv: float = 1.0
-    preset: str = ""
+    preset: str = one_of("", ("",) + tuple(sorted(PRESETS)), expected=f"'' or one of {sorted(PRESETS)}")
     prompt_len: Optional[Union[LengthDist, Mapping[str, Any], str]] = None
     output_len: Optional[Union[LengthDist, Mapping[str, Any], str]] = None
     trace_path: str = ""
-    trace_start: int = 0
-    trace_time_scale: float = 1.0
-    scale: float = 1.0
-    fit_to_model: bool = False
-    max_model_len: int = 0
-    max_prompt_len: int = 0
-    max_output_len: int = 0
-    vocab_size: int = 32000
+    trace_start: int = nonneg_int(0)
+    trace_time_scale: float = number(1.0, low=0, low_open=True)
+    scale: float = number(1.0, low=0, low_open=True)
+    fit_to_model: bool = flag(False)
+    max_model_len: int = nonneg_int(0, expected="0 (no cap) or an int >= 2")
+    max_prompt_len: int = nonneg_int(0, note=NO_CAP)
+    max_output_len: int = nonneg_int(0, note=NO_CAP)
+    vocab_size: int = positive_int(32000)
     allowed_token_ids: Tuple[int, ...] = ()
-    shared_prefix_len: int = 0
-    num_turns: int = 1
-    turn_gap_s: float = 0.0
-    prompt_source: str = "random"
-    text_path: str = ""
+    shared_prefix_len: int = nonneg_int(0)
+    num_turns: int = positive_int(1)
+    turn_gap_s: float = number(0.0, low=0, note="(seconds)")
+    prompt_source: str = one_of("random", PROMPT_SOURCES)
+    text_path: str = text("", expected="a path string ('' = the stdlib pydoc topics text)")
 
     def __post_init__(self):
         def bad(field, expected):
-            raise ValueError(f"workload.{field}={getattr(self, field)!r}, expected {expected}")
+            raise FieldError(f"workload.{field}", getattr(self, field), expected)
 
-        def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        if self.kind not in WORKLOAD_KINDS:
-            bad("kind", f"one of {WORKLOAD_KINDS}")
-        if not is_int(self.num_requests) or self.num_requests < 1:
-            bad("num_requests", "an int >= 1")
-        if not is_int(self.seed) or self.seed < 0:
-            bad("seed", "an int >= 0")
-        if self.arrival not in WORKLOAD_ARRIVALS:
-            bad("arrival", f"one of {WORKLOAD_ARRIVALS}")
+        check_fields(self, "workload")
         if self.arrival == "trace" and self.kind != "trace":
             bad("arrival", "not 'trace' unless kind='trace'")
-        if self.arrival not in ("offline", "trace") and not (isinstance(self.rate, (int, float)) and self.rate > 0):
+        if self.arrival not in ("offline", "trace") and not (is_number(self.rate) and self.rate > 0):
             bad("rate", f"a number > 0 (req/s) for arrival={self.arrival!r}")
-        if self.arrival == "gamma" and not (isinstance(self.cv, (int, float)) and self.cv > 0):
+        if self.arrival == "gamma" and not (is_number(self.cv) and self.cv > 0):
             bad("cv", "a number > 0 for arrival='gamma'")
-        if self.preset and self.preset not in PRESETS:
-            bad("preset", f"'' or one of {sorted(PRESETS)}")
         for field in ("prompt_len", "output_len"):
             value = getattr(self, field)
             if value == "":
@@ -114,30 +105,13 @@ class WorkloadConfig:
                 bad("kind", "'synthetic' when preset/prompt_len/output_len are set (a trace brings its own lengths)")
             if self.num_turns != 1:
                 bad("num_turns", "1 for kind='trace'")
-        if not is_int(self.trace_start) or self.trace_start < 0:
-            bad("trace_start", "an int >= 0")
-        if not (isinstance(self.trace_time_scale, (int, float)) and self.trace_time_scale > 0):
-            bad("trace_time_scale", "a number > 0")
-        if not (isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool) and self.scale > 0):
-            bad("scale", "a number > 0")
-        if not isinstance(self.fit_to_model, bool):
-            bad("fit_to_model", "a bool")
         if self.fit_to_model and not self.max_model_len:
             bad("max_model_len", "> 0 when fit_to_model=True")
-        for field in ("max_prompt_len", "max_output_len"):
-            if not is_int(getattr(self, field)) or getattr(self, field) < 0:
-                bad(field, "an int >= 0 (0 = no cap)")
-        if not is_int(self.max_model_len) or self.max_model_len < 0 or self.max_model_len == 1:
+        if self.max_model_len == 1:
             bad("max_model_len", "0 (no cap) or an int >= 2")
-        if not is_int(self.vocab_size) or self.vocab_size < 1:
-            bad("vocab_size", "an int >= 1")
         object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         if any(not is_int(t) or not 0 <= t < self.vocab_size for t in self.allowed_token_ids):
             bad("allowed_token_ids", f"ints in [0, vocab_size={self.vocab_size})")
-        if self.prompt_source not in PROMPT_SOURCES:
-            bad("prompt_source", f"one of {PROMPT_SOURCES}")
-        if not isinstance(self.text_path, str):
-            bad("text_path", "a path string ('' = the stdlib pydoc topics text)")
         if self.prompt_source == "text":
             if self.vocab_size < 256:
                 bad("vocab_size", "an int >= 256 for prompt_source='text' (token ids are byte values)")
@@ -145,16 +119,10 @@ class WorkloadConfig:
                 bad("allowed_token_ids", "empty for prompt_source='text' (token ids are the text's bytes)")
         elif self.text_path:
             bad("text_path", "'' unless prompt_source='text'")
-        if not is_int(self.shared_prefix_len) or self.shared_prefix_len < 0:
-            bad("shared_prefix_len", "an int >= 0")
         prompt_cap = self.prompt_cap
         if prompt_cap is not None and self.shared_prefix_len >= prompt_cap:
             bad("shared_prefix_len", f"< the prompt cap {prompt_cap} (min of max_prompt_len, max_model_len - 1), "
                 "leaving room for at least one token of the request's own")
-        if not is_int(self.num_turns) or self.num_turns < 1:
-            bad("num_turns", "an int >= 1")
-        if not (isinstance(self.turn_gap_s, (int, float)) and self.turn_gap_s >= 0):
-            bad("turn_gap_s", "a number >= 0 (seconds)")
 
     @property
     def prompt_cap(self) -> Optional[int]:
