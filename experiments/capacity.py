@@ -30,8 +30,7 @@ _OUT = flags.DEFINE_string("out", "", "Optional JSON output path.")
 def main(argv):
     if len(argv) > 1:
         raise cli.UserError(f"unexpected arguments {argv[1:]}")
-    from pdjax.config.serving import serve_config_from_dict
-    from pdjax.experiment.run import to_plain_dict
+    from pdjax.experiment.run import resolve_config, to_plain_dict
     from pdjax.metrics import write_json
     from pdjax.sim.build import build_setup
     from pdjax.sim.capacity import search_config_capacity
@@ -41,7 +40,7 @@ def main(argv):
         raise cli.UserError(f"--lo={_LO.value} --hi={_HI.value}, expected 0 < lo < hi")
     config = to_plain_dict(_CONFIG.value)
     try:     # the config, and what the simulator builds from it (hardware, profile, deployment vs. the model)
-        build_setup(serve_config_from_dict(config))
+        build_setup(resolve_config(config))
     except (ValueError, OSError) as e:
         raise cli.UserError(cli.one_line(e)) from None
     report = search_config_capacity(config, tbt_p99=_TBT.value, ttft_p99=_TTFT.value,

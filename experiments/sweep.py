@@ -25,9 +25,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from pdjax.config.serving import serve_config_from_dict
 from pdjax.experiment import cli
-from pdjax.experiment.run import run_experiment, to_plain_dict
+from pdjax.experiment.run import resolve_config, run_experiment, to_plain_dict
 from pdjax.experiment.sweep import (EXECUTORS, PLATFORMS, SweepConfigChanged, SweepFailed, run_sweep,
                                     sweep_columns, write_sweep_plots)
 
@@ -67,7 +66,7 @@ def main(argv):
     sweep = to_plain_dict(_CONFIG.value)
     workdir = _WORKDIR.value
     try:
-        rows = run_sweep(sweep, workdir, run_experiment, parallel=_PARALLEL.value, validate=serve_config_from_dict,
+        rows = run_sweep(sweep, workdir, run_experiment, parallel=_PARALLEL.value, validate=resolve_config,
                          rerun_changed=_RERUN_CHANGED.value, executor=_EXECUTOR.value,
                          ray_address=_RAY_ADDRESS.value or None, max_retries=_MAX_RETRIES.value,
                          platform=_PLATFORM.value,

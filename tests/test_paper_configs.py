@@ -3,7 +3,10 @@ configs/sweeps/sarathi_ablation_paper.py, configs/sim/capacity_paper.py): every 
 few requests of exactly its deployment, the setups are the artifact's, and trace replay reproduces the trace's
 lengths exactly (checked against the CSV read here, independently of pdjax's loader)."""
 import csv
+import os
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -80,11 +83,50 @@ def test_paper_config_simulates_a_few_requests(name, config):
     assert (setup.kind, g.num_instances, g.pp, g.tp) == ("colocated", 1, want.pp, want.tp)
 
 
+def assert_same_file(config_path, expected):
+    """The config's trace path (absolute, as the config wrote it: ../shared is not resolved) names `expected`."""
+    assert pathlib.Path(config_path).is_absolute()
+    assert pathlib.Path(config_path).resolve() == pathlib.Path(expected).resolve()
+
+
 @pytest.mark.parametrize("trace,path,max_len", [("chat", CHAT_CSV, 8192), ("arxiv", ARXIV_CSV, 16384)])
 def test_traces_resolve_relative_to_the_repo(trace, path, max_len):
     c = load("configs/sim/paper_base.py", f"yi34b-{trace}")
-    assert pathlib.Path(c["workload"]["trace_path"]) == path.resolve()
+    assert_same_file(c["workload"]["trace_path"], path)
     assert c["scheduler"]["max_model_len"] == max_len
+
+
+def test_traces_resolve_through_a_symlinked_shared_dir(tmp_path):
+    """A checkout whose ../shared is a symbolic link (and is reached through one): the paper configs' trace paths
+    go through it and name the linked files."""
+    data = tmp_path / "elsewhere"
+    (data / "data" / "traces").mkdir(parents=True)
+    (data / "data" / "traces" / CHAT_CSV.name).write_text("num_prefill_tokens,num_decode_tokens\n5,3\n")
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    (workspace / "repo").symlink_to(ROOT, target_is_directory=True)
+    (workspace / "shared").symlink_to(data, target_is_directory=True)
+    code = ("import sys; from pdjax.config.files import config_file; "
+            "print(config_file(sys.argv[1], 'configs/sim/paper_base.py', 'yi34b-chat').workload.trace_path)")
+    out = subprocess.run([sys.executable, "-c", code, str(workspace / "repo" / "README.md")], cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(workspace / "repo")}, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    trace_path = out.stdout.strip()
+    assert trace_path == str(workspace / "shared" / "data" / "traces" / CHAT_CSV.name)   # through both links
+    assert_same_file(trace_path, data / "data" / "traces" / CHAT_CSV.name)
+
+
+def test_every_paper_context_fits_its_model():
+    """max_model_len within the model's positions (the real engine refuses more, and so does the simulator): Yi is
+    the artifact's Yi-34B-200K, not the 4096-position base."""
+    from pdjax.config.model_specs import get_model_spec
+    for name, config in paper_configs():
+        spec = get_model_spec(config["model"]["checkpoint"])
+        assert config["scheduler"]["max_model_len"] <= spec.max_position_embeddings, name
+    spec = get_model_spec(load("configs/sim/paper_base.py", "yi34b")["model"]["checkpoint"])
+    assert (spec.name, spec.max_position_embeddings, spec.rope_theta) == ("yi-34b-200k", 200000, 5000000.0)
+    assert spec.replace(name="yi-34b", max_position_embeddings=4096) == get_model_spec("yi-34b")
 
 
 def test_ablation_is_the_artifacts():
@@ -93,7 +135,7 @@ def test_ablation_is_the_artifacts():
     for trace, rate, max_len in (("chat", 1.0, 8192), ("arxiv", 0.5, 16384)):
         cfgs = [serve_config_from_dict(c) for c in points(load("configs/sweeps/sarathi_ablation_paper.py", trace))]
         for cfg in cfgs:
-            assert cfg.model.checkpoint == "yi-34b" and cfg.deployment.colocated.tp == 2
+            assert cfg.model.checkpoint == "yi-34b-200k" and cfg.deployment.colocated.tp == 2
             assert cfg.deployment.colocated.pp == 1 and cfg.deployment.colocated.num_instances == 1
             assert (cfg.workload.num_requests, cfg.workload.rate) == (128, rate)
             assert cfg.scheduler.max_model_len == max_len and cfg.scheduler.max_num_seqs == 128

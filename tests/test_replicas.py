@@ -161,10 +161,9 @@ def test_bad_wiring_is_refused(model):
                        Instance("decode0", "decode", None, sched("decode_only"))])
     with pytest.raises(ValueError, match="needs at least one decode instance"):
         ClusterEngine([Instance("prefill0", "prefill", None, sched("prefill_only"))])
-    cfg = serve_config_from_dict(_config({"kind": "colocated", "colocated": {"num_instances": 2}},
-                                         async_scheduling=True))
-    with pytest.raises(ValueError, match="async_scheduling=True runs one colocated instance"):
-        build_engine(cfg, params=params, spec=spec)
+    with pytest.raises(ValueError, match="async_scheduling=True runs one colocated instance"):   # at config time
+        serve_config_from_dict(_config({"kind": "colocated", "colocated": {"num_instances": 2}},
+                                       async_scheduling=True))
     cfg = serve_config_from_dict(_config({"kind": "colocated", "colocated": {"pp": 3}}))
     with pytest.raises(ValueError, match="deployment.colocated.pp=3"):
         build_engine(cfg, params=params, spec=spec)

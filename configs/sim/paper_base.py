@@ -5,8 +5,10 @@ artifact's trace, Poisson arrivals, Sarathi with a 512-token budget and up to 12
 
 ARG = <model>[-<trace>]  (trace default: chat)
     model  mistral7b   Mistral-7B, 1 GPU
-           yi34b       Yi-34B, TP2 on one NVLink pair (deployment.colocated.tp=2)
-           llama70b    Llama-2-70B, TP4 x PP2 over two 4-GPU nodes (deployment.colocated.tp=4, .pp=2: each stage's
+           yi34b       Yi-34B-200K (the artifact's 01-ai/Yi-34B-200K), TP2 on one NVLink pair
+                       (deployment.colocated.tp=2)
+           llama70b    Llama-2-70B ('llama-2-70b-16k': its dimensions with 16384 positions, as the artifact served it
+                       beyond its 4096), TP4 x PP2 over two 4-GPU nodes (deployment.colocated.tp=4, .pp=2: each stage's
                        TP group inside one node, activations cross the nodes over HDR InfiniBand; the artifact's
                        Falcon-180B testbed. pdjax's registry has no Falcon; the artifact ran Llama-2-70B TP4 x PP2
                        on one node of 8 A40s)
@@ -14,14 +16,14 @@ ARG = <model>[-<trace>]  (trace default: chat)
                        5696; output 415 / 834), max_model_len 8192, default rate 1.0 req/s
            arxiv       vidur_arxiv_summarization_llama2_tok_filtered_v2.csv, max_model_len 16384, default rate
                        0.5 req/s. NOT the paper's arxiv file (its Table 2: prompt median 7059, total <= 16384): the
-                       public filtered_v2 file has every total <= 4096 (/work/shared/data/traces/SOURCES.md)
+                       public filtered_v2 file has every total <= 4096 (../shared/data/traces/SOURCES.md)
 
 workload.kind='trace' replays the trace's own lengths, rows trace_start .. +num_requests, in order (no scaling;
 the caps cut nothing: every row fits max_model_len); arrivals are Poisson at workload.rate, as in the artifact
 (--synthetic_request_generator_interval_provider poisson, length provider trace, scale factors 1). The traces are
 read from ../shared/data/traces relative to the repository root (resolved here, so the configs work from any
-working directory). The registry's yi-34b lists 4096 positions (the base checkpoint); the artifact served it at
-8192 / 16384 all the same, and so does the simulator (the real engine would refuse a max_model_len above it).
+working directory). max_model_len is within every model spec's positions (both backends refuse more): hence
+yi-34b-200k (the registry's yi-34b, the base checkpoint, has 4096) and llama-2-70b-16k.
 
 Used by configs/sweeps/sarathi_ablation_paper.py, configs/sim/capacity_paper.py and experiments.sim_paper.
     python -m experiments.serve --config=configs/sim/paper_base.py:yi34b-arxiv --workdir=/tmp/yi_arxiv
@@ -32,8 +34,8 @@ from pdjax.config.files import config_file, replay_trace_lengths, shared_trace
 
 MODELS = {
     "mistral7b": dict(model="mistral-7b", hardware="a100-80gb-pcie", tp=1, pp=1),
-    "yi34b": dict(model="yi-34b", hardware="a100-80gb-pcie", tp=2, pp=1),
-    "llama70b": dict(model="llama-2-70b", hardware="a100-80gb-pcie", tp=4, pp=2),
+    "yi34b": dict(model="yi-34b-200k", hardware="a100-80gb-pcie", tp=2, pp=1),
+    "llama70b": dict(model="llama-2-70b-16k", hardware="a100-80gb-pcie", tp=4, pp=2),
 }
 TRACES = {
     "chat": dict(file="sarathi_sharegpt_8k_filtered_llama2_tok.csv", max_model_len=8192, rate=1.0),

@@ -1,7 +1,7 @@
 """Model specs: the dimensions of Llama-family (and OPT) models, with a registry of real ones.
 
 No JAX here: the simulator and the scheduler read specs too. Numbers are from each model's published
-HF `config.json`.
+HF `config.json` (the one exception, `llama-2-70b-16k`, says why it exists).
 """
 from __future__ import annotations
 
@@ -109,11 +109,17 @@ _SPECS = [
            max_position_embeddings=131072),
     _llama("mistral-7b", 32000, 4096, 14336, 32, 32, 8, max_position_embeddings=32768, sliding_window=4096),
     _llama("yi-34b", 64000, 7168, 20480, 60, 56, 8, rope_theta=5000000.0, max_position_embeddings=4096),
+    # 01-ai/Yi-34B-200K: Yi-34B's dimensions and rope_theta, 200k positions (the Sarathi-Serve artifact's Yi).
+    _llama("yi-34b-200k", 64000, 7168, 20480, 60, 56, 8, rope_theta=5000000.0, max_position_embeddings=200000),
     _llama("qwen2-7b", 152064, 3584, 18944, 28, 28, 4, rope_theta=1000000.0, qkv_bias=True, rms_norm_eps=1e-6,
            max_position_embeddings=32768),
     _opt("opt-13b", 5120, 40, 40),
     _opt("opt-66b", 9216, 64, 72),
     _opt("opt-175b", 12288, 96, 96),
+    # NOT a published checkpoint: Llama-2-70B's dimensions with 16384 positions, as the Sarathi-Serve artifact (its
+    # TP4 x PP2 runs at 8k / 16k contexts) and Splitwise (Azure traces up to 14k tokens) served Llama-2-70B beyond
+    # its 4096 (RoPE extrapolated). The paper configs name it, so a simulated context never exceeds the spec's.
+    _llama("llama-2-70b-16k", 32000, 8192, 28672, 80, 64, 8, max_position_embeddings=16384),
     # CPU-sized specs for tests and the embedded default run.
     _llama("tiny-llama", 512, 128, 384, 2, 4, 2, max_position_embeddings=2048, dtype="float32"),
     _llama("tiny-mha", 512, 128, 384, 2, 4, 4, max_position_embeddings=2048, dtype="float32"),

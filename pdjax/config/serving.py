@@ -15,6 +15,7 @@ import ml_collections
 from pdjax.config.deployment import REMOVED_GROUP_KEYS, ROLES, DeploymentConfig, deployment_from_dict
 from pdjax.config.files import config_block
 from pdjax.config.parse import FieldError, check_fields, coerce, dataclass_from_dict, nonneg_int, number, one_of
+from pdjax.config.validate import check_cross_block
 
 BACKENDS = ("real", "sim")
 MODES = ("online", "offline")
@@ -192,6 +193,7 @@ class ServeConfig:
 
     def __post_init__(self):
         check_fields(self)
+        check_cross_block(self)
 
 
 def serve_config_from_dict(d: Mapping[str, Any]) -> ServeConfig:

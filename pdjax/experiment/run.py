@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, Dict, List, Mapping
 
 from pdjax.config.serving import ServeConfig, serve_config_from_dict
+from pdjax.config.validate import check_config_against_model
 from pdjax.errors import user_errors
 from pdjax.metrics import prepare_run_dir
 from pdjax.workload import length_report, make_workload
@@ -40,6 +41,14 @@ class PreparedExperiment:
     length_report: Dict[str, Any]   # pdjax.workload.length_report
 
 
+def resolve_config(config: Any) -> ServeConfig:
+    """The validated ServeConfig of `config` (configs/serve.py layout): every block, the cross-block rules, and the
+    model rules when the config alone tells the model (pdjax.config.validate). ValueError naming the bad key."""
+    cfg = serve_config_from_dict(to_plain_dict(config))
+    check_config_against_model(cfg)
+    return cfg
+
+
 def prepare_experiment(config: Any, workdir: str, *, is_main: bool = True) -> PreparedExperiment:
     """Validate `config` (configs/serve.py layout; for the simulator also its setup: hardware, cost profile, the
     deployment against the model), ready `workdir` (only when `is_main`: process 0 of a multi-process run), build
@@ -48,7 +57,7 @@ def prepare_experiment(config: Any, workdir: str, *, is_main: bool = True) -> Pr
     built, before warm-up: pdjax.serving.build.build_engine raises UserError too.)"""
     with user_errors():
         config = to_plain_dict(config)
-        cfg = serve_config_from_dict(config)
+        cfg = resolve_config(config)   # every block, the cross-block rules, the model's when the config tells it
         if cfg.backend == "sim":     # hardware, cost profile (missing or malformed: named), the deployment vs. model
             from pdjax.sim.build import build_setup  # noqa: PLC0415  (cheap, no JAX)
             build_setup(cfg)

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax.config.model_specs import ModelSpec
+from pdjax.config.validate import check_max_model_len
 from pdjax.kernels import get_attention_fn
 from pdjax.models.llama import KVCache, LlamaParams, check_runnable, init_kv_cache
 from pdjax.runtime import mesh as mesh_lib
@@ -151,9 +152,7 @@ class ModelRunner:
         self.page_size = int(page_size)
         self.num_pages = int(num_pages)
         self.max_model_len = int(max_model_len or spec.max_position_embeddings)
-        if self.max_model_len > spec.max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the spec's "
-                             f"max_position_embeddings={spec.max_position_embeddings}")
+        check_max_model_len(self.max_model_len, spec, key="max_model_len")
         if buckets is None:
             buckets = Buckets.powers_of_two(512, 64, -(-self.max_model_len // self.page_size))
         self.buckets = buckets

@@ -108,7 +108,8 @@ def build_instances(cfg: ServeConfig, *, devices: Optional[Sequence] = None, par
     devices: the device list indices refer to (default jax.devices()). params/spec: weights to use instead of
     loading cfg.model.checkpoint (tests share one set)."""
     import jax  # noqa: PLC0415
-    from pdjax.config.deployment import instance_scheduler_config, validate_deployment  # noqa: PLC0415
+    from pdjax.config.deployment import instance_scheduler_config  # noqa: PLC0415
+    from pdjax.config.validate import check_against_model  # noqa: PLC0415
     from pdjax.runtime.mesh import make_mesh  # noqa: PLC0415
 
     dep = cfg.deployment
@@ -117,7 +118,7 @@ def build_instances(cfg: ServeConfig, *, devices: Optional[Sequence] = None, par
     elif spec is None:
         raise ValueError("params given without their spec")
     devices = list(jax.devices() if devices is None else devices)
-    assignment = validate_deployment(dep, spec, len(devices))   # pp <= layers, tp | heads, devices fit
+    assignment = check_against_model(cfg, spec, len(devices))   # max_model_len, pp <= layers, tp | heads, devices
     base = _scheduler_config(cfg, spec)
     instances = []
     for role in dep.roles:
@@ -159,10 +160,6 @@ def _build_engine(cfg: ServeConfig, *, devices, params, spec, on_token, compile_
         in_flight = 1 if ec.async_scheduling else getattr(inst.runner, "pp", 1)
         return ColocatedEngine(inst.runner, inst.scheduler, async_scheduling=ec.async_scheduling,
                                max_in_flight=in_flight, **common)
-    if ec.async_scheduling:
-        raise UserError(f"engine.async_scheduling=True runs one colocated instance (ColocatedEngine); this "
-                         f"deployment has {len(instances)} instances ({', '.join(i.name for i in instances)}), "
-                         "served by the multi-instance loop, which schedules synchronously")
     # Multi-instance loop: each instance keeps up to its runner's pp batches in flight (max_in_flight=None).
     if dep.kind == "colocated":
         return ClusterEngine(instances, router=dep.router, overlap=ec.overlap, **common)

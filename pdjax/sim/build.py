@@ -14,9 +14,10 @@ Rules (each chosen so a simulated run answers "what would the real engine do wit
   buckets from the serve config exactly as the engine picks them (pdjax.config.buckets.engine_buckets), per
   group (its token budget and max_num_seqs), and the attention implementation the profile was measured on
   (its "attention": 'blocked' costs decodes by the longest context of the kernel's pass).
-- Deployment: `validate_deployment` (pp <= layers, tp dividing heads / KV heads / MLP width, explicit devices
-  disjoint) on a simulated machine with as many devices as the deployment asks for, plus any explicit index
-  beyond that (other nodes). Colocated: `deployment.colocated.num_instances` replicas ('replica0', ...) of
+- Deployment: `check_against_model` (pdjax.config.validate, as the real engine: max_model_len within the model's
+  positions, pp <= layers, tp dividing heads / KV heads / MLP width, explicit devices disjoint; the cross-block
+  rules were checked, for both backends, when the ServeConfig was built) on a simulated machine with as many
+  devices as the deployment asks for, plus any explicit index beyond that (other nodes). Colocated: `deployment.colocated.num_instances` replicas ('replica0', ...) of
   (pp, tp) behind `deployment.router`; disaggregated: the prefill and decode groups, the router for both, and the
   mixed group when it has instances ('mixed0', ...; Splitwise's mixed pool, pdjax.scheduler.mixed) with the
   deployment's thresholds (`SimSetup.mixed_prefill_queue_tokens`, `.mixed_decode_load`).
@@ -40,15 +41,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import pathlib
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from pdjax.config.buckets import engine_buckets
-from pdjax.config.deployment import instance_scheduler_config, validate_deployment
-from pdjax.config.model_specs import MODEL_SPECS, ModelSpec, RopeScaling, get_model_spec
-from pdjax.config.deployment import ROLE_POLICIES
+from pdjax.config.deployment import instance_scheduler_config
+from pdjax.config.model_specs import ModelSpec
+from pdjax.config.validate import check_against_model, model_spec_for
 from pdjax.scheduler import make_scheduler, request_from_workload
 from pdjax.scheduler.instances import check_instance, make_role_scheduler
 from pdjax.scheduler.routing import InstanceRouter
@@ -58,9 +57,6 @@ from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 from pdjax.sim.simulator import PendingRequest, SimInstance
 from pdjax.sim.profile import Profile, profile_for
 from pdjax.sim.step_cost import EnginePadding, StepNoise, make_step_time, padding_from_profile
-
-DISAGG_BASE_POLICIES = ("sarathi", "prefill_only", "decode_only")
-
 
 # --------------------------------------------------------------------------------------------------- setup
 @dataclasses.dataclass(frozen=True)
@@ -121,23 +117,8 @@ class SimSetup:
 
 # --------------------------------------------------------------------------------------------------- resolution
 def resolve_model(cfg) -> ModelSpec:
-    """The cost model's ModelSpec (see the module docstring's rule)."""
-    if cfg.sim.model:
-        return get_model_spec(cfg.sim.model)
-    ckpt = cfg.model.checkpoint
-    if ckpt in MODEL_SPECS:
-        return MODEL_SPECS[ckpt]
-    name = pathlib.Path(ckpt).name
-    if name in MODEL_SPECS:
-        return MODEL_SPECS[name]
-    spec_file = pathlib.Path(ckpt) / "pdjax_spec.json"
-    if spec_file.is_file():
-        data = json.loads(spec_file.read_text())
-        if data.get("rope_scaling"):
-            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
-        return ModelSpec(**data)
-    raise ValueError(f"sim: cannot tell the model of model.checkpoint={ckpt!r} (not a registry spec name, no "
-                     f"pdjax_spec.json there); set sim.model to one of {sorted(MODEL_SPECS)}")
+    """The cost model's ModelSpec (the module docstring's rule: pdjax.config.validate.model_spec_for)."""
+    return model_spec_for(cfg, simulator=True, required=True)
 
 
 def resolve_profile(cfg) -> Tuple[Optional[Profile], str]:
@@ -145,22 +126,6 @@ def resolve_profile(cfg) -> Tuple[Optional[Profile], str]:
     given, else the shipped file's path ('' for first principles)."""
     profile = profile_for(cfg.sim.profile, cfg.sim.hardware)
     return profile, cfg.sim.profile or (profile.path if profile is not None else "")
-
-
-def check_supported(cfg) -> None:
-    """What the simulator cannot replay, each error naming the value and what was expected."""
-    dep = cfg.deployment
-    if dep.kind == "colocated" and cfg.scheduler.policy in ROLE_POLICIES.values():
-        raise ValueError(f"scheduler.policy={cfg.scheduler.policy!r} with deployment.kind='colocated': it is the "
-                         "policy of a disaggregated deployment's role; expected a colocated policy (e.g. 'sarathi')")
-    if dep.kind == "disaggregated":
-        if cfg.scheduler.policy not in DISAGG_BASE_POLICIES:
-            raise ValueError(f"scheduler.policy={cfg.scheduler.policy!r} with deployment.kind='disaggregated': "
-                             "instances run 'prefill_only' / 'decode_only' (Sarathi-style chunking per role); "
-                             "expected 'sarathi' (the base the roles' policies are derived from)")
-        if cfg.engine.async_scheduling:
-            raise ValueError("engine.async_scheduling=True with deployment.kind='disaggregated': the disaggregated "
-                             "engine has a synchronous loop only; expected False")
 
 
 def _group_pages(cfg, group, sched_cfg, model, hw) -> Tuple[int, Optional[int]]:
@@ -190,7 +155,6 @@ def build_setup(cfg, hardware: Optional[HardwareSpec] = None) -> SimSetup:
     """Resolve model, hardware, cost parameters and every group of the deployment (module docstring).
     `hardware`: a HardwareSpec replacing the resolved one (the placement search's node types with their own
     link figures; a serve config names a registry spec)."""
-    check_supported(cfg)
     dep = cfg.deployment
     model = resolve_model(cfg)
     profile, profile_name = resolve_profile(cfg)
@@ -203,7 +167,7 @@ def build_setup(cfg, hardware: Optional[HardwareSpec] = None) -> SimSetup:
     params = profile.params if profile is not None else CostParams()
     # Devices: as many as the deployment asks for, plus any explicit index beyond that (other nodes).
     explicit = [d for role in dep.roles for d in dep.group(role).devices]
-    assignment = validate_deployment(dep, model, max([dep.num_devices] + [d + 1 for d in explicit]))
+    assignment = check_against_model(cfg, model, max([dep.num_devices] + [d + 1 for d in explicit]))
     base = cfg.scheduler
     if not base.vocab_size:
         base = dataclasses.replace(base, vocab_size=model.vocab_size)   # as run_real

@@ -58,6 +58,7 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pdjax.config.model_specs import ModelSpec, get_model_spec
+from pdjax.config.validate import check_max_model_len
 from pdjax.sim.cost_model import kv_cache_capacity_tokens
 from pdjax.sim.disagg import kv_link
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
@@ -126,6 +127,7 @@ class PlacementProblem:
             raise ValueError(f"attainment={self.attainment!r}, expected in (0, 1]")
         if not (self.ttft_s > 0 and self.tpot_s > 0):
             raise ValueError(f"ttft_s={self.ttft_s!r}, tpot_s={self.tpot_s!r}: expected seconds > 0")
+        check_max_model_len(self.max_model_len, get_model_spec(self.model), key="max_model_len")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,130 @@
+"""Rules that relate several blocks of a serve config, checked once, here, for both backends (no JAX).
+
+"The simulator simulates exactly what the engine runs": so whatever the real engine refuses for a reason that is a
+fact of the config alone is refused by `check_cross_block` when the ServeConfig is built (ServeConfig.__post_init__:
+every entry point, every sweep point, before anything is built), and what needs the model's dimensions is refused
+by `check_against_model` (pdjax.sim.build and pdjax.serving.build call it first, once the model spec is known).
+
+Cross-block rules:
+- A colocated deployment runs a colocated policy (not a disaggregated role's 'prefill_only' / 'decode_only').
+- A disaggregated deployment derives its roles' policies from the scheduler block: its policy is 'sarathi' (or a
+  role policy), since any other would be silently replaced.
+- engine.async_scheduling=True runs one colocated instance (the engine's asynchronous loop is ColocatedEngine's):
+  not colocated replicas, not a disaggregated deployment.
+- engine.async_scheduling=True needs requests that run to max_tokens: no stop token (model.eos_token_id=-1).
+- Every group's scheduler (the scheduler block with the group's overrides and role policy) is a valid one.
+Model rules: scheduler.max_model_len <= the model's max_position_embeddings (`check_max_model_len`, also used by
+pdjax.sim.placement and the runtime's runner), pp <= its layers and tp dividing its heads
+(pdjax.config.deployment.validate_deployment). `check_config_against_model` applies them at start-up, before the
+workload is built, whenever `model_spec_for` can tell the model from the config alone (a registry name, a
+directory with pdjax_spec.json, `sim.model` on the simulator); an HF checkpoint's spec is known once it is read,
+and the build's `check_against_model` checks it then, before anything compiles.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Dict, Optional, Tuple
+
+from pdjax.config.deployment import (ROLE_POLICIES, check_group_against_model, instance_scheduler_config,
+                                     validate_deployment)
+from pdjax.config.files import REPO_ROOT
+from pdjax.config.model_specs import MODEL_SPECS, ModelSpec, RopeScaling, get_model_spec
+from pdjax.config.parse import FieldError
+
+# The scheduler-block policies a disaggregated deployment accepts (its roles run prefill_only / decode_only and
+# its mixed instances a Sarathi-style MixedScheduler, all derived from the block).
+DISAGG_BASE_POLICIES = ("sarathi", "prefill_only", "decode_only")
+
+
+def check_max_model_len(max_model_len: int, spec, key: str = "scheduler.max_model_len") -> None:
+    """FieldError naming `key`, its value and the model's limit unless max_model_len <= spec.max_position_embeddings
+    (a longer context has positions the model was never given; the real engine cannot run it)."""
+    limit = spec.max_position_embeddings
+    if max_model_len > limit:
+        raise FieldError(key, max_model_len, f"<= max_position_embeddings={limit} of model {spec.name!r} (a "
+                         "longer context has positions the model does not have)")
+
+
+def check_cross_block(cfg) -> None:
+    """The cross-block rules of the module docstring for a ServeConfig; ValueError naming the keys and values."""
+    dep, engine, policy = cfg.deployment, cfg.engine, cfg.scheduler.policy
+    if dep.kind == "colocated" and policy in ROLE_POLICIES.values():
+        raise ValueError(f"scheduler.policy={policy!r} with deployment.kind='colocated': it is the policy of a "
+                         "disaggregated deployment's role; expected a colocated policy (e.g. 'sarathi')")
+    if dep.kind == "disaggregated" and policy not in DISAGG_BASE_POLICIES:
+        raise ValueError(f"scheduler.policy={policy!r} with deployment.kind='disaggregated': instances run "
+                         "'prefill_only' / 'decode_only' (Sarathi-style chunking per role); expected 'sarathi' (the "
+                         "base the roles' policies are derived from)")
+    if engine.async_scheduling:
+        names = [name for role in dep.roles for name in dep.instance_names(role)]
+        if len(names) > 1:
+            raise ValueError(f"engine.async_scheduling=True runs one colocated instance (the engine's asynchronous "
+                             f"loop); this deployment (deployment.kind={dep.kind!r}) has {len(names)} instances "
+                             f"({', '.join(names)}), served by the multi-instance loop, which schedules "
+                             "synchronously; expected engine.async_scheduling=False")
+        if cfg.model.eos_token_id >= 0:
+            raise ValueError(f"engine.async_scheduling=True with model.eos_token_id={cfg.model.eos_token_id}: async "
+                             "scheduling needs requests that finish at max_tokens (no stop token); expected "
+                             "model.eos_token_id=-1 or engine.async_scheduling=False")
+    for role in dep.roles:
+        try:
+            instance_scheduler_config(cfg.scheduler, dep.group(role), role)
+        except ValueError as e:
+            raise ValueError(f"deployment.{role}: its scheduler (the scheduler block with the group's overrides) "
+                             f"is invalid: {e}") from None
+
+
+def check_against_model(cfg, spec, num_available: int) -> Dict[str, Tuple[int, ...]]:
+    """The model rules for a ServeConfig and the model `spec` it runs, on a machine of `num_available` devices;
+    returns the deployment's device assignment (validate_deployment). ValueError naming the key and both values."""
+    check_max_model_len(cfg.scheduler.max_model_len, spec)
+    return validate_deployment(cfg.deployment, spec, num_available)
+
+
+def _checkpoint_dir(checkpoint: str) -> pathlib.Path:
+    """The checkpoint path as the real engine finds it: as given (absolute, or relative to the working directory),
+    else relative to the repository root."""
+    path = pathlib.Path(checkpoint)
+    if path.is_absolute() or path.exists():
+        return path
+    return pathlib.Path(REPO_ROOT) / checkpoint
+
+
+def model_spec_for(cfg, *, simulator: Optional[bool] = None, required: bool = False) -> Optional[ModelSpec]:
+    """The ModelSpec a ServeConfig runs, from the config alone (no weights read), or None when only loading the
+    checkpoint can tell (an HF directory) and not `required` (then ValueError naming the fix).
+
+    simulator (default: cfg.backend == 'sim'): the simulator's rule: `sim.model` if set, else model.checkpoint when
+    it is a registry spec name, else the checkpoint directory's name when that is one, else its pdjax_spec.json.
+    The real engine's: a registry name, else the directory's pdjax_spec.json (what pdjax.models.checkpoint loads)."""
+    simulator = cfg.backend == "sim" if simulator is None else simulator
+    if simulator and cfg.sim.model:
+        return get_model_spec(cfg.sim.model)
+    checkpoint = cfg.model.checkpoint
+    if checkpoint in MODEL_SPECS:
+        return MODEL_SPECS[checkpoint]
+    name = pathlib.Path(checkpoint).name
+    if simulator and name in MODEL_SPECS:
+        return MODEL_SPECS[name]
+    spec_file = _checkpoint_dir(checkpoint) / "pdjax_spec.json"
+    if spec_file.is_file():
+        data = json.loads(spec_file.read_text())
+        if data.get("rope_scaling"):
+            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+        return ModelSpec(**data)
+    if required:
+        raise ValueError(f"sim: cannot tell the model of model.checkpoint={checkpoint!r} (not a registry spec name, "
+                         f"no pdjax_spec.json there); set sim.model to one of {sorted(MODEL_SPECS)}")
+    return None
+
+
+def check_config_against_model(cfg) -> None:
+    """At start-up: the model rules (max_model_len, pp and tp of every group the deployment uses) against the
+    model `model_spec_for` tells from the config; nothing when it cannot tell without loading weights."""
+    spec = model_spec_for(cfg)
+    if spec is None:
+        return
+    check_max_model_len(cfg.scheduler.max_model_len, spec)
+    for role in cfg.deployment.roles:
+        check_group_against_model(role, cfg.deployment.group(role), spec)
