@@ -21,8 +21,7 @@ from absl import flags
 from pdjax.experiment import cli
 from pdjax.experiment.run import prepare_experiment, run_prepared
 from pdjax.metrics import summarize_table
-from pdjax.workload import byte_tokenizer
-from pdjax.workload import describe_length_report
+from pdjax.workload import byte_tokenizer, describe_length_report
 
 
 def sample_text_output(workdir: str):
