@@ -106,6 +106,10 @@ CROSS_BLOCK = [
     # a group's override makes an invalid scheduler: found at start-up, not while building the instance
     (dict(scheduler={"policy": "sarathi"}, deployment={"colocated": {"token_budget": 8}}),
      "deployment.colocated: its scheduler"),
+    # explicit buckets below the budget: both backends failed at the first large step, mid-run
+    (dict(engine={"token_buckets": (16, 32)}), "engine.token_buckets=(16, 32), expected a largest bucket >= 256"),
+    (dict(engine={"page_buckets": (8,)}, scheduler={"max_model_len": 1024, "page_size": 16}),
+     "engine.page_buckets=(8,), expected a largest bucket >= 64"),
 ]
 
 
@@ -159,17 +163,24 @@ def test_placement_refuses_a_context_beyond_the_model():
                          max_model_len=100000)
 
 
-@pytest.mark.parametrize("entry,flags", [
-    ("experiments.serve", ["--config.backend=sim", "--workdir=WORKDIR"]),
-    ("experiments.capacity", ["--slo_tbt_p99=0.1"]),
-])
-def test_entry_points_say_so_in_one_line(tmp_path, entry, flags):
+SERVE_TOO_LONG = ["--config=configs/serve.py", "--config.scheduler.max_model_len=4096",
+                  "--config.scheduler.num_pages=4096"]
+TOO_LONG = ("scheduler.max_model_len=4096, expected <= max_position_embeddings=1024 of model 'tiny-byte' (a longer "
+            "context has positions the model does not have)")
+
+
+@pytest.mark.parametrize("entry,flags,prefix", [
+    ("experiments.serve", SERVE_TOO_LONG + ["--config.backend=sim", "--workdir=WORKDIR"], ""),
+    ("experiments.serve", SERVE_TOO_LONG + ["--workdir=WORKDIR"], ""),
+    ("experiments.capacity", SERVE_TOO_LONG + ["--slo_tbt_p99=0.1"], ""),
+    ("experiments.sweep", ["--config=configs/sweeps/budget.py:sim", "--config.base.scheduler.max_model_len=4096",
+                           "--config.base.scheduler.num_pages=4096", "--workdir=WORKDIR"],
+     "sweep point token_budget=256: "),
+], ids=["serve-sim", "serve-real", "capacity", "sweep"])
+def test_entry_points_say_so_in_one_line_before_anything_runs(tmp_path, entry, flags, prefix):
     flags = [f.replace("WORKDIR", str(tmp_path / "w")) for f in flags]
-    out = subprocess.run([sys.executable, "-m", entry, "--config=configs/serve.py",
-                          "--config.scheduler.max_model_len=4096", "--config.scheduler.num_pages=4096", *flags],
-                         cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    out = subprocess.run([sys.executable, "-m", entry, *flags], cwd=REPO, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 2, out.stderr[-2000:]
-    assert out.stderr.strip().splitlines() == [
-        "error: scheduler.max_model_len=4096, expected <= max_position_embeddings=1024 of model 'tiny-byte' (a "
-        "longer context has positions the model does not have)"]
+    assert out.stderr.strip().splitlines() == [f"error: {prefix}{TOO_LONG}"]
+    assert not (tmp_path / "w").exists()

@@ -12,7 +12,8 @@ Cross-block rules:
 - engine.async_scheduling=True runs one colocated instance (the engine's asynchronous loop is ColocatedEngine's):
   not colocated replicas, not a disaggregated deployment.
 - engine.async_scheduling=True needs requests that run to max_tokens: no stop token (model.eos_token_id=-1).
-- Every group's scheduler (the scheduler block with the group's overrides and role policy) is a valid one.
+- Every group's scheduler (the scheduler block with the group's overrides and role policy) is a valid one, and
+  explicit shape buckets (engine.token_buckets, seq_buckets, page_buckets) hold its largest step.
 Model rules: scheduler.max_model_len <= the model's max_position_embeddings (`check_max_model_len`, also used by
 pdjax.sim.placement and the runtime's runner), pp <= its layers and tp dividing its heads
 (pdjax.config.deployment.validate_deployment). `check_config_against_model` applies them at start-up, before the
@@ -69,10 +70,25 @@ def check_cross_block(cfg) -> None:
                              "model.eos_token_id=-1 or engine.async_scheduling=False")
     for role in dep.roles:
         try:
-            instance_scheduler_config(cfg.scheduler, dep.group(role), role)
+            sched = instance_scheduler_config(cfg.scheduler, dep.group(role), role)
         except ValueError as e:
             raise ValueError(f"deployment.{role}: its scheduler (the scheduler block with the group's overrides) "
                              f"is invalid: {e}") from None
+        check_buckets_hold(engine, sched, role)
+
+
+def check_buckets_hold(engine, sched, role: str) -> None:
+    """Explicit shape buckets (engine.token_buckets / seq_buckets / page_buckets; empty = automatic) hold the
+    largest step a group's scheduler `sched` can schedule: its token budget, max_num_seqs and a max-length request's
+    pages. Otherwise both backends would fail at the first such step, mid-run."""
+    for key, sizes, need, what in (
+            ("token_buckets", engine.token_buckets, sched.token_budget, "token_budget"),
+            ("seq_buckets", engine.seq_buckets, sched.max_num_seqs, "max_num_seqs"),
+            ("page_buckets", engine.page_buckets, sched.pages_per_max_request,
+             f"pages of a max_model_len={sched.max_model_len} request at page_size={sched.page_size}")):
+        if sizes and max(sizes) < need:
+            raise FieldError(f"engine.{key}", tuple(sizes), f"a largest bucket >= {need}, the {what} of "
+                             f"deployment.{role}'s scheduler (a step that large would find no bucket)")
 
 
 def check_against_model(cfg, spec, num_available: int) -> Dict[str, Tuple[int, ...]]:
