@@ -107,9 +107,10 @@ CROSS_BLOCK = [
     (dict(scheduler={"policy": "sarathi"}, deployment={"colocated": {"token_budget": 8}}),
      "deployment.colocated: its scheduler"),
     # explicit buckets below the budget: both backends failed at the first large step, mid-run
-    (dict(engine={"token_buckets": (16, 32)}), "engine.token_buckets=(16, 32), expected a largest bucket >= 256"),
+    (dict(engine={"token_buckets": (16, 32)}),
+     "engine.token_buckets=(16, 32): the largest, 32, is below the token budget 256"),
     (dict(engine={"page_buckets": (8,)}, scheduler={"max_model_len": 1024, "page_size": 16}),
-     "engine.page_buckets=(8,), expected a largest bucket >= 64"),
+     "engine.page_buckets=(8,): the largest, 8, is below the pages of max_model_len=1024 (64 of 16 tokens)"),
 ]
 
 

@@ -127,6 +127,7 @@ SHIPPED_HOST_CPU = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 def cpu_config(profile):
     return {"backend": "sim", "model": {"checkpoint": "tiny-byte"}, "workload": {"preset": "chat"},
+            "scheduler": {"max_model_len": 1024},     # tiny-byte's positions (more is refused)
             "sim": {"hardware": "host-cpu", "profile": profile}}
 
 

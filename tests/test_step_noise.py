@@ -110,6 +110,7 @@ def test_profile_carries_the_noise_and_sim_step_noise_switches_it(tmp_path):
                                extra={"step_noise": {"quantiles": [2.0, 2.0], "num_steps": 500}}))
     assert load_profile(path).step_noise == (2.0, 2.0)
     base = {"backend": "sim", "model": {"checkpoint": "tiny-byte"}, "workload": {"preset": "chat"},
+            "scheduler": {"max_model_len": 1024},     # tiny-byte's positions (more is refused)
             "sim": {"hardware": "a100-80gb-sxm", "profile": str(path)}}
     on = build_setup(serve_config_from_dict(base))
     off = build_setup(serve_config_from_dict({**base, "sim": {**base["sim"], "step_noise": False}}))

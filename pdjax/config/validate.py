@@ -81,14 +81,15 @@ def check_buckets_hold(engine, sched, role: str) -> None:
     """Explicit shape buckets (engine.token_buckets / seq_buckets / page_buckets; empty = automatic) hold the
     largest step a group's scheduler `sched` can schedule: its token budget, max_num_seqs and a max-length request's
     pages. Otherwise both backends would fail at the first such step, mid-run."""
-    for key, sizes, need, what in (
-            ("token_buckets", engine.token_buckets, sched.token_budget, "token_budget"),
-            ("seq_buckets", engine.seq_buckets, sched.max_num_seqs, "max_num_seqs"),
-            ("page_buckets", engine.page_buckets, sched.pages_per_max_request,
-             f"pages of a max_model_len={sched.max_model_len} request at page_size={sched.page_size}")):
-        if sizes and max(sizes) < need:
-            raise FieldError(f"engine.{key}", tuple(sizes), f"a largest bucket >= {need}, the {what} of "
-                             f"deployment.{role}'s scheduler (a step that large would find no bucket)")
+    pages = sched.pages_per_max_request
+    for key, sizes, needed, what in (
+            ("token_buckets", engine.token_buckets, sched.token_budget, f"the token budget {sched.token_budget}"),
+            ("seq_buckets", engine.seq_buckets, sched.max_num_seqs, f"max_num_seqs={sched.max_num_seqs}"),
+            ("page_buckets", engine.page_buckets, pages,
+             f"the pages of max_model_len={sched.max_model_len} ({pages} of {sched.page_size} tokens)")):
+        if sizes and max(sizes) < needed:
+            raise ValueError(f"engine.{key}={tuple(sizes)}: the largest, {max(sizes)}, is below {what} of "
+                             f"deployment.{role}'s scheduler; expected one >= {needed} (or () for automatic buckets)")
 
 
 def check_against_model(cfg, spec, num_available: int) -> Dict[str, Tuple[int, ...]]:
@@ -125,10 +126,15 @@ def model_spec_for(cfg, *, simulator: Optional[bool] = None, required: bool = Fa
         return MODEL_SPECS[name]
     spec_file = _checkpoint_dir(checkpoint) / "pdjax_spec.json"
     if spec_file.is_file():
-        data = json.loads(spec_file.read_text())
-        if data.get("rope_scaling"):
-            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
-        return ModelSpec(**data)
+        try:
+            data = json.loads(spec_file.read_text())
+            if data.get("rope_scaling"):
+                data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+            return ModelSpec(**data)
+        except (OSError, ValueError, TypeError, AttributeError):
+            if required:
+                raise
+            return None      # unreadable or malformed: the checkpoint loader names the file and what is wrong
     if required:
         raise ValueError(f"sim: cannot tell the model of model.checkpoint={checkpoint!r} (not a registry spec name, "
                          f"no pdjax_spec.json there); set sim.model to one of {sorted(MODEL_SPECS)}")

@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence
 
 from pdjax.config.buckets import Buckets, engine_buckets
 from pdjax.config.serving import ServeConfig
-from pdjax.errors import UserError, user_errors
+from pdjax.errors import user_errors
 from pdjax.scheduler import Request, request_from_workload
 from pdjax.scheduler.instances import make_role_scheduler
 from pdjax.serving.cluster import ClusterEngine, Instance
@@ -42,22 +42,12 @@ def resolve_checkpoint(checkpoint: str) -> str:
 
 
 def default_buckets(cfg: ServeConfig) -> Buckets:
-    """The step's shape buckets for `cfg` (pdjax.config.buckets.engine_buckets; the simulator pads the same).
-    Raises UserError when an explicit list's largest bucket is below what a step can hold (the token budget,
-    max_num_seqs, max_model_len's pages): such a step would have no shape to run in."""
+    """The step's shape buckets for `cfg` (pdjax.config.buckets.engine_buckets; the simulator pads the same). An
+    explicit list holds every step the scheduler can make: a ServeConfig guarantees it
+    (pdjax.config.validate.check_buckets_hold, for both backends)."""
     sc, ec = cfg.scheduler, cfg.engine
-    buckets = engine_buckets(sc.token_budget, sc.max_num_seqs, sc.max_model_len, sc.page_size,
-                             ec.token_buckets, ec.seq_buckets, ec.page_buckets)
-    for key, largest, needed, what in (
-            ("token_buckets", buckets.max_tokens, sc.token_budget, f"the token budget {sc.token_budget}"),
-            ("seq_buckets", buckets.max_seqs, sc.max_num_seqs, f"max_num_seqs={sc.max_num_seqs}"),
-            ("page_buckets", buckets.max_pages, -(-sc.max_model_len // sc.page_size),
-             f"the pages of max_model_len={sc.max_model_len} ({-(-sc.max_model_len // sc.page_size)} of "
-             f"{sc.page_size} tokens)")):
-        if largest < needed:
-            raise UserError(f"engine.{key}={tuple(getattr(ec, key))}: the largest, {largest}, is below {what}; "
-                            f"expected one >= {needed} (or () for automatic buckets)")
-    return buckets
+    return engine_buckets(sc.token_budget, sc.max_num_seqs, sc.max_model_len, sc.page_size,
+                          ec.token_buckets, ec.seq_buckets, ec.page_buckets)
 
 
 def build_requests(cfg: ServeConfig, workload: Optional[Sequence] = None) -> List[Request]:
