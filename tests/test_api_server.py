@@ -21,7 +21,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from pdjax.models import byte_tokenizer  # noqa: E402
+from pdjax.workload import byte_tokenizer  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MAX_LEN = 256

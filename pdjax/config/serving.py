@@ -105,17 +105,12 @@ class ServerConfig:
       answered 429 instead of growing the queue without bound (0 = no bound).
     drain_timeout_s: on SIGTERM, in-flight requests get this long to finish; the rest are aborted, then the run's
       result files are written. model_name: the name /v1/models serves ('' = the checkpoint's directory name)."""
-    max_queued_requests: int = 256
-    drain_timeout_s: float = 30.0
+    max_queued_requests: int = nonneg_int(256, note="(0 = no bound)")
+    drain_timeout_s: float = number(30.0, low=0, note="(seconds)")
     model_name: str = ""
 
     def __post_init__(self):
-        if isinstance(self.max_queued_requests, bool) or not isinstance(self.max_queued_requests, int) \
-                or self.max_queued_requests < 0:
-            raise ValueError(f"server.max_queued_requests={self.max_queued_requests!r}, expected an int >= 0 "
-                             "(0 = no bound)")
-        if not self.drain_timeout_s >= 0:
-            raise ValueError(f"server.drain_timeout_s={self.drain_timeout_s!r}, expected seconds >= 0")
+        check_fields(self, "server")
 
 
 # Keys the sim block no longer has -> what replaces them (the deployment block serves both backends).

@@ -11,7 +11,7 @@ output token, the last carrying the finish reason, then (stream_options.include_
 `data: [DONE]`. A client that disconnects (stream cancelled, or a non-streaming request's connection closed)
 aborts its request in the engine at once. Stop strings are matched on the decoded text; the text streamed holds
 back what could still become a stop string and never includes it (OpenAI's rule); usage counts the tokens up to
-the one that completed it. Byte-level models (vocab 259, pdjax.models.byte_tokenizer) take and return text;
+the one that completed it. Byte-level models (vocab 259, pdjax.workload.byte_tokenizer) take and return text;
 other models take token-id prompts and return `token_ids` only (text is empty).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdjax.config.sampling import SamplingParams
-from pdjax.models import byte_tokenizer
+from pdjax.workload import byte_tokenizer
 from pdjax.serving.api import protocol
 from pdjax.serving.api.bridge import Busy, EngineBridge, Unavailable
 
