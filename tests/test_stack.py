@@ -80,3 +80,65 @@ def test_unknown_stack_and_bad_file_name_what_is_wrong(tmp_path):
     (tmp_path / "distserve" / "profiler-a100-80g.distserve.json").write_text('{"facebook/opt-13b": {"1": {')
     with pytest.raises(ValueError, match="profiler-a100-80g.distserve.json' is not valid JSON"):
         load_stack("distserve", profiling_dir=str(tmp_path))
+
+
+# ---------------------------------------------------------------- the stack per group in the simulator
+def _disagg_cfg(prefill_stack="distserve", decode_stack="distserve", backend="sim", prefill_tp=1):
+    return {"backend": backend, "seed": 0, "model": {"checkpoint": "opt-13b"},
+            "engine": {"mode": "online", "progress": False},
+            "scheduler": {"policy": "sarathi", "token_budget": 512, "max_num_seqs": 64, "max_model_len": 2048,
+                          "page_size": 16, "num_pages": 4096},
+            "workload": {"preset": "chat", "num_requests": 30, "rate": 2.0, "vocab_size": 32000,
+                         "fit_to_model": True},
+            "slo": {"ttft": 1.0, "tpot": 0.1}, "sim": {"hardware": "a100-80gb-sxm"},
+            "deployment": {"kind": "disaggregated", "prefill": {"stack": prefill_stack, "tp": prefill_tp,
+                                                                "token_budget": 2048},
+                           "decode": {"stack": decode_stack}}}
+
+
+@needs_data
+def test_each_group_steps_on_its_own_stack():
+    from pdjax.config import SamplingParams, SchedulerConfig
+    from pdjax.config.serving import serve_config_from_dict
+    from pdjax.scheduler import Request, make_scheduler
+    from pdjax.sim.build import build_setup, group_step_time
+    setup = build_setup(serve_config_from_dict(_disagg_cfg("distserve", "distserve-vllm", prefill_tp=2)))
+    prefill, decode = group_step_time(setup, "prefill"), group_step_time(setup, "decode")
+    raw_p, raw_d = _raw("distserve")["facebook/opt-13b"]["2"], _raw("distserve-vllm")["facebook/opt-13b"]["1"]
+    sched = make_scheduler(SchedulerConfig(policy="sarathi", token_budget=64, max_num_seqs=8, max_model_len=2048,
+                                           page_size=16, num_pages=256))
+    for i, n in enumerate((40, 25)):
+        sched.add_request(Request(f"r{i}", list(range(1, n + 1)), SamplingParams(max_tokens=4), 0.0))
+    out = sched.schedule(0.0)                       # chunks: 40 tokens at 0, 24 of 25 at 0 (budget 64)
+    chunks = [(n, 0) for n in out.num_new_tokens]
+    a, b, c = raw_p["prefill"]
+    want = (a + b * sum(n for n, _ in chunks) + c * sum(n * n for n, _ in chunks)) / 1e3
+    assert prefill(out) == pytest.approx(want + 2e-3 + 1e-7 * sum(n for n, _ in chunks))
+    sched.update(out, [7 if s else -1 for s in out.do_sample], 0.1)
+    out = sched.schedule(0.1)                       # r0 decodes (context 41), r1 finishes its prompt (1 at 24)
+    ctx = [c0 + n for c0, n, pre in zip(out.num_computed_tokens, out.num_new_tokens, out.is_prefill) if not pre]
+    assert ctx == [41]
+    a, b, c = raw_d["decoding_smallbs"]
+    fit = setup.groups["decode"].stack.fit_for("opt-13b", "a100-80gb-sxm", 1)
+    assert fit.decode_ms([41]) == pytest.approx(a + b * 41 + c)
+    assert decode(out) == pytest.approx((fit.prefill_ms([(1, 24)]) + b * 41 + c) / 1e3 + 2e-3 + 1e-7 * (25 + 41))
+
+
+@needs_data
+def test_results_record_every_groups_stack_and_the_real_engine_refuses_one(tmp_path):
+    from pdjax.config.serving import serve_config_from_dict
+    from pdjax.experiment.run import run_experiment
+    fast = run_experiment(_disagg_cfg("distserve", "distserve"), str(tmp_path / "a"))
+    slow = run_experiment(_disagg_cfg("distserve", "distserve-vllm"), str(tmp_path / "b"))
+    groups = json.loads((tmp_path / "b" / "results.json").read_text())["sim"]["groups"]
+    assert groups["prefill"]["stack"]["stack"] == "distserve" and groups["decode"]["stack"]["stack"] == "distserve-vllm"
+    assert groups["decode"]["stack"]["step_floor_s"] == 2e-3
+    assert slow["tpot"]["p50"] > 1.1 * fast["tpot"]["p50"]     # vLLM's decode steps are slower on the same GPU
+    assert slow["ttft"]["p50"] == pytest.approx(fast["ttft"]["p50"], rel=0.05)
+    with pytest.raises(ValueError, match=r"deployment.prefill.stack='distserve' with backend='real'"):
+        serve_config_from_dict(_disagg_cfg(backend="real"))
+    with pytest.raises(ValueError, match=r"deployment.prefill.stack: stack 'distserve' has no step fit for "
+                                         r"model='opt-13b' tp=8"):
+        run_experiment(_disagg_cfg(prefill_tp=8), str(tmp_path / "c"))
+    with pytest.raises(ValueError, match=r"deployment.prefill.stack='vlm', expected one of"):
+        serve_config_from_dict(_disagg_cfg(prefill_stack="vlm"))

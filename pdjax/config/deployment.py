@@ -49,6 +49,8 @@ from typing import Dict, List, Tuple
 from pdjax.config.parse import FieldError, check_fields, dataclass_from_dict, nonneg_int, number, one_of, positive_int
 from pdjax.config.pipeline import check_pipeline_parallel
 
+STACKS = ("pdjax", "distserve", "distserve-vllm")   # pdjax.sim.stack implements every name but 'pdjax'
+
 DEPLOYMENT_KINDS = ("colocated", "disaggregated")
 ROUTERS = ("round_robin", "least_loaded")      # = pdjax.scheduler.routing.ROUTER_POLICIES
 ROLES = ("colocated", "prefill", "decode", "mixed")
@@ -80,7 +82,11 @@ class InstanceGroupConfig:
     0 is allowed only for deployment.mixed (DeploymentConfig checks).
     pp/tp: pipeline stages and tensor-parallel degree of each instance (mesh data=1 x stage=pp x tensor=tp).
     num_pages / token_budget / max_num_seqs: scheduler overrides (0 = the scheduler block's value).
-    devices: explicit device indices of all instances (len == num_instances·pp·tp) or () for automatic placement."""
+    devices: explicit device indices of all instances (len == num_instances·pp·tp) or () for automatic placement.
+    stack: the serving stack whose speed the simulator gives these instances (pdjax.sim.stack): 'pdjax' (the cost
+    model: hardware roofline x fitted efficiencies + host terms) or a stack fitted from published step times
+    ('distserve': DistServe's engine, 'distserve-vllm': the vLLM it compared against; valid for the (model,
+    hardware, tp) they were measured on). The real engine is the pdjax stack."""
     num_instances: int = nonneg_int(1, expected="a positive int (0 is allowed for the mixed pool only)")
     pp: int = positive_int(1)
     tp: int = positive_int(1)
@@ -88,6 +94,7 @@ class InstanceGroupConfig:
     token_budget: int = nonneg_int(0, note=SCHEDULER_BLOCKS_VALUE)
     max_num_seqs: int = nonneg_int(0, note=SCHEDULER_BLOCKS_VALUE)
     devices: Tuple[int, ...] = ()
+    stack: str = one_of("pdjax", STACKS)
 
     def __post_init__(self):
         check_fields(self)

@@ -12,6 +12,8 @@ Cross-block rules:
 - engine.async_scheduling=True runs one colocated instance (the engine's asynchronous loop is ColocatedEngine's):
   not colocated replicas, not a disaggregated deployment.
 - engine.async_scheduling=True needs requests that run to max_tokens: no stop token (model.eos_token_id=-1).
+- A serving stack other than 'pdjax' (deployment.<group>.stack) is a simulator setting: the real engine is the
+  pdjax stack, so backend='real' refuses any other.
 - Every group's scheduler (the scheduler block with the group's overrides and role policy) is a valid one, and
   explicit shape buckets (engine.token_buckets, seq_buckets, page_buckets) hold its largest step.
 Model rules: scheduler.max_model_len <= the model's max_position_embeddings (`check_max_model_len`, also used by
@@ -68,6 +70,12 @@ def check_cross_block(cfg) -> None:
             raise ValueError(f"engine.async_scheduling=True with model.eos_token_id={cfg.model.eos_token_id}: async "
                              "scheduling needs requests that finish at max_tokens (no stop token); expected "
                              "model.eos_token_id=-1 or engine.async_scheduling=False")
+    if cfg.backend == "real":
+        for role in dep.roles:
+            if dep.group(role).stack != "pdjax":
+                raise ValueError(f"deployment.{role}.stack={dep.group(role).stack!r} with backend='real': a fitted "
+                                 "stack is how the simulator times another engine; the real engine is the pdjax "
+                                 "stack (expected 'pdjax', or backend='sim')")
     for role in dep.roles:
         try:
             sched = instance_scheduler_config(cfg.scheduler, dep.group(role), role)

@@ -293,6 +293,11 @@ def summarize_table(summary: Mapping[str, Any]) -> str:
                  f"{'-' if attainment is None else f'{attainment:.3f}'}  goodput {summary['goodput_rps']:.2f} req/s")
     for kind, n in (summary.get("rejections") or {}).items():
         lines.append(f"rejected {n}: {kind}")
+    for role, group in ((summary.get("sim") or {}).get("groups") or {}).items():
+        stack = group.get("stack") or {}
+        if stack.get("kind") == "step_fit":   # a fitted serving stack: its overhead terms with every run
+            lines.append(f"stack {stack['stack']!r} on {role}: {stack['source']}; step_floor_s={stack['step_floor_s']} "
+                         f"per_context_token_s={stack['per_context_token_s']}")
     compiles = (summary.get("iterations") or {}).get("num_compiles")
     if compiles:
         lines.append(f"WARNING: {compiles} XLA compile(s) during the run; the iterations that compiled are flagged "

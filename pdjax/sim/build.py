@@ -28,8 +28,10 @@ Rules (each chosen so a simulated run answers "what would the real engine do wit
   the cost model's KV capacity at the group's tp/pp (`kv_cache_capacity_tokens` with gpu_memory_utilization,
   activations for its token_budget and max_num_seqs) in pages; else (host-cpu) `scheduler.num_pages` as given,
   which is what the CPU engine allocates.
-- Step time: `make_step_time(model, hardware, tp, pp, params, padding, noise)` of the group (noise: the
-  profile's StepNoise, seeded by the run's seed and the role, when sim.step_noise).
+- Step time: the group's serving stack (`deployment.<group>.stack`): 'pdjax' is `make_step_time(model,
+  hardware, tp, pp, params, padding, noise)` (noise: the profile's StepNoise, seeded by the run's seed and the
+  role, when sim.step_noise); a fitted stack (pdjax.sim.stack: DistServe's engine or its vLLM) is its step fit
+  for (model, hardware, tp), refused at build time for any other.
 - Disaggregated KV links: from the instances' devices (pdjax.sim.disagg.kv_link), mixed instances' included;
   transfers on one link are serialized. `disaggregated_kwargs(setup, instances)`: the keyword arguments of
   simulate_disaggregated for a built setup (kv_bytes_of, router, serialize_transfers, the mixed pool).
@@ -56,6 +58,7 @@ from pdjax.sim.disagg import DisaggSimInstance, kv_link, make_transfer_time
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 from pdjax.sim.simulator import PendingRequest, SimInstance
 from pdjax.sim.profile import Profile, profile_for
+from pdjax.sim.stack import FittedStepTime, StepFitStack, load_stack
 from pdjax.sim.step_cost import EnginePadding, StepNoise, make_step_time, padding_from_profile
 
 # --------------------------------------------------------------------------------------------------- setup
@@ -71,6 +74,7 @@ class GroupSetup:
     devices: Tuple[Tuple[int, ...], ...]
     names: Tuple[str, ...]
     padding: Optional[EnginePadding] = None
+    stack: Optional[StepFitStack] = None       # a fitted serving stack; None: the pdjax stack (the cost model)
 
     @property
     def num_instances(self) -> int:
@@ -179,8 +183,15 @@ def build_setup(cfg, hardware: Optional[HardwareSpec] = None) -> SimSetup:
         if pages != sched_cfg.num_pages:
             sched_cfg = dataclasses.replace(sched_cfg, num_pages=pages)
         names = tuple(dep.instance_names(role))
+        stack = None
+        if group.stack != "pdjax":
+            stack = load_stack(group.stack)
+            try:
+                stack.fit_for(model.name, hw.name, group.tp)
+            except ValueError as e:
+                raise ValueError(f"deployment.{role}.stack: {e}") from None
         groups[role] = GroupSetup(role, sched_cfg, group.tp, group.pp, capacity, tuple(assignment[n] for n in names),
-                                  names, _padding(cfg, profile, sched_cfg))
+                                  names, _padding(cfg, profile, sched_cfg), stack)
     return SimSetup(model=model, hardware=hw, params=params, profile=profile_name, kind=dep.kind,
                     router=dep.router, groups=groups, async_scheduling=bool(cfg.engine.async_scheduling),
                     mixed_prefill_queue_tokens=dep.mixed_prefill_queue_tokens,
@@ -194,6 +205,8 @@ def group_step_time(setup: SimSetup, role: str, noise: bool = True) -> Callable[
     """The step time of `role`'s instances; with the setup's step noise (seeded by the run's seed and the role)
     unless noise=False (the deterministic model, e.g. to compare with measured steps)."""
     g = setup.groups[role]
+    if g.stack is not None:
+        return FittedStepTime(g.stack, g.stack.fit_for(setup.model.name, setup.hardware.name, g.tp), g.pp)
     step_noise = None
     if noise and setup.step_noise:
         step_noise = StepNoise(setup.step_noise, seed=zlib.crc32(f"{setup.seed}/{role}".encode()))

@@ -27,6 +27,7 @@ import json
 import os
 from typing import Dict, Mapping, Sequence, Tuple
 
+from pdjax.config.deployment import STACKS
 from pdjax.config.files import REPO_ROOT
 
 SHARED_PROFILING_DIR = os.path.normpath(os.path.join(REPO_ROOT, os.pardir, "shared", "data", "profiling"))
@@ -139,7 +140,7 @@ STEP_FIT_STACKS = {
     "distserve-vllm": ("distserve/profiler-a100-80g.vllm.json",
                        "the vLLM DistServe compared against (simdistserve fits)"),
 }
-STACKS = ("pdjax",) + tuple(STEP_FIT_STACKS)
+assert set(STEP_FIT_STACKS) == set(STACKS) - {"pdjax"}, "pdjax.config.deployment.STACKS names every stack"
 
 
 def load_stack(name: str, profiling_dir: str = SHARED_PROFILING_DIR) -> StepFitStack:
@@ -150,3 +151,39 @@ def load_stack(name: str, profiling_dir: str = SHARED_PROFILING_DIR) -> StepFitS
     path = os.path.join(profiling_dir, rel)
     return StepFitStack(name=name, hardware="a100-80gb-sxm", fits=load_distserve_fits(path),
                         source=f"{what}: {rel}", **_SIMDISTSERVE_OVERHEAD)
+
+
+class FittedStepTime:
+    """The simulator's step time (`(SchedulerOutput) -> seconds`) of one instance on a step-fit stack: a
+    prefill chunk is a scheduled prompt part (`is_prefill`: n new tokens at offset num_computed_tokens), a
+    decode one token whose context is num_computed_tokens + 1. pp > 1: `stage_times` gives every stage the
+    fit / pp (the overhead on stage 0, no separate send time: the fits include it), as simdistserve divides."""
+
+    takes_context = False
+
+    def __init__(self, stack: StepFitStack, fit: StepFit, pp: int = 1, noise=None):
+        self.stack, self.fit, self.pp, self.noise = stack, fit, pp, noise
+
+    @staticmethod
+    def batch(out) -> Tuple[list, list]:
+        """(prefill chunks [(n, offset)], decode contexts) of a SchedulerOutput."""
+        chunks, contexts = [], []
+        for c, n, pre in zip(out.num_computed_tokens, out.num_new_tokens, out.is_prefill):
+            if pre:
+                chunks.append((n, c))
+            else:
+                contexts.append(c + n)
+        return chunks, contexts
+
+    def stage_times(self, out) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
+        chunks, contexts = self.batch(out)
+        first = self.stack.stage_time_s(self.fit, chunks, contexts, self.pp, first_stage=True)
+        rest = self.stack.stage_time_s(self.fit, chunks, contexts, self.pp, first_stage=False)
+        stages = (first,) + (rest,) * (self.pp - 1)
+        if self.noise is not None:
+            f = self.noise()
+            stages = tuple(f * t for t in stages)
+        return stages, (0.0,) * (self.pp - 1)
+
+    def __call__(self, out) -> float:
+        return sum(self.stage_times(out)[0])
