@@ -5,7 +5,8 @@ python -m experiments.placement --model=opt-13b --hardware=a100-80gb-sxm --gpus_
     --ttft=0.2 --tpot=0.1 --attainment=0.9 --workers=2
 
 Workload: with --trace, DistServe's filtering: the trace's rows whose prompt + output fit --max_model_len, as
-empirical prompt and output length distributions (sampled independently, Poisson arrivals); without it, the
+(prompt, output) pairs drawn from those rows (--length_sampling=joint, as DistServe samples; 'independent' draws
+the two columns separately), Poisson arrivals; without it, the
 --preset (e.g. chat) capped at --max_model_len. Prints JSON: the problem, the ranking (per-GPU goodput), the best
 disaggregated and colocated placements, and the wall time.
 """
@@ -26,6 +27,8 @@ flags.DEFINE_float("intra_node_gbps", 0.0, "Intra-node link GB/s per GPU per dir
 flags.DEFINE_float("inter_node_gbps", 0.0, "Inter-node link GB/s per GPU per direction (0: the spec's).")
 flags.DEFINE_integer("budget", 4, "GPU budget.")
 flags.DEFINE_string("trace", "", "Trace CSV for the lengths (any format of pdjax.workload.traces).")
+flags.DEFINE_enum("length_sampling", "joint", ["joint", "independent"],
+                  "With --trace: draw (prompt, output) rows jointly, or each column on its own.")
 flags.DEFINE_string("preset", "chat", "Workload preset when no --trace is given.")
 flags.DEFINE_integer("num_requests", 300, "Requests per simulation.")
 flags.DEFINE_integer("max_model_len", 2048, "Max prompt + output tokens (OPT: 2048).")
@@ -54,7 +57,8 @@ _names_among("affinity", AFFINITIES)
 _names_among("colocated", COLOCATED_POLICIES)
 
 
-def trace_workload(path: str, max_model_len: int, num_requests: int, seed: int) -> dict:
+def trace_workload(path: str, max_model_len: int, num_requests: int, seed: int,
+                   length_sampling: str = "joint") -> dict:
     """Empirical length distributions of the trace rows with prompt + output <= max_model_len (DistServe's
     filtering), as a WorkloadConfig dict. Raises ValueError (OSError for an unreadable file) naming the trace."""
     from pdjax.workload.traces import load_trace  # noqa: PLC0415
@@ -64,7 +68,8 @@ def trace_workload(path: str, max_model_len: int, num_requests: int, seed: int) 
         raise ValueError(f"--trace={path!r}: no row fits max_model_len={max_model_len} (prompt + output tokens)")
     return {"kind": "synthetic", "arrival": "poisson", "num_requests": num_requests, "seed": seed,
             "prompt_len": {"kind": "empirical", "samples": tuple(prompts)},
-            "output_len": {"kind": "empirical", "samples": tuple(outputs)}, "max_model_len": max_model_len}
+            "output_len": {"kind": "empirical", "samples": tuple(outputs)}, "max_model_len": max_model_len,
+            "length_sampling": length_sampling}
 
 
 def run(model: str, hardware: str, budget: int, workload: dict, ttft: float, tpot: float, attainment: float = 0.9,
@@ -92,7 +97,8 @@ def main(argv):
         raise cli.UserError(f"unexpected arguments {argv[1:]}")
     try:     # a bad trace, model, hardware, profile, preset or budget: one line naming it
         if FLAGS.trace:
-            workload = trace_workload(FLAGS.trace, FLAGS.max_model_len, FLAGS.num_requests, FLAGS.seed)
+            workload = trace_workload(FLAGS.trace, FLAGS.max_model_len, FLAGS.num_requests, FLAGS.seed,
+                                      FLAGS.length_sampling)
         else:
             workload = {"preset": FLAGS.preset, "num_requests": FLAGS.num_requests, "seed": FLAGS.seed,
                         "max_model_len": FLAGS.max_model_len}

@@ -307,3 +307,49 @@ def test_workload_and_metrics_import_no_jax():
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ---------------------------------------------------------------- joint (prompt, output) sampling from a trace
+def _paired_workload(length_sampling, n=400, **kw):
+    rng = np.random.default_rng(7)
+    prompts = [int(p) for p in rng.integers(1, 2000, size=150)]
+    outputs = [max(1, 2000 - p + int(rng.integers(-20, 20))) for p in prompts]   # strongly anti-correlated
+    cfg = WorkloadConfig(kind="synthetic", arrival="offline", num_requests=n, seed=3, vocab_size=100,
+                         prompt_len={"kind": "empirical", "samples": prompts},
+                         output_len={"kind": "empirical", "samples": outputs}, length_sampling=length_sampling, **kw)
+    return set(zip(prompts, outputs)), make_workload(cfg)
+
+
+def test_joint_sampling_draws_rows_of_the_trace_and_keeps_their_correlation():
+    rows, joint = _paired_workload("joint")
+    pairs = [(r.num_prompt_tokens, r.max_tokens) for r in joint]
+    assert all(p in rows for p in pairs)
+    _, indep = _paired_workload("independent")
+    assert sum((r.num_prompt_tokens, r.max_tokens) in rows for r in indep) < len(indep) / 4
+    assert [r.num_prompt_tokens for r in indep] == [r.num_prompt_tokens for r in joint]   # same prompt draws
+    def corr(reqs):
+        return np.corrcoef([r.num_prompt_tokens for r in reqs], [r.max_tokens for r in reqs])[0, 1]
+    assert corr(joint) < -0.95 and abs(corr(indep)) < 0.2
+
+
+def test_independent_sampling_is_what_it_was():
+    from pdjax.workload.generate import _RNG_OUTPUT, _RNG_PROMPT
+    from pdjax.workload.lengths import length_dist
+    _, indep = _paired_workload("independent", n=50)
+    rng = np.random.default_rng(7)
+    prompts = [int(p) for p in rng.integers(1, 2000, size=150)]
+    outputs = [max(1, 2000 - p + int(rng.integers(-20, 20))) for p in prompts]
+    want_p = sample_lengths(length_dist({"kind": "empirical", "samples": prompts}), 50,
+                            np.random.default_rng([3, _RNG_PROMPT]))
+    want_o = sample_lengths(length_dist({"kind": "empirical", "samples": outputs}), 50,
+                            np.random.default_rng([3, _RNG_OUTPUT]))
+    assert [r.num_prompt_tokens for r in indep] == list(want_p) and [r.max_tokens for r in indep] == list(want_o)
+
+
+def test_joint_is_only_for_pairable_columns_and_bad_names_are_refused():
+    cfg = WorkloadConfig(kind="synthetic", arrival="offline", num_requests=5, vocab_size=100,
+                         prompt_len={"kind": "empirical", "samples": [3, 4, 5]},
+                         output_len={"kind": "uniform", "low": 1, "high": 4})
+    assert len(make_workload(cfg)) == 5       # joint by default, but a uniform column is drawn on its own
+    with pytest.raises(ValueError, match=r"workload.length_sampling='pairs', expected one of"):
+        WorkloadConfig(kind="synthetic", preset="chat", length_sampling="pairs")

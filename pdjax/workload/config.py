@@ -18,6 +18,7 @@ WORKLOAD_KINDS = ("synthetic", "trace")
 WORKLOAD_ARRIVALS = ARRIVAL_KINDS + ("trace",)
 PROMPT_SOURCES = ("random", "text")
 NO_CAP = "(0 = no cap)"
+LENGTH_SAMPLING = ("joint", "independent")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,10 @@ class WorkloadConfig:
     preset: a name in presets.PRESETS; an explicit prompt_len/output_len overrides the preset's.
     prompt_len / output_len: a LengthDist, a dict like {'kind': 'uniform', 'low': 8, 'high': 64}, or its
       command-line string 'uniform:low=8,high=64' ('' or None: from the preset).
+    length_sampling: 'joint' (default): when prompt_len and output_len are both 'empirical' with equal sample
+      counts (one trace's columns, e.g. experiments.placement --trace), each request draws one row for both,
+      keeping the trace's (prompt, output) pairs, as DistServe and Splitwise sample; 'independent' draws the two
+      columns separately. Every other pair of distributions is drawn independently either way.
     scale: every sampled length is multiplied by it and rounded (min 1).
     fit_to_model: synthetic sources only: multiply `scale` by max_model_len / the source's fit_total_tokens
       (preset.fit_total_tokens, or the sum of the explicit distributions' maxima), so scale=1 maps the source's
@@ -60,6 +65,7 @@ class WorkloadConfig:
     preset: str = one_of("", ("",) + tuple(sorted(PRESETS)), expected=f"'' or one of {sorted(PRESETS)}")
     prompt_len: Optional[Union[LengthDist, Mapping[str, Any], str]] = None
     output_len: Optional[Union[LengthDist, Mapping[str, Any], str]] = None
+    length_sampling: str = one_of("joint", LENGTH_SAMPLING)
     trace_path: str = ""
     trace_start: int = nonneg_int(0)
     trace_time_scale: float = number(1.0, low=0, low_open=True)

@@ -14,7 +14,7 @@ import numpy as np
 
 from pdjax.workload.arrivals import arrival_times
 from pdjax.workload.config import WorkloadConfig
-from pdjax.workload.lengths import LengthDist, sample_lengths
+from pdjax.workload.lengths import LengthDist, is_pairable, sample_length_pairs
 from pdjax.workload.presets import get_preset
 from pdjax.workload.request import WorkloadRequest
 from pdjax.workload.tokens import (STREAM_ANSWER, STREAM_BLOCK, STREAM_BODY, STREAM_PREFIX, hashed_token_ids,
@@ -101,6 +101,11 @@ def _single_turn(cfg: WorkloadConfig, seed: int, prompt_body: np.ndarray, output
     return requests
 
 
+def _joint(cfg: WorkloadConfig, prompt: LengthDist, output: LengthDist) -> bool:
+    """Draw (prompt, output) pairs: length_sampling='joint' and the two distributions are one trace's columns."""
+    return cfg.length_sampling == "joint" and is_pairable(prompt, output)
+
+
 def _sessions(cfg: WorkloadConfig, seed: int, prompt: LengthDist, output: LengthDist, scale: float
               ) -> List[WorkloadRequest]:
     starts = arrival_times(cfg.arrival, cfg.num_requests, cfg.rate / cfg.num_turns, cfg.cv,
@@ -110,8 +115,8 @@ def _sessions(cfg: WorkloadConfig, seed: int, prompt: LengthDist, output: Length
     session = 0
     while len(requests) < cfg.num_requests:
         rng = np.random.default_rng([seed, _RNG_SESSION, session])
-        bodies = scale_lengths(sample_lengths(prompt, cfg.num_turns, rng), scale)
-        answers = scale_lengths(sample_lengths(output, cfg.num_turns, rng), scale)
+        bodies, answers = sample_length_pairs(prompt, output, cfg.num_turns, rng, rng, _joint(cfg, prompt, output))
+        bodies, answers = scale_lengths(bodies, scale), scale_lengths(answers, scale)
         tokens: List[int] = _token_ids(cfg, seed, STREAM_PREFIX, 0, cfg.shared_prefix_len)
         for turn in range(cfg.num_turns):
             key = session * cfg.num_turns + turn
@@ -210,7 +215,8 @@ def make_workload(cfg: Any, seed: Optional[int] = None) -> List[WorkloadRequest]
     if cfg.num_turns > 1:
         return _sessions(cfg, seed, prompt, output, scale)
     n = cfg.num_requests
-    bodies = scale_lengths(sample_lengths(prompt, n, np.random.default_rng([seed, _RNG_PROMPT])), scale)
-    outputs = scale_lengths(sample_lengths(output, n, np.random.default_rng([seed, _RNG_OUTPUT])), scale)
+    bodies, outputs = sample_length_pairs(prompt, output, n, np.random.default_rng([seed, _RNG_PROMPT]),
+                                          np.random.default_rng([seed, _RNG_OUTPUT]), _joint(cfg, prompt, output))
+    bodies, outputs = scale_lengths(bodies, scale), scale_lengths(outputs, scale)
     arrivals = arrival_times(cfg.arrival, n, cfg.rate, cfg.cv, np.random.default_rng([seed, _RNG_ARRIVAL]))
     return _single_turn(cfg, seed, bodies, outputs, arrivals)

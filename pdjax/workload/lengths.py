@@ -9,6 +9,10 @@ Kinds:
 - quantiles: inverse-CDF table ((q, length), ...) with q from 0 to 1, linearly interpolated; this is how the
   named presets carry a real trace's distribution without the file.
 - empirical: resample with replacement from `samples` (lengths taken from a trace, see traces.py).
+`sample_length_pairs` draws (prompt, output) lengths together: two empirical distributions of one trace's
+columns (equal sample counts, row i of each the same request) are drawn jointly, one row index per request, so
+the trace's prompt/output correlation is kept (as DistServe and Splitwise sample); anything else draws each
+column on its own generator, exactly as `sample_lengths`.
 """
 from __future__ import annotations
 
@@ -108,6 +112,34 @@ def length_dist(spec: Union[LengthDist, Mapping[str, Any], str]) -> LengthDist:
     return LengthDist(**kwargs)
 
 
+def is_pairable(prompt: LengthDist, output: LengthDist) -> bool:
+    """Both empirical with equal sample counts: row i of each can be one (prompt, output) pair."""
+    return prompt.kind == output.kind == "empirical" and len(prompt.samples) == len(output.samples)
+
+
+def sample_length_pairs(prompt: LengthDist, output: LengthDist, n: int, prompt_rng: np.random.Generator,
+                        output_rng: np.random.Generator, joint: bool) -> Tuple[np.ndarray, np.ndarray]:
+    """([n] prompt lengths, [n] output lengths). joint (module docstring; needs `is_pairable`): one row index per
+    request, drawn from prompt_rng, picks both (the prompts are the ones an independent draw gives); otherwise
+    prompt lengths from prompt_rng and output lengths from output_rng."""
+    if not joint:
+        return sample_lengths(prompt, n, prompt_rng), sample_lengths(output, n, output_rng)
+    if not is_pairable(prompt, output):
+        raise ValueError(f"joint length sampling needs two empirical distributions with equal sample counts (one "
+                         f"trace's columns); got {prompt.kind!r} ({len(prompt.samples)} samples) and {output.kind!r} "
+                         f"({len(output.samples)} samples)")
+    rows = prompt_rng.integers(0, len(prompt.samples), size=n)
+    return _clip(prompt, np.asarray(prompt.samples, dtype=np.float64)[rows]), \
+        _clip(output, np.asarray(output.samples, dtype=np.float64)[rows])
+
+
+def _clip(dist: LengthDist, out: np.ndarray) -> np.ndarray:
+    out = np.maximum(np.rint(out), dist.low)
+    if dist.high:
+        out = np.minimum(out, dist.high)
+    return out.astype(np.int64)
+
+
 def sample_lengths(dist: LengthDist, n: int, rng: np.random.Generator) -> np.ndarray:
     """[n] int64 lengths >= 1 drawn from `dist`."""
     if dist.kind == "fixed":
@@ -126,7 +158,4 @@ def sample_lengths(dist: LengthDist, n: int, rng: np.random.Generator) -> np.nda
         out = np.interp(rng.random(n), qs, vals)
     else:
         out = np.asarray(dist.samples, dtype=np.float64)[rng.integers(0, len(dist.samples), size=n)]
-    out = np.maximum(np.rint(out), dist.low)
-    if dist.high:
-        out = np.minimum(out, dist.high)
-    return out.astype(np.int64)
+    return _clip(dist, out)
