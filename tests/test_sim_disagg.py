@@ -545,3 +545,62 @@ def test_kv_link_pairs_pipeline_stages():
     assert kv_link(sxm, (0, 1, 2, 3), (4, 5), 1, 2)[2] == 2          # unequal pp: (0, 4), (1, 5)
     with pytest.raises(ValueError, match="3 devices in 2 pipeline stages"):
         kv_link(sxm, (0, 1, 2), (4, 5), 2, 2)
+
+
+def test_groups_on_different_hardware_step_and_transfer_on_their_own():
+    """Splitwise-HA: H100 prefill, A100 decode. Each group's steps cost on its own hardware (the test fails if
+    both use one), and the KV crosses the inter-node network between the two machine types."""
+    from pdjax.config.serving import serve_config_from_dict
+    from pdjax.sim.build import build_instances, build_setup, build_transfer_time, group_step_time
+    from pdjax.sim.cost_model import kv_bytes
+    from pdjax.sim.hardware import get_hardware_spec
+    from pdjax.sim.step_cost import make_step_time
+    cfg = serve_config_from_dict({
+        "backend": "sim", "model": {"checkpoint": "llama-2-13b"}, "engine": {"progress": False},
+        "scheduler": {"policy": "sarathi", "token_budget": 512, "max_num_seqs": 64, "max_model_len": 4096,
+                      "num_pages": 1024},
+        "workload": {"preset": "chat", "num_requests": 8, "vocab_size": 32000, "fit_to_model": True},
+        "sim": {"hardware": "a100-80gb-sxm"},
+        "deployment": {"kind": "disaggregated", "prefill": {"hardware": "h100-sxm"}}})
+    setup = build_setup(cfg)
+    h100, a100 = get_hardware_spec("h100-sxm"), get_hardware_spec("a100-80gb-sxm")
+    assert setup.groups["prefill"].hardware.name == "h100-sxm" and setup.groups["decode"].hardware is None
+    sched = make_scheduler(SchedulerConfig(policy="sarathi", token_budget=512, max_num_seqs=8, max_model_len=4096,
+                                           page_size=16, num_pages=512))
+    sched.add_request(Request("r0", list(range(1, 401)), SamplingParams(max_tokens=4), 0.0))
+    out = sched.schedule(0.0)
+    prefill_t, decode_t = group_step_time(setup, "prefill", noise=False), group_step_time(setup, "decode", noise=False)
+    on_h100 = make_step_time(setup.model, h100, 1, 1, setup.groups["prefill"].params)(out)
+    on_a100 = make_step_time(setup.model, a100, 1, 1, setup.params)(out)
+    assert prefill_t(out) == pytest.approx(on_h100) and decode_t(out) == pytest.approx(on_a100)
+    assert on_h100 < 0.8 * on_a100
+    instances = build_instances(setup)
+    transfer = build_transfer_time(setup)(instances["prefill"][0], instances["decode"][0], 1000)
+    nvlink = make_transfer_time(setup.model, a100.intra_node_bandwidth, a100.intra_node_latency, 1, setup.params)
+    network = make_transfer_time(setup.model, min(a100.inter_node_bandwidth, h100.inter_node_bandwidth),
+                                 max(a100.inter_node_latency, h100.inter_node_latency), 1,
+                                 setup.groups["prefill"].params)
+    assert transfer == pytest.approx(network(1000)) and transfer > 2 * nvlink(1000)
+    assert kv_bytes(setup.model, 1000) / transfer < a100.inter_node_bandwidth
+
+
+def test_a_colocated_group_stays_on_one_hardware_and_the_real_engine_refuses_others():
+    from pdjax.config.serving import serve_config_from_dict
+    from pdjax.errors import UserError
+    from pdjax.serving.build import build_engine
+    from pdjax.sim.build import build_setup
+    base = {"backend": "sim", "model": {"checkpoint": "llama-2-13b"}, "engine": {"progress": False},
+            "scheduler": {"max_model_len": 4096}, "workload": {"preset": "chat", "num_requests": 4},
+            "sim": {"hardware": "a100-80gb-sxm"}}
+    with pytest.raises(ValueError, match="deployment.colocated.hardware='h100-sxm': a colocated deployment runs "
+                                         "on one hardware"):
+        build_setup(serve_config_from_dict({**base, "deployment": {"colocated": {"hardware": "h100-sxm"}}}))
+    with pytest.raises(ValueError, match=r"deployment.prefill.hardware: unknown hardware 'b300'"):
+        build_setup(serve_config_from_dict({**base, "deployment": {"kind": "disaggregated",
+                                                                   "prefill": {"hardware": "b300"}}}))
+    real = serve_config_from_dict({"backend": "real", "model": {"checkpoint": "tiny-llama"},
+                                   "workload": {"preset": "chat", "num_requests": 4},
+                                   "deployment": {"colocated": {"hardware": "h100"}}})
+    with pytest.raises(UserError, match=r"deployment.colocated.hardware='h100': the real engine runs on the devices "
+                                        r"it has \('cpu'\)"):
+        build_engine(real)

@@ -46,7 +46,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Tuple
 
-from pdjax.config.parse import FieldError, check_fields, dataclass_from_dict, nonneg_int, number, one_of, positive_int
+from pdjax.config.parse import (FieldError, check_fields, dataclass_from_dict, nonneg_int, number, one_of,
+                               positive_int, text)
 from pdjax.config.pipeline import check_pipeline_parallel
 
 STACKS = ("pdjax", "distserve", "distserve-vllm")   # pdjax.sim.stack implements every name but 'pdjax'
@@ -86,7 +87,10 @@ class InstanceGroupConfig:
     stack: the serving stack whose speed the simulator gives these instances (pdjax.sim.stack): 'pdjax' (the cost
     model: hardware roofline x fitted efficiencies + host terms) or a stack fitted from published step times
     ('distserve': DistServe's engine, 'distserve-vllm': the vLLM it compared against; valid for the (model,
-    hardware, tp) they were measured on). The real engine is the pdjax stack."""
+    hardware, tp) they were measured on). The real engine is the pdjax stack.
+    hardware: the accelerator these instances run on ('' = sim.hardware), so a disaggregated deployment's groups
+    may differ (Splitwise-HA: H100 prompt machines, A100 token machines; the KV then crosses the inter-node link
+    between the two machine types). The real engine refuses a hardware it is not running on."""
     num_instances: int = nonneg_int(1, expected="a positive int (0 is allowed for the mixed pool only)")
     pp: int = positive_int(1)
     tp: int = positive_int(1)
@@ -95,6 +99,7 @@ class InstanceGroupConfig:
     max_num_seqs: int = nonneg_int(0, note=SCHEDULER_BLOCKS_VALUE)
     devices: Tuple[int, ...] = ()
     stack: str = one_of("pdjax", STACKS)
+    hardware: str = text("", expected="a hardware name ('' = sim.hardware)")
 
     def __post_init__(self):
         check_fields(self)

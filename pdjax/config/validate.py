@@ -49,6 +49,34 @@ def check_max_model_len(max_model_len: int, spec, key: str = "scheduler.max_mode
                          "longer context has positions the model does not have)")
 
 
+# What a device_kind (jax.Device.device_kind, lower-cased) contains on each hardware family (pdjax.sim.hardware
+# names, by the part before the first '-', TPU names by their generation).
+_DEVICE_KIND_MARKERS = {"host": ("cpu",), "a100": ("a100",), "h100": ("h100",), "h200": ("h200",), "a40": ("a40",),
+                        "l4": ("l4",), "v4": ("tpu v4",), "v5e": ("tpu v5 lite", "tpu v5e"), "v5p": ("tpu v5p",),
+                        "v6e": ("tpu v6 lite", "tpu v6e")}
+
+
+def hardware_runs_on(hardware: str, device_kind: str) -> Optional[bool]:
+    """Whether a device of `device_kind` is the hardware named `hardware` (a pdjax.sim.hardware name or alias);
+    None when the name is not one this rule knows (the caller says so)."""
+    name = hardware.lower().removeprefix("tpu-")
+    markers = _DEVICE_KIND_MARKERS.get(name) or _DEVICE_KIND_MARKERS.get(name.split("-")[0])
+    if markers is None:
+        return None
+    kind = device_kind.lower()
+    return any(m in kind for m in markers)
+
+
+def check_group_hardware(dep, device_kind: str) -> None:
+    """The real engine runs on the devices it has: a group naming another hardware is refused (one line)."""
+    for role in dep.roles:
+        hardware = dep.group(role).hardware
+        if hardware and not hardware_runs_on(hardware, device_kind):
+            raise ValueError(f"deployment.{role}.hardware={hardware!r}: the real engine runs on the devices it has "
+                             f"({device_kind!r}); expected '' or that hardware (per-group hardware is a simulator "
+                             "setting for other machines)")
+
+
 def check_cross_block(cfg) -> None:
     """The cross-block rules of the module docstring for a ServeConfig; ValueError naming the keys and values."""
     dep, engine, policy = cfg.deployment, cfg.engine, cfg.scheduler.policy

@@ -99,15 +99,16 @@ def build_instances(cfg: ServeConfig, *, devices: Optional[Sequence] = None, par
     loading cfg.model.checkpoint (tests share one set)."""
     import jax  # noqa: PLC0415
     from pdjax.config.deployment import instance_scheduler_config  # noqa: PLC0415
-    from pdjax.config.validate import check_against_model  # noqa: PLC0415
+    from pdjax.config.validate import check_against_model, check_group_hardware  # noqa: PLC0415
     from pdjax.runtime.mesh import make_mesh  # noqa: PLC0415
 
     dep = cfg.deployment
+    devices = list(jax.devices() if devices is None else devices)
+    check_group_hardware(dep, devices[0].device_kind)
     if params is None:
         spec, params = load_weights(cfg)
     elif spec is None:
         raise ValueError("params given without their spec")
-    devices = list(jax.devices() if devices is None else devices)
     assignment = check_against_model(cfg, spec, len(devices))   # max_model_len, pp <= layers, tp | heads, devices
     base = _scheduler_config(cfg, spec)
     instances = []

@@ -54,7 +54,7 @@ from pdjax.scheduler import make_scheduler, request_from_workload
 from pdjax.scheduler.instances import check_instance, make_role_scheduler
 from pdjax.scheduler.routing import InstanceRouter
 from pdjax.sim.cost_model import CostParams, kv_bytes, kv_cache_capacity_tokens
-from pdjax.sim.disagg import DisaggSimInstance, kv_link, make_transfer_time
+from pdjax.sim.disagg import DisaggSimInstance, kv_link_between, make_transfer_time
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 from pdjax.sim.simulator import PendingRequest, SimInstance
 from pdjax.sim.profile import Profile, profile_for
@@ -75,6 +75,8 @@ class GroupSetup:
     names: Tuple[str, ...]
     padding: Optional[EnginePadding] = None
     stack: Optional[StepFitStack] = None       # a fitted serving stack; None: the pdjax stack (the cost model)
+    hardware: Optional[HardwareSpec] = None    # the group's own hardware (deployment.<group>.hardware), else None
+    params: Optional[CostParams] = None        # its cost parameters (the shipped profile of that hardware)
 
     @property
     def num_instances(self) -> int:
@@ -179,7 +181,19 @@ def build_setup(cfg, hardware: Optional[HardwareSpec] = None) -> SimSetup:
     for role in dep.roles:
         group = dep.group(role)
         sched_cfg = instance_scheduler_config(base, group, role)
-        pages, capacity = _group_pages(cfg, group, sched_cfg, model, hw)
+        group_profile, group_hw, group_params = profile, None, None
+        if group.hardware and group.hardware != cfg.sim.hardware:
+            if dep.kind == "colocated":
+                raise ValueError(f"deployment.colocated.hardware={group.hardware!r}: a colocated deployment runs on "
+                                 "one hardware; set sim.hardware instead (groups of a disaggregated deployment may "
+                                 "differ)")
+            try:
+                group_hw = get_hardware_spec(group.hardware)
+            except ValueError as e:
+                raise ValueError(f"deployment.{role}.hardware: {e}") from None
+            group_profile = profile_for("", group.hardware)     # the shipped profile of the group's hardware
+            group_params = group_profile.params if group_profile is not None else CostParams()
+        pages, capacity = _group_pages(cfg, group, sched_cfg, model, group_hw or hw)
         if pages != sched_cfg.num_pages:
             sched_cfg = dataclasses.replace(sched_cfg, num_pages=pages)
         names = tuple(dep.instance_names(role))
@@ -187,11 +201,11 @@ def build_setup(cfg, hardware: Optional[HardwareSpec] = None) -> SimSetup:
         if group.stack != "pdjax":
             stack = load_stack(group.stack)
             try:
-                stack.fit_for(model.name, hw.name, group.tp)
+                stack.fit_for(model.name, (group_hw or hw).name, group.tp)
             except ValueError as e:
                 raise ValueError(f"deployment.{role}.stack: {e}") from None
         groups[role] = GroupSetup(role, sched_cfg, group.tp, group.pp, capacity, tuple(assignment[n] for n in names),
-                                  names, _padding(cfg, profile, sched_cfg), stack)
+                                  names, _padding(cfg, group_profile, sched_cfg), stack, group_hw, group_params)
     return SimSetup(model=model, hardware=hw, params=params, profile=profile_name, kind=dep.kind,
                     router=dep.router, groups=groups, async_scheduling=bool(cfg.engine.async_scheduling),
                     mixed_prefill_queue_tokens=dep.mixed_prefill_queue_tokens,
@@ -205,12 +219,22 @@ def group_step_time(setup: SimSetup, role: str, noise: bool = True) -> Callable[
     """The step time of `role`'s instances; with the setup's step noise (seeded by the run's seed and the role)
     unless noise=False (the deterministic model, e.g. to compare with measured steps)."""
     g = setup.groups[role]
+    hw = group_hardware(setup, role)
     if g.stack is not None:
-        return FittedStepTime(g.stack, g.stack.fit_for(setup.model.name, setup.hardware.name, g.tp), g.pp)
+        return FittedStepTime(g.stack, g.stack.fit_for(setup.model.name, hw.name, g.tp), g.pp)
     step_noise = None
-    if noise and setup.step_noise:
+    if noise and setup.step_noise and g.hardware is None:   # the noise was measured on the default hardware
         step_noise = StepNoise(setup.step_noise, seed=zlib.crc32(f"{setup.seed}/{role}".encode()))
-    return make_step_time(setup.model, setup.hardware, g.tp, g.pp, setup.params, g.padding, step_noise)
+    return make_step_time(setup.model, hw, g.tp, g.pp, group_params(setup, role), g.padding, step_noise)
+
+
+def group_hardware(setup: SimSetup, role: str) -> HardwareSpec:
+    """The hardware `role`'s instances run on: the group's own, else the setup's."""
+    return setup.groups[role].hardware or setup.hardware
+
+
+def group_params(setup: SimSetup, role: str) -> CostParams:
+    return setup.groups[role].params or setup.params
 
 
 def build_instances(setup: SimSetup) -> Dict[str, List[Any]]:
@@ -237,16 +261,17 @@ def build_router(setup: SimSetup, instances: List[Any]) -> InstanceRouter:
 def build_transfer_time(setup: SimSetup) -> Callable[[DisaggSimInstance, DisaggSimInstance, int], float]:
     """transfer_time(src, dst, num_tokens) for the instances of a disaggregated `setup` (links from their
     device placement; the KV lives on the pp·tp devices of each instance)."""
-    devices = {name: (devs, g.pp) for g in setup.groups.values() for name, devs in zip(g.names, g.devices)}
+    devices = {name: (devs, g.pp, role) for role, g in setup.groups.items() for name, devs in zip(g.names, g.devices)}
     cache: Dict[Tuple[str, str], Callable[[int], float]] = {}
 
     def transfer_time(src: DisaggSimInstance, dst: DisaggSimInstance, num_tokens: int) -> float:
         key = (src.name, dst.name)
         fn = cache.get(key)
         if fn is None:
-            (src_devices, src_pp), (dst_devices, dst_pp) = devices[src.name], devices[dst.name]
-            bw, lat, streams = kv_link(setup.hardware, src_devices, dst_devices, src_pp, dst_pp)
-            fn = cache[key] = make_transfer_time(setup.model, bw, lat, streams, setup.params)
+            (src_devices, src_pp, src_role), (dst_devices, dst_pp, dst_role) = devices[src.name], devices[dst.name]
+            bw, lat, streams = kv_link_between(group_hardware(setup, src_role), group_hardware(setup, dst_role),
+                                               src_devices, dst_devices, src_pp, dst_pp)
+            fn = cache[key] = make_transfer_time(setup.model, bw, lat, streams, group_params(setup, src_role))
         return fn(num_tokens)
     return transfer_time
 

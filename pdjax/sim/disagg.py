@@ -205,6 +205,18 @@ def kv_link(hw: HardwareSpec, src_devices: Sequence[int], dst_devices: Sequence[
     return bandwidth, latency, len(pairs)
 
 
+def kv_link_between(src_hw: HardwareSpec, dst_hw: HardwareSpec, src_devices: Sequence[int],
+                    dst_devices: Sequence[int], src_pp: int = 1, dst_pp: int = 1) -> Tuple[float, float, int]:
+    """kv_link for instances that may run on different hardware: the same hardware -> kv_link; different
+    machine types are different nodes, so every stream crosses the inter-node network, at the slower of the two
+    machines' NICs and the larger latency (the stream count as kv_link pairs them)."""
+    if src_hw.name == dst_hw.name:
+        return kv_link(src_hw, src_devices, dst_devices, src_pp, dst_pp)
+    _, _, streams = kv_link(src_hw, src_devices, dst_devices, src_pp, dst_pp)
+    return (min(src_hw.inter_node_bandwidth, dst_hw.inter_node_bandwidth),
+            max(src_hw.inter_node_latency, dst_hw.inter_node_latency), streams)
+
+
 def make_transfer_time(model, bandwidth: float, latency: float, streams: int = 1,
                        params: Optional[CostParams] = None) -> Callable[[int], float]:
     """num_tokens -> seconds to move that many tokens' KV of `model` over `streams` parallel links of

@@ -24,7 +24,7 @@ import dataclasses
 from typing import Tuple
 
 from pdjax.sim.build import (SimSetup, build_instances, build_pending_requests, build_router, build_setup,
-                             build_transfer_time, disaggregated_kwargs)
+                             build_transfer_time, disaggregated_kwargs, group_hardware)
 from pdjax.sim.disagg import simulate_disaggregated
 from pdjax.sim.machines import energy_report, machine_for_hardware
 from pdjax.sim.simulator import SimResult, simulate
@@ -82,15 +82,15 @@ def engine_info(result: SimResult, setup: SimSetup, cfg) -> dict:
 
 def energy_info(result: SimResult, setup: SimSetup) -> dict:
     """results.json's sim.energy block: energy (J, and per completed request), machine-hours and cost of the
-    run on the hardware's machine SKU (pdjax.sim.machines), each instance using pp x tp of its GPUs; a reason
+    run on each group's hardware's machine SKU (pdjax.sim.machines), each instance using pp x tp of its GPUs; a reason
     instead where the hardware has no SKU (e.g. host-cpu)."""
     try:
-        machine = machine_for_hardware(setup.hardware.name)
+        machines = {role: machine_for_hardware(group_hardware(setup, role).name) for role in setup.groups}
     except ValueError as e:
         return {"available": False, "reason": str(e)}
-    names = [(name, g.pp * g.tp) for g in setup.groups.values() for name in g.names]
+    names = [(name, machines[role], g.pp * g.tp) for role, g in setup.groups.items() for name in g.names]
     unnamed = len(names) == 1   # one colocated instance records its iterations under ''
-    instances = {("" if unnamed else name): (machine, gpus) for name, gpus in names}
+    instances = {("" if unnamed else name): (machine, gpus) for name, machine, gpus in names}
     num_completed = sum(1 for r in result.requests if r.completed)
     report = energy_report(result.iterations, instances, result.duration_s, num_completed)
     if unnamed:
@@ -116,7 +116,8 @@ def sim_info(result: SimResult, setup: SimSetup, cfg=None) -> dict:
                           "token_budget": g.scheduler_config.token_budget,
                           "max_num_seqs": g.scheduler_config.max_num_seqs,
                           "padding": dataclasses.asdict(g.padding) if g.padding else None,
-                          "stack": g.stack.describe() if g.stack is not None else {"stack": "pdjax"}}
+                          "stack": g.stack.describe() if g.stack is not None else {"stack": "pdjax"},
+                          "hardware": group_hardware(setup, role).name}
                    for role, g in setup.groups.items()},
         "iterations_per_instance": iterations_per_instance(result, setup),
         "energy": energy_info(result, setup),
