@@ -1,6 +1,7 @@
 """launch/: the local N-process launcher (dry run, for real, a failing process, the timeout, a real
 jax.distributed run on CPU, without gloo's chatter, stopped by SIGTERM at once), the Cloud TPU pod and SLURM
 launchers' dry-run command lines."""
+import importlib.util
 import os
 import pathlib
 import shlex
@@ -84,6 +85,17 @@ def test_local_processes_form_one_jax_distributed_runtime():
     assert out.returncode == 0, out.stderr[-2000:]
     assert sorted(line for line in out.stdout.splitlines() if line.startswith("process")) == [
         "process 0 2 4 2", "process 1 2 4 2"]
+
+
+def test_gloo_chatter_is_recognized_when_cut_and_mixed():
+    spec = importlib.util.spec_from_file_location("launch_local", LOCAL)
+    local = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(local)
+    lines = [b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n",
+             b"[Gloo] Rank [Gloo] Rank 2 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n",
+             b"3 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n"]
+    assert all(local.is_gloo_chatter(line) for line in lines)
+    assert not local.is_gloo_chatter(b"requests 8 (completed 8, rejected 0, preempted 0)\n")
 
 
 def _driver_run(mode, *launcher_args):
