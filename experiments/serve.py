@@ -21,6 +21,7 @@ from absl import flags
 from pdjax.experiment import cli
 from pdjax.experiment.run import prepare_experiment, run_prepared, to_plain_dict
 from pdjax.metrics import summarize_table
+from pdjax.procs import exit_now
 from pdjax.workload import byte_tokenizer, describe_length_report
 
 
@@ -83,7 +84,7 @@ def main(argv):
         summary = run_prepared(prep, coordinator)
     except DistributedError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        exit_now(1)       # not through jax's shutdown barrier, which would wait for the process that failed us
     except cli.UserError:
         raise
     except Exception as e:  # noqa: BLE001
