@@ -208,7 +208,7 @@ def initialize(settings: DistributedSettings) -> None:
 # hook (`_leave_before_exit`) has process 0 outlive its peers (see `PeerWatchdog.leave`). Only the first thread to
 # end the process goes on (`_claim_ending`): a second cause (the main thread's collective failing because the
 # watchdog's peer died, a SIGTERM meanwhile) prints nothing more.
-_ENDING_LOCK = threading.Lock()
+_ENDING_LOCK = threading.RLock()     # re-entered by a signal handler running inside the main thread's claim
 _ENDING_THREAD: Optional[int] = None
 
 
@@ -234,8 +234,9 @@ def _end(message: str, state: Optional[str], code: int) -> None:
 
 
 def _fatal(message: str) -> None:
-    """One error line, then end the process at once (other threads may be blocked inside JAX)."""
-    _end(message, None, 1)
+    """The watchdog's end: one error line, this process's state "ended: ..." (peers looking for a culprit skip
+    it), then end the process at once (other threads may be blocked inside JAX)."""
+    _end(message, _ended_state(message), 1)
 
 
 def _leave_before_exit(code: int) -> None:
@@ -361,7 +362,6 @@ class PeerWatchdog:
         while not self._stop.wait(self.interval_s):
             message = self.check()
             if message is not None and not self._stop.is_set():
-                self.done(_ended_state(message))      # peers looking for the culprit skip this process
                 self.on_dead(message)
                 return
 
