@@ -44,7 +44,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import json  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -58,6 +57,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from pdjax.runtime.ceilings import host_copy_rate  # noqa: E402
 from pdjax.experiment import cli  # noqa: E402
 from pdjax.models.llama import KVCache  # noqa: E402
+from pdjax.procs import end_processes, free_port, start_local_processes, wait_processes  # noqa: E402
 from pdjax.runtime.mesh import make_mesh  # noqa: E402
 from pdjax.serving.kv_transfer import crossing_route, cross_device_put, gather_kv_pages, scatter_kv_pages, \
     staged_sharding, transfer_kv  # noqa: E402
@@ -254,21 +254,15 @@ def cross_process(ceiling: dict, reps: int, quick: bool, devices_per_process: in
     """Start the 2 worker processes (launch/local.py's environment), wait (bounded), return process 1's results
     with each case's fraction of `ceiling`; {"error": ...} when the run fails or times out."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.join(repo, "launch"))
-    from local import end_processes, free_port, process_env, wait_processes  # noqa: PLC0415
     base = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
-    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "cross.json")
         cmd = [sys.executable, "-m", "experiments.bench_kv_transfer", f"--cross_process_worker={out}",
                f"--reps={reps}", f"--quick={quick}"]
-        procs, logs = [], []
+        logs = [open(os.path.join(tmp, f"p{i}.log"), "w+") for i in range(2)]
         start = time.perf_counter()
-        for i in range(2):
-            logs.append(open(os.path.join(tmp, f"p{i}.log"), "w+"))
-            procs.append(subprocess.Popen(cmd, cwd=repo, env={**base, **process_env(base, i, 2, port,
-                                                                                       devices_per_process)},
-                                          stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
+        procs = start_local_processes(cmd, 2, devices_per_process, free_port(), base_env=base, cwd=repo,
+                                      outputs=logs)
         try:
             codes = wait_processes(procs, timeout_s, poll_s=0.2)
         finally:

@@ -19,8 +19,9 @@ import sys
 from absl import flags
 
 from pdjax.experiment import cli
-from pdjax.experiment.run import prepare_experiment, run_prepared
+from pdjax.experiment.run import prepare_experiment, run_prepared, to_plain_dict
 from pdjax.metrics import summarize_table
+from pdjax.procs import exit_now
 from pdjax.workload import byte_tokenizer, describe_length_report
 
 
@@ -74,6 +75,8 @@ def main(argv):
         coordinator = make_coordinator(settings, record_digest=bool(_DIGEST_DIR.value))
         # A bad config, path or file here, or a config the engine cannot be built from in run_prepared (before
         # warm-up), raises UserError: one line (cli.run). Any other exception is a bug and keeps its traceback.
+        # Configs that differ between the processes are one too (every process names the keys).
+        coordinator.check_same_config(to_plain_dict(_CONFIG.value))
         prep = prepare_experiment(_CONFIG.value, _WORKDIR.value, is_main=coordinator.is_main)
         note = describe_length_report(prep.length_report)
         if note and coordinator.is_main:
@@ -81,7 +84,7 @@ def main(argv):
         summary = run_prepared(prep, coordinator)
     except DistributedError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        exit_now(1)       # not through jax's shutdown barrier, which would wait for the process that failed us
     except cli.UserError:
         raise
     except Exception as e:  # noqa: BLE001

@@ -13,100 +13,76 @@ launcher waits for all of them. When one exits non-zero the others are terminate
 --grace seconds) and the launcher exits with that status, naming the process; after --timeout seconds all are
 ended and it exits 124. Ctrl-C / SIGTERM of the launcher ends them too. Each process runs in its own session, so
 its children go with it. --dry_run prints the N command lines (environment assignments + the command) instead.
-Output of the processes is passed through as it is (process 0 is the one that writes results).
+Output of the processes is passed through (process 0 is the one that writes results): stderr as it is, stdout line by
+line without gloo's "[Gloo] Rank ... is connected to ..." lines (printed to stdout by its C++ side at every CPU
+communicator's set-up, with no setting to turn them off); --verbose keeps them.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import shlex
 import signal
-import socket
-import subprocess
 import sys
-import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))   # this checkout's pdjax, run as a script
+from pdjax.procs import (end_processes, forward_lines, free_port, local_process_env,  # noqa: E402
+                         start_local_processes, wait_processes)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def process_env(base: Dict[str, str], i: int, n: int, port: int, devices: int) -> Dict[str, str]:
-    """The variables process i of n gets on top of `base` (only the changed ones)."""
-    xla = base.get("XLA_FLAGS", "")
-    xla = " ".join(f for f in xla.split() if not f.startswith("--xla_force_host_platform_device_count"))
-    return {"JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": f"{xla} --xla_force_host_platform_device_count={devices}".strip(),
-            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": str(n), "JAX_PROCESS_ID": str(i)}
+def is_gloo_chatter(line: bytes) -> bool:
+    """gloo's (CPU collectives) "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer
+    ranks is : 1", printed to stdout at every communicator's set-up, unconditionally (a std::cout line, no log
+    level); the communicators of one process set up at once, so their lines come cut and mixed ("[Gloo] Rank
+    [Gloo] Rank 2 is connected ...", "3 is connected to ...")."""
+    return line.startswith(b"[Gloo]") or b"Expected number of connected peer ranks" in line
 
 
 def command_lines(command: Sequence[str], n: int, port: int, devices: int, base: Dict[str, str]) -> List[str]:
-    return [" ".join(f"{k}={shlex.quote(v)}" for k, v in process_env(base, i, n, port, devices).items()) + " "
+    return [" ".join(f"{k}={shlex.quote(v)}" for k, v in local_process_env(base, i, n, port, devices).items()) + " "
             + shlex.join(command) for i in range(n)]
 
 
-def end_processes(procs: Sequence[subprocess.Popen], grace: float) -> None:
-    """SIGTERM every live process group, then SIGKILL what is left after `grace` seconds."""
-    live = [p for p in procs if p.poll() is None]
-    for p in live:
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(p.poll() is None for p in live):
-        time.sleep(0.05)
-    for p in live:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        p.wait()
-
-
-def wait_processes(procs: Sequence[subprocess.Popen], timeout: float, poll_s: float = 0.05) -> List[Optional[int]]:
-    """Wait until every process exited 0, one exited non-zero, or `timeout` seconds passed; the exit codes then
-    (None: still running). Ends nothing: pair with end_processes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        codes = [p.poll() for p in procs]
-        if any(c not in (None, 0) for c in codes) or all(c == 0 for c in codes) or time.monotonic() > deadline:
-            return codes
-        time.sleep(poll_s)
-
-
-def launch(command: Sequence[str], n: int, port: int, devices: int, timeout: float, grace: float) -> int:
-    procs: List[subprocess.Popen] = []
+def launch(command: Sequence[str], n: int, port: int, devices: int, timeout: float, grace: float,
+           verbose: bool = False) -> int:
+    procs: List = []
+    forwarders: List = []
 
     def on_signal(signum, frame):
         del frame
         raise SystemExit(128 + signum)
 
+    def drain():      # the processes' last lines before ours
+        for t in forwarders:
+            t.join(timeout=5.0)
+
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        for i in range(n):
-            env = {**os.environ, **process_env(dict(os.environ), i, n, port, devices)}
-            procs.append(subprocess.Popen(list(command), env=env, start_new_session=True))
+        procs.extend(start_local_processes(command, n, devices, port, base_env=dict(os.environ), pipe=True))
+        drop = (lambda line: False) if verbose else is_gloo_chatter
+        forwarders.extend(forward_lines(p.stdout, sys.stdout.buffer, drop) for p in procs)
         codes = wait_processes(procs, timeout)
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             i, code = failed[0]
             end_processes(procs, grace)
+            drain()
             print(f"launch/local.py: process {i} of {n} exited with status {code}; ended the others",
                   file=sys.stderr)
             return code if 0 < code < 256 else 1
         if all(c == 0 for c in codes):
+            drain()
             return 0
         running = [i for i, c in enumerate(codes) if c is None]
         end_processes(procs, grace)
+        drain()
         print(f"launch/local.py: timed out after {timeout:g} s; ended processes {running}", file=sys.stderr)
         return 124
     except BaseException:
         end_processes(procs, grace)
+        drain()
         raise
 
 
@@ -119,6 +95,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before every process is ended")
     p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
     p.add_argument("--dry_run", action="store_true", help="print the command lines, run nothing")
+    p.add_argument("-v", "--verbose", action="store_true", help="pass every output line through (also gloo's "
+                   "'[Gloo] Rank ... is connected to ...' lines, left out by default)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command every process runs (after --)")
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -136,7 +114,8 @@ def main(argv=None) -> int:
         print("\n".join(command_lines(command, args.num_processes, port, args.devices_per_process,
                                       dict(os.environ))))
         return 0
-    return launch(command, args.num_processes, port, args.devices_per_process, args.timeout, args.grace)
+    return launch(command, args.num_processes, port, args.devices_per_process, args.timeout, args.grace,
+                  args.verbose)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from pdjax.procs import free_port  # noqa: E402
 from pdjax.workload import byte_tokenizer  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -31,12 +31,6 @@ NEW_TOKENS = 24
 PROMPTS = ["def main(argv):\n    ", "The string module", "import os\nimport sys\n"]
 CHAT = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi?"}]
 CHAT_TEXT = "system: Be terse.\nuser: Hi?\nassistant:"     # protocol.render_chat's template
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -72,7 +66,7 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("api_server")
-    port = _free_port()
+    port = free_port()
     log = open(workdir.parent / "api_server.log", "w+")
     cmd = [sys.executable, "-m", "experiments.api_server", "--config=configs/serve.py", f"--port={port}",
            f"--workdir={workdir}", "--config.scheduler.token_budget=64", "--config.scheduler.max_num_seqs=8",

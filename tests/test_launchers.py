@@ -1,11 +1,16 @@
 """launch/: the local N-process launcher (dry run, for real, a failing process, the timeout, a real
-jax.distributed run on CPU), the Cloud TPU pod and SLURM launchers' dry-run command lines."""
+jax.distributed run on CPU, without gloo's chatter, stopped by SIGTERM at once), the Cloud TPU pod and SLURM
+launchers' dry-run command lines."""
+import importlib.util
 import os
 import pathlib
 import shlex
+import signal
 import subprocess
 import sys
 import time
+
+from multiprocess_util import CPP_ABORT_MARKS, DRIVER
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 LOCAL = str(REPO / "launch" / "local.py")
@@ -13,9 +18,16 @@ CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PROJ
                                                               "PROCS_PER_NODE") and not k.startswith("SLURM_")}
 
 
-def _local(*args, timeout=60):
+def _local(*args, timeout=60, cwd=None):
     return subprocess.run([sys.executable, LOCAL, *args], capture_output=True, text=True, timeout=timeout,
-                          env=CLEAN_ENV)
+                          env=CLEAN_ENV, cwd=cwd)
+
+
+def test_local_runs_as_a_script_from_any_directory(tmp_path):
+    """It imports its process helpers from its own checkout's pdjax (pdjax.procs), wherever it is started."""
+    out = _local("-n", "1", "--port", "1234", "--dry_run", "--", "true", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("JAX_PROCESS_ID=0 true")
 
 
 def test_local_dry_run_prints_each_process_command_line():
@@ -73,6 +85,62 @@ def test_local_processes_form_one_jax_distributed_runtime():
     assert out.returncode == 0, out.stderr[-2000:]
     assert sorted(line for line in out.stdout.splitlines() if line.startswith("process")) == [
         "process 0 2 4 2", "process 1 2 4 2"]
+
+
+def test_gloo_chatter_is_recognized_when_cut_and_mixed():
+    spec = importlib.util.spec_from_file_location("launch_local", LOCAL)
+    local = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(local)
+    lines = [b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n",
+             b"[Gloo] Rank [Gloo] Rank 2 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n",
+             b"3 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n"]
+    assert all(local.is_gloo_chatter(line) for line in lines)
+    assert not local.is_gloo_chatter(b"requests 8 (completed 8, rejected 0, preempted 0)\n")
+
+
+def _driver_run(mode, *launcher_args):
+    return subprocess.Popen([sys.executable, LOCAL, "-n", "2", "--devices_per_process", "2", "--timeout", "200",
+                             *launcher_args, "--", sys.executable, "-c", DRIVER, mode],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=CLEAN_ENV, cwd=REPO)
+
+
+def test_local_leaves_out_gloos_connection_lines():
+    """Regression (issue 16 item 10): gloo prints "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of
+    connected peer ranks is : 1" (stdout, no log level) for every CPU communicator, interleaved into garbage;
+    the launcher leaves them out unless --verbose."""
+    out, _ = _driver_run("exit").communicate(timeout=240)
+    assert sorted(line for line in out.splitlines() if line.startswith("ready")) == ["ready 0 4", "ready 1 4"], out
+    assert "Gloo" not in out and "peer ranks" not in out, out
+    verbose, _ = _driver_run("exit", "--verbose").communicate(timeout=240)
+    assert "[Gloo] Rank 0 is connected to" in verbose        # the run above did set up gloo communicators
+
+
+def test_sigterm_stops_a_two_process_run_at_once_in_one_line_each():
+    """Regression (issue 16 item 10): JAX's preemption notifier took SIGTERM (logged it, stopped nothing), so the
+    launcher's stop cost its whole grace period, then SIGKILL, and the process said nothing; process 1 then
+    aborted with JAX's C++ stack when process 0 went. Now each process says it was stopped and ends at once,
+    even while its main thread waits inside JAX (where Python runs no signal handler), process 0 last."""
+    proc = _driver_run("block", "--grace", "30")
+    lines = []
+    try:
+        while len([line for line in lines if line.startswith("ready")]) < 2:
+            line = proc.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        time.sleep(1.0)          # both wait inside the coordination service's get now
+        proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(lines) + out
+    assert took < 10, f"took {took:.1f} s (the grace period is 30 s)\n{out}"
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    errors = sorted(line for line in out.splitlines() if line.startswith("error:"))
+    assert errors == ["error: process 0 of 2: stopped by SIGTERM", "error: process 1 of 2: stopped by SIGTERM"], out
+    assert not [mark for mark in CPP_ABORT_MARKS if mark in out], out
 
 
 def test_tpu_pod_dry_run():

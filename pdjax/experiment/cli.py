@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import ast
 import logging as py_logging
-import os
 import sys
 from typing import Callable, NoReturn, Optional
 
 from absl import app, flags, logging
 
 from pdjax import errors
+from pdjax.procs import exit_now
 
 EXIT_USER_ERROR = 2
 
@@ -52,9 +52,7 @@ def fail(error: BaseException | str) -> NoReturn:
     where the threads of a failed orbax/TensorStore read print "Event loop is closed" tracebacks after our line
     (and a multi-process run would wait in jax's shutdown barrier)."""
     print(f"error: {error if isinstance(error, str) else one_line(error)}", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(EXIT_USER_ERROR)
+    exit_now(EXIT_USER_ERROR)     # flushes; a multi-process run's processes leave in order (pdjax.procs)
 
 
 def ignore_closed_loop_callbacks() -> None:

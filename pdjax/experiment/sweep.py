@@ -14,7 +14,7 @@ config changed stops the sweep before anything runs (naming the point and the ke
 A failing point does not stop the sweep: its directory gets error.txt (the traceback) and no results.json,
 summary.csv marks it status=failed with the error line, the other points run, and SweepFailed is raised at the
 end; a rerun retries it. With parallel > 1 the points run in spawned worker processes that die with the sweep
-process (even on SIGKILL) and are terminated when it is interrupted (see pdjax.sim.capacity.die_with_parent).
+process (even on SIGKILL) and are terminated when it is interrupted (see pdjax.procs.die_with_parent).
 
 executor='ray' runs each point as a Ray task instead (a local Ray cluster, or an existing one at `ray_address`),
 with the resources its deployment needs (`point_resources`); everything else is the same: finished points are
@@ -229,7 +229,7 @@ def _run_point(run_fn: Callable[[Dict[str, Any], str], Any], cfg: Dict[str, Any]
 
 def _run_parallel(todo: Sequence[Tuple[str, Dict[str, Any]]], workdir: str, run_fn, parallel: int,
                   log: Callable[[str], None]) -> None:
-    from pdjax.sim.capacity import process_pool, stop_pool  # noqa: PLC0415  (no JAX)
+    from pdjax.procs import process_pool, stop_pool  # noqa: PLC0415  (no JAX)
 
     pool = process_pool(min(parallel, len(todo)), "spawn")   # JAX does not survive fork
     try:

@@ -349,7 +349,8 @@ def save_params(directory, spec: ModelSpec, params: LlamaParams) -> None:
 
 
 def restore_params(directory) -> Tuple[ModelSpec, LlamaParams]:
-    """(spec, params) written by `save_params`, restored exactly (same dtypes and values)."""
+    """(spec, params) written by `save_params`, restored exactly (same dtypes and values) as host numpy arrays
+    (the runner places them on its mesh)."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
     directory = pathlib.Path(directory).absolute()
     try:
@@ -360,11 +361,13 @@ def restore_params(directory) -> Tuple[ModelSpec, LlamaParams]:
         with ocp.StandardCheckpointer() as ckptr:
             meta = ckptr.metadata(directory / ORBAX_SUBDIR)
             tree = getattr(meta, "item_metadata", meta)
-            # Onto this process's first device (the runner shards from there): the sharding stored at save time
-            # names the saver's device, which another process of a multi-process run does not have.
-            local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-            abstract = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=local), tree)
-            restored = ckptr.restore(directory / ORBAX_SUBDIR, abstract)
+            # Host-side numpy arrays (a numpy target), never device arrays: the runner's device_put then fills each
+            # process's own shards of any mesh from its copy, even a mesh this process holds no device of (a TP
+            # group on another process of a multi-process run: a committed device array cannot be put there), and a
+            # model larger than one device is never placed whole on one. (The sharding stored at save time names
+            # the saver's devices, which another process does not have.)
+            target = jax.tree_util.tree_map(lambda m: np.empty(m.shape, m.dtype), tree)
+            restored = ckptr.restore(directory / ORBAX_SUBDIR, target)
     except Exception as e:  # noqa: BLE001  (orbax/TensorStore raise plain Exception, ValueError, JSON errors)
         raise _corrupt(directory, f"restoring {ORBAX_SUBDIR}/ with orbax", e) from e
     check_shapes(_dict_shapes(restored), spec, where=f"checkpoint {str(directory)!r}")

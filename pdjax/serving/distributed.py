@@ -2,14 +2,18 @@
 takes the same scheduling decisions; process 0 owns the clock and writes the results.
 
 Start-up (`initialize`, before any other JAX use): with num_processes > 1, CPU collectives go to gloo
-(`jax_cpu_collectives_implementation`), then `jax.distributed.initialize(coordinator_address, num_processes,
-process_id, initialization_timeout=timeout_s, heartbeat_timeout_seconds=timeout_s)`; jax 0.10 reads only
+(`jax_cpu_collectives_implementation`), JAX's preemption service is off (its notifier takes SIGTERM and stops
+nothing), then `jax.distributed.initialize(coordinator_address, num_processes, process_id,
+initialization_timeout=timeout_s, heartbeat_timeout_seconds=timeout_s)`; jax 0.10 reads only
 JAX_COORDINATOR_ADDRESS from the environment, so the entry point passes the other two (defaults from
 JAX_NUM_PROCESSES / JAX_PROCESS_ID, as the launchers set them). Meshes are then built from `jax.devices()`, the
-global list, so a deployment's device indices may span processes.
+global list, so a deployment's device indices may span processes. Before anything else the entry point calls
+`check_same_config`: every process compares the digest of its whole resolved config with every other's, and a
+difference fails every process at once with one line naming the keys (ConfigMismatchError, a UserError: exit 2).
 
 THE RULE for identical decisions. Everything a scheduler sees is either (a) identical on every process by
-construction: the request list (same config, same seed; checked once at the start with `check_same`), the
+construction: the request list (same config, same seed; checked once at the start with `check_same`, after
+`check_same_config`), the
 sampled token ids (results of the same SPMD step, replicated), or (b) a value read locally on one process, which
 is then *agreed*: process 0's reading is broadcast and every process uses it instead of its own. The engines
 read such values only through their Coordinator, at fixed points of the loop that every process reaches in the
@@ -35,9 +39,9 @@ results.json (process 0 writes only after the 'served' barrier, which every proc
 - a process cannot reach the coordinator at start-up: it exits 1 with "error: process I of N: could not join
   the run at ADDR within T s" (a watchdog, because jax's client would abort unnamed at its deadline);
 - a process dies (or hangs) mid-run: `PeerWatchdog` (started by `initialize`) has every process bump its own
-  heartbeat key in the coordination service each timeout_s / 10 and watch everyone else's; a peer whose key has
-  not moved for timeout_s ends this process with exit 1 and "error: process I of N: process J sent no heartbeat
-  for T s (it died or hangs); ending the run" (lost contact with the coordination service itself, i.e. process
+  heartbeat key in the coordination service each min(timeout_s / 10, 1 s) and watch everyone else's; a peer
+  whose key has not moved for timeout_s ends this process with exit 1 and "error: process I of N: process J sent
+  no heartbeat for T s (it died or hangs); ending the run" (lost contact with the coordination service itself, i.e. process
   0 died: "error: process I of N: lost the coordinator at ADDR (process 0) for T s"). jax's own heartbeat
   timeout is set to 2 x timeout_s + 10 s, so ours fires first (jax's would abort with SIGABRT and no name of
   ours; a Python callback cannot be installed in its place on jax 0.10.2: missed_heartbeat_callback fails with
@@ -49,7 +53,16 @@ results.json (process 0 writes only after the 'served' barrier, which every proc
   waits up to timeout_s for the watchdog to name a dead peer (a second line, "error: ... process J sent no
   heartbeat ..."), and exits 1 without jax's shutdown barrier (which would wait for the dead peer and abort);
 - a process waiting in the coordinator (`agree`, `barrier`) for longer than timeout_s raises `DistributedError`
-  naming itself and the process it waited for; the entry point exits 1.
+  naming itself and the process it waited for; the entry point exits 1;
+- SIGTERM (a launcher stopping the run): "error: process I of N: stopped by SIGTERM", exit 143, at once, also while
+  the main thread waits inside JAX (`_stop_on_sigterm`); a process that ends after a one-line user error
+  (cli.fail -> pdjax.procs.exit_now) says "exited (status 2)" to its peers. A peer's failed, stopped, ended or
+  exited state ends the others at their next look (about a second), naming it.
+Every such end is one line per process and `exit_now`, never interpreter shutdown, and in order: every peer's
+JAX client polls the coordination service that process 0 hosts and aborts with a ~60-line C++ stack the moment it
+goes, so a peer marks its exit and ends, and process 0 waits (a few seconds at most) for every peer not known dead
+to have left (`PeerWatchdog.leave`). Not covered: process 0 killed outright (SIGKILL, out of memory): the others'
+JAX clients abort at once with that report (jax 0.10.2 offers no hook to replace it, see above).
 KV transfers between instances on different processes go through `pdjax.serving.kv_transfer.transfer_kv` like any
 other (every process calls it; identical layouts by JAX's cross-host device_put, different TP layouts as head
 pieces device to device, reassembled on arrival: `kv_transfer.crossing_route`); `initialize` gives each process
@@ -64,19 +77,28 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["Coordinator", "DistributedCoordinator", "DistributedError", "DistributedSettings", "initialize",
-           "settings_from_env", "make_coordinator", "schedule_digest_line"]
+from pdjax.errors import UserError
+from pdjax.procs import exit_now, free_port, on_exit_now
+
+__all__ = ["ConfigMismatchError", "Coordinator", "DistributedCoordinator", "DistributedError", "DistributedSettings",
+           "config_differences", "flat_config", "initialize", "settings_from_env", "make_coordinator",
+           "schedule_digest_line"]
 
 
 class DistributedError(RuntimeError):
     """A multi-process run cannot go on: a process died, timed out, or disagrees."""
+
+
+class ConfigMismatchError(UserError):
+    """The processes of a run were given different configs: a user error (one line, exit 2) naming the keys."""
 
 
 class DistributedSettings:
@@ -128,13 +150,6 @@ def settings_from_env(coordinator_address: Optional[str] = None, num_processes: 
 _INITIALIZED: Optional[DistributedSettings] = None
 
 
-def _free_port(host: str) -> int:
-    import socket  # noqa: PLC0415
-    with socket.socket(socket.AF_INET6 if host.startswith("[") else socket.AF_INET) as sock:
-        sock.bind((host.strip("[]"), 0))
-        return sock.getsockname()[1]
-
-
 def _own_host() -> str:
     import socket  # noqa: PLC0415
     return socket.gethostbyname(socket.gethostname())
@@ -149,6 +164,9 @@ def initialize(settings: DistributedSettings) -> None:
     import jax  # noqa: PLC0415
     if "jax_cpu_collectives_implementation" in jax.config.values:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if "jax_enable_preemption_service" in jax.config.values:
+        # Its notifier takes SIGTERM for itself (logs it, stops nothing): `_stop_on_sigterm` ends the run instead.
+        jax.config.update("jax_enable_preemption_service", False)
     if os.environ.get("PDJAX_CROSS_HOST_TRANSFER", "1") != "0" and \
             "jax_cross_host_transfer_socket_address" in jax.config.values and \
             not jax.config.values["jax_cross_host_transfer_socket_address"]:
@@ -156,7 +174,7 @@ def initialize(settings: DistributedSettings) -> None:
         # process; the host is the one the coordinator is reached by (localhost for launch/local.py).
         host = settings.coordinator_address.rsplit(":", 1)[0]
         host = host if host in ("127.0.0.1", "localhost", "[::1]") else _own_host()
-        jax.config.update("jax_cross_host_transfer_socket_address", f"{host}:{_free_port(host)}")   # ':0' hangs
+        jax.config.update("jax_cross_host_transfer_socket_address", f"{host}:{free_port(host)}")   # ':0' hangs
     timeout = max(1, int(round(settings.timeout_s)))
     message = (f"process {settings.process_id} of {settings.num_processes}: could not join the run at "
                f"{settings.coordinator_address} within {settings.timeout_s:g} s")
@@ -182,42 +200,134 @@ def initialize(settings: DistributedSettings) -> None:
     from jax._src import distributed as jax_distributed  # noqa: PLC0415
     _PEER_WATCHDOG = PeerWatchdog(settings, jax_distributed.global_state.client)
     _PEER_WATCHDOG.start()
+    on_exit_now(_leave_before_exit)     # every exit_now (cli.fail's user errors too) leaves the run in order
+    _stop_on_sigterm()
+
+
+# How a process ends a multi-process run (after `initialize`): one line, its state for the peers, then exit_now, whose
+# hook (`_leave_before_exit`) has process 0 outlive its peers (see `PeerWatchdog.leave`). Only the first thread to
+# end the process goes on (`_claim_ending`): a second cause (the main thread's collective failing because the
+# watchdog's peer died, a SIGTERM meanwhile) prints nothing more.
+_ENDING_LOCK = threading.RLock()     # re-entered by a signal handler running inside the main thread's claim
+_ENDING_THREAD: Optional[int] = None
+
+
+def _claim_ending() -> None:
+    """Return in the first thread that ends this process (and again in it); block any other one until the exit."""
+    global _ENDING_THREAD
+    with _ENDING_LOCK:
+        if _ENDING_THREAD is None:
+            _ENDING_THREAD = threading.get_ident()
+        mine = _ENDING_THREAD == threading.get_ident()
+    if not mine:
+        threading.Event().wait()     # the first one ends the process
+
+
+def _end(message: str, state: Optional[str], code: int) -> None:
+    """Print `error: message`, set this process's state (None: keep it) for the peers, end with `code`."""
+    _claim_ending()
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+    if _PEER_WATCHDOG is not None and state is not None:
+        _PEER_WATCHDOG.done(state)
+    exit_now(code)
 
 
 def _fatal(message: str) -> None:
-    """One error line, then end the process at once (other threads may be blocked inside JAX)."""
-    sys.stderr.write(f"error: {message}\n")
-    sys.stderr.flush()
-    os._exit(1)
+    """The watchdog's end: one error line, this process's state "ended: ..." (peers looking for a culprit skip
+    it), then end the process at once (other threads may be blocked inside JAX)."""
+    _end(message, _ended_state(message), 1)
+
+
+def _leave_before_exit(code: int) -> None:
+    """exit_now hook of a multi-process run: a process ending without a state of its own (a user error:
+    cli.fail) tells its peers it exited, then leaves in order (`PeerWatchdog.leave`)."""
+    _claim_ending()
+    watchdog = _PEER_WATCHDOG
+    if watchdog is None:
+        return
+    if watchdog.state is None:
+        watchdog.done(f"exited (status {code})")
+    watchdog.leave()
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (how launchers stop a run) ends this process: one line, its peers told, exit 128 + 15. Python runs a
+    signal handler in the main thread between bytecodes only, never while that thread waits inside JAX (a
+    collective, a blocking coordination-service get), so a thread reads the C-level handler's wakeup byte
+    (signal.set_wakeup_fd) and ends the process from there; the handler itself does the same when it runs first."""
+    s = _INITIALIZED
+
+    def stop(*_):
+        if _ENDING_THREAD is not None:      # already ending (the handler may run inside that very thread)
+            return
+        _end(f"process {s.process_id} of {s.num_processes}: stopped by SIGTERM", "stopped by SIGTERM",
+             128 + signal.SIGTERM)
+
+    try:
+        signal.signal(signal.SIGTERM, stop)
+    except ValueError:      # not the main thread: SIGTERM keeps its default (ends the process, silently)
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+
+    def watch():
+        while True:
+            if int(signal.SIGTERM) in os.read(read_fd, 64):
+                stop()
+
+    threading.Thread(target=watch, name="pdjax-sigterm", daemon=True).start()
+
+
+def _ended_state(message: str) -> str:
+    """The state a process that ends because of `message` (a watchdog line) shows its peers."""
+    reason = message.split(": ", 1)[-1]
+    return f"ended: {reason[:-len('; ending the run')] if reason.endswith('; ending the run') else reason}"
+
+
+# A peer's state (its pdjax/alive key) that ends the run: it failed, was stopped, ended because of another, or
+# exited; "done" is a normal finish; anything else is a heartbeat count.
+_ENDING_STATES = ("failed", "stopped", "ended", "exited")
 
 
 class PeerWatchdog:
     """Every process bumps `pdjax/alive/<id>` in the coordination service and watches everyone else's (module
-    docstring). `on_dead(message)` ends the process (default: one error line, exit 1); `clock` and the interval
-    are injectable for tests. `done()` marks this process finished (peers stop watching it) and stops the
-    threads."""
+    docstring). `on_dead(message)` ends the process (default: one error line, exit 1); `clock`, `sleep` and the
+    interval are injectable for tests. `done(state)` sets this process's final state (peers stop watching it; one
+    in _ENDING_STATES ends them too) and stops the threads; `leave()` orders the exits."""
 
     def __init__(self, settings: DistributedSettings, client, *, on_dead: Callable[[str], None] = _fatal,
-                 clock: Callable[[], float] = time.monotonic, interval_s: Optional[float] = None):
-        self.settings, self.client, self.on_dead, self.clock = settings, client, on_dead, clock
-        self.interval_s = interval_s if interval_s is not None else max(0.05, settings.timeout_s / 10)
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 interval_s: Optional[float] = None):
+        self.settings, self.client, self.on_dead, self.clock, self.sleep = settings, client, on_dead, clock, sleep
+        # At most 1 s: a peer ending the run is followed within about a second.
+        self.interval_s = interval_s if interval_s is not None else max(0.05, min(1.0, settings.timeout_s / 10))
+        self.linger_s = 3 * self.interval_s + 2.0       # process 0's longest wait in `leave`
         self._stop = threading.Event()
         self._beats = 0
         self._seen: Dict[int, Tuple[str, float]] = {}   # peer -> (last value, when it last changed)
         self._lost_since: Optional[float] = None
         self.peers_finished = False
+        self.dead_peers: set = set()                    # peers named for a stalled heartbeat
+        self.state: Optional[str] = None                # this process's final state, once `done`
         self._thread: Optional[threading.Thread] = None
 
     def _key(self, process_id: int) -> str:
         return f"pdjax/alive/{process_id}"
 
+    def _exit_key(self, process_id: int) -> str:
+        return f"pdjax/exited/{process_id}"
+
     def beat(self) -> None:
         self._beats += 1
         self.client.key_value_set(self._key(self.settings.process_id), str(self._beats), allow_overwrite=True)
 
-    def check(self, beat: bool = True) -> Optional[str]:
-        """One look at every peer: the error message when one failed, or one (or the service) is gone for
-        timeout_s, else None. Peers that are done, or ended because of another, are not watched."""
+    def check(self, beat: bool = True, culprits_only: bool = False) -> Optional[str]:
+        """One look at every peer: the error message when one ended the run (failed, was stopped, ended or
+        exited) or one (or the service) is gone for timeout_s, else None. Peers that are done are not watched.
+        culprits_only (this process failed and is looking for a cause): only a failed or dead peer is named;
+        peers that ended, exited or were stopped count as finished."""
         s, now = self.settings, self.clock()
         me = f"process {s.process_id} of {s.num_processes}"
         try:
@@ -236,14 +346,15 @@ class PeerWatchdog:
                 return f"{me}: lost the coordinator at {s.coordinator_address} (process 0) for {s.timeout_s:g} s"
             return None
         self._lost_since = None
-        self.peers_finished = all(v in ("done", "ended") for v in values.values())
+        self.peers_finished = all(v == "done" or v.startswith(_ENDING_STATES) for v in values.values())
         for peer, value in values.items():
-            if value.startswith("failed"):
+            if value.startswith("failed") or (value.startswith(_ENDING_STATES) and not culprits_only):
                 return f"{me}: process {peer} {value}; ending the run"
             last = self._seen.get(peer)
             if last is None or value != last[0]:
                 self._seen[peer] = (value, now)
-            elif value not in ("done", "ended") and now - last[1] >= s.timeout_s:
+            elif value != "done" and not value.startswith(_ENDING_STATES) and now - last[1] >= s.timeout_s:
+                self.dead_peers.add(peer)
                 return f"{me}: process {peer} sent no heartbeat for {s.timeout_s:g} s (it died or hangs); ending the run"
         return None
 
@@ -251,7 +362,6 @@ class PeerWatchdog:
         while not self._stop.wait(self.interval_s):
             message = self.check()
             if message is not None and not self._stop.is_set():
-                self.done("ended")      # peers looking for the culprit skip this process
                 self.on_dead(message)
                 return
 
@@ -262,10 +372,44 @@ class PeerWatchdog:
 
     def done(self, state: str = "done") -> None:
         self._stop.set()
+        self.state = state
         try:
             self.client.key_value_set(self._key(self.settings.process_id), state, allow_overwrite=True)
         except Exception:  # noqa: BLE001  (the run is over either way)
             pass
+
+    def _has_left(self, peer: int) -> bool:
+        """Whether `peer` marked its exit, or finished normally (it leaves through jax's own shutdown)."""
+        for key, wanted in ((self._exit_key(peer), None), (self._key(peer), "done")):
+            try:
+                value = self.client.key_value_try_get(key)
+            except Exception:  # noqa: BLE001  (not set)
+                continue
+            if wanted is None or value == wanted:
+                return True
+        return False
+
+    def leave(self) -> None:
+        """Right before this process ends at once. Every peer's JAX client polls the coordination service that
+        process 0 hosts, and aborts with a long C++ stack the moment it goes: so a peer marks its exit
+        (`pdjax/exited/<id>`) and ends, and process 0 first waits (at most linger_s) until every peer not known
+        dead marked its exit or finished."""
+        self._stop.set()
+        s = self.settings
+        if s.process_id != 0:
+            try:
+                self.client.key_value_set(self._exit_key(s.process_id), "1", allow_overwrite=True)
+            except Exception:  # noqa: BLE001  (the service is gone: nothing to order)
+                pass
+            return
+        deadline = self.clock() + self.linger_s
+        waiting = [p for p in range(1, s.num_processes) if p not in self.dead_peers]
+        while waiting and self.clock() < deadline:
+            waiting = [p for p in waiting if not self._has_left(p)]
+            if waiting:
+                self.sleep(0.02)
+        if s.num_processes > 1 + len(self.dead_peers):
+            self.sleep(0.2)      # a peer ends right after its mark
 
     def find_dead_peer(self) -> Optional[str]:
         """After this process failed (its key says so, it beats no more): keep checking for up to timeout_s for
@@ -273,10 +417,10 @@ class PeerWatchdog:
         beating to the end."""
         deadline = self.clock() + self.settings.timeout_s + 2 * self.interval_s
         while self.clock() < deadline:
-            message = self.check(beat=False)
+            message = self.check(beat=False, culprits_only=True)
             if message is not None or self.peers_finished:
                 return message
-            time.sleep(self.interval_s)
+            self.sleep(self.interval_s)
         return None
 
 
@@ -285,22 +429,22 @@ _PEER_WATCHDOG: Optional[PeerWatchdog] = None
 
 def end_after_failure(error: BaseException) -> None:
     """A multi-process run failed in this process with `error` (typically a collective or a transfer whose peer
-    died: "Gloo all-reduce failed: Connection closed by peer"). Tell the peers (they end at once, naming this
-    process), name the dead peer when the watchdog finds one within timeout_s, print one error line and end the
-    process with exit 1 at once: jax's shutdown barrier at exit would wait for the dead peer and then abort."""
+    died: "Gloo all-reduce failed: Connection closed by peer"). Print one error line, tell the peers (they end
+    at once, naming this process), name the dead peer when the watchdog finds one within timeout_s (a second
+    line) and end the process with exit 1 at once (jax's shutdown barrier at exit would wait for the dead peer
+    and then abort), in order (`PeerWatchdog.leave`)."""
+    _claim_ending()
     s, watchdog = _INITIALIZED, _PEER_WATCHDOG
     cause = " ".join(str(error).split())[:300] or type(error).__name__
     me = f"process {s.process_id} of {s.num_processes}" if s is not None else "this process"
-    # This process's own failure first: the wait below can be cut short (process 0 ending takes the coordination
-    # service with it, and jax's client then aborts this process).
     sys.stderr.write(f"error: {me}: {cause}\n")
     sys.stderr.flush()
     if watchdog is not None:
         watchdog.done(f"failed ({cause})")
         dead = watchdog.find_dead_peer()
         if dead:
-            _fatal(dead)
-    os._exit(1)
+            sys.stderr.write(f"error: {dead}\n")
+    exit_now(1)
 
 
 def schedule_digest_line(instance: str, out) -> str:
@@ -309,6 +453,33 @@ def schedule_digest_line(instance: str, out) -> str:
                        list(out.num_computed_tokens), [list(p) for p in out.page_tables], list(out.do_sample),
                        list(out.kv_handoff_req_ids), list(out.preempted_req_ids), list(out.swap_out),
                        list(out.swap_in)], separators=(",", ":"))
+
+
+def flat_config(config: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """A nested config dict as {"scheduler.token_budget": 256, ...} (lists and scalars are leaves)."""
+    out: Dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flat_config(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def config_differences(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> List[str]:
+    """The keys (of two `flat_config`s) whose values differ or that only one has, sorted."""
+    return sorted(k for k in set(mine) | set(theirs) if k not in mine or k not in theirs or mine[k] != theirs[k])
+
+
+def _config_mismatch_message(me: str, peer: int, mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> str:
+    def show(flat, key):
+        return json.dumps(flat[key], default=repr)[:60] if key in flat else "(none)"
+    keys = config_differences(mine, theirs)
+    listed = ", ".join(f"{k} (process {peer}: {show(theirs, k)}, this process: {show(mine, k)})" for k in keys[:5])
+    more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+    return (f"{me}: config differs from process {peer}'s at {listed}{more}; every process of a run needs the same "
+            f"config")
 
 
 class Coordinator:
@@ -357,6 +528,10 @@ class Coordinator:
         local = runner.collect(handle) if self.process_id == procs[0] else None
         ids = self.agree(None if local is None else [int(x) for x in local], source=procs[0])
         return np.asarray(ids, np.int32)
+
+    def check_same_config(self, config: Mapping[str, Any]) -> None:
+        """Raise ConfigMismatchError naming the differing keys when another process's resolved `config` (a plain
+        nested dict: JSON values) differs from this one's; every process calls it at start-up."""
 
     def check_same(self, name: str, value: Any) -> None:
         """Raise DistributedError when `value` (JSON-serializable) differs from process 0's."""
@@ -430,6 +605,29 @@ class DistributedCoordinator(Coordinator):
     def done(self) -> None:
         if _PEER_WATCHDOG is not None:
             _PEER_WATCHDOG.done()
+
+    def check_same_config(self, config: Mapping[str, Any]) -> None:
+        """Every process publishes its config's digest and flat form (`<prefix>/config/<id>/...`) and compares with
+        every other's (digests first, the flat form only on a difference), so every process of a mismatched run
+        fails at once, naming the keys."""
+        flat = flat_config(config)
+        text = json.dumps(flat, sort_keys=True, separators=(",", ":"), default=repr)
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        base = f"{self.prefix}/config"
+        try:
+            self.client.key_value_set(f"{base}/{self.process_id}/flat", text)
+            self.client.key_value_set(f"{base}/{self.process_id}/digest", digest)
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("publishing the config", e) from e
+        me = f"process {self.process_id} of {self.num_processes}"
+        for peer in (p for p in range(self.num_processes) if p != self.process_id):
+            try:
+                if self.client.blocking_key_value_get(f"{base}/{peer}/digest", self.timeout_ms) == digest:
+                    continue
+                theirs = json.loads(self.client.blocking_key_value_get(f"{base}/{peer}/flat", self.timeout_ms))
+            except Exception as e:  # noqa: BLE001
+                raise self._fail(f"waiting for process {peer}'s config", e) from e
+            raise ConfigMismatchError(_config_mismatch_message(me, peer, json.loads(text), theirs))
 
     def barrier(self, name: str) -> None:
         n = self._barriers.get(name, 0)

@@ -7,26 +7,19 @@ parallel + 1 (plain bisection: 2). Holding is assumed monotone in the rate, as i
 (whose `holds` rule this uses unchanged). Each probe simulates the whole config at that rate (same seed: the
 arrival process is rescaled, the lengths are the same) and keeps only its summary. No JAX.
 
-Worker lifetime: pool workers die with the process that started them, even when it is killed with SIGKILL
-(`die_with_parent`, the pool initializer: prctl PR_SET_PDEATHSIG on Linux plus a thread polling the parent pid),
+Worker lifetime: pool workers die with the process that started them, even when it is killed with SIGKILL,
 and an interrupted search (Ctrl-C, SIGTERM turned into SystemExit, an error) terminates its workers instead of
-waiting for the probes in flight (`stop_pool`). pdjax.experiment.sweep uses the same two helpers.
+waiting for the probes in flight (pdjax.procs: `process_pool`, `stop_pool`, as pdjax.experiment.sweep uses them).
 """
 from __future__ import annotations
 
-import concurrent.futures
 import copy
-import ctypes
 import dataclasses
-import multiprocessing
-import os
-import signal
 import sys
-import threading
-import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pdjax.metrics import holds, summarize_run
+from pdjax.procs import process_pool, stop_pool
 
 
 @dataclasses.dataclass
@@ -35,59 +28,6 @@ class ParallelCapacityResult:
     bracket: Tuple[float, float]                        # (highest holding, lowest failing) at the end
     probes: List[Tuple[float, bool, Dict[str, Any]]]    # (rate, held, summary) in the order run
     rounds: int
-
-
-_PR_SET_PDEATHSIG = 1          # linux/prctl.h
-
-
-def _watch_parent(parent_pid: int, interval_s: float) -> None:
-    while True:
-        time.sleep(interval_s)
-        if os.getppid() != parent_pid:      # reparented: the parent is gone
-            os._exit(1)
-
-
-def die_with_parent(parent_pid: int, interval_s: float = 0.5) -> None:
-    """Pool-worker initializer: end this process as soon as `parent_pid` (the process that started the pool)
-    dies, however it dies. On Linux the kernel sends SIGKILL at the parent's death (PR_SET_PDEATHSIG; the pool
-    must be used from the thread that created it, as here); everywhere, a daemon thread polls the parent pid.
-    SIGINT is ignored: on Ctrl-C (sent to the whole process group) the parent decides and stops its workers."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent_pid:          # the parent died before the line above took effect
-        os._exit(1)
-    threading.Thread(target=_watch_parent, args=(parent_pid, interval_s), daemon=True,
-                     name="die-with-parent").start()
-
-
-def process_pool(max_workers: int, method: str) -> concurrent.futures.ProcessPoolExecutor:
-    """A ProcessPoolExecutor whose workers die with this process (`die_with_parent`)."""
-    return concurrent.futures.ProcessPoolExecutor(max_workers=max_workers,
-                                                  mp_context=multiprocessing.get_context(method),
-                                                  initializer=die_with_parent, initargs=(os.getpid(),))
-
-
-def stop_pool(pool: concurrent.futures.ProcessPoolExecutor, *, abort: bool, grace_s: float = 5.0) -> None:
-    """Shut `pool` down: wait for its work when not `abort`; else cancel what has not started and terminate the
-    workers (SIGTERM, then SIGKILL after grace_s) instead of waiting for the tasks in flight."""
-    if not abort:
-        pool.shutdown(wait=True)
-        return
-    procs = list((getattr(pool, "_processes", None) or {}).values())   # taken before shutdown clears it
-    pool.shutdown(wait=False, cancel_futures=True)
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join(1.0)
 
 
 def simulate_summary(config_dict: Mapping[str, Any], rate: float) -> Dict[str, Any]:

@@ -46,19 +46,16 @@ Not modelled here: Splitwise's mixed pool; DistServe's online re-planning. No JA
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import itertools
 import math
-import multiprocessing
-import os
-import signal
 import sys
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pdjax.config.model_specs import ModelSpec, get_model_spec
 from pdjax.config.validate import check_max_model_len
+from pdjax.procs import process_pool
 from pdjax.sim.cost_model import kv_cache_capacity_tokens
 from pdjax.sim.disagg import kv_link
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
@@ -427,18 +424,6 @@ def evaluate(problem: PlacementProblem, placement: Placement) -> Evaluation:
 
 
 # --------------------------------------------------------------------------------------------------- search
-def _die_with_parent() -> None:
-    """Pool initializer: the kernel sends SIGTERM to this worker when its parent exits (Linux)."""
-    try:
-        import ctypes  # noqa: PLC0415
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)          # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() == 1:                      # the parent already died before prctl
-        os._exit(1)
-
-
 class _Evaluate:
     def __init__(self, problem: PlacementProblem):
         self.problem = problem
@@ -472,8 +457,7 @@ def search(problem: PlacementProblem, *, workers: int = 1, affinities: Sequence[
         evaluations = [fn(p) for p in placements]
     else:
         method = "spawn" if "jax" in sys.modules else "fork"
-        pool = concurrent.futures.ProcessPoolExecutor(max_workers=workers, initializer=_die_with_parent,
-                                                      mp_context=multiprocessing.get_context(method))
+        pool = process_pool(workers, method)
         try:
             evaluations = list(pool.map(fn, placements))
         finally:
