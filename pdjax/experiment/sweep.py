@@ -17,7 +17,8 @@ end; a rerun retries it. With parallel > 1 the points run in spawned worker proc
 process (even on SIGKILL) and are terminated when it is interrupted (see pdjax.sim.capacity.die_with_parent).
 
 executor='ray' runs each point as a Ray task instead (a local Ray cluster, or an existing one at `ray_address`),
-with the resources its deployment needs (`point_resources`); everything else is the same: finished points are
+with the resources its deployment needs (`point_resources`; a real-backend point in a fresh worker process); an
+address nothing answers at fails at once (`check_ray_address`); everything else is the same: finished points are
 skipped by the same config check, a failing point is recorded, summary.csv is written by the same code from the
 points' results.json. A point whose worker process dies (killed, out of memory, its node lost) is resubmitted up
 to `max_retries` times, then recorded as failed with the error, and the sweep goes on.
@@ -301,17 +302,22 @@ def point_resources(cfg: Mapping[str, Any], platform: str, max_node_cpus: Option
     return {"num_cpus": min(n, int(max_node_cpus)) if max_node_cpus else n}
 
 
+def needs_fresh_worker(cfg: Mapping[str, Any]) -> bool:
+    """A real-backend point runs in a worker process of its own (Ray's max_calls=1): JAX's device memory and
+    XLA_FLAGS are per process."""
+    return cfg.get("backend", "real") != "sim"
+
+
 def _point_task_options(cfg: Mapping[str, Any], platform: str, max_node_cpus: Optional[float]) -> Dict[str, Any]:
-    """point_resources plus, for a real-backend point, a fresh worker process per point (max_calls=1: JAX's
-    device memory and XLA_FLAGS are per process) and, on CPU, as many host devices as the deployment uses."""
+    """The `.options()` of one point's Ray task: point_resources plus, for a real-backend point on CPU, as many
+    host devices as the deployment uses. (max_calls is not an option there: Ray takes it only in ray.remote, so
+    the fresh worker of a real-backend point comes from its remote function, see needs_fresh_worker.)"""
     options = point_resources(cfg, platform, max_node_cpus)
-    if cfg.get("backend", "real") != "sim":
-        options["max_calls"] = 1
-        if platform == "cpu":
-            flags = os.environ.get("XLA_FLAGS", "")
-            if "xla_force_host_platform_device_count" not in flags:
-                flags = f"{flags} --xla_force_host_platform_device_count={max(point_devices(cfg), 1)}".strip()
-            options["runtime_env"] = {"env_vars": {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}}
+    if needs_fresh_worker(cfg) and platform == "cpu":
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            flags = f"{flags} --xla_force_host_platform_device_count={max(point_devices(cfg), 1)}".strip()
+        options["runtime_env"] = {"env_vars": {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}}
     return options
 
 
@@ -335,6 +341,27 @@ def _check_feasible(todo_options: Sequence[Tuple[str, Mapping[str, Any]]], nodes
                              for r in alive) or "no nodes"
             raise ValueError(f"sweep point {name} needs {', '.join(f'{k}={v:g}' for k, v in demand.items())} on "
                              f"one node; no node of the Ray cluster ({where}) has that (nodes: {have})")
+
+
+RAY_CONNECT_TIMEOUT_S = 10.0
+
+
+def check_ray_address(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
+    """Fail at once on a Ray address that nothing listens at (ray.init retries an unreachable one forever, with a
+    warning every ~40 s): a TCP connection to HOST:PORT must open within `timeout_s`. 'auto' and 'local' (Ray
+    finds or starts the cluster itself) pass. Raises ValueError naming the address and the problem."""
+    if address in ("auto", "local"):
+        return
+    host, sep, port = address.split("://", 1)[-1].rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"ray_address={address!r}, expected HOST:PORT of a Ray cluster's head, 'auto', or none "
+                         "(a local cluster is started)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ValueError(f"ray_address={address!r}: no Ray cluster answers there ({e.strerror or e}); expected the "
+                         "address of a running cluster's head (ray start --head prints it), or none (a local "
+                         "cluster is started)") from None
 
 
 _WORKER_DIED = ("WorkerCrashedError", "NodeDiedError", "OutOfMemoryError", "LocalRayletDiedError",
@@ -361,12 +388,12 @@ def _run_ray(todo: Sequence[Tuple[str, Dict[str, Any]]], workdir: str, run_fn, l
         max_cpus = max((n.get("Resources", {}).get("CPU", 0) for n in nodes), default=0) or None
         options = [(name, _point_task_options(cfg, platform, max_cpus)) for name, cfg in todo]
         _check_feasible(options, nodes, address or ray.get_runtime_context().gcs_address)
-        remote = ray.remote(_run_point)
+        remote = {False: ray.remote(_run_point), True: ray.remote(max_calls=1)(_run_point)}
 
         def submit(name, cfg, opts, attempt):
             for leftover in _partial_dirs(workdir, name):   # of an attempt whose worker died
                 shutil.rmtree(leftover, ignore_errors=True)
-            ref = remote.options(max_retries=0, retry_exceptions=False, **opts).remote(
+            ref = remote[needs_fresh_worker(cfg)].options(max_retries=0, retry_exceptions=False, **opts).remote(
                 run_fn, cfg, os.path.join(workdir, name))
             pending[ref] = (name, cfg, opts, attempt)
 
@@ -461,9 +488,11 @@ def run_sweep(sweep: Mapping[str, Any], workdir: str, run_fn: Callable[[Dict[str
         raise ValueError(f"platform={platform!r}, expected one of {PLATFORMS}")
     if executor == "ray":
         try:
-            import ray  # noqa: F401, PLC0415
+            import ray  # noqa: PLC0415
         except ImportError:
             raise ValueError("executor 'ray' needs Ray: pip install -e '.[cluster]'") from None
+        if ray_address and not ray.is_initialized():
+            check_ray_address(ray_address)
     if validate is not None:
         for name, _, cfg in points:
             try:
