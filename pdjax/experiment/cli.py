@@ -44,6 +44,10 @@ def one_line(error: BaseException) -> str:
             text = str(ast.literal_eval(text))
         except (SyntaxError, ValueError):
             text = text[1:-1]
+    marker = "Traceback (most recent call last):"
+    if marker in text:   # ml_collections puts the traceback of a config file's failed get_config in its message
+        head, _, trace = text.partition(marker)
+        text = f"{head.strip()} {trace.strip().splitlines()[-1]}"
     return " ".join(part.strip() for part in text.splitlines() if part.strip())
 
 

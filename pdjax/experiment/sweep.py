@@ -11,6 +11,11 @@ temporary directory that is renamed to its final name only when complete, so a k
 behind. A rerun skips every finished point whose stored config.json equals its config now; a finished point whose
 config changed stops the sweep before anything runs (naming the point and the keys) unless `rerun_changed`.
 
+Before any point runs, every point is checked (`validate`; for serve points `check_point`, what a serve run
+checks at start-up) and the workdir is made ready by the rule of every run's workdir (`ready_sweep_dir`: a
+directory holding nothing but a sweep's entries, else the sweep refuses it), so a bad point or path fails the
+sweep in its first seconds, naming the point or the path.
+
 A failing point does not stop the sweep: its directory gets error.txt (the traceback) and no results.json,
 summary.csv marks it status=failed with the error line, the other points run, and SweepFailed is raised at the
 end; a rerun retries it. With parallel > 1 the points run in spawned worker processes that die with the sweep
@@ -448,8 +453,41 @@ def _partial_dirs(workdir: str, name: str) -> List[str]:
         return []
 
 
+SWEEP_FILES = ("summary.csv", "comparison.png")
+
+
+def ready_sweep_dir(workdir: str, point_names: Sequence[str]) -> None:
+    """Make `workdir` ready for a sweep before any point runs, by the rule of every run's workdir
+    (pdjax.metrics.report.ready_workdir): a writable directory holding nothing but a sweep's entries: its
+    SWEEP_FILES, the directories of its points (of this grid, or of an earlier grid: a directory with a run's
+    config.json) and the partial point directories of a killed run. Anything else makes it refuse (ValueError),
+    as a serve run refuses a directory of foreign files."""
+    from pdjax.metrics.report import ready_workdir, written_name  # noqa: PLC0415
+
+    names = set(point_names)
+
+    def owns(entry: str) -> bool:
+        if written_name(entry) in SWEEP_FILES:
+            return True
+        path = os.path.join(workdir, entry)
+        return os.path.isdir(path) and (entry in names or ".partial-" in entry
+                                        or os.path.isfile(os.path.join(path, "config.json")))
+
+    ready_workdir(workdir, owns, "a pdjax sweep's point directories, " + " or ".join(SWEEP_FILES),
+                  "one holding an earlier run of a sweep (finished points are kept)")
+
+
 def _log_point(log: Callable[[str], None], name: str, status: str, error: Optional[str]) -> None:
     log(f"sweep: finished {name}" if status == "ok" else f"sweep: FAILED {name}: {error}")
+
+
+def check_point(cfg: Dict[str, Any]) -> None:
+    """Check one serve point as a serve run checks itself at start-up (pdjax.experiment.run.prepare_experiment:
+    the config, what of the model and deployment needs no device, the workload and the files it reads), without
+    touching a workdir (is_main=False leaves it alone); the `validate` of run_sweep for run_experiment's points.
+    Raises ValueError (or OSError for an unreadable file) naming the bad key, value or path."""
+    from pdjax.experiment.run import prepare_experiment  # noqa: PLC0415  (no JAX)
+    prepare_experiment(cfg, "", is_main=False)
 
 
 def run_sweep(sweep: Mapping[str, Any], workdir: str, run_fn: Callable[[Dict[str, Any], str], Any], *,
@@ -462,7 +500,8 @@ def run_sweep(sweep: Mapping[str, Any], workdir: str, run_fn: Callable[[Dict[str
 
     run_fn(config_dict, point_workdir) must write results.json (and config.json, the config it ran) into
     point_workdir, which exists and is empty; it must be picklable (a module-level function) when parallel > 1.
-    `validate(config_dict)` runs on every point before any point runs, so a bad point fails the sweep at start-up.
+    `validate(config_dict)` runs on every point before any point runs, so a bad point fails the sweep at start-up;
+    then `workdir` must be new, empty or a sweep's own (`ready_sweep_dir`), else ValueError.
 
     A point is done when its directory has results.json and its config.json equals the point's config now. A
     finished point whose config changed (e.g. another --config.base... override) raises SweepConfigChanged
@@ -494,12 +533,13 @@ def run_sweep(sweep: Mapping[str, Any], workdir: str, run_fn: Callable[[Dict[str
         if ray_address and not ray.is_initialized():
             check_ray_address(ray_address)
     if validate is not None:
+        from pdjax.experiment.cli import one_line  # noqa: PLC0415
         for name, _, cfg in points:
             try:
                 validate(cfg)
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"sweep point {name}: {e}") from e
-    os.makedirs(workdir, exist_ok=True)
+            except (ValueError, KeyError, TypeError, OSError) as e:
+                raise ValueError(f"sweep point {name}: {one_line(e)}") from e
+    ready_sweep_dir(workdir, [name for name, _, _ in points])
     todo, changed, retried = [], [], 0
     for name, _, cfg in points:
         state, diff = point_state(os.path.join(workdir, name), cfg)
