@@ -3,12 +3,13 @@
     python -m experiments.sweep --config=configs/sweeps/sarathi_ablation.py:chat --workdir=/tmp/ablation
 
 Every point is checked as serve checks its config at start-up before the first point runs, and the workdir must
-be new, empty or a sweep's own (its points, summary.csv, comparison.png): a bad point, config file or workdir is one
-`error:` line (exit 2) before anything runs. A rerun skips the finished points. If a finished point's stored config.json differs from the config it gets now
-(e.g. another --config.base.* override), the sweep stops before running anything and names the point and the
-differing keys; --rerun_changed reruns such points instead. A failing point does not stop the sweep: its
-traceback goes to POINT/error.txt, summary.csv marks it failed, and the sweep exits 1 at the end naming the failed
-points (a rerun retries them). SIGTERM and Ctrl-C stop the worker processes of a --parallel sweep.
+be new, empty or a sweep's own (its points, summary.csv, comparison.png): a bad point, config file or workdir is
+one `error:` line (exit 2) before anything runs. A rerun skips the finished points. If a finished point's stored
+config.json differs from the config it gets now (e.g. another --config.base.* override), the sweep stops before
+running anything and names the point and the differing keys; --rerun_changed reruns such points instead. A failing
+point does not stop the sweep: its traceback goes to POINT/error.txt, summary.csv marks it failed, and the sweep
+exits 1 at the end naming the failed points (a rerun retries them). SIGTERM and Ctrl-C stop the worker processes
+of a --parallel sweep.
 
 On a cluster, with Ray (pip install -e ".[cluster]"):
 
@@ -26,7 +27,7 @@ import os
 import signal
 import sys
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from pdjax.experiment import cli
@@ -66,15 +67,16 @@ def load_sweep_config() -> dict:
     except OSError as e:
         path = config_flags.get_config_filename(flags.FLAGS["config"])
         if not os.path.isfile(path):
-            raise cli.UserError(f"--config={flags.FLAGS['config'].serialize().split('=', 1)[-1]}: no such file "
-                                f"{path!r} (relative to {os.getcwd()}); expected a sweep config file, e.g. "
+            what = "is a directory" if os.path.isdir(path) else "does not exist"
+            raise cli.UserError(f"--config={flags.FLAGS['config'].serialize().split('=', 1)[-1]}: {path!r} {what} "
+                                f"(relative to {os.getcwd()}); expected a sweep config file, e.g. "
                                 "configs/sweeps/budget.py") from None
         raise cli.UserError(f"--config: {cli.one_line(e.__cause__ or e)}") from None
 
 
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        raise cli.UserError(f"unexpected arguments {argv[1:]}; settings go in --config.base.KEY=VALUE flags")
     ray = _EXECUTOR.value == "ray"
     if not ray:
         for name in ("ray_address", "max_retries", "platform"):

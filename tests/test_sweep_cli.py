@@ -27,7 +27,7 @@ def _one_error_line(out):
 
 def test_a_missing_config_file_is_one_line(tmp_path):
     line = _one_error_line(_sweep("--config=configs/sweeps/no_such.py", f"--workdir={tmp_path / 'w'}"))
-    assert line.startswith("error: --config=configs/sweeps/no_such.py: no such file 'configs/sweeps/no_such.py'")
+    assert line.startswith("error: --config=configs/sweeps/no_such.py: 'configs/sweeps/no_such.py' does not exist")
     assert not (tmp_path / "w").exists()
 
 
@@ -35,6 +35,18 @@ def test_a_bad_config_argument_is_one_line(tmp_path):
     line = _one_error_line(_sweep("--config=configs/sweeps/budget.py:nope", f"--workdir={tmp_path / 'w'}"))
     assert "--config=configs/sweeps/budget.py:nope" in line
     assert line.endswith("ValueError: budget: ARG='nope', expected 'real' or 'sim'")
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--config=configs/serve.py"], "error: sweep config with keys ['backend', "),       # a serve config
+    (["--config=README.md"], "error: bad command-line flag: config file README.md:"),   # not Python
+    (["--config=configs/sweeps", ], "error: --config=configs/sweeps: 'configs/sweeps' is a directory"),
+    (["--config=configs/sweeps/budget.py:sim", "stray"], "error: unexpected arguments ['stray']"),
+])
+def test_other_config_mistakes_are_one_line(tmp_path, flags, expected):
+    line = _one_error_line(_sweep(*flags, f"--workdir={tmp_path / 'w'}"))
+    assert line.startswith(expected)
     assert not (tmp_path / "w").exists()
 
 

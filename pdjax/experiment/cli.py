@@ -106,12 +106,15 @@ def flag_error_line(error: BaseException) -> str:
 
 
 def parse_flags(argv):
-    """absl's flag parsing, with a bad value (wrong type, out of range, a failed validator) reported as one
-    `error:` line with status 2 instead of absl's "FATAL Flags parsing error" with status 1."""
+    """absl's flag parsing, with a bad value (wrong type, out of range, a failed validator) or a config file absl
+    cannot load (its get_config raised, or it is not Python) reported as one `error:` line with status 2 instead
+    of absl's "FATAL Flags parsing error" with status 1 (or a traceback)."""
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
         fail(flag_error_line(e))
+    except SyntaxError as e:    # a --config file that is not Python (ml_collections executes it)
+        fail(f"bad command-line flag: config file {e.filename}:{e.lineno}: {e.msg}; expected a Python config file")
 
 
 def run(main: Callable) -> None:

@@ -65,8 +65,15 @@ def _safe(value: Any) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", str(value))
 
 
+SWEEP_KEYS = {"base", "grid", "name"}
+
+
 def expand_grid(sweep: Mapping[str, Any]) -> List[Tuple[str, Dict[str, Any], Dict[str, Any]]]:
     """[(point name, {column: value}, full serve config dict)] for every point of the grid."""
+    keys = set(sweep) if isinstance(sweep, Mapping) else set()
+    if not {"base", "grid"} <= keys or keys - SWEEP_KEYS:
+        raise ValueError(f"sweep config with keys {sorted(keys)}, expected {sorted(SWEEP_KEYS)} ('name' optional): "
+                         "is it a sweep config (configs/sweeps/*.py), not a serve config?")
     base = sweep["base"]
     grid = sweep.get("grid") or {}
     if not grid:
@@ -294,9 +301,10 @@ def point_devices(cfg: Mapping[str, Any]) -> int:
 def point_resources(cfg: Mapping[str, Any], platform: str, max_node_cpus: Optional[float] = None) -> Dict[str, Any]:
     """The Ray task options (resources) of one point, derived from its config:
     - backend 'sim': 1 CPU (the simulator is one Python process);
-    - backend 'real', N devices (`point_devices`: what its deployment uses): on GPU `num_gpus=N` (+ 1 CPU for the host loop), on TPU the
-      custom resource 'TPU': N chips (+ 1 CPU), on CPU `num_cpus=N` (its devices are host threads), capped at
-      `max_node_cpus` (the biggest node's CPUs) so a point with more fake CPU devices than cores still runs."""
+    - backend 'real', N devices (`point_devices`: what its deployment uses): on GPU `num_gpus=N` (+ 1 CPU for the
+      host loop), on TPU the custom resource 'TPU': N chips (+ 1 CPU), on CPU `num_cpus=N` (its devices are host
+      threads), capped at `max_node_cpus` (the biggest node's CPUs) so a point with more fake CPU devices than
+      cores still runs."""
     if cfg.get("backend", "real") == "sim":
         return {"num_cpus": 1}
     n = point_devices(cfg)
