@@ -174,3 +174,16 @@ def test_an_unreachable_ray_address_fails_at_once_in_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"ray_address='nohost', expected HOST:PORT"):
         sweep_lib.check_ray_address("nohost")
     sweep_lib.check_ray_address("auto")      # Ray finds the cluster itself
+
+
+def test_no_cluster_at_auto_is_a_value_error_naming_the_address(tmp_path, monkeypatch):
+    """ray.init(address='auto') raises ConnectionError when no cluster runs on this machine (not testable for
+    real on a shared machine, where another cluster may run: Ray's own error is stood in for here)."""
+    def no_cluster(**kwargs):
+        raise ConnectionError("Could not find any running Ray instance. Please specify the one to connect to")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", no_cluster)
+    with pytest.raises(ValueError, match=r"^ray_address='auto': Could not find any running Ray instance"):
+        sweep_lib.run_sweep(SWEEP, str(tmp_path / "w"), _dying_run, executor="ray", ray_address="auto",
+                            log=lambda s: None)

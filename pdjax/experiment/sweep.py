@@ -391,7 +391,10 @@ def _run_ray(todo: Sequence[Tuple[str, Dict[str, Any]]], workdir: str, run_fn, l
     if started:
         t0 = time.perf_counter()
         kwargs = {"address": address} if address else {"num_cpus": num_cpus, "include_dashboard": False}
-        ray.init(logging_level="WARNING", **kwargs)
+        try:
+            ray.init(logging_level="WARNING", **kwargs)
+        except ConnectionError as e:    # e.g. 'auto' with no cluster running here
+            raise ValueError(f"ray_address={address!r}: {_first_line(e)}") from None
         log(f"sweep: Ray {'cluster ' + address + ' joined' if address else 'local cluster started'} in "
             f"{time.perf_counter() - t0:.1f} s")
     pending: Dict[Any, Tuple[str, Dict[str, Any], Dict[str, Any], int]] = {}
