@@ -58,7 +58,7 @@ def _real_point(tmp_path):
     sweep = to_plain_dict(config_file(os.path.join(REPO, "README.md"), "configs/sweeps/budget.py", "real"))
     base = sweep["base"]
     base["workload"].update(num_requests=2, max_output_len=4)
-    base["scheduler"]["max_model_len"] = 128
+    base["scheduler"].update(max_model_len=128, max_num_seqs=4)
     base["engine"].update(mode="offline", token_buckets=[256], seq_buckets=[4], page_buckets=[8],
                           compilation_cache=False)
     sweep["grid"] = {"token_budget": ("scheduler.token_budget", [256])}
