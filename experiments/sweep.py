@@ -19,9 +19,8 @@ Each point is a Ray task asking for what its config needs: a simulator point 1 C
 of its deployment (1 for colocated, prefill + decode groups for disaggregated) as GPUs, TPU chips (the "TPU"
 resource) or CPUs, by --platform (auto: $JAX_PLATFORMS, else what the cluster has). Without --ray_address a local
 Ray cluster is started (--parallel CPUs when given, else every core) and stopped at the end; a --ray_address
-nothing answers at is an error at once. A point whose worker
-dies is resubmitted up to --max_retries times, then recorded as failed; the rest is as above. On several machines
---workdir must be a disk they all share.
+nothing answers at is an error at once. A point whose worker dies is resubmitted up to --max_retries times, then
+recorded as failed; the rest is as above. On several machines --workdir must be a disk they all share.
 """
 import os
 import signal

@@ -496,7 +496,7 @@ def check_point(cfg: Dict[str, Any]) -> None:
     """Check one serve point as a serve run checks itself at start-up (pdjax.experiment.run.prepare_experiment:
     the config, what of the model and deployment needs no device, the workload and the files it reads), without
     touching a workdir (is_main=False leaves it alone); the `validate` of run_sweep for run_experiment's points.
-    Raises ValueError (or OSError for an unreadable file) naming the bad key, value or path."""
+    Raises UserError (pdjax.errors, a ValueError) naming the bad key, value or path."""
     from pdjax.experiment.run import prepare_experiment  # noqa: PLC0415  (no JAX)
     prepare_experiment(cfg, "", is_main=False)
 
