@@ -106,7 +106,7 @@ import ml_collections
 
 def get_config():
     base = config_file({readme!r}, "configs/serve.py")
-    base.backend = "sim"
+    base.backend = {backend!r}
     base.workload.num_requests = 4
     c = ml_collections.ConfigDict()
     c.base = base
@@ -115,22 +115,22 @@ def get_config():
 '''
 
 
-@pytest.mark.parametrize("axis, key, values, expected", [
+@pytest.mark.parametrize("backend, axis, key, values, expected", [
     # a workload that cannot be built: a text file that is not there
-    ("text", "workload.text_path", ["", "/no/such/text.txt"],
+    ("sim", "text", "workload.text_path", ["", "/no/such/text.txt"],
      "error: sweep point text=-no-such-text.txt: text_path='/no/such/text.txt' is not a file; expected a text file "
      "(or '' for the stdlib pydoc topics text)"),
-    # a deployment the model cannot take: more pipeline stages than tiny-byte's 4 layers
-    ("pp", "deployment.colocated.pp", [1, 8],
-     "error: sweep point pp=8: deployment.colocated.pp=8 exceeds num_layers=4: every pipeline stage needs at least "
-     "one layer (model 'tiny-byte')"),
+    # a deployment the model cannot take: more pipeline stages than tiny-byte's 4 layers, on either backend
+    *[(backend, "pp", "deployment.colocated.pp", [1, 8],
+       "error: sweep point pp=8: deployment.colocated.pp=8 exceeds num_layers=4: every pipeline stage needs at "
+       "least one layer (model 'tiny-byte')") for backend in ("sim", "real")],
 ])
-def test_every_point_is_checked_before_the_first_runs(tmp_path, axis, key, values, expected):
+def test_every_point_is_checked_before_the_first_runs(tmp_path, backend, axis, key, values, expected):
     """A point that serve would refuse at start-up fails the sweep at start-up, before the points before it ran
     (they ran, and the bad point failed after them)."""
     config = tmp_path / "sweep_cfg.py"
-    config.write_text(POINT_DEPENDENT.format(readme=os.path.join(REPO, "README.md"), axis=axis, key=key,
-                                             values=values))
+    config.write_text(POINT_DEPENDENT.format(readme=os.path.join(REPO, "README.md"), backend=backend, axis=axis,
+                                             key=key, values=values))
     workdir = tmp_path / "w"
     assert _one_error_line(_sweep(f"--config={config}", f"--workdir={workdir}")) == expected
     assert not workdir.exists()
