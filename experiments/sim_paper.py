@@ -85,15 +85,14 @@ def _requests_override(config: dict, num_requests: int) -> dict:
 
 
 def table_ablation(workdir: str, parallel: int, num_requests: int = 0) -> Dict[str, Any]:
-    from pdjax.config.serving import serve_config_from_dict
     from pdjax.experiment.run import run_experiment, to_plain_dict
-    from pdjax.experiment.sweep import run_sweep
+    from pdjax.experiment.sweep import check_point, run_sweep
     out = {}
     for trace in ("chat", "arxiv"):
         sweep = to_plain_dict(_load_config("configs/sweeps/sarathi_ablation_paper.py", trace))
         _requests_override(sweep["base"], num_requests)
         rows = run_sweep(sweep, os.path.join(workdir, f"ablation_{trace}"), run_experiment, parallel=parallel,
-                         validate=serve_config_from_dict, log=lambda line: print(line, file=sys.stderr))  # stdout: JSON
+                         validate=check_point, log=lambda line: print(line, file=sys.stderr))  # stdout: JSON
         out[trace] = [{"scheme": r["policy"], "token_budget": r["token_budget"],
                        "ttft_p50_s": r["ttft_p50"], "ttft_p99_s": r.get("ttft_p99"), "tbt_p99_s": r["tbt_p99"],
                        "tbt_p50_s": r["tbt_p50"],

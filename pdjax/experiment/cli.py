@@ -44,6 +44,10 @@ def one_line(error: BaseException) -> str:
             text = str(ast.literal_eval(text))
         except (SyntaxError, ValueError):
             text = text[1:-1]
+    marker = "Traceback (most recent call last):"
+    if marker in text:   # ml_collections puts the traceback of a config file's failed get_config in its message
+        head, _, trace = text.partition(marker)
+        text = f"{head.strip()} {trace.strip().splitlines()[-1]}"
     return " ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
@@ -100,12 +104,15 @@ def flag_error_line(error: BaseException) -> str:
 
 
 def parse_flags(argv):
-    """absl's flag parsing, with a bad value (wrong type, out of range, a failed validator) reported as one
-    `error:` line with status 2 instead of absl's "FATAL Flags parsing error" with status 1."""
+    """absl's flag parsing, with a bad value (wrong type, out of range, a failed validator) or a config file absl
+    cannot load (its get_config raised, or it is not Python) reported as one `error:` line with status 2 instead
+    of absl's "FATAL Flags parsing error" with status 1 (or a traceback)."""
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
         fail(flag_error_line(e))
+    except SyntaxError as e:    # a --config file that is not Python (ml_collections executes it)
+        fail(f"bad command-line flag: config file {e.filename}:{e.lineno}: {e.msg}; expected a Python config file")
 
 
 def run(main: Callable) -> None:

@@ -11,13 +11,19 @@ temporary directory that is renamed to its final name only when complete, so a k
 behind. A rerun skips every finished point whose stored config.json equals its config now; a finished point whose
 config changed stops the sweep before anything runs (naming the point and the keys) unless `rerun_changed`.
 
+Before any point runs, every point is checked (`validate`; for serve points `check_point`, what a serve run
+checks at start-up) and the workdir is made ready by the rule of every run's workdir (`ready_sweep_dir`: a
+directory holding nothing but a sweep's entries, else the sweep refuses it), so a bad point or path fails the
+sweep in its first seconds, naming the point or the path.
+
 A failing point does not stop the sweep: its directory gets error.txt (the traceback) and no results.json,
 summary.csv marks it status=failed with the error line, the other points run, and SweepFailed is raised at the
 end; a rerun retries it. With parallel > 1 the points run in spawned worker processes that die with the sweep
 process (even on SIGKILL) and are terminated when it is interrupted (see pdjax.procs.die_with_parent).
 
 executor='ray' runs each point as a Ray task instead (a local Ray cluster, or an existing one at `ray_address`),
-with the resources its deployment needs (`point_resources`); everything else is the same: finished points are
+with the resources its deployment needs (`point_resources`; a real-backend point in a fresh worker process); an
+address nothing answers at fails at once (`check_ray_address`); everything else is the same: finished points are
 skipped by the same config check, a failing point is recorded, summary.csv is written by the same code from the
 points' results.json. A point whose worker process dies (killed, out of memory, its node lost) is resubmitted up
 to `max_retries` times, then recorded as failed with the error, and the sweep goes on.
@@ -59,8 +65,15 @@ def _safe(value: Any) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", str(value))
 
 
+SWEEP_KEYS = {"base", "grid", "name"}
+
+
 def expand_grid(sweep: Mapping[str, Any]) -> List[Tuple[str, Dict[str, Any], Dict[str, Any]]]:
     """[(point name, {column: value}, full serve config dict)] for every point of the grid."""
+    keys = set(sweep) if isinstance(sweep, Mapping) else set()
+    if not {"base", "grid"} <= keys or keys - SWEEP_KEYS:
+        raise ValueError(f"sweep config with keys {sorted(keys)}, expected {sorted(SWEEP_KEYS)} ('name' optional): "
+                         "is it a sweep config (configs/sweeps/*.py), not a serve config?")
     base = sweep["base"]
     grid = sweep.get("grid") or {}
     if not grid:
@@ -288,9 +301,10 @@ def point_devices(cfg: Mapping[str, Any]) -> int:
 def point_resources(cfg: Mapping[str, Any], platform: str, max_node_cpus: Optional[float] = None) -> Dict[str, Any]:
     """The Ray task options (resources) of one point, derived from its config:
     - backend 'sim': 1 CPU (the simulator is one Python process);
-    - backend 'real', N devices (`point_devices`: what its deployment uses): on GPU `num_gpus=N` (+ 1 CPU for the host loop), on TPU the
-      custom resource 'TPU': N chips (+ 1 CPU), on CPU `num_cpus=N` (its devices are host threads), capped at
-      `max_node_cpus` (the biggest node's CPUs) so a point with more fake CPU devices than cores still runs."""
+    - backend 'real', N devices (`point_devices`: what its deployment uses): on GPU `num_gpus=N` (+ 1 CPU for the
+      host loop), on TPU the custom resource 'TPU': N chips (+ 1 CPU), on CPU `num_cpus=N` (its devices are host
+      threads), capped at `max_node_cpus` (the biggest node's CPUs) so a point with more fake CPU devices than
+      cores still runs."""
     if cfg.get("backend", "real") == "sim":
         return {"num_cpus": 1}
     n = point_devices(cfg)
@@ -301,17 +315,22 @@ def point_resources(cfg: Mapping[str, Any], platform: str, max_node_cpus: Option
     return {"num_cpus": min(n, int(max_node_cpus)) if max_node_cpus else n}
 
 
+def needs_fresh_worker(cfg: Mapping[str, Any]) -> bool:
+    """A real-backend point runs in a worker process of its own (Ray's max_calls=1): JAX's device memory and
+    XLA_FLAGS are per process."""
+    return cfg.get("backend", "real") != "sim"
+
+
 def _point_task_options(cfg: Mapping[str, Any], platform: str, max_node_cpus: Optional[float]) -> Dict[str, Any]:
-    """point_resources plus, for a real-backend point, a fresh worker process per point (max_calls=1: JAX's
-    device memory and XLA_FLAGS are per process) and, on CPU, as many host devices as the deployment uses."""
+    """The `.options()` of one point's Ray task: point_resources plus, for a real-backend point on CPU, as many
+    host devices as the deployment uses. (max_calls is not an option there: Ray takes it only in ray.remote, so
+    the fresh worker of a real-backend point comes from its remote function, see needs_fresh_worker.)"""
     options = point_resources(cfg, platform, max_node_cpus)
-    if cfg.get("backend", "real") != "sim":
-        options["max_calls"] = 1
-        if platform == "cpu":
-            flags = os.environ.get("XLA_FLAGS", "")
-            if "xla_force_host_platform_device_count" not in flags:
-                flags = f"{flags} --xla_force_host_platform_device_count={max(point_devices(cfg), 1)}".strip()
-            options["runtime_env"] = {"env_vars": {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}}
+    if needs_fresh_worker(cfg) and platform == "cpu":
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            flags = f"{flags} --xla_force_host_platform_device_count={max(point_devices(cfg), 1)}".strip()
+        options["runtime_env"] = {"env_vars": {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}}
     return options
 
 
@@ -337,6 +356,27 @@ def _check_feasible(todo_options: Sequence[Tuple[str, Mapping[str, Any]]], nodes
                              f"one node; no node of the Ray cluster ({where}) has that (nodes: {have})")
 
 
+RAY_CONNECT_TIMEOUT_S = 10.0
+
+
+def check_ray_address(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
+    """Fail at once on a Ray address that nothing listens at (ray.init retries an unreachable one forever, with a
+    warning every ~40 s): a TCP connection to HOST:PORT must open within `timeout_s`. 'auto' and 'local' (Ray
+    finds or starts the cluster itself) pass. Raises ValueError naming the address and the problem."""
+    if address in ("auto", "local"):
+        return
+    host, sep, port = address.split("://", 1)[-1].rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"ray_address={address!r}, expected HOST:PORT of a Ray cluster's head, 'auto', or none "
+                         "(a local cluster is started)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ValueError(f"ray_address={address!r}: no Ray cluster answers there ({e.strerror or e}); expected the "
+                         "address of a running cluster's head (ray start --head prints it), or none (a local "
+                         "cluster is started)") from None
+
+
 _WORKER_DIED = ("WorkerCrashedError", "NodeDiedError", "OutOfMemoryError", "LocalRayletDiedError",
                 "ObjectLostError", "OwnerDiedError", "RaySystemError", "ActorDiedError")
 
@@ -351,7 +391,10 @@ def _run_ray(todo: Sequence[Tuple[str, Dict[str, Any]]], workdir: str, run_fn, l
     if started:
         t0 = time.perf_counter()
         kwargs = {"address": address} if address else {"num_cpus": num_cpus, "include_dashboard": False}
-        ray.init(logging_level="WARNING", **kwargs)
+        try:
+            ray.init(logging_level="WARNING", **kwargs)
+        except ConnectionError as e:    # e.g. 'auto' with no cluster running here
+            raise ValueError(f"ray_address={address!r}: {_first_line(e)}") from None
         log(f"sweep: Ray {'cluster ' + address + ' joined' if address else 'local cluster started'} in "
             f"{time.perf_counter() - t0:.1f} s")
     pending: Dict[Any, Tuple[str, Dict[str, Any], Dict[str, Any], int]] = {}
@@ -361,12 +404,12 @@ def _run_ray(todo: Sequence[Tuple[str, Dict[str, Any]]], workdir: str, run_fn, l
         max_cpus = max((n.get("Resources", {}).get("CPU", 0) for n in nodes), default=0) or None
         options = [(name, _point_task_options(cfg, platform, max_cpus)) for name, cfg in todo]
         _check_feasible(options, nodes, address or ray.get_runtime_context().gcs_address)
-        remote = ray.remote(_run_point)
+        remote = {False: ray.remote(_run_point), True: ray.remote(max_calls=1)(_run_point)}
 
         def submit(name, cfg, opts, attempt):
             for leftover in _partial_dirs(workdir, name):   # of an attempt whose worker died
                 shutil.rmtree(leftover, ignore_errors=True)
-            ref = remote.options(max_retries=0, retry_exceptions=False, **opts).remote(
+            ref = remote[needs_fresh_worker(cfg)].options(max_retries=0, retry_exceptions=False, **opts).remote(
                 run_fn, cfg, os.path.join(workdir, name))
             pending[ref] = (name, cfg, opts, attempt)
 
@@ -421,8 +464,41 @@ def _partial_dirs(workdir: str, name: str) -> List[str]:
         return []
 
 
+SWEEP_FILES = ("summary.csv", "comparison.png")
+
+
+def ready_sweep_dir(workdir: str, point_names: Sequence[str]) -> None:
+    """Make `workdir` ready for a sweep before any point runs, by the rule of every run's workdir
+    (pdjax.metrics.report.ready_workdir): a writable directory holding nothing but a sweep's entries: its
+    SWEEP_FILES, the directories of its points (of this grid, or of an earlier grid: a directory with a run's
+    config.json) and the partial point directories of a killed run. Anything else makes it refuse (ValueError),
+    as a serve run refuses a directory of foreign files."""
+    from pdjax.metrics.report import ready_workdir, written_name  # noqa: PLC0415
+
+    names = set(point_names)
+
+    def owns(entry: str) -> bool:
+        if written_name(entry) in SWEEP_FILES:
+            return True
+        path = os.path.join(workdir, entry)
+        return os.path.isdir(path) and (entry in names or ".partial-" in entry
+                                        or os.path.isfile(os.path.join(path, "config.json")))
+
+    ready_workdir(workdir, owns, "a pdjax sweep's point directories, " + " or ".join(SWEEP_FILES),
+                  "one holding an earlier run of a sweep (finished points are kept)")
+
+
 def _log_point(log: Callable[[str], None], name: str, status: str, error: Optional[str]) -> None:
     log(f"sweep: finished {name}" if status == "ok" else f"sweep: FAILED {name}: {error}")
+
+
+def check_point(cfg: Dict[str, Any]) -> None:
+    """Check one serve point as a serve run checks itself at start-up (pdjax.experiment.run.prepare_experiment:
+    the config, what of the model and deployment needs no device, the workload and the files it reads), without
+    touching a workdir (is_main=False leaves it alone); the `validate` of run_sweep for run_experiment's points.
+    Raises UserError (pdjax.errors, a ValueError) naming the bad key, value or path."""
+    from pdjax.experiment.run import prepare_experiment  # noqa: PLC0415  (no JAX)
+    prepare_experiment(cfg, "", is_main=False)
 
 
 def run_sweep(sweep: Mapping[str, Any], workdir: str, run_fn: Callable[[Dict[str, Any], str], Any], *,
@@ -435,7 +511,8 @@ def run_sweep(sweep: Mapping[str, Any], workdir: str, run_fn: Callable[[Dict[str
 
     run_fn(config_dict, point_workdir) must write results.json (and config.json, the config it ran) into
     point_workdir, which exists and is empty; it must be picklable (a module-level function) when parallel > 1.
-    `validate(config_dict)` runs on every point before any point runs, so a bad point fails the sweep at start-up.
+    `validate(config_dict)` runs on every point before any point runs, so a bad point fails the sweep at start-up;
+    then `workdir` must be new, empty or a sweep's own (`ready_sweep_dir`), else ValueError.
 
     A point is done when its directory has results.json and its config.json equals the point's config now. A
     finished point whose config changed (e.g. another --config.base... override) raises SweepConfigChanged
@@ -461,16 +538,19 @@ def run_sweep(sweep: Mapping[str, Any], workdir: str, run_fn: Callable[[Dict[str
         raise ValueError(f"platform={platform!r}, expected one of {PLATFORMS}")
     if executor == "ray":
         try:
-            import ray  # noqa: F401, PLC0415
+            import ray  # noqa: PLC0415
         except ImportError:
             raise ValueError("executor 'ray' needs Ray: pip install -e '.[cluster]'") from None
+        if ray_address and not ray.is_initialized():
+            check_ray_address(ray_address)
     if validate is not None:
+        from pdjax.experiment.cli import one_line  # noqa: PLC0415
         for name, _, cfg in points:
             try:
                 validate(cfg)
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"sweep point {name}: {e}") from e
-    os.makedirs(workdir, exist_ok=True)
+            except (ValueError, KeyError, TypeError, OSError) as e:
+                raise ValueError(f"sweep point {name}: {one_line(e)}") from e
+    ready_sweep_dir(workdir, [name for name, _, _ in points])
     todo, changed, retried = [], [], 0
     for name, _, cfg in points:
         state, diff = point_state(os.path.join(workdir, name), cfg)

@@ -16,7 +16,7 @@ import json
 import math
 import os
 import tempfile
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
 from pdjax.metrics.latency import STAT_KEYS, summarize_run, tbts, ttfts
 from pdjax.metrics.plots import plot_cdf, plot_iteration_timeline
@@ -140,11 +140,17 @@ RUN_FILES = ("config.json", "results.json", "requests.csv", "token_times.csv", "
              "error.txt") + PLOT_FILES
 
 
-def prepare_run_dir(workdir: str) -> None:
-    """Make `workdir` ready for a run before anything runs, so a bad path fails in the first second, not after
-    the run: it must be (or become) a writable directory. A run owns its files: an earlier run's outputs there
-    are removed (a stale outputs.json must never be read as this run's); any other file makes it refuse.
-    Raises ValueError naming the path and the problem."""
+def written_name(entry: str) -> str:
+    """The file an entry of a workdir is, or is becoming: `entry` without atomic_open's '.tmp-PID' suffix."""
+    return entry.split(".tmp-")[0]
+
+
+def ready_workdir(workdir: str, owns: Callable[[str], bool], contents: str, reuse: str) -> List[str]:
+    """The one workdir rule of every pdjax run and sweep: `workdir` must be (or become) a writable directory
+    holding nothing but what this kind of run writes there (`owns(entry)`; for the message, `contents` says what
+    that is and `reuse` what an already used workdir may hold), so a typo'd path never mixes outputs into (or, on
+    a rerun, deletes from) a directory of someone else's files.
+    Returns its entries (all owned). Raises ValueError naming the path and the problem, leaving its files alone."""
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ValueError(f"workdir={workdir!r} exists and is not a directory; expected a directory (new or empty)")
     try:
@@ -152,17 +158,31 @@ def prepare_run_dir(workdir: str) -> None:
     except OSError as e:
         raise ValueError(f"workdir={workdir!r} cannot be created: {e.strerror}") from None
     entries = sorted(os.listdir(workdir))
-    ours = [e for e in entries if e in RUN_FILES or e.split(".tmp-")[0] in RUN_FILES]   # incl. a crash's temp files
-    foreign = [e for e in entries if e not in ours]
+    foreign = [e for e in entries if not owns(e)]
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise ValueError(f"workdir={workdir!r} holds files that are not a pdjax run's outputs ({shown}); expected "
-                         "a new or empty directory, or one holding an earlier run's outputs (they are replaced)")
+        raise ValueError(f"workdir={workdir!r} holds files that are not {contents} ({shown}); expected a new or "
+                         f"empty directory, or {reuse}")
     try:
         probe = tempfile.NamedTemporaryFile(dir=workdir, prefix=".probe", suffix=".tmp")
         probe.close()
     except OSError as e:
         raise ValueError(f"workdir={workdir!r} is not writable: {e.strerror}") from None
+    return entries
+
+
+def is_run_file(entry: str) -> bool:
+    """Whether a workdir entry is one of a run's outputs (RUN_FILES), or a crash's temporary file of one."""
+    return written_name(entry) in RUN_FILES
+
+
+def prepare_run_dir(workdir: str) -> None:
+    """Make `workdir` ready for a run before anything runs, so a bad path fails in the first second, not after
+    the run (`ready_workdir`: a writable directory holding nothing but a run's outputs). A run owns its files: an
+    earlier run's outputs there are removed (a stale outputs.json must never be read as this run's); any other
+    file makes it refuse. Raises ValueError naming the path and the problem."""
+    ours = ready_workdir(workdir, is_run_file, "a pdjax run's outputs",
+                         "one holding an earlier run's outputs (they are replaced)")
     # results.json first: a crash in between leaves an unfinished run, never a finished stale one.
     for name in sorted(ours, key=lambda e: e != "results.json"):
         os.remove(os.path.join(workdir, name))
