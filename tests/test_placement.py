@@ -123,3 +123,37 @@ def test_placement_links_are_the_simulators():
         expect = [kv_link(hw, c.devices[i], c.devices[c.num_prefill + j], c.prefill.pp, c.decode.pp)
                   for i in range(c.num_prefill) for j in range(c.num_decode)]
         assert list(c.links) == expect
+
+
+def test_stacks_per_role_reach_the_serve_config_and_limit_layouts_to_the_fits():
+    import os
+    from pdjax.sim.stack import SHARED_PROFILING_DIR
+    if not os.path.isdir(os.path.join(SHARED_PROFILING_DIR, "distserve")):
+        pytest.skip("../shared/data/profiling/distserve not present")
+    prob = problem(budget=8, per_node=8, prefill_stack="distserve", decode_stack="distserve",
+                   colocated_stack="distserve-vllm")
+    cands = pl.enumerate_placements(prob)
+    tps = {lay.tp for p in cands for lay in (p.prefill, p.decode) if lay is not None}
+    assert tps <= {1, 2, 4} and 8 not in tps             # OPT-13B's fits hold TP 1, 2, 4 only
+    assert {lay.tp for lay in pl.layouts(pl.get_model_spec("opt-13b"), prob.node.spec(), prob)} >= {8}
+    disagg = next(p for p in cands if p.kind != "colocated")
+    coloc = next(p for p in cands if p.kind == "colocated")
+    dep = pl.serve_config(prob, disagg, 1.0)["deployment"]
+    assert dep["prefill"]["stack"] == dep["decode"]["stack"] == "distserve"
+    assert pl.serve_config(prob, coloc, 1.0)["deployment"]["colocated"]["stack"] == "distserve-vllm"
+    assert "stack" not in pl.serve_config(problem(budget=2), coloc, 1.0)["deployment"]["colocated"]
+    with pytest.raises(ValueError, match="decode_stack='vlm', expected one of"):
+        problem(decode_stack="vlm")
+
+
+def test_the_distserve_rule_passes_on_the_p90s_where_pdjax_needs_both_per_request():
+    prob_p, prob_d = problem(budget=1, per_node=1), problem(budget=1, per_node=1, slo_rule="distserve")
+    cand = next(p for p in pl.enumerate_placements(prob_p) if p.kind == "colocated")
+    for rate in (0.5, 4.0, 32.0):
+        (pass_p, att_p), (pass_d, att_d) = pl.probe(prob_p, cand, rate), pl.probe(prob_d, cand, rate)
+        assert att_p == att_d and pass_p == (att_p >= prob_p.attainment)
+        records = pl.simulate_placement(prob_d, cand, rate)
+        from pdjax.metrics.latency import SLOs, distserve_slo_check
+        assert pass_d == distserve_slo_check(records, SLOs(ttft_s=prob_d.ttft_s, tpot_s=prob_d.tpot_s), 0.9)["passes"]
+    with pytest.raises(ValueError, match="slo_rule='p99', expected one of"):
+        problem(slo_rule="p99")

@@ -54,10 +54,13 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pdjax.config.model_specs import ModelSpec, get_model_spec
+from pdjax.config.deployment import STACKS
 from pdjax.config.validate import check_max_model_len
+from pdjax.metrics.latency import SLO_RULES, SLOs, distserve_slo_check, slo_attainment
 from pdjax.procs import process_pool
 from pdjax.sim.cost_model import kv_cache_capacity_tokens
 from pdjax.sim.disagg import kv_link
+from pdjax.sim.stack import load_stack
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 
 AFFINITIES = ("high", "low")
@@ -116,6 +119,11 @@ class PlacementProblem:
     max_pp: int = 8
     rel_tol: float = 0.05               # bisection stops when the bracket is within rel_tol of its low end
     max_probes: int = 14
+    colocated_stack: str = "pdjax"      # serving stack per role (pdjax.sim.stack; 'pdjax': the cost model)
+    prefill_stack: str = "pdjax"
+    decode_stack: str = "pdjax"
+    slo_rule: str = "pdjax"             # 'pdjax': attainment (both SLOs per request) >= target; 'distserve': the
+                                        # target quantile of TTFT and of TPOT each within its SLO (computed apart)
 
     def __post_init__(self):
         if not isinstance(self.gpu_budget, int) or self.gpu_budget < 1:
@@ -125,6 +133,25 @@ class PlacementProblem:
         if not (self.ttft_s > 0 and self.tpot_s > 0):
             raise ValueError(f"ttft_s={self.ttft_s!r}, tpot_s={self.tpot_s!r}: expected seconds > 0")
         check_max_model_len(self.max_model_len, get_model_spec(self.model), key="max_model_len")
+        for key in ("colocated_stack", "prefill_stack", "decode_stack"):
+            if getattr(self, key) not in STACKS:
+                raise ValueError(f"{key}={getattr(self, key)!r}, expected one of {STACKS}")
+        if self.slo_rule not in SLO_RULES:
+            raise ValueError(f"slo_rule={self.slo_rule!r}, expected one of {SLO_RULES}")
+
+    def stack(self, role: str) -> str:
+        return getattr(self, f"{role}_stack")
+
+    def fits_stack(self, role: str, layout: "Layout") -> bool:
+        """A step-fit stack times only the TP degrees it was measured at (pdjax.sim.stack)."""
+        name = self.stack(role)
+        if name == "pdjax":
+            return True
+        try:
+            load_stack(name).fit_for(self.model, get_hardware_spec(self.node.hardware).name, layout.tp)
+        except ValueError:
+            return False
+        return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +202,8 @@ class Placement:
             block = {"num_instances": count, "pp": layout.pp, "tp": layout.tp, "devices": devices}
             if problem is not None:
                 block["token_budget"], block["max_num_seqs"] = role_budgets(problem, role, self.policy)
+                if problem.stack(role) != "pdjax":
+                    block["stack"] = problem.stack(role)
             return block
         if self.kind == "colocated":
             return {"kind": "colocated", "router": "round_robin",
@@ -263,7 +292,10 @@ def enumerate_placements(problem: PlacementProblem, affinities: Sequence[str] = 
     found: Dict[tuple, Placement] = {}
 
     def add(p: Optional[Placement]):
-        if p is not None and p.num_gpus <= budget and p.key() not in found:
+        if p is None or p.num_gpus > budget or p.key() in found:
+            return
+        roles = (("colocated", p.prefill),) if p.kind == "colocated" else (("prefill", p.prefill), ("decode", p.decode))
+        if all(problem.fits_stack(role, layout) for role, layout in roles):
             found[p.key()] = p
 
     if "high" in affinities:
@@ -357,9 +389,17 @@ def simulate_placement(problem: PlacementProblem, placement: Placement, rate: fl
 
 
 def attainment_at(problem: PlacementProblem, placement: Placement, rate: float) -> float:
-    from pdjax.metrics.latency import SLOs, slo_attainment  # noqa: PLC0415
+    return probe(problem, placement, rate)[1]
+
+
+def probe(problem: PlacementProblem, placement: Placement, rate: float) -> Tuple[bool, float]:
+    """(passes the problem's SLO rule, pdjax attainment) of `placement` at `rate` req/s."""
     records = simulate_placement(problem, placement, rate)
-    return slo_attainment(records, SLOs(ttft_s=problem.ttft_s, tpot_s=problem.tpot_s)) or 0.0
+    slos = SLOs(ttft_s=problem.ttft_s, tpot_s=problem.tpot_s)
+    attainment = slo_attainment(records, slos) or 0.0
+    if problem.slo_rule == "distserve":
+        return distserve_slo_check(records, slos, quantile=problem.attainment)["passes"], attainment
+    return attainment >= problem.attainment, attainment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,9 +430,9 @@ def evaluate(problem: PlacementProblem, placement: Placement) -> Evaluation:
     probes: List[Tuple[float, float]] = []
 
     def ok(rate: float) -> bool:
-        a = attainment_at(problem, placement, rate)
+        passes, a = probe(problem, placement, rate)
         probes.append((rate, a))
-        return a >= problem.attainment
+        return passes
 
     rate = 0.5 * placement.num_gpus
     good, bad = 0.0, math.inf
