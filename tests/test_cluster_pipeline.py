@@ -131,6 +131,32 @@ def test_disaggregated_pp2_to_pp2_keeps_batches_in_flight_in_both_groups(pipes, 
     _no_leaks(engine)
 
 
+def test_a_pp2_decode_group_splits_its_decodes_over_two_batches_in_flight(pipes, prompts, reference):
+    """decode pp2 with decode_batches=2 (what instance_scheduler_config gives a pp2 decode group): each decode
+    batch takes at most half the running requests, so the next batch takes the rest and both stages work (vLLM
+    v0's virtual engines); tokens equal one device."""
+    from pdjax.serving.disagg import DisaggregatedEngine
+    from pdjax.config.deployment import InstanceGroupConfig, instance_scheduler_config
+    base = SchedulerConfig(policy="sarathi", token_budget=BUDGET, max_num_seqs=8, max_model_len=MAX_LEN,
+                           page_size=PAGE, num_pages=48)
+    assert instance_scheduler_config(base, InstanceGroupConfig(pp=2), "decode").decode_batches == 2
+    assert instance_scheduler_config(base, InstanceGroupConfig(pp=2), "prefill").decode_batches == 1
+    logged = []
+    decode = _instance("decode0", pipes[1], decode_batches=2)
+    schedule = decode.scheduler.schedule
+    decode.scheduler.schedule = lambda now: logged.append((schedule(now), len(decode.scheduler.running))) or \
+        logged[-1][0]
+    engine = DisaggregatedEngine([_instance("prefill0", pipes[0])], [decode], async_transfer=False)
+    result = engine.run(_requests(prompts))
+    assert _ints(result.output_tokens) == reference
+    _check_records(result)
+    batches = [(out, running) for out, running in logged if not out.is_empty]
+    decodes = [[rid for rid, pre in zip(out.req_ids, out.is_prefill) if not pre] for out, _ in batches]
+    assert all(len(d) <= -(-running // 2) for d, (_, running) in zip(decodes, batches))
+    assert sum(len(d) >= 2 for d in decodes) > 0 and _overlaps(result, "decode0") > 0
+    _no_leaks(engine)
+
+
 def test_max_in_flight_one_is_the_one_batch_per_round_loop(pipes, prompts, reference):
     """max_in_flight=1 on the same pp2 runners: no two batches of one instance overlap, same tokens; overlap=False
     also keeps one batch; a bad max_in_flight is refused."""

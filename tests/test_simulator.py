@@ -121,6 +121,7 @@ SCHED_CONFIGS = {
                       num_host_pages=64),
     "chunked_only": dict(policy="chunked_only", token_budget=64, max_num_seqs=8),
     "vllm_v1": dict(policy="vllm_v1", token_budget=128, max_num_seqs=8, long_prefill_token_threshold=48),
+    "sarathi_decode_split": dict(policy="sarathi", token_budget=128, max_num_seqs=8, decode_batches=2),
 }
 
 

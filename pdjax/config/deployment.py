@@ -243,7 +243,8 @@ def validate_deployment(deployment: DeploymentConfig, spec, num_available: int) 
 def instance_scheduler_config(base, group: InstanceGroupConfig, role: str):
     """The SchedulerConfig of one instance: `base` with the role's policy ('prefill_only' / 'decode_only'; a
     colocated instance keeps the scheduler block's; a mixed one records MIXED_BASE_POLICY, the base of both role
-    policies: its scheduler is pdjax.scheduler.mixed.MixedScheduler) and the group's non-zero overrides."""
+    policies: its scheduler is pdjax.scheduler.mixed.MixedScheduler) and the group's non-zero overrides; a decode
+    group with pp > 1 splits its decodes over pp batches in flight (SchedulerConfig.decode_batches)."""
     check_role(role)
     changes = {}
     if role in ROLE_POLICIES:
@@ -253,6 +254,8 @@ def instance_scheduler_config(base, group: InstanceGroupConfig, role: str):
     for name in ("num_pages", "token_budget", "max_num_seqs"):
         if getattr(group, name):
             changes[name] = getattr(group, name)
+    if role == "decode" and group.pp > 1:   # pipelined decode: its running decodes split over pp batches in flight
+        changes["decode_batches"] = group.pp
     return dataclasses.replace(base, **changes) if changes else base
 
 

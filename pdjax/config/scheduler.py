@@ -61,6 +61,10 @@ class SchedulerConfig:
       once, enforced at admission (0 = unlimited, the default).
     min_prefill_tokens: prefill-starvation guard of the stall-free policies: when prefill work is pending,
       decodes get at most token_budget - min_prefill_tokens tokens (0 = off; then no decode ever stalls).
+    decode_batches: the stall-free policies split the running decodes across this many batches in flight
+      (vLLM v0's virtual engines): a batch takes at most ceil(running / decode_batches) decodes, so the next
+      batch finds the rest not in flight and a pipelined instance's stages all work. A disaggregated decode
+      group with pp > 1 gets its pp (pdjax.config.deployment.instance_scheduler_config); 1 = no split.
     """
     policy: str = one_of("sarathi", POLICIES)
     token_budget: int = positive_int(2048)
@@ -85,6 +89,7 @@ class SchedulerConfig:
     max_num_partial_prefills: int = nonneg_int(0, note=OFF)
     max_long_partial_prefills: int = nonneg_int(0, note=OFF)
     min_prefill_tokens: int = nonneg_int(0, note=OFF)
+    decode_batches: int = positive_int(1)
     # > 0: prompts with token ids >= vocab_size are rejected (set by the engine)
     vocab_size: int = nonneg_int(0, note="(0 = unchecked)")
 

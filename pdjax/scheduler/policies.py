@@ -114,6 +114,9 @@ class SarathiScheduler(Scheduler):
         guard = self.config.min_prefill_tokens
         if guard and self._prefill_pending():
             decode_budget = budget - guard
+        split = self.config.decode_batches
+        if split > 1:    # at most a 1/split share of the running requests' decodes per batch in flight
+            decode_budget = min(decode_budget, -(-len(self.running) // split))
         prefills = []
         left = self._decode_pass(out, now, decode_budget, prefills)
         budget -= decode_budget - left
