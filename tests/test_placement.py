@@ -132,6 +132,10 @@ def test_stacks_per_role_reach_the_serve_config_and_limit_layouts_to_the_fits():
         pytest.skip("../shared/data/profiling/distserve not present")
     prob = problem(budget=8, per_node=8, prefill_stack="distserve", decode_stack="distserve",
                    colocated_stack="distserve-vllm")
+    small = problem(budget=2, per_node=1, prefill_stack="distserve", decode_stack="distserve")
+    assert small.node.spec().name != "a100-80gb-sxm"      # a node-type variant of the GPU: the fits still apply
+    passes, attainment = pl.probe(small, next(p for p in pl.enumerate_placements(small) if p.kind != "colocated"), 1.0)
+    assert 0.0 <= attainment <= 1.0
     cands = pl.enumerate_placements(prob)
     tps = {lay.tp for p in cands for lay in (p.prefill, p.decode) if lay is not None}
     assert tps <= {1, 2, 4} and 8 not in tps             # OPT-13B's fits hold TP 1, 2, 4 only

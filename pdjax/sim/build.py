@@ -58,7 +58,7 @@ from pdjax.sim.disagg import DisaggSimInstance, kv_link_between, make_transfer_t
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 from pdjax.sim.simulator import PendingRequest, SimInstance
 from pdjax.sim.profile import Profile, profile_for
-from pdjax.sim.stack import FittedStepTime, StepFitStack, load_stack
+from pdjax.sim.stack import FittedStepTime, StepFit, StepFitStack, load_stack
 from pdjax.sim.step_cost import EnginePadding, StepNoise, make_step_time, padding_from_profile
 
 # --------------------------------------------------------------------------------------------------- setup
@@ -75,6 +75,7 @@ class GroupSetup:
     names: Tuple[str, ...]
     padding: Optional[EnginePadding] = None
     stack: Optional[StepFitStack] = None       # a fitted serving stack; None: the pdjax stack (the cost model)
+    stack_fit: Optional[StepFit] = None        # its fit for this group's (model, GPU, tp)
     hardware: Optional[HardwareSpec] = None    # the group's own hardware (deployment.<group>.hardware), else None
     params: Optional[CostParams] = None        # its cost parameters (the shipped profile of that hardware)
 
@@ -197,15 +198,17 @@ def build_setup(cfg, hardware: Optional[HardwareSpec] = None) -> SimSetup:
         if pages != sched_cfg.num_pages:
             sched_cfg = dataclasses.replace(sched_cfg, num_pages=pages)
         names = tuple(dep.instance_names(role))
-        stack = None
+        stack = stack_fit = None
         if group.stack != "pdjax":
             stack = load_stack(group.stack)
+            gpu = get_hardware_spec(group.hardware or cfg.sim.hardware).name   # the GPU, not a node-type variant
             try:
-                stack.fit_for(model.name, (group_hw or hw).name, group.tp)
+                stack_fit = stack.fit_for(model.name, gpu, group.tp)
             except ValueError as e:
                 raise ValueError(f"deployment.{role}.stack: {e}") from None
         groups[role] = GroupSetup(role, sched_cfg, group.tp, group.pp, capacity, tuple(assignment[n] for n in names),
-                                  names, _padding(cfg, group_profile, sched_cfg), stack, group_hw, group_params)
+                                  names, _padding(cfg, group_profile, sched_cfg), stack, stack_fit, group_hw,
+                                  group_params)
     return SimSetup(model=model, hardware=hw, params=params, profile=profile_name, kind=dep.kind,
                     router=dep.router, groups=groups, async_scheduling=bool(cfg.engine.async_scheduling),
                     mixed_prefill_queue_tokens=dep.mixed_prefill_queue_tokens,
@@ -221,7 +224,7 @@ def group_step_time(setup: SimSetup, role: str, noise: bool = True) -> Callable[
     g = setup.groups[role]
     hw = group_hardware(setup, role)
     if g.stack is not None:
-        return FittedStepTime(g.stack, g.stack.fit_for(setup.model.name, hw.name, g.tp), g.pp)
+        return FittedStepTime(g.stack, g.stack_fit, g.pp)
     step_noise = None
     if noise and setup.step_noise and g.hardware is None:   # the noise was measured on the default hardware
         step_noise = StepNoise(setup.step_noise, seed=zlib.crc32(f"{setup.seed}/{role}".encode()))
