@@ -18,7 +18,8 @@ from typing import Dict, Optional
 from absl import flags
 
 from pdjax.experiment import cli
-from pdjax.sim.placement import AFFINITIES, COLOCATED_POLICIES
+from pdjax.sim.placement import AFFINITIES, COLOCATED_POLICIES, NodeType, PlacementProblem, search
+from pdjax.sim.placement import decompose as decompose_win
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "opt-13b", "Model spec name.")
@@ -45,6 +46,9 @@ flags.DEFINE_integer("top", 10, "Rows of the ranking to print (0: all).")
 flags.DEFINE_string("colocated_stack", "pdjax", "Serving stack of the colocated candidates (pdjax.sim.stack).")
 flags.DEFINE_string("prefill_stack", "pdjax", "Serving stack of the disaggregated candidates' prefill instances.")
 flags.DEFINE_string("decode_stack", "pdjax", "Serving stack of the disaggregated candidates' decode instances.")
+flags.DEFINE_bool("decompose", False, "Run the search three times (both sides on pdjax, both on DistServe's "
+                  "engine, the paper's pairing: colocated on its vLLM) and print how much of the disaggregated / "
+                  "colocated ratio the serving stack accounts for (pdjax.sim.placement.decompose).")
 flags.DEFINE_enum("slo_rule", "pdjax", ["pdjax", "distserve"], "Pass rule: pdjax (attainment of both SLOs per "
                   "request >= --attainment) or distserve (the --attainment quantile of TTFT and of TPOT each within "
                   "its SLO).")
@@ -82,17 +86,20 @@ def trace_workload(path: str, max_model_len: int, num_requests: int, seed: int,
 def run(model: str, hardware: str, budget: int, workload: dict, ttft: float, tpot: float, attainment: float = 0.9,
         gpus_per_node: int = 0, intra_node_gbps: float = 0.0, inter_node_gbps: float = 0.0, workers: int = 2,
         affinity=("high", "low"), colocated=("sarathi", "vllm_v0"), profile: str = "", max_model_len: int = 2048,
-        top: int = 0, stacks: Optional[Dict[str, str]] = None, slo_rule: str = "pdjax") -> dict:
+        top: int = 0, stacks: Optional[Dict[str, str]] = None, slo_rule: str = "pdjax", decompose: bool = False
+        ) -> dict:
     """One placement search; `stacks`: {'colocated' | 'prefill' | 'decode': stack name} ('pdjax' for the rest)."""
-    from pdjax.sim.placement import NodeType, PlacementProblem, search  # noqa: PLC0415
 
     node = NodeType(hardware, gpus_per_node=gpus_per_node, intra_node_bandwidth=intra_node_gbps * 1e9,
                     inter_node_bandwidth=inter_node_gbps * 1e9)
     problem = PlacementProblem(model=model, node=node, gpu_budget=budget, workload=workload, ttft_s=ttft,
                                tpot_s=tpot, attainment=attainment, profile=profile, max_model_len=max_model_len,
                                slo_rule=slo_rule, **{f"{role}_stack": name for role, name in (stacks or {}).items()})
-    result = search(problem, workers=workers, affinities=tuple(affinity), colocated=tuple(colocated))
-    if top:
+    if decompose:
+        result = decompose_win(problem, workers=workers, affinities=tuple(affinity), colocated=tuple(colocated))
+    else:
+        result = search(problem, workers=workers, affinities=tuple(affinity), colocated=tuple(colocated))
+    if top and "ranking" in result:
         result["ranking"] = result["ranking"][:top]
     spec = node.spec()
     result["problem"] = {"model": model, "hardware": spec.name, "gpus_per_node": spec.devices_per_node,
@@ -116,7 +123,7 @@ def main(argv):
                   FLAGS.gpus_per_node, FLAGS.intra_node_gbps, FLAGS.inter_node_gbps, FLAGS.workers,
                   FLAGS.affinity, FLAGS.colocated, FLAGS.profile, FLAGS.max_model_len, FLAGS.top,
                   {"colocated": FLAGS.colocated_stack, "prefill": FLAGS.prefill_stack, "decode": FLAGS.decode_stack},
-                  FLAGS.slo_rule)
+                  FLAGS.slo_rule, FLAGS.decompose)
     except (ValueError, OSError) as e:
         raise cli.UserError(cli.one_line(e)) from None
     print(json.dumps(out, indent=1))

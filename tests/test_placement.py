@@ -161,3 +161,22 @@ def test_the_distserve_rule_passes_on_the_p90s_where_pdjax_needs_both_per_reques
         assert pass_d == distserve_slo_check(records, SLOs(ttft_s=prob_d.ttft_s, tpot_s=prob_d.tpot_s), 0.9)["passes"]
     with pytest.raises(ValueError, match="slo_rule='p99', expected one of"):
         problem(slo_rule="p99")
+
+
+def test_decompose_attributes_the_paper_win_to_the_stack(monkeypatch):
+    """decompose: the three pairings' ratios, the stack's factor R_paper / R_same and its log share of R_paper."""
+    per_gpu = {("pdjax", "pdjax"): (1.0, 2.0), ("distserve", "distserve"): (2.0, 4.0),
+               ("distserve-vllm", "distserve"): (2.0, 0.5)}       # (best disagg, best colocated) per GPU
+
+    def fake_search(p, **kw):
+        d, c = per_gpu[(p.colocated_stack, p.prefill_stack)]
+        return {"best_disaggregated": {"per_gpu_goodput_rps": d},
+                "best_colocated": {"sarathi": {"per_gpu_goodput_rps": c / 2}, "vllm_v0": {"per_gpu_goodput_rps": c}},
+                "wall_s": 0.0}
+    monkeypatch.setattr(pl, "search", fake_search)
+    out = pl.decompose(problem())
+    assert [v["ratio"] for v in out["pairings"].values()] == [0.5, 0.5, 4.0]
+    assert out["stack_factor"] == pytest.approx(8.0)
+    assert out["stack_share_of_paper_win"] == pytest.approx(1.5)     # log 8 / log 4: the architecture alone loses
+    per_gpu[("distserve-vllm", "distserve")] = (1.0, 2.0)
+    assert pl.decompose(problem())["stack_share_of_paper_win"] is None    # no published win to attribute

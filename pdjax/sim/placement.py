@@ -509,3 +509,40 @@ def search(problem: PlacementProblem, *, workers: int = 1, affinities: Sequence[
     return {"ranking": rows, "best_disaggregated": disagg[0] if disagg else None,
             "best_colocated": {p: next((r for r in coloc if r["policy"] == p), None) for p in colocated},
             "num_candidates": len(rows), "wall_s": round(time.perf_counter() - start, 2), "workers": workers}
+
+
+# --------------------------------------------------------------------------------------------------- decomposition
+PAIRINGS = {   # name -> (colocated stack, prefill stack, decode stack)
+    "architecture (both on pdjax)": ("pdjax", "pdjax", "pdjax"),
+    "both on DistServe's engine": ("distserve", "distserve", "distserve"),
+    "the paper's pairing (colocated on DistServe's vLLM, disaggregated on DistServe's engine)":
+        ("distserve-vllm", "distserve", "distserve"),
+}
+
+
+def decompose(problem: PlacementProblem, **search_kwargs) -> Dict[str, Any]:
+    """How much of a published disaggregation win is the architecture and how much the serving stack: the same
+    search under PAIRINGS (the problem's stacks replaced), each with the ratio R = best disaggregated / best
+    colocated per-GPU goodput. With R_same the ratio on one stack (DistServe's engine on both sides) and R_paper the
+    paper's pairing's, the stack's factor is R_paper / R_same and its share of the published win
+    log(R_paper / R_same) / log(R_paper) (1 = all of it; > 1: the architecture alone loses)."""
+    out: Dict[str, Any] = {"pairings": {}}
+    for name, (coloc, pre, dec) in PAIRINGS.items():
+        p = dataclasses.replace(problem, colocated_stack=coloc, prefill_stack=pre, decode_stack=dec)
+        result = search(p, **search_kwargs)
+        best_d = result["best_disaggregated"]
+        best_c = max((r for r in result["best_colocated"].values() if r), key=lambda r: r["per_gpu_goodput_rps"],
+                     default=None)
+        ratio = (best_d["per_gpu_goodput_rps"] / best_c["per_gpu_goodput_rps"]
+                 if best_d and best_c and best_c["per_gpu_goodput_rps"] > 0 else None)
+        out["pairings"][name] = {"stacks": {"colocated": coloc, "prefill": pre, "decode": dec},
+                                 "best_disaggregated": best_d, "best_colocated": best_c, "ratio": ratio,
+                                 "wall_s": result["wall_s"]}
+    ratios = [v["ratio"] for v in out["pairings"].values()]
+    r_arch, r_same, r_paper = ratios
+    out["architecture_ratio"], out["same_stack_ratio"], out["paper_ratio"] = r_arch, r_same, r_paper
+    out["stack_factor"] = r_paper / r_same if r_same and r_paper else None
+    # the share is defined where the paper's pairing shows a win (R_paper > 1) to attribute
+    out["stack_share_of_paper_win"] = (math.log(r_paper / r_same) / math.log(r_paper)
+                                       if r_same and r_paper and r_paper > 1 else None)
+    return out
