@@ -55,7 +55,8 @@ def test_local_ends_all_processes_when_one_fails():
     out = _local("-n", "3", "--grace", "2", "--", sys.executable, "-c", code)
     assert time.monotonic() - start < 30
     assert out.returncode == 3
-    assert out.stderr.strip().splitlines()[-1] == "launch/local.py: process 1 of 3 exited with status 3; ended the others"
+    last_line = out.stderr.strip().splitlines()[-1]
+    assert last_line == "launch/local.py: process 1 of 3 exited with status 3; ended the others"
     for pid in map(int, out.stdout.split()):     # none of the sleepers is left
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 

@@ -60,6 +60,7 @@ from pdjax.sim.simulator import PendingRequest, SimInstance
 from pdjax.sim.profile import Profile, profile_for
 from pdjax.sim.stack import FittedStepTime, StepFit, StepFitStack, load_stack
 from pdjax.sim.step_cost import EnginePadding, StepNoise, make_step_time, padding_from_profile
+from pdjax.workload import make_workload
 
 # --------------------------------------------------------------------------------------------------- setup
 @dataclasses.dataclass(frozen=True)
@@ -296,7 +297,6 @@ def disaggregated_kwargs(setup: SimSetup, instances: Dict[str, List[Any]]) -> Di
 def build_pending_requests(cfg, workload=None) -> list:
     """build_requests' requests as pdjax.sim.simulator.PendingRequests: each Request is made when it arrives
     (the simulators take either)."""
-    from pdjax.workload import make_workload  # noqa: PLC0415
     if workload is None:
         workload = make_workload(cfg.workload, cfg.seed)
     offline = cfg.engine.mode == "offline"
@@ -307,7 +307,6 @@ def build_pending_requests(cfg, workload=None) -> list:
 def build_requests(cfg, workload=None) -> list:
     """Scheduler Requests of `workload` (WorkloadRequests; default make_workload(cfg.workload, cfg.seed)), no stop
     token, every arrival at 0 in offline mode."""
-    from pdjax.workload import make_workload  # noqa: PLC0415
     if workload is None:
         workload = make_workload(cfg.workload, cfg.seed)
     offline = cfg.engine.mode == "offline"
