@@ -93,7 +93,8 @@ def test_gloo_chatter_is_recognized_when_cut_and_mixed():
     local = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(local)
     lines = [b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n",
-             b"[Gloo] Rank [Gloo] Rank 2 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n",
+             b"[Gloo] Rank [Gloo] Rank 2 is connected to 3 peer ranks. "
+             b"Expected number of connected peer ranks is : 3\n",
              b"3 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n"]
     assert all(local.is_gloo_chatter(line) for line in lines)
     assert not local.is_gloo_chatter(b"requests 8 (completed 8, rejected 0, preempted 0)\n")

@@ -17,10 +17,11 @@ Rules (each chosen so a simulated run answers "what would the real engine do wit
 - Deployment: `check_against_model` (pdjax.config.validate, as the real engine: max_model_len within the model's
   positions, pp <= layers, tp dividing heads / KV heads / MLP width, explicit devices disjoint; the cross-block
   rules were checked, for both backends, when the ServeConfig was built) on a simulated machine with as many
-  devices as the deployment asks for, plus any explicit index beyond that (other nodes). Colocated: `deployment.colocated.num_instances` replicas ('replica0', ...) of
-  (pp, tp) behind `deployment.router`; disaggregated: the prefill and decode groups, the router for both, and the
-  mixed group when it has instances ('mixed0', ...; Splitwise's mixed pool, pdjax.scheduler.mixed) with the
-  deployment's thresholds (`SimSetup.mixed_prefill_queue_tokens`, `.mixed_decode_load`).
+  devices as the deployment asks for, plus any explicit index beyond that (other nodes). Colocated:
+  `deployment.colocated.num_instances` replicas ('replica0', ...) of (pp, tp) behind `deployment.router`;
+  disaggregated: the prefill and decode groups, the router for both, and the mixed group when it has instances
+  ('mixed0', ...; Splitwise's mixed pool, pdjax.scheduler.mixed) with the deployment's thresholds
+  (`SimSetup.mixed_prefill_queue_tokens`, `.mixed_decode_load`).
 - Schedulers: `instance_scheduler_config` of each group (colocated: the scheduler block's policy; prefill /
   decode: prefill_only / decode_only; mixed: a MixedScheduler, `make_role_scheduler`), vocab_size 0 filled from
   the model as run_real does (out-of-vocabulary prompts rejected).

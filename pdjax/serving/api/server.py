@@ -29,7 +29,6 @@ from pdjax.errors import UserError
 from pdjax.experiment.run import prepare_experiment
 from pdjax.serving.api.app import create_app
 from pdjax.serving.api.bridge import EngineBridge
-from pdjax.serving.run import run_real
 
 SWITCH_INTERVAL_S = 0.0005
 
@@ -68,6 +67,7 @@ def serve(config: Any, workdir: str, *, host: str = "127.0.0.1", port: int = 800
             sys.stdout.flush()
 
     def engine_thread():
+        from pdjax.serving.run import run_real  # noqa: PLC0415 (loads JAX; this module is JAX-free)
         try:
             outcome["summary"] = run_real(cfg, prep.config, workdir, workload=[], extra=extra, online=Online)
         except BaseException as e:  # noqa: BLE001  (reported by serve() in the main thread)
