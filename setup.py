@@ -24,7 +24,7 @@ setup(
         "tqdm>=4.66,<5",
     ],
     extras_require={
-        "test": ["pytest>=8,<10", "hypothesis>=6.100,<7"],
+        "test": ["pytest>=8,<10", "hypothesis>=6.100,<7", "ruff==0.17.6"],   # ruff: pinned, its rules change
         # Sweeps on a cluster (python -m experiments.sweep --executor=ray); tested with ray 2.60.0.
         "cluster": ["ray[default]>=2.40,<3"],
         # bench_throughput --backend=hf (PyTorch eager baseline, CPU); tested with torch 2.13.0+cpu and

@@ -12,6 +12,7 @@ server and writes the run's result files (as experiments.serve's) to --workdir. 
 from absl import flags
 
 from pdjax.experiment import cli
+from pdjax.metrics import summarize_table
 
 _CONFIG = cli.define_config_file("config", "configs/serve.py", "Serve config file.")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
@@ -25,8 +26,7 @@ _LOG_LEVEL = flags.DEFINE_enum("log_level", "warning", ["critical", "error", "wa
 def main(argv):
     if len(argv) > 1:
         raise cli.UserError(f"unexpected arguments {argv[1:]}; settings go in --config.KEY=VALUE flags")
-    from pdjax.metrics import summarize_table  # noqa: PLC0415
-    from pdjax.serving.api.server import EngineFailed, serve  # noqa: PLC0415
+    from pdjax.serving.api.server import EngineFailed, serve  # noqa: PLC0415 (fastapi: optional serve extra)
     try:     # a bad key, value or path is a UserError (one line) before anything compiles; so is a layout that
         summary = serve(_CONFIG.value, _WORKDIR.value, host=_HOST.value, port=_PORT.value,   # cannot be built
                         log_level=_LOG_LEVEL.value)

@@ -13,7 +13,11 @@ import json
 
 from absl import flags
 
+from pdjax.config.serving import serve_config_from_dict
 from pdjax.experiment import cli
+from pdjax.experiment.run import to_plain_dict
+from pdjax.serving.api.replay import replay_summary
+from pdjax.workload import make_workload
 
 _CONFIG = cli.define_config_file("config", "configs/serve.py", "Serve config file (its workload is replayed).")
 _BASE_URL = flags.DEFINE_string("base_url", "http://127.0.0.1:8000/v1", "The server's OpenAI base URL.")
@@ -23,12 +27,7 @@ _MODEL = flags.DEFINE_string("model", "", "Model name to send ('' = the server's
 def main(argv):
     if len(argv) > 1:
         raise cli.UserError(f"unexpected arguments {argv[1:]}")
-    import openai  # noqa: PLC0415
-
-    from pdjax.config.serving import serve_config_from_dict  # noqa: PLC0415
-    from pdjax.experiment.run import to_plain_dict  # noqa: PLC0415
-    from pdjax.serving.api.replay import replay_summary  # noqa: PLC0415
-    from pdjax.workload import make_workload  # noqa: PLC0415
+    import openai  # noqa: PLC0415 (optional serve extra)
     try:
         cfg = serve_config_from_dict(to_plain_dict(_CONFIG.value))
         workload = make_workload(cfg.workload, seed=cfg.seed)

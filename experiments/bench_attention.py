@@ -22,7 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
+from jax.experimental.pallas.ops.gpu import paged_attention as bundled
 
+from pdjax.kernels import pallas_gpu, pallas_tpu
 from pdjax.runtime.ceilings import measure_ceilings, time_fn
 from pdjax.experiment import cli
 from pdjax.kernels import reference
@@ -67,7 +69,6 @@ def make_batch(q_lens, ctx_lens, dtype, num_slots=None, seed=0):
 def bundled_gpu_decode(args):
     """jax's bundled GPU paged_attention on the same arrays (decode: one query token per sequence).
     Returns a zero-argument function to time."""
-    from jax.experimental.pallas.ops.gpu import paged_attention as bundled  # noqa: PLC0415
     q, k, v, kv_lens, table, _, _ = args
     q = (q.astype(jnp.float32) * HEAD_DIM ** -0.5).astype(q.dtype)  # it applies no softmax scale itself
     pages_per_seq = table.shape[1]
@@ -84,11 +85,9 @@ def implementations(backend: str):
     """name -> seam function for this backend."""
     impls = {"reference": jax.jit(reference.ragged_paged_attention)}
     if backend == "gpu":
-        from pdjax.kernels import pallas_gpu  # noqa: PLC0415
         impls = {"pallas": jax.jit(pallas_gpu.ragged_paged_attention),
                  "pallas_prefill_config": jax.jit(pallas_gpu.prefill_attention), **impls}
     elif backend == "tpu":
-        from pdjax.kernels import pallas_tpu  # noqa: PLC0415
         impls = {"pallas_tpu": jax.jit(pallas_tpu.ragged_paged_attention), **impls}
     return impls
 

@@ -61,7 +61,7 @@ def main(argv):
             recorded = []
             sched = make_scheduler(cfg)
             schedule = sched.schedule
-            sched.schedule = lambda now, s=schedule: recorded.append(s(now)) or recorded[-1]
+            sched.schedule = lambda now, s=schedule, out=recorded: out.append(s(now)) or out[-1]
             engine = ColocatedEngine(runner, sched, async_scheduling=(mode == "async"))
             start = time.perf_counter()
             res = engine.run(_requests(spec.vocab_size))

@@ -42,6 +42,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     # Two disjoint CPU groups need several (fake) host devices; no effect on accelerator platforms.
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -54,11 +56,20 @@ import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+from pdjax.config.model_specs import get_model_spec  # noqa: E402
+from pdjax.config.sampling import SamplingParams  # noqa: E402
+from pdjax.config.scheduler import SchedulerConfig  # noqa: E402
+from pdjax.models.llama import init_params  # noqa: E402
+from pdjax.runtime.batch import Buckets  # noqa: E402
 from pdjax.runtime.ceilings import host_copy_rate  # noqa: E402
 from pdjax.experiment import cli  # noqa: E402
 from pdjax.models.llama import KVCache  # noqa: E402
 from pdjax.procs import end_processes, free_port, start_local_processes, wait_processes  # noqa: E402
 from pdjax.runtime.mesh import make_mesh  # noqa: E402
+from pdjax.runtime.runner import ModelRunner  # noqa: E402
+from pdjax.scheduler import Request, make_scheduler  # noqa: E402
+from pdjax.serving.cluster import ClusterEngine, Instance  # noqa: E402
+from pdjax.serving.distributed import DistributedCoordinator, initialize, settings_from_env  # noqa: E402
 from pdjax.serving.kv_transfer import crossing_route, cross_device_put, gather_kv_pages, scatter_kv_pages, \
     staged_sharding, transfer_kv  # noqa: E402
 
@@ -123,15 +134,6 @@ def make_cache_multiprocess(mesh, num_layers: int, num_pages: int, dtype, seed: 
 
 def engine_sync_vs_async(devices, reps: int, quick: bool) -> dict:
     """The prefill loop's blocked time with synchronous vs asynchronous KV transfer (module docstring)."""
-    import dataclasses  # noqa: PLC0415
-    from pdjax.config.model_specs import get_model_spec  # noqa: PLC0415
-    from pdjax.config.sampling import SamplingParams  # noqa: PLC0415
-    from pdjax.config.scheduler import SchedulerConfig  # noqa: PLC0415
-    from pdjax.models.llama import init_params  # noqa: PLC0415
-    from pdjax.runtime.batch import Buckets  # noqa: PLC0415
-    from pdjax.runtime.runner import ModelRunner  # noqa: PLC0415
-    from pdjax.scheduler import Request, make_scheduler  # noqa: PLC0415
-    from pdjax.serving.cluster import ClusterEngine, Instance  # noqa: PLC0415
     spec = dataclasses.replace(get_model_spec("tiny-mha"), name="bench-wide-kv", hidden_size=512, num_layers=4,
                                num_heads=8, num_kv_heads=8, head_dim=64, intermediate_size=1024)
     params = init_params(spec, seed=0)
@@ -182,7 +184,6 @@ CROSS_PAIRS = [(1, 1), (2, 2), (2, 1), (1, 2), (4, 2)]    # (prefill tp on proce
 
 def cross_process_worker(out_path: str, reps: int, quick: bool) -> None:
     """One of the 2 processes of the cross-process measurement (module docstring); process 1 writes the cases."""
-    from pdjax.serving.distributed import DistributedCoordinator, initialize, settings_from_env  # noqa: PLC0415
     settings = settings_from_env(timeout_s=120)
     initialize(settings)
     coord = DistributedCoordinator(settings, prefix="bench")
@@ -207,28 +208,29 @@ def cross_process_worker(out_path: str, reps: int, quick: bool) -> None:
             pages = rng.permutation(num_pages)[:-(-n // PAGE_SIZE)].tolist()
             k, v = gather_kv_pages(src_cache, np.asarray(pages, np.int32))
 
-            def whole():
+            # Each call below runs within this iteration; the defaults bind this iteration's values.
+            def whole(src_cache=src_cache, pages=pages, dst_mesh=dst_mesh, n=n):
                 s = transfer_kv(src_cache, pages, dst_mesh, num_tokens=n, pad_pages=False, wait=False)
                 return s.k + s.v
 
-            def layerwise():
+            def layerwise(layers=layers, pages=pages, dst_mesh=dst_mesh, n=n):
                 staged = [transfer_kv(c, pages, dst_mesh, num_tokens=n, pad_pages=False, wait=False) for c in layers]
                 return [a for s in staged for a in s.k + s.v]
 
-            def crossing():
+            def crossing(k=k, v=v, target=target):
                 a, b = cross_device_put(list(k) + list(v), [target] * (2 * num_layers), split=num_layers)
                 return a + b
 
-            def timed(name, fn):
+            def timed(name, fn, tag=f"{src_tp}/{dst_tp}/{n}"):
                 times, calls = [], []
                 for rep in range(reps + 1):   # the first one warms up (compiles)
-                    coord.barrier(f"{name}/{src_tp}/{dst_tp}/{n}/{rep}")
+                    coord.barrier(f"{name}/{tag}/{rep}")
                     start = time.perf_counter()
                     out = fn()
                     calls.append(time.perf_counter() - start)
                     jax.block_until_ready(out)   # on process 1: until landed; process 0 holds no result shards
                     times.append(time.perf_counter() - start)
-                coord.barrier(f"{name}/{src_tp}/{dst_tp}/{n}/end")
+                coord.barrier(f"{name}/{tag}/end")
                 sender_call = coord.agree(statistics.median(calls[1:]), source=0)
                 return statistics.median(times[1:]), sender_call
 
@@ -321,14 +323,16 @@ def main(_):
         for n in lengths:
             pages = rng.permutation(num_pages)[:-(-n // PAGE_SIZE)].tolist()   # scattered, like a real table
             staged = transfer_kv(src_cache, pages, dst_mesh, num_tokens=n, pad_pages=False)
-            transfer_s = _median_time(
-                lambda: (lambda s: (s.k, s.v))(transfer_kv(src_cache, pages, dst_mesh, num_tokens=n,
-                                                           pad_pages=False)), reps)
+
+            def transfer(src_cache=src_cache, pages=pages, dst_mesh=dst_mesh, n=n):   # defaults: this iteration's
+                s = transfer_kv(src_cache, pages, dst_mesh, num_tokens=n, pad_pages=False)
+                return s.k, s.v
+            transfer_s = _median_time(transfer, reps)
             k, v = gather_kv_pages(src_cache, np.asarray(pages, np.int32))
             target = staged_sharding(dst_mesh)
-            crossing_s = _median_time(lambda: jax.device_put((k, v), target), reps)
+            crossing_s = _median_time(functools.partial(jax.device_put, (k, v), target), reps)
 
-            def scatter():
+            def scatter(box=box, pages=pages, staged=staged):
                 box["dst"] = scatter_kv_pages(box["dst"], pages, staged)
                 return box["dst"].k[0]
             scatter_s = _median_time(scatter, reps)

@@ -29,9 +29,23 @@ import time
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
+from pdjax.config.model_specs import get_model_spec  # noqa: E402
+from pdjax.config.sampling import SamplingParams  # noqa: E402
+from pdjax.config.scheduler import SchedulerConfig  # noqa: E402
 from pdjax.experiment import cli  # noqa: E402
+from pdjax.metrics import summarize_run  # noqa: E402
+from pdjax.scheduler import Request, make_scheduler, request_from_workload  # noqa: E402
+from pdjax.scheduler.batch_queue import mean_in_flight  # noqa: E402
+from pdjax.serving.engine import ColocatedEngine  # noqa: E402
+from pdjax.sim.cost_model import kv_cache_capacity_tokens  # noqa: E402
+from pdjax.sim.hardware import get_hardware_spec  # noqa: E402
+from pdjax.sim.profile import load_profile  # noqa: E402
+from pdjax.sim.simulator import SimInstance, simulate  # noqa: E402
+from pdjax.sim.step_cost import make_step_time  # noqa: E402
+from pdjax.workload import make_workload  # noqa: E402
 
 _SIM = flags.DEFINE_boolean("sim", False, "Run the paper-scale simulated table instead of the CPU benchmark.")
 _CKPT = flags.DEFINE_string("checkpoint", "tiny-byte", "Checkpoint dir or registry spec name (CPU benchmark).")
@@ -49,7 +63,7 @@ _SIM_RATE = flags.DEFINE_float("sim_rate", 1.0, "Poisson arrival rate (req/s) of
 def _stage_watch(runner_cls):
     """A PipelineRunner subclass recording, per dispatched batch, its dispatch time and every stage's output; a
     watcher thread records when each became ready (module docstring)."""
-    import jax
+    import jax  # noqa: PLC0415 (no JAX on the --sim path)
 
     class Watched(runner_cls):
         def __init__(self, *a, **kw):
@@ -108,18 +122,12 @@ def _stage_busy(batches, pp):
 
 
 def run_cpu() -> dict:
-    import jax
-    import numpy as np
+    import jax  # noqa: PLC0415 (no JAX on the --sim path)
 
-    from pdjax.config.sampling import SamplingParams
-    from pdjax.config.scheduler import SchedulerConfig
-    from pdjax.models.checkpoint import load_model
-    from pdjax.runtime.batch import Buckets
-    from pdjax.runtime.mesh import make_mesh
-    from pdjax.runtime.pipeline import PipelineRunner
-    from pdjax.scheduler import Request, make_scheduler
-    from pdjax.scheduler.batch_queue import mean_in_flight
-    from pdjax.serving.engine import ColocatedEngine
+    from pdjax.models.checkpoint import load_model  # noqa: PLC0415 (loads JAX; --sim does not)
+    from pdjax.runtime.batch import Buckets  # noqa: PLC0415 (loads JAX; --sim does not)
+    from pdjax.runtime.mesh import make_mesh  # noqa: PLC0415 (loads JAX; --sim does not)
+    from pdjax.runtime.pipeline import PipelineRunner  # noqa: PLC0415 (loads JAX; --sim does not)
 
     try:
         spec, params = load_model(_CKPT.value)
@@ -187,17 +195,6 @@ SIM_POLICIES = {   # policy -> token budget (vllm_v0 / orca: a whole max-length 
 
 def sim_table(num_requests: int = 256, rate: float = 1.0, seed: int = 0) -> dict:
     """Llama-2-70B, TP4 x PP2 over two 4-GPU A100 nodes, each policy with 2 batches in flight (module docstring)."""
-    from pdjax.config.model_specs import get_model_spec
-    from pdjax.config.scheduler import SchedulerConfig
-    from pdjax.metrics import summarize_run
-    from pdjax.scheduler import make_scheduler, request_from_workload
-    from pdjax.sim.profile import load_profile
-    from pdjax.sim.cost_model import kv_cache_capacity_tokens
-    from pdjax.sim.hardware import get_hardware_spec
-    from pdjax.sim.simulator import SimInstance, simulate
-    from pdjax.sim.step_cost import make_step_time
-    from pdjax.workload import make_workload
-
     model = get_model_spec("llama-2-70b")
     hw = get_hardware_spec("a100-80gb-sxm").replace(name="a100-80gb-sxm-4gpu-node", devices_per_node=4)
     tp, pp, max_len, max_seqs, page = 4, 2, 4096, 128, 16
@@ -218,7 +215,7 @@ def sim_table(num_requests: int = 256, rate: float = 1.0, seed: int = 0) -> dict
         p = res.pipeline
         one = p["instances"]["replica0"]
 
-        def ms(key, q):
+        def ms(key, q, summary=summary):
             v = summary.get(key, {})
             return round(1e3 * v[q], 1) if isinstance(v, dict) and v.get(q) is not None else None
         rows[policy] = {

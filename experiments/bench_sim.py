@@ -13,8 +13,8 @@ Each case runs in a fresh Python process (so its peak memory is its own): the co
 
 Prints JSON: per case num_requests, num_iterations, wall_s (the simulate call alone, best of --repeat runs),
 iterations_per_s, cpu_s and iterations_per_cpu_s (the same in this process's CPU seconds: steadier than wall time
-when other jobs share the cores), peak_rss_mb (the process's maximum resident set, ru_maxrss, read right after the simulation;
-it includes the interpreter and imports), base_rss_mb (the same before the simulation: imports, config and
+when other jobs share the cores), peak_rss_mb (the process's maximum resident set, ru_maxrss, read right after the
+simulation; it includes the interpreter and imports), base_rss_mb (the same before the simulation: imports, config and
 workload), records_sha256 (SHA-256 of the run's requests.csv, iterations.csv and token_times.csv as
 write_run_outputs writes them: equal before and after an optimization = byte-identical results); and the
 machine's load average (os.getloadavg) before and after, since the machine may be shared.
@@ -32,6 +32,11 @@ import sys
 import tempfile
 import time
 
+from pdjax.config.files import config_file
+from pdjax.experiment.run import prepare_experiment
+from pdjax.metrics import write_run_outputs
+from pdjax.sim.run import simulate_config
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CASES = {
     "chat10k": ("configs/sim/chat10k.py", None, 10_000),
@@ -47,10 +52,6 @@ def _rss_mb() -> float:
 
 def run_case(name: str, num_requests: int, repeat: int) -> dict:
     """Simulate case `name` (in this process) `repeat` times; returns its JSON entry."""
-    from pdjax.config.files import config_file  # noqa: PLC0415
-    from pdjax.experiment.run import prepare_experiment  # noqa: PLC0415
-    from pdjax.metrics import write_run_outputs  # noqa: PLC0415
-    from pdjax.sim.run import simulate_config  # noqa: PLC0415
     path, arg, default_requests = CASES[name]
     config = config_file(str(REPO / "x"), path, arg)
     config.workload.num_requests = num_requests or default_requests

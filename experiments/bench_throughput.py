@@ -46,6 +46,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
+from pdjax.models.checkpoint import load_model, save_hf_checkpoint
 from pdjax.runtime.ceilings import measure_ceilings
 from pdjax.config.buckets import engine_buckets
 from pdjax.config.model_specs import ModelSpec
@@ -56,6 +57,7 @@ from pdjax.runtime.hf_baseline import MissingExtraError, matching_outputs, requi
 from pdjax.runtime.runner import ModelRunner
 from pdjax.scheduler import Request, make_scheduler
 from pdjax.serving.engine import ColocatedEngine
+from pdjax.serving.run import resolve_checkpoint
 
 _CKPT = flags.DEFINE_string("checkpoint", "", "Checkpoint dir or registry spec name ('' = the 4-layer bench spec).")
 _P = flags.DEFINE_integer("num_prompts", 32, "P: number of prompts (requests).")
@@ -92,8 +94,6 @@ def _load(checkpoint: str, seed: int):
     if not checkpoint:
         spec = bench_spec()
         return spec, init_params(spec, seed)
-    from pdjax.models.checkpoint import load_model  # noqa: PLC0415
-    from pdjax.serving.run import resolve_checkpoint  # noqa: PLC0415
     return load_model(resolve_checkpoint(checkpoint), seed=seed)
 
 
@@ -149,8 +149,6 @@ def _hf_side_by_side(spec, params, requests: List[Request], output_len: int, rep
                      serve_pdjax) -> dict:
     """Alternate pdjax and HF runs `repeats` times (HF under both OpenMP wait policies, each in a fresh
     process) and keep each one's best output tokens/s; the machine's load average beside the numbers."""
-    from pdjax.models.checkpoint import save_hf_checkpoint  # noqa: PLC0415  (writes the HF copy only here)
-
     prompts = [r.prompt_token_ids for r in requests]
     num_output = len(prompts) * output_len
     pdjax_tok_s, hf_tok_s = [], {"ACTIVE": [], "PASSIVE": []}

@@ -16,7 +16,11 @@ import time
 
 from absl import flags
 
+from pdjax.config.serving import serve_config_from_dict
 from pdjax.experiment import cli
+from pdjax.experiment.calibrate import calibrate
+from pdjax.experiment.run import to_plain_dict
+from pdjax.serving.build import build_runner
 
 FLAGS = flags.FLAGS
 cli.define_config_file("config", "configs/serve.py", "Serve config (model, scheduler limits).")
@@ -26,11 +30,6 @@ flags.DEFINE_bool("quick", False, "A smaller grid (for tests).")
 
 
 def main(argv):
-    from pdjax.config.serving import serve_config_from_dict
-    from pdjax.experiment.calibrate import calibrate
-    from pdjax.experiment.run import to_plain_dict
-    from pdjax.serving.build import build_runner
-
     if len(argv) > 1:
         raise cli.UserError(f"unexpected arguments {argv[1:]}")
     if not FLAGS.out:

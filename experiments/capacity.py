@@ -15,6 +15,10 @@ import json
 from absl import flags
 
 from pdjax.experiment import cli
+from pdjax.experiment.run import resolve_config, to_plain_dict
+from pdjax.metrics import write_json
+from pdjax.sim.build import build_setup
+from pdjax.sim.capacity import search_config_capacity
 
 _CONFIG = cli.define_config_file("config", "configs/serve.py", "Serve config (any backend; simulated).")
 _TBT = flags.DEFINE_float("slo_tbt_p99", None, "P99 TBT limit in seconds.")
@@ -30,10 +34,6 @@ _OUT = flags.DEFINE_string("out", "", "Optional JSON output path.")
 def main(argv):
     if len(argv) > 1:
         raise cli.UserError(f"unexpected arguments {argv[1:]}")
-    from pdjax.experiment.run import resolve_config, to_plain_dict
-    from pdjax.metrics import write_json
-    from pdjax.sim.build import build_setup
-    from pdjax.sim.capacity import search_config_capacity
     if _TBT.value is None and _TTFT.value is None:
         raise cli.UserError("no limit given: pass --slo_tbt_p99 and/or --slo_ttft_p99 (seconds)")
     if not 0 < _LO.value < _HI.value:

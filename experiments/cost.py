@@ -13,7 +13,11 @@ import json
 
 from absl import flags
 
+from pdjax.config import get_model_spec
 from pdjax.experiment import cli
+from pdjax.sim.cost_model import BatchComposition, CostParams, iteration_time
+from pdjax.sim.hardware import get_hardware_spec
+from pdjax.sim.profile import load_profile
 
 FLAGS = flags.FLAGS
 
@@ -26,16 +30,12 @@ def define_flags() -> None:
     flags.DEFINE_integer("pp", 1, "Pipeline-parallel degree.")
     flags.DEFINE_integer("microbatches", 1, "Pipeline microbatches per iteration (pp > 1).")
     flags.DEFINE_multi_string("batch", [], "Batch composition, e.g. prefill:1021@0,decode:3@2048 (repeatable).")
-    flags.DEFINE_string("profile", "a100", "Machine profile: a shipped name (a100) or a JSON path; 'default' for priors.")
+    flags.DEFINE_string("profile", "a100",
+                        "Machine profile: a shipped name (a100) or a JSON path; 'default' for priors.")
 
 
 def run(model: str, hardware: str, tp: int, pp: int, batches: list[str], profile: str = "a100",
         microbatches: int = 1) -> dict:
-    from pdjax.config import get_model_spec  # noqa: PLC0415
-    from pdjax.sim.profile import load_profile  # noqa: PLC0415
-    from pdjax.sim.cost_model import BatchComposition, CostParams, iteration_time  # noqa: PLC0415
-    from pdjax.sim.hardware import get_hardware_spec  # noqa: PLC0415
-
     if not batches:
         raise ValueError("no --batch given; e.g. --batch=prefill:1021@0,decode:3@2048")
     spec = get_model_spec(model)

@@ -12,6 +12,7 @@ import pathlib
 from absl import flags
 
 from pdjax.experiment import cli
+from pdjax.runtime.generate import run_generate
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", "tiny-llama", "HF or orbax checkpoint directory, or a registry spec name.")
@@ -51,7 +52,6 @@ def main(argv):
     check_output_path("out", FLAGS.out)             # before anything is loaded or generated
     if FLAGS.dump_logits:
         check_output_path("dump_logits", FLAGS.dump_logits)
-    from pdjax.runtime.generate import run_generate  # noqa: PLC0415  (keeps --help fast)
 
     try:    # bad inputs found while loading: the prompts file, the checkpoint (missing, truncated), lengths
         tokens, _, runner = run_generate(

@@ -20,6 +20,7 @@ from absl import flags
 from pdjax.experiment import cli
 from pdjax.sim.placement import AFFINITIES, COLOCATED_POLICIES, NodeType, PlacementProblem, search
 from pdjax.sim.placement import decompose as decompose_win
+from pdjax.workload.traces import load_trace
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "opt-13b", "Model spec name.")
@@ -72,7 +73,6 @@ def trace_workload(path: str, max_model_len: int, num_requests: int, seed: int,
                    length_sampling: str = "joint") -> dict:
     """Empirical length distributions of the trace rows with prompt + output <= max_model_len (DistServe's
     filtering), as a WorkloadConfig dict. Raises ValueError (OSError for an unreadable file) naming the trace."""
-    from pdjax.workload.traces import load_trace  # noqa: PLC0415
     rows = [r for r in load_trace(path).rows if r.prompt_len + r.output_len <= max_model_len]
     prompts, outputs = [r.prompt_len for r in rows], [r.output_len for r in rows]
     if not prompts:
@@ -89,7 +89,6 @@ def run(model: str, hardware: str, budget: int, workload: dict, ttft: float, tpo
         top: int = 0, stacks: Optional[Dict[str, str]] = None, slo_rule: str = "pdjax", decompose: bool = False
         ) -> dict:
     """One placement search; `stacks`: {'colocated' | 'prefill' | 'decode': stack name} ('pdjax' for the rest)."""
-
     node = NodeType(hardware, gpus_per_node=gpus_per_node, intra_node_bandwidth=intra_node_gbps * 1e9,
                     inter_node_bandwidth=inter_node_gbps * 1e9)
     problem = PlacementProblem(model=model, node=node, gpu_budget=budget, workload=workload, ttft_s=ttft,

@@ -22,6 +22,8 @@ from pdjax.experiment import cli
 from pdjax.experiment.run import prepare_experiment, run_prepared, to_plain_dict
 from pdjax.metrics import summarize_table
 from pdjax.procs import exit_now
+from pdjax.serving.distributed import (DistributedError, end_after_failure, initialize, make_coordinator,
+                                       settings_from_env)
 from pdjax.workload import byte_tokenizer, describe_length_report
 
 
@@ -58,7 +60,6 @@ _WORKDIR = flags.DEFINE_string("workdir", "/tmp/pdjax_serve", "Output directory 
 
 def distributed_settings():
     """The run's DistributedSettings from the flags (env defaults); a bad value is a UserError."""
-    from pdjax.serving.distributed import settings_from_env  # noqa: PLC0415
     try:
         return settings_from_env(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _DIST_TIMEOUT.value)
     except ValueError as e:
@@ -68,7 +69,6 @@ def distributed_settings():
 def main(argv):
     if len(argv) > 1:
         raise cli.UserError(f"unexpected arguments {argv[1:]}; settings go in --config.KEY=VALUE flags")
-    from pdjax.serving.distributed import DistributedError, initialize, make_coordinator  # noqa: PLC0415
     settings = distributed_settings()
     try:
         initialize(settings)      # before any JAX use; no-op for one process
@@ -90,7 +90,6 @@ def main(argv):
     except Exception as e:  # noqa: BLE001
         if not settings.multi:
             raise
-        from pdjax.serving.distributed import end_after_failure  # noqa: PLC0415
         end_after_failure(e)     # one line naming the dead peer (or this failure), exit 1
     if _DIGEST_DIR.value:
         coordinator.write_digest(_DIGEST_DIR.value)

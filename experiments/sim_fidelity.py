@@ -45,9 +45,24 @@ import sys
 import time
 from typing import Any, Dict, Optional, Sequence
 
+import numpy as np
 from absl import flags
 
+from pdjax.config.serving import serve_config_from_dict
 from pdjax.experiment import cli
+from pdjax.experiment.calibrate import fit_and_save, probe_engine_loop
+from pdjax.experiment.run import to_plain_dict
+from pdjax.metrics import write_run_outputs
+from pdjax.runtime.probe import context_outputs, engine_grid, profile_engine, profile_step_context
+from pdjax.scheduler import make_scheduler, request_from_workload
+from pdjax.serving.build import build_runner
+from pdjax.serving.engine import ColocatedEngine
+from pdjax.sim.build import build_setup, group_step_time
+from pdjax.sim.calibration import median_decode_step_s, merge_step_context
+from pdjax.sim.profile import load_profile
+from pdjax.sim.replay import ScheduleRecorder, replay_steps
+from pdjax.sim.run import run_sim
+from pdjax.workload import make_workload
 
 FLAGS = flags.FLAGS
 
@@ -89,8 +104,6 @@ def step_replay(batches: Sequence[tuple], iterations, step_time, padding) -> Opt
     """The simulator's step time on every batch the real engine ran vs the engine's own time for it
     (pdjax.sim.replay.replay_steps: measurement, step context and classes). Relative errors (sim - real) / real,
     overall and per class ('shape_switch', 'after_idle', 'steady'). None when the counts disagree."""
-    import numpy as np
-    from pdjax.sim.replay import replay_steps
     try:
         r = replay_steps(batches, iterations, step_time, padding)
     except ValueError:
@@ -115,21 +128,6 @@ def step_replay(batches: Sequence[tuple], iterations, step_time, padding) -> Opt
 def run_fidelity(config_dict: Dict[str, Any], workdir: str, *, profile: str = "", repeats: int = 5,
                  quick: bool = False, log=None) -> Dict[str, Any]:
     """One seed's check (module docstring; the seed is config_dict's); returns the report dict."""
-    from pdjax.experiment.calibrate import fit_and_save, probe_engine_loop
-    from pdjax.runtime.probe import context_outputs, engine_grid, profile_engine, profile_step_context
-    from pdjax.sim.calibration import median_decode_step_s, merge_step_context
-    from pdjax.config.serving import serve_config_from_dict
-    from pdjax.metrics import write_run_outputs
-    from pdjax.scheduler import make_scheduler
-    from pdjax.scheduler import request_from_workload
-    from pdjax.serving.engine import ColocatedEngine
-    from pdjax.serving.build import build_runner
-    from pdjax.sim.build import build_setup, group_step_time
-    from pdjax.sim.replay import ScheduleRecorder
-    from pdjax.sim.run import run_sim
-    from pdjax.sim.profile import load_profile
-    from pdjax.workload import make_workload
-
     os.makedirs(workdir, exist_ok=True)
     config_dict = json.loads(json.dumps(config_dict))
     config_dict["backend"] = "real"
@@ -282,8 +280,6 @@ def format_table(result: Dict[str, Any]) -> str:
 def main(argv):
     if len(argv) > 1:
         raise cli.UserError(f"unexpected arguments {argv[1:]}")
-    from pdjax.config.serving import serve_config_from_dict
-    from pdjax.experiment.run import to_plain_dict
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
     config = to_plain_dict(FLAGS.config)
     try:

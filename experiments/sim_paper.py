@@ -39,7 +39,17 @@ from typing import Any, Dict, List
 from absl import flags
 
 from pdjax.config.files import config_file
+from pdjax.config.model_specs import get_model_spec
+from pdjax.config.serving import serve_config_from_dict
 from pdjax.experiment import cli
+from pdjax.experiment.run import run_experiment, to_plain_dict
+from pdjax.experiment.sweep import check_point, run_sweep
+from pdjax.metrics import summarize_run, write_json
+from pdjax.sim.capacity import search_config_capacity
+from pdjax.sim.cost_model import BatchComposition, iteration_time
+from pdjax.sim.hardware import get_hardware_spec
+from pdjax.sim.profile import load_profile
+from pdjax.sim.run import simulate_config
 
 _TABLE = flags.DEFINE_enum("table", "all", ["all", "ablation", "chunking", "capacity", "mixing", "tile", "disagg"],
                            "Which table.")
@@ -58,14 +68,10 @@ def _load_config(rel_path: str, arg: str):
 
 
 def _a100(model: str, tp: int):
-    from pdjax.config.model_specs import get_model_spec
-    from pdjax.sim.profile import load_profile
-    from pdjax.sim.hardware import get_hardware_spec
     return get_model_spec(model), get_hardware_spec("a100-80gb-pcie"), tp, load_profile("a100").params
 
 
 def _time(batch, model, hw, tp, params) -> float:
-    from pdjax.sim.cost_model import iteration_time
     return iteration_time(batch, model, hw, tp, 1, params).total
 
 
@@ -85,8 +91,6 @@ def _requests_override(config: dict, num_requests: int) -> dict:
 
 
 def table_ablation(workdir: str, parallel: int, num_requests: int = 0) -> Dict[str, Any]:
-    from pdjax.experiment.run import run_experiment, to_plain_dict
-    from pdjax.experiment.sweep import check_point, run_sweep
     out = {}
     for trace in ("chat", "arxiv"):
         sweep = to_plain_dict(_load_config("configs/sweeps/sarathi_ablation_paper.py", trace))
@@ -101,7 +105,6 @@ def table_ablation(workdir: str, parallel: int, num_requests: int = 0) -> Dict[s
 
 
 def table_chunking() -> List[Dict[str, Any]]:
-    from pdjax.sim.cost_model import BatchComposition
     model, hw, tp, params = _a100("yi-34b", 2)
     rows = []
     for prompt in (2048, 4096, 8192, 16384):
@@ -121,9 +124,6 @@ CAPACITY_TRACES = ("chat", "arxiv")
 
 def table_capacity(workdir: str, parallel: int, traces=CAPACITY_TRACES, num_requests: int = 0
                    ) -> List[Dict[str, Any]]:
-    from pdjax.sim.capacity import search_config_capacity
-    from pdjax.experiment.run import to_plain_dict
-    from pdjax.metrics import write_json
     rows = []
     bad = sorted(set(traces) - set(CAPACITY_TRACES))
     if bad:
@@ -150,7 +150,6 @@ def table_capacity(workdir: str, parallel: int, traces=CAPACITY_TRACES, num_requ
 
 
 def table_mixing() -> List[Dict[str, Any]]:
-    from pdjax.sim.cost_model import BatchComposition
     model, hw, tp, params = _a100("mistral-7b", 1)
     rows = []
     for n in (8, 16, 32, 64, 128, 256):
@@ -166,7 +165,6 @@ def table_mixing() -> List[Dict[str, Any]]:
 
 
 def table_tile() -> List[Dict[str, Any]]:
-    from pdjax.sim.cost_model import BatchComposition
     model, hw, tp, params = _a100("mistral-7b", 1)
     rows = []
     for decodes in (0, 32):
@@ -187,10 +185,6 @@ DISAGG_MIN_ATTAINMENT = 0.9
 
 
 def table_disagg(num_requests: int = 0) -> Dict[str, Any]:
-    from pdjax.config.serving import serve_config_from_dict
-    from pdjax.experiment.run import to_plain_dict
-    from pdjax.metrics import summarize_run
-    from pdjax.sim.run import simulate_config
     out = {}
     for trace, rates in DISAGG_RATES.items():
         rows, best = [], {}

@@ -21,9 +21,18 @@ import os
 import sys
 import time
 
+import jax
+import numpy as np
 from absl import flags
 
+from pdjax.config.model_specs import get_model_spec
 from pdjax.experiment import cli
+from pdjax.models import train as tr
+from pdjax.models.checkpoint import load_model, save_params
+from pdjax.runtime.generate import generate, generation_buckets
+from pdjax.runtime.runner import ModelRunner
+from pdjax.workload import byte_tokenizer as tok
+from pdjax.workload.tokens import load_text_bytes
 
 _OUT = flags.DEFINE_string("out", "checkpoints/tiny-byte", "output checkpoint directory")
 _SPEC = flags.DEFINE_string("spec", "tiny-byte", "registry model spec to train")
@@ -44,16 +53,7 @@ _SAMPLE_PROMPTS = ("The ", "def ", "A class ")
 def main(argv):
     if len(argv) > 1:
         raise cli.UserError(f"unexpected arguments {argv[1:]}")
-    import jax  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
 
-    from pdjax.config.model_specs import get_model_spec  # noqa: PLC0415
-    from pdjax.workload import byte_tokenizer as tok  # noqa: PLC0415
-    from pdjax.models import train as tr  # noqa: PLC0415
-    from pdjax.models.checkpoint import load_model, save_params  # noqa: PLC0415
-    from pdjax.runtime.generate import generate, generation_buckets  # noqa: PLC0415
-    from pdjax.runtime.runner import ModelRunner  # noqa: PLC0415
-    from pdjax.workload.tokens import load_text_bytes  # noqa: PLC0415
 
     try:    # a bad spec name, text path or split: one line
         spec = get_model_spec(_SPEC.value)

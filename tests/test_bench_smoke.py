@@ -157,7 +157,7 @@ def test_placement():
 def test_sim_paper_disagg_table_small():
     d, err = _run("sim_paper", "--table=disagg", "--num_requests=16")
     assert "Llama-2-13B" in err
-    for trace, t in d["disagg"].items():
+    for t in d["disagg"].values():
         assert {r["layout"] for r in t["rows"]} == {"2xtp1", "1xtp2", "1p1d"}
         for r in t["rows"]:
             assert 0 <= r["slo_attainment"] <= 1 and r["goodput_rps"] >= 0

@@ -175,7 +175,8 @@ def test_max_in_flight_one_is_the_one_batch_per_round_loop(pipes, prompts, refer
 
 def test_coordinator_hooks_see_every_schedule_and_collect(pipes, prompts, reference):
     """A recording Coordinator posing as process 0 of 2 (every instance's devices are on process 0 only, so its
-    ids go through `agree(ids, source=0)`): one digest per schedule() call, one id agreement per iteration, every clock reading through now()."""
+    ids go through `agree(ids, source=0)`): one digest per schedule() call, one id agreement per iteration, every
+    clock reading through now()."""
     from pdjax.serving.disagg import DisaggregatedEngine
     from pdjax.serving.distributed import Coordinator
 

@@ -30,8 +30,8 @@ def _runner(model, **kw):
 
 def _requests(n=6, max_tokens=10):
     rng = np.random.default_rng(0)
-    return [Request(f"r{i}", list(map(int, rng.integers(1, 500, size=10 + 9 * i))), SamplingParams(max_tokens=max_tokens),
-                    0.0) for i in range(n)]
+    return [Request(f"r{i}", list(map(int, rng.integers(1, 500, size=10 + 9 * i))),
+                    SamplingParams(max_tokens=max_tokens), 0.0) for i in range(n)]
 
 
 def _scheduler(preemption):

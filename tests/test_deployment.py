@@ -145,7 +145,8 @@ def test_bad_layouts_fail_at_start_up_naming_the_value(kind, role):
 
 
 def test_bad_group_values_fail_naming_the_key():
-    for block, match in (({"colocated": {"num_instances": 0}}, "deployment.colocated.num_instances=0, expected a positive int"),
+    for block, match in (({"colocated": {"num_instances": 0}},
+                          "deployment.colocated.num_instances=0, expected a positive int"),
                          ({"colocated": {"pp": 0}}, "deployment.colocated.pp=0, expected a positive int"),
                          ({"colocated": {"chips": 2}}, "unknown config key.*deployment.colocated.chips"),
                          ({"router": "least_outstanding_tokens"}, "now 'least_loaded'")):

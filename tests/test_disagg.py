@@ -363,7 +363,6 @@ def test_run_real_disaggregated_pipeline_layouts_compile_nothing_after_warm_up(t
     every transfer (per-stage gathers, per-layer copies, per-stage scatters) compiled up front; tokens equal
     generate on one device."""
     import json
-    from pdjax.runtime.batch import Buckets
     from pdjax.runtime.generate import generate
     from pdjax.runtime.runner import ModelRunner
     from pdjax.serving.build import build_requests, load_weights

@@ -125,7 +125,7 @@ def _stage_caches(ids, pp, tp, seed=None):
     host_v = [make() for _ in range(PP_LAYERS)]
     caches = []
     for sub, (a, b) in zip(subs, stage_layer_ranges(PP_LAYERS, pp)):
-        put = lambda xs: tuple(jax.device_put(x, kv_cache_layout(sub)) for x in xs)  # noqa: E731
+        put = lambda xs, sub=sub: tuple(jax.device_put(x, kv_cache_layout(sub)) for x in xs)  # noqa: E731
         caches.append(KVCache(k=put(host_k[a:b]), v=put(host_v[a:b])))
     return caches, subs, (host_k, host_v)
 

@@ -55,7 +55,8 @@ def test_local_ends_all_processes_when_one_fails():
     out = _local("-n", "3", "--grace", "2", "--", sys.executable, "-c", code)
     assert time.monotonic() - start < 30
     assert out.returncode == 3
-    assert out.stderr.strip().splitlines()[-1] == "launch/local.py: process 1 of 3 exited with status 3; ended the others"
+    last_line = out.stderr.strip().splitlines()[-1]
+    assert last_line == "launch/local.py: process 1 of 3 exited with status 3; ended the others"
     for pid in map(int, out.stdout.split()):     # none of the sleepers is left
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 
@@ -92,7 +93,8 @@ def test_gloo_chatter_is_recognized_when_cut_and_mixed():
     local = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(local)
     lines = [b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n",
-             b"[Gloo] Rank [Gloo] Rank 2 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n",
+             b"[Gloo] Rank [Gloo] Rank 2 is connected to 3 peer ranks. "
+             b"Expected number of connected peer ranks is : 3\n",
              b"3 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n"]
     assert all(local.is_gloo_chatter(line) for line in lines)
     assert not local.is_gloo_chatter(b"requests 8 (completed 8, rejected 0, preempted 0)\n")

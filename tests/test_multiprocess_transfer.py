@@ -101,7 +101,7 @@ def worker(out_dir: str) -> None:
         jax.block_until_ready(new)
         case = {"route": route, "checked_shards": 0, "mismatches": []}
         ranges = stage_layer_ranges(LAYERS, dst_pp)
-        for cache, (a, b) in zip(new, ranges):           # every local shard of the decode cache, exactly
+        for cache, (a, _) in zip(new, ranges):           # every local shard of the decode cache, exactly
             for kind, arrays in (("k", cache.k), ("v", cache.v)):
                 for i, arr in enumerate(arrays):
                     layer = a + i

@@ -187,7 +187,7 @@ def test_kv_moves_between_pipeline_layouts_by_layer():
         with pytest.raises(ValueError, match=r"^KV of layer 0 is placed as .*, expected stage 0's"):
             dst.kv_cache = src.kv_cache      # not moved: still on the prefill runner's devices
         moved_k, moved_v = [], []
-        for layer, ss, si, ds, di in relayout_plan(spec.num_layers, 2, dst_pp):
+        for _, ss, si, ds, _ in relayout_plan(spec.num_layers, 2, dst_pp):
             target = mesh_lib.kv_cache_sharding(dst.stage_meshes[ds], spec)
             moved_k.append(jax.device_put(src.kv_caches[ss].k[si], target))
             moved_v.append(jax.device_put(src.kv_caches[ss].v[si], target))

@@ -63,7 +63,7 @@ class Checker:
             self.host[slot] = list(self.kv[page])
         for slot, page in out.swap_in:
             self.kv[page] = list(self.host.pop(slot))
-        for req, c, n, table in zip(out.reqs, out.num_computed_tokens, out.num_new_tokens, out.page_tables):
+        for req, c, table in zip(out.reqs, out.num_computed_tokens, out.page_tables):
             if req.request_id in out.kv_handoff_req_ids:   # the runner loads the transferred KV
                 for i in range(c):
                     self.kv[table[i // ps]][i % ps] = req.all_token_ids[i]

@@ -176,7 +176,7 @@ def test_async_scheduling_gives_the_same_tokens_and_timeline_shape(runner, mode)
         reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=12), 0.0) for i, p in enumerate(_prompts())]
         tokens = []
         engine = ColocatedEngine(runner, make_scheduler(cfg), async_scheduling=True,
-                                 on_token=lambda rid, tok, t: tokens.append((rid, tok)))
+                                 on_token=lambda rid, tok, t, out=tokens: out.append((rid, tok)))
         result = engine.run(reqs)
         assert [result.output_tokens[f"r{i}"] for i in range(6)] == expected
         assert sorted(tokens) == sorted((f"r{i}", t) for i in range(6) for t in expected[i])

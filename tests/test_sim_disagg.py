@@ -50,8 +50,10 @@ BASE = SchedulerConfig(policy="sarathi", token_budget=128, max_num_seqs=16, max_
                        num_pages=256)
 
 
-def instances(num_prefill=1, num_decode=1, *, prefill=InstanceGroupConfig(), decode=InstanceGroupConfig(),
-              base=BASE):
+DEFAULT_GROUP = InstanceGroupConfig()
+
+
+def instances(num_prefill=1, num_decode=1, *, prefill=DEFAULT_GROUP, decode=DEFAULT_GROUP, base=BASE):
     out = []
     for role, n, group in (("prefill", num_prefill, prefill), ("decode", num_decode, decode)):
         cfg = instance_scheduler_config(base, group, role)

@@ -238,7 +238,8 @@ def test_mooncake_hash_blocks_share_prompt_prefixes(tmp_path):
     assert [r.arrival_time for r in reqs] == [0.0, 1.0, 2.0]
     assert [r.num_prompt_tokens for r in reqs] == [125, 138, 128]
     assert a.prompt_token_ids[:125] == b.prompt_token_ids[:125]
-    block = lambda h: hashed_token_ids(0, STREAM_BLOCK, h, 64, 50_000)
+    def block(h):
+        return hashed_token_ids(0, STREAM_BLOCK, h, 64, 50_000)
     assert a.prompt_token_ids == block(0) + block(1)[:61]
     assert b.prompt_token_ids == block(0) + block(1) + block(2)[:10]
     assert c.prompt_token_ids == block(3) + block(4)

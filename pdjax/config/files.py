@@ -1,9 +1,15 @@
 """Loading ml_collections config files by path (config files build on each other: a sweep on configs/serve.py)."""
 from __future__ import annotations
 
+import dataclasses
+
 import importlib.util
 import os
+import typing
 from typing import Any, Optional
+
+import ml_collections
+from ml_collections import config_dict
 
 
 def config_file(anchor_file: str, rel_path: str, arg: Optional[str] = None) -> Any:
@@ -24,11 +30,6 @@ def config_block(cls, *, exclude=(), **values) -> Any:
     at its default unless given in `values`, so every field can be set from the command line
     (`--config.block.field=...`). A field whose default is None becomes a typed placeholder (settable, None
     until set); `exclude` names fields the block leaves out (set elsewhere)."""
-    import dataclasses  # noqa: PLC0415
-    import typing  # noqa: PLC0415
-    import ml_collections  # noqa: PLC0415
-    from ml_collections import config_dict  # noqa: PLC0415
-
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
     if unknown:

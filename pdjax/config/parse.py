@@ -72,7 +72,8 @@ class Check:
         else:
             noun = "an int" if self.kind == "int" else "a number"
             if self.low is not None and self.high is not None:
-                text = f"{noun} in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
+                left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+                text = f"{noun} in {left}{self.low}, {self.high}{right}"
             elif self.low is not None:
                 text = f"{noun} {'>' if self.low_open else '>='} {self.low}"
             else:

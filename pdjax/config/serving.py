@@ -15,7 +15,9 @@ import ml_collections
 from pdjax.config.deployment import REMOVED_GROUP_KEYS, ROLES, DeploymentConfig, deployment_from_dict
 from pdjax.config.files import config_block
 from pdjax.config.parse import FieldError, check_fields, coerce, dataclass_from_dict, nonneg_int, number, one_of
+from pdjax.config.scheduler import SchedulerConfig
 from pdjax.config.validate import check_cross_block
+from pdjax.workload import WorkloadConfig
 
 BACKENDS = ("real", "sim")
 MODES = ("online", "offline")
@@ -25,7 +27,8 @@ NO_SLO = "(0 = no SLO)"
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """checkpoint: a directory (HF safetensors or a pdjax orbax checkpoint) or a registry spec name (dummy
-    weights). attention_impl: 'auto' | 'blocked' | 'reference' | 'pallas'. dtype: compute/param dtype for dummy weights."""
+    weights). attention_impl: 'auto' | 'blocked' | 'reference' | 'pallas'. dtype: compute/param dtype for dummy
+    weights."""
     checkpoint: str = "tiny-llama"
     attention_impl: str = "auto"
     dtype: str = "float32"
@@ -193,9 +196,6 @@ class ServeConfig:
 
 def serve_config_from_dict(d: Mapping[str, Any]) -> ServeConfig:
     """Validate the nested dict of a serve config file (see configs/serve.py)."""
-    from pdjax.config.scheduler import SchedulerConfig  # noqa: PLC0415
-    from pdjax.workload import WorkloadConfig  # noqa: PLC0415
-
     d = dict(d)
     top = {"backend", "seed", "model", "engine", "scheduler", "workload", "slo", "sim", "deployment", "server"}
     unknown = sorted(set(d) - top)

@@ -23,6 +23,7 @@ import sys
 from typing import Callable, NoReturn, Optional
 
 from absl import app, flags, logging
+from ml_collections import config_flags
 
 from pdjax import errors
 from pdjax.procs import exit_now
@@ -87,7 +88,6 @@ def quiet_logging() -> None:
 def define_config_file(name: str, default: Optional[str], help_string: str):
     """config_flags.DEFINE_config_file, with a bad `--NAME.key=value` override reported as one line. (With a
     default file, ml_collections applies the overrides in sys.argv right here, at import, before `run`.)"""
-    from ml_collections import config_flags  # noqa: PLC0415
     try:
         return config_flags.DEFINE_config_file(name, default, help_string)
     except (AttributeError, KeyError, TypeError, ValueError) as e:

@@ -18,6 +18,8 @@ from pdjax.config.serving import ServeConfig, serve_config_from_dict
 from pdjax.config.validate import check_config_against_model
 from pdjax.errors import user_errors
 from pdjax.metrics import prepare_run_dir
+from pdjax.sim.build import build_setup
+from pdjax.sim.run import run_sim
 from pdjax.workload import length_report, make_workload
 
 
@@ -59,7 +61,6 @@ def prepare_experiment(config: Any, workdir: str, *, is_main: bool = True) -> Pr
         config = to_plain_dict(config)
         cfg = resolve_config(config)   # every block, the cross-block rules, the model's when the config tells it
         if cfg.backend == "sim":     # hardware, cost profile (missing or malformed: named), the deployment vs. model
-            from pdjax.sim.build import build_setup  # noqa: PLC0415  (cheap, no JAX)
             build_setup(cfg)
         if is_main:
             prepare_run_dir(workdir)
@@ -72,12 +73,11 @@ def run_prepared(prep: PreparedExperiment, coordinator=None) -> dict:
     coordinator: a multi-process run's (pdjax.serving.distributed); None: one process."""
     extra = {"workload": prep.length_report}
     if prep.cfg.backend == "real":
-        from pdjax.serving.run import run_real  # noqa: PLC0415  (imports JAX)
+        from pdjax.serving.run import run_real  # noqa: PLC0415 (loads JAX; the sim path must not)
         return run_real(prep.cfg, prep.config, prep.workdir, workload=prep.workload, extra=extra,
                         coordinator=coordinator)
     if coordinator is not None and not coordinator.is_main:
         return {}    # the simulator runs on process 0 only
-    from pdjax.sim.run import run_sim  # noqa: PLC0415
     return run_sim(prep.cfg, prep.config, prep.workdir, workload=prep.workload, extra=extra)
 
 

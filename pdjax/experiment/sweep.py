@@ -44,6 +44,13 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from pdjax.config.deployment import deployment_from_dict
+from pdjax.experiment.cli import one_line
+from pdjax.experiment.run import prepare_experiment
+from pdjax.metrics import atomic_write_bytes, atomic_write_text
+from pdjax.metrics.report import ready_workdir, written_name
+from pdjax.procs import process_pool, stop_pool
+
 SUMMARY_COLUMNS = ("ttft_p50", "ttft_p90", "ttft_p99", "tbt_p50", "tbt_p99", "tpot_p50", "e2e_p50",
                    "sched_delay_p50", "throughput_tok_s", "slo_attainment", "goodput_rps")
 
@@ -197,7 +204,6 @@ def _install(src_dir: str, final_dir: str) -> None:
 
 
 def _write_text(path: str, text: str) -> None:
-    from pdjax.metrics import atomic_write_text  # noqa: PLC0415
     atomic_write_text(path, text)
 
 
@@ -242,8 +248,6 @@ def _run_point(run_fn: Callable[[Dict[str, Any], str], Any], cfg: Dict[str, Any]
 
 def _run_parallel(todo: Sequence[Tuple[str, Dict[str, Any]]], workdir: str, run_fn, parallel: int,
                   log: Callable[[str], None]) -> None:
-    from pdjax.procs import process_pool, stop_pool  # noqa: PLC0415  (no JAX)
-
     pool = process_pool(min(parallel, len(todo)), "spawn")   # JAX does not survive fork
     try:
         futures = {pool.submit(_run_point, run_fn, cfg, os.path.join(workdir, name)): (name, cfg)
@@ -291,7 +295,6 @@ def sweep_platform(platform: str, cluster_resources: Mapping[str, float]) -> str
 def point_devices(cfg: Mapping[str, Any]) -> int:
     """Accelerator devices a real-backend point uses: its deployment's devices (every instance of the groups its
     kind uses, pp x tp each), or more when an explicit `devices` list names a higher index."""
-    from pdjax.config.deployment import deployment_from_dict  # noqa: PLC0415  (no JAX)
     deployment = deployment_from_dict(cfg.get("deployment"))
     highest = [max(getattr(deployment, role).devices) + 1 for role in ("colocated", "prefill", "decode")
                if hasattr(deployment, role) and getattr(deployment, role).devices]
@@ -385,7 +388,7 @@ def _run_ray(todo: Sequence[Tuple[str, Dict[str, Any]]], workdir: str, run_fn, l
              address: Optional[str], max_retries: int, platform: str, num_cpus: Optional[int]) -> None:
     """Run the points as Ray tasks; see run_sweep. Starts (and stops) a local cluster unless Ray is initialized
     already or `address` names a cluster to join."""
-    import ray  # noqa: PLC0415  (run_sweep checked that it is installed)
+    import ray  # noqa: PLC0415 (optional cluster extra; run_sweep checked it is installed)
 
     started = not ray.is_initialized()
     if started:
@@ -473,8 +476,6 @@ def ready_sweep_dir(workdir: str, point_names: Sequence[str]) -> None:
     SWEEP_FILES, the directories of its points (of this grid, or of an earlier grid: a directory with a run's
     config.json) and the partial point directories of a killed run. Anything else makes it refuse (ValueError),
     as a serve run refuses a directory of foreign files."""
-    from pdjax.metrics.report import ready_workdir, written_name  # noqa: PLC0415
-
     names = set(point_names)
 
     def owns(entry: str) -> bool:
@@ -497,7 +498,6 @@ def check_point(cfg: Dict[str, Any]) -> None:
     the config, what of the model and deployment needs no device, the workload and the files it reads), without
     touching a workdir (is_main=False leaves it alone); the `validate` of run_sweep for run_experiment's points.
     Raises UserError (pdjax.errors, a ValueError) naming the bad key, value or path."""
-    from pdjax.experiment.run import prepare_experiment  # noqa: PLC0415  (no JAX)
     prepare_experiment(cfg, "", is_main=False)
 
 
@@ -538,13 +538,12 @@ def run_sweep(sweep: Mapping[str, Any], workdir: str, run_fn: Callable[[Dict[str
         raise ValueError(f"platform={platform!r}, expected one of {PLATFORMS}")
     if executor == "ray":
         try:
-            import ray  # noqa: PLC0415
+            import ray  # noqa: PLC0415 (optional cluster extra: is it installed?)
         except ImportError:
             raise ValueError("executor 'ray' needs Ray: pip install -e '.[cluster]'") from None
         if ray_address and not ray.is_initialized():
             check_ray_address(ray_address)
     if validate is not None:
-        from pdjax.experiment.cli import one_line  # noqa: PLC0415
         for name, _, cfg in points:
             try:
                 validate(cfg)
@@ -604,7 +603,6 @@ def run_sweep(sweep: Mapping[str, Any], workdir: str, run_fn: Callable[[Dict[str
 
 
 def write_summary_csv(path: str, rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> None:
-    from pdjax.metrics import atomic_write_text  # noqa: PLC0415
     buf = io.StringIO()
     writer = csv.writer(buf)
     header = list(columns) + list(SUMMARY_COLUMNS) + list(STATUS_COLUMNS)
@@ -621,11 +619,10 @@ PLOT_METRICS = (("ttft_p50", "P50 TTFT (s)"), ("ttft_p99", "P99 TTFT (s)"), ("tb
 def write_sweep_plots(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], workdir: str) -> str:
     """comparison.png: each metric against the last numeric swept column (or the point index), one line per
     combination of the other columns."""
-    import matplotlib  # noqa: PLC0415
+    import matplotlib  # noqa: PLC0415 (matplotlib: 1 s; only the sweep CLI plots, library callers do not)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (after use('Agg'))
 
-    from pdjax.metrics import atomic_write_bytes  # noqa: PLC0415
 
     numeric = [c for c in columns if all(isinstance(r[c], (int, float)) and not isinstance(r[c], bool)
                                          for r in rows)]

@@ -11,7 +11,7 @@ from typing import Callable
 
 import jax
 
-from pdjax.kernels import reference
+from pdjax.kernels import blocked, pallas_attention, reference
 from pdjax.kernels.reference import ragged_paged_attention as reference_attention
 from pdjax.kernels.reference import write_kv
 
@@ -32,9 +32,7 @@ def get_attention_fn(impl: str = "auto") -> Callable:
     if impl == "reference":
         return reference_attention
     if impl == "blocked" or (impl == "auto" and backend == "cpu"):
-        from pdjax.kernels import blocked  # noqa: PLC0415
         return blocked.ragged_paged_attention
-    from pdjax.kernels import pallas_attention  # noqa: PLC0415  (optional until the kernel issue lands)
     return pallas_attention.get_pallas_attention_fn(backend)
 
 

@@ -14,6 +14,7 @@ __all__ = [
     "meets_slos", "metric_value", "normalized_latencies", "run_duration", "sched_delays", "slo_attainment",
     "stats", "summarize_iterations", "summarize_run", "tbts", "tpots", "ttfts", "NOT_SERVED_REASONS",
     "IterationRecord", "RequestRecord", "request_record", "RunData", "atomic_open", "atomic_write_bytes",
-    "atomic_write_text", "is_finished_run", "prepare_run_dir", "RUN_FILES", "load_run", "recompute_summary", "summarize_table", "write_csv",
+    "atomic_write_text", "is_finished_run", "prepare_run_dir", "RUN_FILES", "load_run", "recompute_summary",
+    "summarize_table", "write_csv",
     "write_json", "write_run_outputs",
 ]

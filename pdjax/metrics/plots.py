@@ -14,8 +14,8 @@ from pdjax.metrics.records import IterationRecord
 
 
 def _figure(height: float = 3.2, width: float = 5.0):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 (1 s; only when plotting)
+    from matplotlib.figure import Figure  # noqa: PLC0415 (matplotlib only when plotting)
     fig = Figure(figsize=(width, height), dpi=100)
     FigureCanvasAgg(fig)
     return fig
@@ -94,7 +94,7 @@ def plot_iteration_timeline(iterations: Sequence[IterationRecord], save: Callabl
             top.text(0.5, 0.5, "no iterations", ha="center", va="center", transform=top.transAxes)
             continue
         edges, index = _timeline_steps(its, t0)
-        pick = lambda values: np.where(index >= 0, np.asarray(values, float)[np.maximum(index, 0)], 0.0)  # noqa: E731
+        pick = lambda values, index=index: np.where(index >= 0, np.asarray(values, float)[np.maximum(index, 0)], 0.0)  # noqa: E731
         step_ms = pick([1e3 * it.step_time for it in its])
         decode = pick([it.num_decode_tokens for it in its])
         total = decode + pick([it.num_prefill_tokens for it in its])

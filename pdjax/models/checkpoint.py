@@ -31,6 +31,9 @@ from typing import Dict, Optional, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
 from pdjax.config.model_specs import DTYPE_BYTES, ModelSpec, RopeScaling, get_model_spec
 from pdjax.errors import UserError
@@ -241,7 +244,6 @@ def params_to_hf_tensors(params: LlamaParams, spec: ModelSpec) -> Dict[str, np.n
 
 def save_hf_checkpoint(directory, spec: ModelSpec, params: LlamaParams, *, num_shards: int = 1) -> None:
     """Write config.json + safetensors (sharded with an index when num_shards > 1)."""
-    from safetensors.numpy import save_file  # noqa: PLC0415
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(spec_to_hf_config(spec), indent=1))
@@ -261,7 +263,6 @@ def save_hf_checkpoint(directory, spec: ModelSpec, params: LlamaParams, *, num_s
 
 def load_hf_checkpoint(directory, dtype=None) -> Tuple[ModelSpec, LlamaParams]:
     """(spec, params) from an HF Llama-format directory (config.json + safetensors, sharded or single)."""
-    from safetensors import SafetensorError, safe_open  # noqa: PLC0415
     directory = pathlib.Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file():
@@ -338,7 +339,6 @@ def spec_from_json(text: str) -> ModelSpec:
 
 def save_params(directory, spec: ModelSpec, params: LlamaParams) -> None:
     """Write params with orbax to <directory>/params and the spec to <directory>/pdjax_spec.json."""
-    import orbax.checkpoint as ocp  # noqa: PLC0415
     directory = pathlib.Path(directory).absolute()
     directory.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as ckptr:
@@ -351,7 +351,6 @@ def save_params(directory, spec: ModelSpec, params: LlamaParams) -> None:
 def restore_params(directory) -> Tuple[ModelSpec, LlamaParams]:
     """(spec, params) written by `save_params`, restored exactly (same dtypes and values) as host numpy arrays
     (the runner places them on its mesh)."""
-    import orbax.checkpoint as ocp  # noqa: PLC0415
     directory = pathlib.Path(directory).absolute()
     try:
         spec = spec_from_json((directory / SPEC_FILE).read_text())

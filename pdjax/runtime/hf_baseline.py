@@ -39,8 +39,8 @@ def require_hf() -> None:
 def hf_generate(checkpoint_dir: str, prompts: Sequence[Sequence[int]], output_len: int, threads: int) -> Dict:
     """Greedy-generate `output_len` tokens for every prompt (equal lengths) in one batch; in this process.
     Returns {'output_tokens': [[ids] per prompt], 'generate_s', 'load_s', 'torch', 'transformers'}."""
-    import torch  # noqa: PLC0415  (optional extra)
-    import transformers  # noqa: PLC0415
+    import torch  # noqa: PLC0415 (optional hf extra)
+    import transformers  # noqa: PLC0415 (optional hf extra)
 
     torch.set_num_threads(threads)
     start = time.perf_counter()

@@ -303,7 +303,7 @@ class ModelRunner:
     def swap(self, swap_out: Sequence[Tuple[int, int]], swap_in: Sequence[Tuple[int, int]]) -> None:
         """Copy device pages to host slots (swap_out) and host slots to device pages (swap_in); the host store holds
         [num_layers, ...] arrays whatever the pipeline split (each stage copies its own layers' pages)."""
-        for host_slot, page in list(swap_out) + list(swap_in):
+        for _, page in list(swap_out) + list(swap_in):
             if not 0 <= page < self.num_pages:
                 raise ValueError(f"swap page {page} outside [0, {self.num_pages})")
         missing = [slot for slot, _ in swap_in if slot not in self.host_pages]

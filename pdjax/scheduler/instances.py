@@ -15,6 +15,8 @@ instances of a role: pdjax.scheduler.routing.
 from __future__ import annotations
 
 from pdjax.config.deployment import ROLE_POLICIES, ROLES, check_role, instance_name
+from pdjax.scheduler.mixed import MixedScheduler
+from pdjax.scheduler.policies import make_scheduler
 
 __all__ = ["ROLES", "ROLE_POLICIES", "MIXED_SCHEDULER", "Instance", "check_instance", "check_role", "instance_name",
            "make_role_scheduler"]
@@ -26,9 +28,7 @@ def make_role_scheduler(role: str, config):
     """The scheduler of an instance of `role` (config: its SchedulerConfig, from instance_scheduler_config)."""
     check_role(role)
     if role == "mixed":
-        from pdjax.scheduler.mixed import MixedScheduler  # noqa: PLC0415 (mixed imports routing, which imports this)
         return MixedScheduler(config)
-    from pdjax.scheduler.policies import make_scheduler  # noqa: PLC0415
     return make_scheduler(config)
 
 

@@ -19,9 +19,17 @@ import os
 import pathlib
 from typing import List, Optional, Sequence
 
+import jax
+
 from pdjax.config.buckets import Buckets, engine_buckets
+from pdjax.config.deployment import instance_scheduler_config
 from pdjax.config.serving import ServeConfig
+from pdjax.config.validate import check_against_model, check_group_hardware
 from pdjax.errors import user_errors
+from pdjax.models.checkpoint import load_model
+from pdjax.runtime.mesh import make_mesh
+from pdjax.runtime.pipeline import PipelineRunner
+from pdjax.runtime.runner import ModelRunner
 from pdjax.scheduler import Request, request_from_workload
 from pdjax.scheduler.instances import make_role_scheduler
 from pdjax.serving.cluster import ClusterEngine, Instance
@@ -62,7 +70,6 @@ def build_requests(cfg: ServeConfig, workload: Optional[Sequence] = None) -> Lis
 
 def load_weights(cfg: ServeConfig):
     """(spec, params) of cfg.model: a checkpoint directory, or dummy weights for a registry spec name."""
-    from pdjax.models.checkpoint import load_model  # noqa: PLC0415
     return load_model(resolve_checkpoint(cfg.model.checkpoint), dtype=cfg.model.dtype, seed=cfg.seed)
 
 
@@ -77,8 +84,6 @@ def _scheduler_config(cfg: ServeConfig, spec):
 def build_runner(cfg: ServeConfig, *, seed: Optional[int] = None, spec=None, params=None, mesh=None):
     """The runner of `cfg` (checkpoint or dummy weights), KV cache sized by cfg.scheduler: a PipelineRunner when
     `mesh` has stage > 1 (pp pipeline stages, each a TP group), else a ModelRunner (default mesh: one device)."""
-    from pdjax.runtime.pipeline import PipelineRunner  # noqa: PLC0415
-    from pdjax.runtime.runner import ModelRunner  # noqa: PLC0415
     if params is None:
         spec, params = load_weights(cfg if seed is None else dataclasses.replace(cfg, seed=seed))
     sc = cfg.scheduler
@@ -97,11 +102,6 @@ def build_instances(cfg: ServeConfig, *, devices: Optional[Sequence] = None, par
 
     devices: the device list indices refer to (default jax.devices()). params/spec: weights to use instead of
     loading cfg.model.checkpoint (tests share one set)."""
-    import jax  # noqa: PLC0415
-    from pdjax.config.deployment import instance_scheduler_config  # noqa: PLC0415
-    from pdjax.config.validate import check_against_model, check_group_hardware  # noqa: PLC0415
-    from pdjax.runtime.mesh import make_mesh  # noqa: PLC0415
-
     dep = cfg.deployment
     devices = list(jax.devices() if devices is None else devices)
     check_group_hardware(dep, devices[0].device_kind)

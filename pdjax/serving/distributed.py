@@ -41,8 +41,8 @@ results.json (process 0 writes only after the 'served' barrier, which every proc
 - a process dies (or hangs) mid-run: `PeerWatchdog` (started by `initialize`) has every process bump its own
   heartbeat key in the coordination service each min(timeout_s / 10, 1 s) and watch everyone else's; a peer
   whose key has not moved for timeout_s ends this process with exit 1 and "error: process I of N: process J sent
-  no heartbeat for T s (it died or hangs); ending the run" (lost contact with the coordination service itself, i.e. process
-  0 died: "error: process I of N: lost the coordinator at ADDR (process 0) for T s"). jax's own heartbeat
+  no heartbeat for T s (it died or hangs); ending the run" (lost contact with the coordination service itself,
+  i.e. process 0 died: "error: process I of N: lost the coordinator at ADDR (process 0) for T s"). jax's own heartbeat
   timeout is set to 2 x timeout_s + 10 s, so ours fires first (jax's would abort with SIGABRT and no name of
   ours; a Python callback cannot be installed in its place on jax 0.10.2: missed_heartbeat_callback fails with
   std::bad_cast). A process that passed the end-of-serving barrier marks itself done (`Coordinator.done`), so
@@ -78,6 +78,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -86,6 +87,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 
 from pdjax.errors import UserError
+from pdjax.metrics import write_json
 from pdjax.procs import exit_now, free_port, on_exit_now
 
 __all__ = ["ConfigMismatchError", "Coordinator", "DistributedCoordinator", "DistributedError", "DistributedSettings",
@@ -151,7 +153,6 @@ _INITIALIZED: Optional[DistributedSettings] = None
 
 
 def _own_host() -> str:
-    import socket  # noqa: PLC0415
     return socket.gethostbyname(socket.gethostname())
 
 
@@ -161,7 +162,7 @@ def initialize(settings: DistributedSettings) -> None:
     global _INITIALIZED
     if not settings.multi or _INITIALIZED is not None:
         return
-    import jax  # noqa: PLC0415
+    import jax  # noqa: PLC0415 (this module is JAX-free: serve's sim path reads its settings)
     if "jax_cpu_collectives_implementation" in jax.config.values:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if "jax_enable_preemption_service" in jax.config.values:
@@ -197,7 +198,7 @@ def initialize(settings: DistributedSettings) -> None:
         watchdog.cancel()
     _INITIALIZED = settings
     global _PEER_WATCHDOG
-    from jax._src import distributed as jax_distributed  # noqa: PLC0415
+    from jax._src import distributed as jax_distributed  # noqa: PLC0415 (JAX-free module)
     _PEER_WATCHDOG = PeerWatchdog(settings, jax_distributed.global_state.client)
     _PEER_WATCHDOG.start()
     on_exit_now(_leave_before_exit)     # every exit_now (cli.fail's user errors too) leaves the run in order
@@ -355,7 +356,8 @@ class PeerWatchdog:
                 self._seen[peer] = (value, now)
             elif value != "done" and not value.startswith(_ENDING_STATES) and now - last[1] >= s.timeout_s:
                 self.dead_peers.add(peer)
-                return f"{me}: process {peer} sent no heartbeat for {s.timeout_s:g} s (it died or hangs); ending the run"
+                return (f"{me}: process {peer} sent no heartbeat for {s.timeout_s:g} s (it died or hangs); "
+                        "ending the run")
         return None
 
     def _run(self) -> None:
@@ -554,7 +556,6 @@ class Coordinator:
 
     def write_digest(self, directory: str) -> str:
         """Write this process's schedule digest to DIRECTORY/schedule_p<process_id>.json (atomically)."""
-        from pdjax.metrics import write_json  # noqa: PLC0415
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"schedule_p{self.process_id}.json")
         write_json(path, {"process_id": self.process_id, "num_processes": self.num_processes,
@@ -569,7 +570,7 @@ class DistributedCoordinator(Coordinator):
                  record_digest: bool = False):
         super().__init__(record_digest)
         if client is None:
-            from jax._src import distributed as jax_distributed  # noqa: PLC0415
+            from jax._src import distributed as jax_distributed  # noqa: PLC0415 (JAX-free module)
             client = jax_distributed.global_state.client
             if client is None:
                 raise DistributedError("jax.distributed is not initialized (call pdjax.serving.distributed."

@@ -58,6 +58,7 @@ from pdjax.errors import UserError
 from pdjax.metrics import IterationRecord, RequestRecord, request_record
 from pdjax.scheduler import BatchQueue, Request
 from pdjax.scheduler.output import NONFINITE_LOGITS, NOT_SAMPLED
+from pdjax.serving.distributed import Coordinator
 
 TokenCallback = Callable[[str, int, float], None]   # (request_id, token_id, time_s)
 
@@ -204,7 +205,6 @@ class ColocatedEngine:
         self.on_token = on_token
         self.async_scheduling = async_scheduling
         if coordinator is None:
-            from pdjax.serving.distributed import Coordinator  # noqa: PLC0415
             coordinator = Coordinator()
         self.coordinator = coordinator
 

@@ -319,7 +319,7 @@ def _by_pieces(xs: Sequence[jax.Array], targets: Sequence[jax.sharding.Sharding]
     for n, (_, s, _, _, d) in enumerate(pieces):
         if s.process_index != d.process_index:
             pairs.setdefault((s.id, d.id), []).append(n)
-    for (_, d), ns in sorted(pairs.items()):
+    for _, ns in sorted(pairs.items()):
         # ONE device_put per device pair: a batch mixing devices is mispaired on jax 0.10.2 (see the docstring)
         sent = jax.device_put([cut(*pieces[n][:4]) for n in ns],
                               [jax.sharding.SingleDeviceSharding(pieces[ns[0]][4])] * len(ns))

@@ -12,10 +12,15 @@ written; then only process 0 writes the outputs (each file atomically), the othe
 """
 from __future__ import annotations
 
+import hashlib
+
 import os
 import sys
 import time
 from typing import Any, Callable, Dict, Optional, Sequence
+
+import jax
+from tqdm import tqdm
 
 import pdjax
 from pdjax.config.deployment import instance_name
@@ -23,6 +28,7 @@ from pdjax.config.serving import ServeConfig
 from pdjax.metrics import summarize_run, write_json, write_run_outputs
 from pdjax.runtime import compiles
 from pdjax.serving.build import build_engine, build_requests, default_buckets, resolve_checkpoint
+from pdjax.serving.distributed import Coordinator
 
 __all__ = ["run_real", "default_buckets", "resolve_checkpoint", "enable_compilation_cache"]
 
@@ -31,7 +37,6 @@ def enable_compilation_cache(cache_dir: str) -> str:
     """Turn on JAX's persistent compilation cache in `cache_dir` ('' = a per-user default), caching every
     executable however fast it compiled, so a second run with the same shapes loads instead of compiling.
     Returns the directory used."""
-    import jax  # noqa: PLC0415
     if not cache_dir:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         cache_dir = os.path.join(base, "pdjax", "xla")
@@ -46,7 +51,6 @@ def progress_bar(cfg: ServeConfig, total: int, desc: str, unit: str):
     """A tqdm bar on a terminal when cfg.engine.progress; None otherwise (logs and pipes stay clean)."""
     if not (cfg.engine.progress and sys.stderr.isatty()):
         return None
-    from tqdm import tqdm  # noqa: PLC0415
     return tqdm(total=total, desc=desc, unit=unit, leave=False)
 
 
@@ -78,7 +82,6 @@ def _warm_up(engine, cfg: ServeConfig) -> float:
 
 
 def _request_fingerprint(requests) -> str:
-    import hashlib  # noqa: PLC0415
     h = hashlib.sha256()
     for r in requests:
         h.update(repr((r.request_id, float(r.arrival_time), list(r.prompt_token_ids), r.sampling.max_tokens)).encode())
@@ -94,7 +97,6 @@ def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str, *, wor
     run's requests are those of `online.source` (pdjax.serving.online.OnlineSource) instead of `workload`,
     `online.on_token` gets every token, and `online.attach(engine)` is called once warm-up is done; the run ends
     when the source is closed and its requests finished, and `extra` is then read (the front end may fill it)."""
-    from pdjax.serving.distributed import Coordinator  # noqa: PLC0415
     coordinator = coordinator if coordinator is not None else Coordinator()
     requests = build_requests(cfg, workload) if online is None else []
     coordinator.check_same("request list", _request_fingerprint(requests))

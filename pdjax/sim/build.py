@@ -17,10 +17,11 @@ Rules (each chosen so a simulated run answers "what would the real engine do wit
 - Deployment: `check_against_model` (pdjax.config.validate, as the real engine: max_model_len within the model's
   positions, pp <= layers, tp dividing heads / KV heads / MLP width, explicit devices disjoint; the cross-block
   rules were checked, for both backends, when the ServeConfig was built) on a simulated machine with as many
-  devices as the deployment asks for, plus any explicit index beyond that (other nodes). Colocated: `deployment.colocated.num_instances` replicas ('replica0', ...) of
-  (pp, tp) behind `deployment.router`; disaggregated: the prefill and decode groups, the router for both, and the
-  mixed group when it has instances ('mixed0', ...; Splitwise's mixed pool, pdjax.scheduler.mixed) with the
-  deployment's thresholds (`SimSetup.mixed_prefill_queue_tokens`, `.mixed_decode_load`).
+  devices as the deployment asks for, plus any explicit index beyond that (other nodes). Colocated:
+  `deployment.colocated.num_instances` replicas ('replica0', ...) of (pp, tp) behind `deployment.router`;
+  disaggregated: the prefill and decode groups, the router for both, and the mixed group when it has instances
+  ('mixed0', ...; Splitwise's mixed pool, pdjax.scheduler.mixed) with the deployment's thresholds
+  (`SimSetup.mixed_prefill_queue_tokens`, `.mixed_decode_load`).
 - Schedulers: `instance_scheduler_config` of each group (colocated: the scheduler block's policy; prefill /
   decode: prefill_only / decode_only; mixed: a MixedScheduler, `make_role_scheduler`), vocab_size 0 filled from
   the model as run_real does (out-of-vocabulary prompts rejected).
@@ -60,6 +61,7 @@ from pdjax.sim.simulator import PendingRequest, SimInstance
 from pdjax.sim.profile import Profile, profile_for
 from pdjax.sim.stack import FittedStepTime, StepFit, StepFitStack, load_stack
 from pdjax.sim.step_cost import EnginePadding, StepNoise, make_step_time, padding_from_profile
+from pdjax.workload import make_workload
 
 # --------------------------------------------------------------------------------------------------- setup
 @dataclasses.dataclass(frozen=True)
@@ -296,7 +298,6 @@ def disaggregated_kwargs(setup: SimSetup, instances: Dict[str, List[Any]]) -> Di
 def build_pending_requests(cfg, workload=None) -> list:
     """build_requests' requests as pdjax.sim.simulator.PendingRequests: each Request is made when it arrives
     (the simulators take either)."""
-    from pdjax.workload import make_workload  # noqa: PLC0415
     if workload is None:
         workload = make_workload(cfg.workload, cfg.seed)
     offline = cfg.engine.mode == "offline"
@@ -307,7 +308,6 @@ def build_pending_requests(cfg, workload=None) -> list:
 def build_requests(cfg, workload=None) -> list:
     """Scheduler Requests of `workload` (WorkloadRequests; default make_workload(cfg.workload, cfg.seed)), no stop
     token, every arrival at 0 in offline mode."""
-    from pdjax.workload import make_workload  # noqa: PLC0415
     if workload is None:
         workload = make_workload(cfg.workload, cfg.seed)
     offline = cfg.engine.mode == "offline"

@@ -400,7 +400,8 @@ _ELEMENTWISE_OPS = ("emb", "input_layernorm", "post_attention_layernorm", "attn_
 A100_FIT_PARAMS = ("gemm_flops_efficiency", "gemm_bandwidth_efficiency", "kernel_fixed_s", "gemm_outputs_per_unit",
                    "gemm_occupancy_exponent",
                    *cm.ELEMENTWISE_EFFICIENCY.values(), "attn_flops_efficiency", "attn_bandwidth_efficiency",
-                   "attn_seq_head_s", "attn_prefill_fixed_s", "attn_decode_fixed_s", "comm_bandwidth_efficiency", "comm_fixed_s")
+                   "attn_seq_head_s", "attn_prefill_fixed_s", "attn_decode_fixed_s", "comm_bandwidth_efficiency",
+                   "comm_fixed_s")
 # attn_causal_skip is held at 1 (kernels skip fully masked tiles: FlashAttention-2, FlashInfer, pdjax's Pallas
 # kernel). Fitting it lands near 0.13, driven by the Llama-2-7B prefill rows (an older kernel); that quarters the
 # prefill-attention error on this data (18% -> 5% median) but makes one long prefill dearer than the same
@@ -739,7 +740,7 @@ def fit_allreduce(ar, initial: CostParams) -> CostParams:
             names = names[:1] + names[2:]
             start = start.replace(**{f"comm_{kind}_step_s": 0.0})
         weights = _octave_weights(sub["bytes"]) * sel.sum()
-        params = fit_log_least_squares(lambda p: predict_allreduce(sub, p), sub["seconds"], start, names,
+        params = fit_log_least_squares(lambda p, sub=sub: predict_allreduce(sub, p), sub["seconds"], start, names,
                                        weights=weights, iterations=80)
     return params
 

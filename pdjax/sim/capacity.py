@@ -18,8 +18,10 @@ import dataclasses
 import sys
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from pdjax.config.serving import serve_config_from_dict
 from pdjax.metrics import holds, summarize_run
 from pdjax.procs import process_pool, stop_pool
+from pdjax.sim.run import sim_info, simulate_config
 
 
 @dataclasses.dataclass
@@ -32,9 +34,6 @@ class ParallelCapacityResult:
 
 def simulate_summary(config_dict: Mapping[str, Any], rate: float) -> Dict[str, Any]:
     """Summary (results.json schema, no files) of `config_dict` (a serve config, backend ignored) at `rate`."""
-    from pdjax.config.serving import serve_config_from_dict  # noqa: PLC0415
-    from pdjax.sim.run import sim_info, simulate_config  # noqa: PLC0415
-
     d = copy.deepcopy(dict(config_dict))
     d["backend"] = "sim"
     d["workload"] = dict(d.get("workload") or {}, rate=float(rate))

@@ -6,8 +6,9 @@ What one iteration costs (per device of an instance with TP degree `tp` and PP d
   `max(FLOPs / (peak · gemm_flops_efficiency), bytes / (bandwidth · gemm_bandwidth_efficiency)) + kernel_fixed_s`,
   FLOPs counted on the token dimension rounded *up* to `gemm_token_tile` (the GEMM kernel computes whole tiles,
   so 257 tokens pay for 320 with a tile of 64), and a GEMM too small to fill the device's compute units runs at
-  a lower rate (`gemm_outputs_per_unit`, `gemm_occupancy_exponent`). Bytes are weights + activations in and out. TP shards the
-  output columns of QKV/gate+up and the input rows of O/down (Megatron); KV heads fewer than `tp` are replicated.
+  a lower rate (`gemm_outputs_per_unit`, `gemm_occupancy_exponent`). Bytes are weights + activations in and out.
+  TP shards the output columns of QKV/gate+up and the input rows of O/down (Megatron); KV heads fewer than `tp`
+  are replicated.
 - Element-wise kernels (2 norms, RoPE, activation, residual add per layer; embedding once): bytes per token over
   `hbm_bandwidth` times that kernel kind's efficiency (`norm_bandwidth_efficiency`, ...), plus `kernel_fixed_s`.
 - Attention, per layer, by its real work: a prefill chunk of `c` new tokens after `k` cached ones does
@@ -63,6 +64,7 @@ import re
 from typing import Any, Callable, Optional, Sequence
 
 from pdjax.config.model_specs import ModelSpec
+from pdjax.config.pipeline import stage_layer_counts
 from pdjax.sim.hardware import HardwareSpec
 
 
@@ -553,7 +555,8 @@ def _stage_components(batch: BatchComposition, plan: _Plan, params: CostParams, 
     flops_s += c
     memory_s += mem
 
-    elementwise = layers * sum(elementwise_time(tokens, nbytes, kind, bw, params) for kind, nbytes in s.layer_elementwise)
+    elementwise = layers * sum(elementwise_time(tokens, nbytes, kind, bw, params)
+                               for kind, nbytes in s.layer_elementwise)
     elementwise += elementwise_time(tokens, s.embedding_bytes_per_token, "embedding", bw, params)
 
     attention = layers * layer_attention_time(batch, s, peak, bw, params)
@@ -677,8 +680,6 @@ def stage_times(batch: BatchComposition, model: ModelSpec, hw: HardwareSpec, tp:
     pdjax.runtime.pipeline.send_activations places them) over the link between the two stages' devices
     (`stage_link`) as a point-to-point copy (`p2p_time`). With pp == 1 the single stage's time equals
     `iteration_time(...).total` up to float rounding."""
-    from pdjax.config.pipeline import stage_layer_counts  # noqa: PLC0415  (pure Python, no JAX)
-
     params = CostParams() if params is None else params
     plan = _plan(model, hw, tp, pp)
     counts = stage_layer_counts(model.num_layers, pp)

@@ -68,7 +68,8 @@ class HardwareSpec:
         if self.intra_node_topology == "pairwise" and not self.pairwise_bandwidth:
             raise ValueError(f"HardwareSpec {self.name!r}: pairwise topology needs pairwise_bandwidth")
         if not isinstance(self.compute_units, int) or self.compute_units < 1:
-            raise ValueError(f"HardwareSpec {self.name!r}: compute_units={self.compute_units!r}, expected a positive int")
+            raise ValueError(f"HardwareSpec {self.name!r}: compute_units={self.compute_units!r}, "
+                             "expected a positive int")
         if self.devices_per_node < 1:
             raise ValueError(f"HardwareSpec {self.name!r}: devices_per_node={self.devices_per_node}, expected >= 1")
 
@@ -127,8 +128,8 @@ _DCN_LATENCY = 20e-6
 def _a100(name, hbm_bw, hbm_gib, form):
     # A100 datasheet: BF16/FP16 Tensor Core 312 TFLOPS dense (624 with sparsity); FP32 19.5 TFLOPS (non-tensor).
     # 108 SMs.
-    common = dict(kind="gpu", compute_units=108, peak_flops_bf16=312 * TERA, peak_flops_fp16=312 * TERA, peak_flops_fp32=19.5 * TERA,
-                  hbm_bandwidth=hbm_bw, hbm_capacity=hbm_gib * GiB)
+    common = dict(kind="gpu", compute_units=108, peak_flops_bf16=312 * TERA, peak_flops_fp16=312 * TERA,
+                  peak_flops_fp32=19.5 * TERA, hbm_bandwidth=hbm_bw, hbm_capacity=hbm_gib * GiB)
     if form == "sxm":
         # SXM: third-gen NVLink 600 GB/s bidirectional through NVSwitch (HGX/DGX A100, 8 GPUs) -> 300 GB/s/dir.
         return HardwareSpec(name=name, devices_per_node=8, intra_node_topology="switch",
@@ -150,8 +151,9 @@ def _a100(name, hbm_bw, hbm_gib, form):
 def _hopper(name, hbm_bw, hbm_gb):
     # H100 SXM5 / H200 SXM datasheets: BF16/FP16 Tensor Core 1,979 TFLOPS *with sparsity* -> 989.5 dense;
     # FP32 67 TFLOPS. NVLink 900 GB/s bidirectional through NVSwitch -> 450 GB/s per direction. 132 SMs.
-    return HardwareSpec(name=name, kind="gpu", compute_units=132, peak_flops_bf16=989.5 * TERA, peak_flops_fp16=989.5 * TERA,
-                        peak_flops_fp32=67 * TERA, hbm_bandwidth=hbm_bw, hbm_capacity=hbm_gb,
+    return HardwareSpec(name=name, kind="gpu", compute_units=132, peak_flops_bf16=989.5 * TERA,
+                        peak_flops_fp16=989.5 * TERA, peak_flops_fp32=67 * TERA, hbm_bandwidth=hbm_bw,
+                        hbm_capacity=hbm_gb,
                         devices_per_node=8, intra_node_topology="switch", intra_node_bandwidth=450 * GB,
                         intra_node_latency=_NVLINK_LATENCY, inter_node_bandwidth=_NDR_IB,
                         inter_node_latency=_IB_LATENCY)
@@ -272,8 +274,9 @@ def host_cpu() -> HardwareSpec:
     linked through memory (collectives between fake CPU devices are memory copies)."""
     flops = measure_matmul_flops()
     bandwidth = measure_copy_bandwidth()
-    return HardwareSpec(name="host-cpu", kind="cpu", compute_units=max(1, os.cpu_count() or 1), peak_flops_bf16=flops, peak_flops_fp16=flops,
-                        peak_flops_fp32=flops, hbm_bandwidth=bandwidth, hbm_capacity=_host_memory_bytes(),
+    return HardwareSpec(name="host-cpu", kind="cpu", compute_units=max(1, os.cpu_count() or 1),
+                        peak_flops_bf16=flops, peak_flops_fp16=flops, peak_flops_fp32=flops, hbm_bandwidth=bandwidth,
+                        hbm_capacity=_host_memory_bytes(),
                         devices_per_node=max(1, os.cpu_count() or 1), intra_node_topology="none",
                         intra_node_bandwidth=bandwidth / 2, intra_node_latency=5e-6,
                         inter_node_bandwidth=1.25 * GB, inter_node_latency=50e-6)

@@ -55,11 +55,13 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pdjax.config.model_specs import ModelSpec, get_model_spec
 from pdjax.config.deployment import STACKS
+from pdjax.config.serving import serve_config_from_dict
 from pdjax.config.validate import check_max_model_len
 from pdjax.metrics.latency import SLO_RULES, SLOs, distserve_slo_check, slo_attainment
 from pdjax.procs import process_pool
 from pdjax.sim.cost_model import kv_cache_capacity_tokens
 from pdjax.sim.disagg import kv_link
+from pdjax.sim.run import simulate_config
 from pdjax.sim.stack import load_stack
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 
@@ -381,8 +383,6 @@ def serve_config(problem: PlacementProblem, placement: Placement, rate: float) -
 def simulate_placement(problem: PlacementProblem, placement: Placement, rate: float):
     """Run `placement` at `rate` req/s (its `serve_config`, simulated as `--config.backend=sim` runs it);
     returns the request records."""
-    from pdjax.config.serving import serve_config_from_dict  # noqa: PLC0415
-    from pdjax.sim.run import simulate_config  # noqa: PLC0415
     cfg = serve_config_from_dict(serve_config(problem, placement, rate))
     result, _ = simulate_config(cfg, hardware=problem.node.spec())
     return result.requests

@@ -16,6 +16,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, List, Sequence
 
+import numpy as np
+
+from pdjax.scheduler import SchedulerOutput
+from pdjax.sim.simulator import StepContext
+from pdjax.sim.step_cost import padded_shape
+
 IDLE_GAP_S = 1e-3   # an engine wait longer than this before a step is an idle wait, shorter ones its host work
 
 
@@ -37,7 +43,6 @@ class ScheduleRecorder:
 
 def composition_output(batch) -> Any:
     """A SchedulerOutput with a recorded batch's composition (what step-time functions read)."""
-    from pdjax.scheduler import SchedulerOutput
     new, ctx, prefill = batch
     out = SchedulerOutput(step=0)
     for i, (n, c, p) in enumerate(zip(new, ctx, prefill)):
@@ -73,9 +78,6 @@ def replay_steps(batches: Sequence[tuple], iterations, step_time: Callable, padd
     """Replay `batches` (ScheduleRecorder's) against the engine's IterationRecords (module docstring).
     step_time: a noise-free simulator step time (pdjax.sim.build.group_step_time(..., noise=False)).
     Raises ValueError when the counts differ or nothing ran."""
-    import numpy as np
-    from pdjax.sim.simulator import StepContext
-    from pdjax.sim.step_cost import padded_shape
     if len(batches) != len(iterations) or not batches:
         raise ValueError(f"{len(batches)} recorded batches for {len(iterations)} iterations: expected the same "
                          "non-zero number (record with ScheduleRecorder on the engine's scheduler)")

@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Tuple
 
+from pdjax.metrics import write_run_outputs
+
 from pdjax.sim.build import (SimSetup, build_instances, build_pending_requests, build_router, build_setup,
                              build_transfer_time, disaggregated_kwargs, group_hardware)
 from pdjax.sim.disagg import simulate_disaggregated
@@ -136,8 +138,6 @@ def sim_info(result: SimResult, setup: SimSetup, cfg=None) -> dict:
 def run_sim(cfg, config_dict, workdir: str, *, plots: bool = True, workload=None, extra=None) -> dict:
     """Simulate `cfg` (a ServeConfig) on `workload` (WorkloadRequests; default cfg's) and write the standard run
     outputs to `workdir`; `extra` joins results.json. Returns the summary."""
-    from pdjax.metrics import write_run_outputs  # noqa: PLC0415
-
     result, setup = simulate_config(cfg, workload)
     extra = {**(extra or {}), "engine": engine_info(result, setup, cfg), "sim": sim_info(result, setup, cfg)}
     return write_run_outputs(workdir, config_dict, result.requests, result.iterations, cfg.slo.as_dict(),

@@ -16,8 +16,9 @@ page of its sequence's table, so a step costs what its *bucket* costs, not what 
   of its padded width (S_pad slots; T_pad tokens when T_pad <= S_pad, where every token, chunk tokens included,
   is an item and there is no chunk pass), so it costs width x key blocks of the longest context, not count x mean
   context (`BatchComposition.decode_pass`, see `_blocked_composition`).
-- In both padded modes the per-sequence host cost (`cost_model.per_seq_host_s`) counts the real sequences (the composition's stand-in sequences
-  are padded work): time = iteration_time(padded composition) + per_seq_host_s · (S − composition seqs).
+- In both padded modes the per-sequence host cost (`cost_model.per_seq_host_s`) counts the real sequences (the
+  composition's stand-in sequences are padded work):
+  time = iteration_time(padded composition) + per_seq_host_s · (S − composition seqs).
 - No padding (None): the real composition (GPU profiles fitted on operator data, e.g. profiles/a100.json).
 
 Buckets are derived from the serve config with `engine_buckets`, the rule of pdjax.serving.build.default_buckets

@@ -13,7 +13,7 @@ from pdjax.workload.request import WorkloadRequest
 from pdjax.workload.tokens import hashed_token_ids
 from pdjax.workload.traces import Trace, TraceRequest, load_trace
 
-__all__ = ["describe_length_report", "length_report", 
+__all__ = ["describe_length_report", "length_report",
     "ARRIVAL_KINDS", "arrival_times", "WorkloadConfig", "cap_lengths", "make_workload", "scale_lengths",
     "LengthDist", "length_dist", "sample_lengths", "PRESETS", "Preset", "get_preset", "WorkloadRequest",
     "hashed_token_ids", "Trace", "TraceRequest", "load_trace",

@@ -17,6 +17,8 @@ import functools
 import pathlib
 from typing import List, Optional, Sequence
 
+from pydoc_data.topics import topics
+
 import numpy as np
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -56,7 +58,6 @@ def hashed_token_ids(seed: int, stream: int, key: int, length: int, vocab_size: 
 def default_text_bytes() -> bytes:
     """The stdlib pydoc topics text as UTF-8 bytes: every topic in sorted key order, separated by a blank
     line (~0.5 MB; varies a little between Python versions)."""
-    from pydoc_data.topics import topics  # noqa: PLC0415
     return "\n\n".join(topics[key].strip("\n") for key in sorted(topics)).encode("utf-8")
 
 

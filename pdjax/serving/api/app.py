@@ -263,7 +263,7 @@ def create_app(bridge: EngineBridge, *, model_name: str, eos_token_id: int = -1)
                                  "finish_reason": None}
                         yield sse({**chunk, "choices": [first]})
                     try:
-                        async for piece, tok, finish, count in events(live, stops):
+                        async for piece, tok, finish, count in events(live, stops):  # noqa: B007 (count: read after)
                             yield sse({**chunk, "choices": [choice(piece, [] if tok is None else [tok], finish,
                                                                    True)]})
                     except ApiError as e:
@@ -284,7 +284,7 @@ def create_app(bridge: EngineBridge, *, model_name: str, eos_token_id: int = -1)
 
         async def collect():
             text, tokens, finish = [], [], None
-            async for piece, tok, finish, _ in events(live, stops):
+            async for piece, tok, finish, _ in events(live, stops):  # noqa: B007 (finish: the last one is returned)
                 text.append(piece)
                 if tok is not None:
                     tokens.append(tok)

@@ -39,7 +39,7 @@ async def _one(client, model: str, w, t0: float) -> RequestRecord:
 
 async def replay(base_url: str, model: str, workload: Sequence, *, timeout_s: float = 600.0) -> List[RequestRecord]:
     """Send every request of `workload` (WorkloadRequests) at its arrival time; returns the client's records."""
-    import openai  # noqa: PLC0415
+    import openai  # noqa: PLC0415 (optional serve extra)
     client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=timeout_s)
     t0 = time.perf_counter()
     try:

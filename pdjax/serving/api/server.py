@@ -23,6 +23,8 @@ import sys
 import threading
 from typing import Any, Dict
 
+import uvicorn
+
 from pdjax.errors import UserError
 from pdjax.experiment.run import prepare_experiment
 from pdjax.serving.api.app import create_app
@@ -41,8 +43,6 @@ def model_name_of(cfg) -> str:
 
 def serve(config: Any, workdir: str, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
           announce=print) -> Dict[str, Any]:
-    import uvicorn  # noqa: PLC0415
-
     prep = prepare_experiment(config, workdir)
     cfg = prep.cfg
     if cfg.backend != "real":
@@ -67,7 +67,7 @@ def serve(config: Any, workdir: str, *, host: str = "127.0.0.1", port: int = 800
             sys.stdout.flush()
 
     def engine_thread():
-        from pdjax.serving.run import run_real  # noqa: PLC0415  (imports JAX)
+        from pdjax.serving.run import run_real  # noqa: PLC0415 (loads JAX; this module is JAX-free)
         try:
             outcome["summary"] = run_real(cfg, prep.config, workdir, workload=[], extra=extra, online=Online)
         except BaseException as e:  # noqa: BLE001  (reported by serve() in the main thread)
