@@ -142,3 +142,44 @@ def test_results_record_every_groups_stack_and_the_real_engine_refuses_one(tmp_p
         run_experiment(_disagg_cfg(prefill_tp=8), str(tmp_path / "c"))
     with pytest.raises(ValueError, match=r"deployment.prefill.stack='vlm', expected one of"):
         serve_config_from_dict(_disagg_cfg(prefill_stack="vlm"))
+
+
+# ---------------------------------------------------------------- your own stack from a few measured steps
+@needs_data
+def test_a_stack_fitted_from_measured_steps_recovers_the_fit_and_runs_in_the_simulator(tmp_path):
+    """Steps timed by DistServe's OPT-13B TP2 fit (plus its overhead) written as a step CSV: fit_profile's stack
+    mode recovers the coefficients, and the stack file simulates exactly as the named stack."""
+    import subprocess
+    import sys
+    from pdjax.experiment.run import run_experiment
+    ref = load_stack("distserve")
+    fit = ref.fit_for("opt-13b", "a100-80gb-sxm", 2)
+    rng = random.Random(3)
+    lines = ["phase,lengths,seconds"]
+    for _ in range(12):
+        lens = [rng.randint(16, 1500) for _ in range(rng.randint(1, 3))]
+        lines.append(f"prefill,{' '.join(map(str, lens))},{ref.stage_time_s(fit, [(n, 0) for n in lens], [])!r}")
+    for batch in [rng.randint(1, 90) for _ in range(8)] + [rng.randint(95, 200) for _ in range(8)]:
+        ctx = [rng.randint(20, 2000) for _ in range(batch)]
+        lines.append(f"decode,{' '.join(map(str, ctx))},{ref.stage_time_s(fit, [], ctx)!r}")
+    steps = tmp_path / "steps.csv"
+    steps.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "mine.json"
+    proc = subprocess.run([sys.executable, "-m", "experiments.fit_profile", f"--stack_steps={steps}",
+                           "--hardware=a100", "--model=opt-13b", "--tp=2", f"--out={out}", "--stack_floor_s=0.002",
+                           "--stack_per_context_token_s=1e-7"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    mine = load_stack(str(out)).fit_for("opt-13b", "a100-80gb-sxm", 2)
+    for got, want in ((mine.prefill, fit.prefill), (mine.decode_small, fit.decode_small),
+                      (mine.decode_large, fit.decode_large)):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-9)
+    cfg = _disagg_cfg("distserve", "distserve", prefill_tp=2)
+    named = run_experiment(cfg, str(tmp_path / "named"))
+    cfg["deployment"]["prefill"]["stack"] = str(out)
+    from_file = run_experiment(cfg, str(tmp_path / "file"))
+    assert from_file["ttft"] == pytest.approx(named["ttft"], rel=1e-6)
+    bad = tmp_path / "bad.csv"
+    bad.write_text("phase,lengths,seconds\nmixed,3 4,0.1\n")
+    proc = subprocess.run([sys.executable, "-m", "experiments.fit_profile", f"--stack_steps={bad}", "--model=opt-13b",
+                           f"--out={tmp_path / 'x.json'}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "line 2: phase='mixed', expected 'prefill' or 'decode'" in proc.stderr

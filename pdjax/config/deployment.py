@@ -87,7 +87,8 @@ class InstanceGroupConfig:
     stack: the serving stack whose speed the simulator gives these instances (pdjax.sim.stack): 'pdjax' (the cost
     model: hardware roofline x fitted efficiencies + host terms) or a stack fitted from published step times
     ('distserve': DistServe's engine, 'distserve-vllm': the vLLM it compared against; valid for the (model,
-    hardware, tp) they were measured on). The real engine is the pdjax stack.
+    hardware, tp) they were measured on), or a stack file fitted from your own measured steps
+    (`experiments.fit_profile --stack_steps=CSV --out=S.json`). The real engine is the pdjax stack.
     hardware: the accelerator these instances run on ('' = sim.hardware), so a disaggregated deployment's groups
     may differ (Splitwise-HA: H100 prompt machines, A100 token machines; the KV then crosses the inter-node link
     between the two machine types). The real engine refuses a hardware it is not running on."""
@@ -98,11 +99,14 @@ class InstanceGroupConfig:
     token_budget: int = nonneg_int(0, note=SCHEDULER_BLOCKS_VALUE)
     max_num_seqs: int = nonneg_int(0, note=SCHEDULER_BLOCKS_VALUE)
     devices: Tuple[int, ...] = ()
-    stack: str = one_of("pdjax", STACKS)
+    stack: str = text("pdjax", expected=f"one of {STACKS} or a stack file (.json)")
     hardware: str = text("", expected="a hardware name ('' = sim.hardware)")
 
     def __post_init__(self):
         check_fields(self)
+        if self.stack not in STACKS and not self.stack.endswith(".json"):
+            raise FieldError("stack", self.stack, f"one of {STACKS} or a stack file (.json, written by "
+                             "pdjax.sim.stack.save_stack)")
         devices = tuple(self.devices)
         for d in devices:
             if not isinstance(d, int) or isinstance(d, bool) or d < 0:

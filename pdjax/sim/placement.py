@@ -136,8 +136,8 @@ class PlacementProblem:
             raise ValueError(f"ttft_s={self.ttft_s!r}, tpot_s={self.tpot_s!r}: expected seconds > 0")
         check_max_model_len(self.max_model_len, get_model_spec(self.model), key="max_model_len")
         for key in ("colocated_stack", "prefill_stack", "decode_stack"):
-            if getattr(self, key) not in STACKS:
-                raise ValueError(f"{key}={getattr(self, key)!r}, expected one of {STACKS}")
+            if getattr(self, key) not in STACKS and not getattr(self, key).endswith(".json"):
+                raise ValueError(f"{key}={getattr(self, key)!r}, expected one of {STACKS} or a stack file (.json)")
         if self.slo_rule not in SLO_RULES:
             raise ValueError(f"slo_rule={self.slo_rule!r}, expected one of {SLO_RULES}")
 

@@ -22,10 +22,13 @@ Step time of one pipeline stage (seconds), for prefill chunks (n_i new tokens at
 """
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import os
-from typing import Dict, Mapping, Sequence, Tuple
+from typing import Dict, Iterable, Mapping, Sequence, Tuple
+
+import numpy as np
 
 from pdjax.config.deployment import STACKS
 from pdjax.config.files import REPO_ROOT
@@ -144,9 +147,13 @@ assert set(STEP_FIT_STACKS) == set(STACKS) - {"pdjax"}, "pdjax.config.deployment
 
 
 def load_stack(name: str, profiling_dir: str = SHARED_PROFILING_DIR) -> StepFitStack:
-    """A shipped step-fit stack by name, read from the shared profiling data (`profiling_dir`)."""
+    """A shipped step-fit stack by name, read from the shared profiling data (`profiling_dir`), or a stack file
+    (a path ending in .json, as `save_stack` writes and `fit_step_stack` fits)."""
+    if name.endswith(".json"):
+        return load_stack_file(name)
     if name not in STEP_FIT_STACKS:
-        raise ValueError(f"stack={name!r}, expected one of {STACKS} ('pdjax' is the cost model itself)")
+        raise ValueError(f"stack={name!r}, expected one of {STACKS} or a stack file (.json; 'pdjax' is the cost "
+                         "model itself)")
     rel, what = STEP_FIT_STACKS[name]
     path = os.path.join(profiling_dir, rel)
     return StepFitStack(name=name, hardware="a100-80gb-sxm", fits=load_distserve_fits(path),
@@ -187,3 +194,108 @@ class FittedStepTime:
 
     def __call__(self, out) -> float:
         return sum(self.stage_times(out)[0])
+
+
+# ------------------------------------------------------------------------------------------ stack files, fitting
+def save_stack(stack: StepFitStack, path: str) -> None:
+    """Write `stack` as a stack file (JSON, coefficients in ms as DistServe's files; written atomically)."""
+    fits: Dict[str, Dict[str, dict]] = {}
+    for (model, tp), fit in sorted(stack.fits.items()):
+        fits.setdefault(model, {})[str(tp)] = {"prefill": list(fit.prefill), "decoding_smallbs": list(fit.decode_small),
+                                               "decoding_largebs": list(fit.decode_large),
+                                               "decoding_large_small_bs_threshold": fit.large_batch_threshold}
+    data = {"name": stack.name, "hardware": stack.hardware, "source": stack.source,
+            "step_floor_s": stack.step_floor_s, "per_context_token_s": stack.per_context_token_s, "fits": fits}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def load_stack_file(path: str) -> StepFitStack:
+    """A stack file (`save_stack`'s format); one-line errors naming the file."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ValueError(f"stack file {path!r}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"stack file {path!r} is not valid JSON: {e}") from None
+    missing = [k for k in ("name", "hardware", "fits") if k not in data]
+    if missing:
+        raise ValueError(f"stack file {path!r}: missing {missing}, expected name, hardware, fits (save_stack's format)")
+    fits = {}
+    for model, by_tp in data["fits"].items():
+        for tp, p in by_tp.items():
+            where = f"{path}: {model} tp={tp}"
+            fits[(model, int(tp))] = StepFit(prefill=_triple(p["prefill"], f"{where} prefill"),
+                                             decode_small=_triple(p["decoding_smallbs"], f"{where} decoding_smallbs"),
+                                             decode_large=_triple(p["decoding_largebs"], f"{where} decoding_largebs"),
+                                             large_batch_threshold=int(p["decoding_large_small_bs_threshold"]))
+    return StepFitStack(name=str(data["name"]), hardware=str(data["hardware"]), fits=fits,
+                        step_floor_s=float(data.get("step_floor_s", 0.0)),
+                        per_context_token_s=float(data.get("per_context_token_s", 0.0)),
+                        source=str(data.get("source", path)))
+
+
+def _least_squares(rows: Sequence[Sequence[float]], ms: Sequence[float], what: str) -> Tuple[float, float, float]:
+    if len(rows) < 3:
+        raise ValueError(f"fit_step_stack: {len(rows)} {what} step(s), expected at least 3 to fit [a, b, c]")
+    coef, *_ = np.linalg.lstsq(np.asarray(rows, dtype=np.float64), np.asarray(ms, dtype=np.float64), rcond=None)
+    return tuple(float(c) for c in coef)
+
+
+def read_step_csv(path: str) -> list:
+    """Measured steps from a CSV with columns phase (prefill | decode), lengths (space-separated: the prompt
+    lengths of a prefill step, the contexts of a decode step, new token included) and seconds."""
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+    except OSError as e:
+        raise ValueError(f"step file {path!r}: {e.strerror or e}") from None
+    steps = []
+    for i, row in enumerate(rows, start=2):
+        try:
+            phase, lengths, seconds = row["phase"], [int(x) for x in row["lengths"].split()], float(row["seconds"])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise ValueError(f"step file {path!r} line {i}: {row!r}, expected columns phase, lengths, seconds "
+                             "(e.g. 'prefill,512 256,0.041')") from None
+        if phase not in ("prefill", "decode"):
+            raise ValueError(f"step file {path!r} line {i}: phase={phase!r}, expected 'prefill' or 'decode'")
+        steps.append({"prefill_lens" if phase == "prefill" else "decode_contexts": lengths, "seconds": seconds})
+    return steps
+
+
+def fit_step_stack(steps: Iterable[Mapping[str, object]], *, name: str, hardware: str, model: str, tp: int,
+                   large_batch_threshold: int = 95, step_floor_s: float = 0.0, per_context_token_s: float = 0.0,
+                   source: str = "") -> StepFitStack:
+    """A stack fitted from measured steps of one (model, hardware, tp), in DistServe's form (module docstring):
+    each step a mapping {'prefill_lens': [n_i] or 'decode_contexts': [c_j], 'seconds'} (pure prefill or pure
+    decode steps; their measured time minus the overhead terms given here, which stay explicit parameters).
+    Least squares on [1, Σn, Σn²] for prefill steps and [1, Σc, B] for decode steps below / at or above the
+    threshold; at least 3 steps of each (a regime with too few takes the other decode regime's fit)."""
+    prefill_x, prefill_y, small_x, small_y, large_x, large_y = [], [], [], [], [], []
+    for i, step in enumerate(steps):
+        lens, ctx = list(step.get("prefill_lens") or ()), list(step.get("decode_contexts") or ())
+        if bool(lens) == bool(ctx):
+            raise ValueError(f"fit_step_stack: step {i} has prefill_lens={lens} and decode_contexts={ctx}, "
+                             "expected exactly one of them (pure prefill or pure decode steps)")
+        context_tokens = sum(lens) + sum(ctx)
+        ms = 1e3 * (float(step["seconds"]) - step_floor_s - per_context_token_s * context_tokens)
+        if lens:
+            prefill_x.append((1.0, sum(lens), sum(n * n for n in lens)))
+            prefill_y.append(ms)
+        elif len(ctx) < large_batch_threshold:
+            small_x.append((1.0, sum(ctx), len(ctx)))
+            small_y.append(ms)
+        else:
+            large_x.append((1.0, sum(ctx), len(ctx)))
+            large_y.append(ms)
+    prefill = _least_squares(prefill_x, prefill_y, "prefill")
+    if len(small_x) >= 3 and len(large_x) >= 3:
+        small, large = _least_squares(small_x, small_y, "decode"), _least_squares(large_x, large_y, "decode")
+    else:
+        small = large = _least_squares(small_x + large_x, small_y + large_y, "decode")
+    fit = StepFit(prefill, small, large, large_batch_threshold)
+    return StepFitStack(name=name, hardware=hardware, fits={(model, int(tp)): fit}, step_floor_s=step_floor_s,
+                        per_context_token_s=per_context_token_s, source=source or "fitted from measured steps")
