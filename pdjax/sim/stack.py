@@ -126,13 +126,17 @@ def load_distserve_fits(path: str) -> Dict[Tuple[str, int], StepFit]:
         model = _DISTSERVE_MODELS.get(hf_name)
         if model is None:
             raise ValueError(f"step-fit file {path!r}: model {hf_name!r}, expected one of {sorted(_DISTSERVE_MODELS)}")
-        for tp, p in by_tp.items():
-            where = f"{path}: {hf_name} tp={tp}"
-            fits[(model, int(tp))] = StepFit(prefill=_triple(p["prefill"], f"{where} prefill"),
-                                             decode_small=_triple(p["decoding_smallbs"], f"{where} decoding_smallbs"),
-                                             decode_large=_triple(p["decoding_largebs"], f"{where} decoding_largebs"),
-                                             large_batch_threshold=int(p["decoding_large_small_bs_threshold"]))
+        for tp, entry in by_tp.items():
+            fits[(model, int(tp))] = _fit_entry(entry, f"{path}: {hf_name} tp={tp}")
     return fits
+
+
+def _fit_entry(p: Mapping, where: str) -> StepFit:
+    """A StepFit from one (model, tp) entry of DistServe's files (the stack file's format too)."""
+    return StepFit(prefill=_triple(p["prefill"], f"{where} prefill"),
+                   decode_small=_triple(p["decoding_smallbs"], f"{where} decoding_smallbs"),
+                   decode_large=_triple(p["decoding_largebs"], f"{where} decoding_largebs"),
+                   large_batch_threshold=int(p["decoding_large_small_bs_threshold"]))
 
 
 # simdistserve's worker overhead per step (its add_ray_overhead): 2 ms + 1e-4 ms per context token.
@@ -226,12 +230,8 @@ def load_stack_file(path: str) -> StepFitStack:
         raise ValueError(f"stack file {path!r}: missing {missing}, expected name, hardware, fits (save_stack's format)")
     fits = {}
     for model, by_tp in data["fits"].items():
-        for tp, p in by_tp.items():
-            where = f"{path}: {model} tp={tp}"
-            fits[(model, int(tp))] = StepFit(prefill=_triple(p["prefill"], f"{where} prefill"),
-                                             decode_small=_triple(p["decoding_smallbs"], f"{where} decoding_smallbs"),
-                                             decode_large=_triple(p["decoding_largebs"], f"{where} decoding_largebs"),
-                                             large_batch_threshold=int(p["decoding_large_small_bs_threshold"]))
+        for tp, entry in by_tp.items():
+            fits[(model, int(tp))] = _fit_entry(entry, f"{path}: {model} tp={tp}")
     return StepFitStack(name=str(data["name"]), hardware=str(data["hardware"]), fits=fits,
                         step_floor_s=float(data.get("step_floor_s", 0.0)),
                         per_context_token_s=float(data.get("per_context_token_s", 0.0)),
