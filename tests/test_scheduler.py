@@ -46,6 +46,7 @@ def step(s, now=0.0):
     (dict(policy="vllm_v1", long_prefill_token_threshold=64, max_num_partial_prefills=1,
           max_long_partial_prefills=2), "max_long_partial_prefills=2 > max_num_partial_prefills=1"),
     (dict(min_prefill_tokens=2048), "min_prefill_tokens=2048"),
+    (dict(policy="vllm_v0", decode_batches=2, token_budget=2048), "decode_batches=2 is read by the Sarathi-based"),
     (dict(policy="orca", token_budget=4096, tile_size=64), "tile_size=64 needs chunking"),
     (dict(dynamic_chunking=True, tile_size=128, dynamic_chunk_min_tokens=64), "dynamic_chunk_min_tokens=64"),
 ])

@@ -61,7 +61,8 @@ class SchedulerConfig:
       once, enforced at admission (0 = unlimited, the default).
     min_prefill_tokens: prefill-starvation guard of the stall-free policies: when prefill work is pending,
       decodes get at most token_budget - min_prefill_tokens tokens (0 = off; then no decode ever stalls).
-    decode_batches: the stall-free policies split the running decodes across this many batches in flight
+    decode_batches: the Sarathi-based policies (sarathi, prefill_only, decode_only and the mixed pool's) split
+      the running decodes across this many batches in flight
       (vLLM v0's virtual engines): a batch takes at most ceil(running / decode_batches) decodes, so the next
       batch finds the rest not in flight and a pipelined instance's stages all work. A disaggregated decode
       group with pp > 1 gets its pp (pdjax.config.deployment.instance_scheduler_config); 1 = no split.
@@ -98,6 +99,9 @@ class SchedulerConfig:
         if not self.scheduler_reserve_full_isl and self.policy != "vllm_v1":
             raise ValueError(f"scheduler_reserve_full_isl=False is read by policy 'vllm_v1' only, got "
                              f"policy={self.policy!r} (which admits on its first chunk's pages); leave it True")
+        if self.decode_batches > 1 and self.policy not in ("sarathi", "prefill_only", "decode_only"):
+            raise ValueError(f"decode_batches={self.decode_batches} is read by the Sarathi-based policies only "
+                             f"(sarathi, prefill_only, decode_only), got policy={self.policy!r}; leave it 1")
         if self.preemption_mode == "swap" and self.num_host_pages < 1:
             raise ValueError(f"preemption_mode='swap' needs num_host_pages >= 1, got {self.num_host_pages}")
         if not self.chunking:
