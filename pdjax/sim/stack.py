@@ -112,15 +112,20 @@ def _triple(values, where: str) -> Tuple[float, float, float]:
     return tuple(float(v) for v in values)
 
 
-def load_distserve_fits(path: str) -> Dict[Tuple[str, int], StepFit]:
-    """The step fits of one simdistserve profile file (`profiler-*.json`): {(pdjax model, tp): StepFit}."""
+def _read_json(path: str, what: str):
+    """The JSON at `path`; ValueError naming `what` and the file when it cannot be read or parsed."""
     try:
         with open(path) as f:
-            data = json.load(f)
+            return json.load(f)
     except OSError as e:
-        raise ValueError(f"step-fit file {path!r}: {e.strerror or e}") from None
+        raise ValueError(f"{what} {path!r}: {e.strerror or e}") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"step-fit file {path!r} is not valid JSON: {e}") from None
+        raise ValueError(f"{what} {path!r} is not valid JSON: {e}") from None
+
+
+def load_distserve_fits(path: str) -> Dict[Tuple[str, int], StepFit]:
+    """The step fits of one simdistserve profile file (`profiler-*.json`): {(pdjax model, tp): StepFit}."""
+    data = _read_json(path, "step-fit file")
     fits = {}
     for hf_name, by_tp in data.items():
         model = _DISTSERVE_MODELS.get(hf_name)
@@ -218,13 +223,7 @@ def save_stack(stack: StepFitStack, path: str) -> None:
 
 def load_stack_file(path: str) -> StepFitStack:
     """A stack file (`save_stack`'s format); one-line errors naming the file."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as e:
-        raise ValueError(f"stack file {path!r}: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"stack file {path!r} is not valid JSON: {e}") from None
+    data = _read_json(path, "stack file")
     missing = [k for k in ("name", "hardware", "fits") if k not in data]
     if missing:
         raise ValueError(f"stack file {path!r}: missing {missing}, expected name, hardware, fits (save_stack's format)")
