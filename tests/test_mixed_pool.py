@@ -253,7 +253,7 @@ def test_sim_is_deterministic_and_both_phases_with_two_mixed_machines():
 
 
 # --------------------------------------------------------------------------------------------------- splitwise config
-@pytest.mark.parametrize("arg", ["aa-code", "hh-conv"])
+@pytest.mark.parametrize("arg", ["aa-code-dedicated", "hh-conv-dedicated"])
 def test_splitwise_config_simulates(arg, shared_data):
     from pdjax.config.files import config_file
     from pdjax.config.serving import serve_config_from_dict
@@ -262,7 +262,7 @@ def test_splitwise_config_simulates(arg, shared_data):
     config = to_plain_dict(config_file(str(ROOT / "README.md"), "configs/sim/splitwise.py", arg))
     config["workload"]["num_requests"] = 120
     cfg = serve_config_from_dict(config)
-    assert cfg.deployment.roles == ("prefill", "decode", "mixed")
+    assert cfg.deployment.roles == ("prefill", "decode", "mixed") and cfg.deployment.mixed_pool == "dedicated"
     result, setup = simulate_config(cfg)
     assert len(result.requests) == 120 and all(r.completed for r in result.requests)
     assert set(setup.groups) == {"prefill", "decode", "mixed"} and setup.groups["mixed"].tp == 8
@@ -273,8 +273,9 @@ def test_splitwise_config_simulates(arg, shared_data):
 
 def test_bad_splitwise_arg():
     from pdjax.config.files import config_file
-    with pytest.raises(ValueError, match="splitwise: ARG='ha-code'"):
-        config_file(str(ROOT / "README.md"), "configs/sim/splitwise.py", "ha-code")
+    for arg in ("ha-code", "aa-code-lent", "aa-code-borrow-x", "aa"):
+        with pytest.raises(ValueError, match=f"splitwise: ARG='{arg}'"):
+            config_file(str(ROOT / "README.md"), "configs/sim/splitwise.py", arg)
 
 
 # --------------------------------------------------------------------------------------------------- real engine

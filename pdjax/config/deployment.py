@@ -8,7 +8,8 @@
                             (Splitwise's mixed pool, default 0 instances): machines that take either phase while
                             the prefill (prompt) or the decode (token) pool is overloaded and return to the pool
                             when idle (thresholds `mixed_prefill_queue_tokens`, `mixed_decode_load`;
-                            pdjax.scheduler.mixed)
+                            pdjax.scheduler.mixed); or, with `mixed_pool='borrow'`, Splitwise's own mixed pool:
+                            no extra group, machines of the prefill and decode pools move into it and back
 
 Choices:
 - A group (InstanceGroupConfig) has `num_instances` identical instances (replicas: each its own scheduler and KV
@@ -29,7 +30,13 @@ Choices:
   still to prefill) and queued + the new prompt exceeds it. `mixed_decode_load` (a fraction in (0, 1], default 1.0 =
   splitwise-sim's "token machine memory is full"): the decode pool is overloaded for a handoff when on every decode
   instance max(KV pages in use or owed to queued requests plus the request's / num_pages, live sequences + 1 /
-  max_num_seqs) exceeds it. Both are read only when deployment.mixed has instances.
+  max_num_seqs) exceeds it. Both are read only when there is a mixed pool (deployment.mixed has instances, or
+  mixed_pool='borrow').
+- `mixed_pool` (pdjax.scheduler.mixed has both readings): 'dedicated' (default) is the deployment.mixed group above
+  (0 instances: no mixed pool); 'borrow' is Splitwise's preset: deployment.mixed must have 0 instances, and the
+  prefill (prompt) and decode (token) machines themselves move into the mixed pool when the other phase is
+  overloaded, run mixed (Sarathi) batches there and return to their own pool when idle, so P prompt + T token
+  machines are P + T machines. 'borrow' needs kind='disaggregated'.
 - Devices are integer indices into the platform's device list. `devices` of a group lists the devices of all
   its instances in order (instance i takes the i-th run of pp·tp, stage-major: stage 0's tp devices first);
   empty = automatic: colocated instances take devices 0.., prefill instances the first devices, decode instances
@@ -57,6 +64,9 @@ ROUTERS = ("round_robin", "least_loaded")      # = pdjax.scheduler.routing.ROUTE
 ROLES = ("colocated", "prefill", "decode", "mixed")
 ROLES_OF_KIND = {"colocated": ("colocated",), "disaggregated": ("prefill", "decode")}   # + 'mixed' when it has any
 ROLE_POLICIES = {"prefill": "prefill_only", "decode": "decode_only"}   # colocated: the scheduler block's policy
+# deployment.mixed_pool: 'dedicated' (the deployment.mixed group) or 'borrow' (Splitwise's preset: prefill and decode
+# machines move into the mixed pool and back; pdjax.scheduler.mixed).
+MIXED_POOL_MODES = ("dedicated", "borrow")
 # A mixed instance runs pdjax.scheduler.mixed.MixedScheduler (prefill_only or decode_only behaviour by phase; both
 # are Sarathi-style), built from the scheduler block with this policy recorded in its SchedulerConfig.
 MIXED_BASE_POLICY = "sarathi"
@@ -138,6 +148,8 @@ class DeploymentConfig:
       queued prompt tokens and queued + the new prompt exceeds this (int >= 1).
     mixed_decode_load: the decode pool is overloaded for a handoff when every decode instance's load with it
       (max of its KV-page and sequence-slot fractions) exceeds this (a fraction in (0, 1]).
+    mixed_pool: 'dedicated' (the `mixed` group is the mixed pool) or 'borrow' (Splitwise's: prefill and decode
+      machines move into the mixed pool and back; needs mixed.num_instances=0 and kind='disaggregated').
     Module docstring and pdjax.scheduler.mixed: what a mixed machine then does."""
     kind: str = one_of("colocated", DEPLOYMENT_KINDS)
     router: str = one_of("round_robin", ROUTERS)
@@ -150,6 +162,9 @@ class DeploymentConfig:
     mixed_decode_load: float = number(1.0, low=0, high=1, low_open=True, expected=(
         "a fraction in (0, 1] (a decode instance's KV-page / sequence-slot load above which the decode pool is "
         "overloaded)"))
+    mixed_pool: str = one_of("dedicated", MIXED_POOL_MODES, expected=(
+        f"one of {MIXED_POOL_MODES} ('dedicated': the deployment.mixed group; 'borrow': Splitwise's mixed pool of "
+        "borrowed prefill and decode machines)"))
 
     def __post_init__(self):
         if self.router == "least_outstanding_tokens":
@@ -166,6 +181,14 @@ class DeploymentConfig:
             raise ValueError(f"deployment.mixed.num_instances={self.mixed.num_instances} with deployment.kind="
                              f"{self.kind!r}: the mixed pool is part of a disaggregated deployment; expected kind="
                              "'disaggregated' or deployment.mixed.num_instances=0")
+        if self.mixed_pool == "borrow" and self.kind != "disaggregated":
+            raise ValueError(f"deployment.mixed_pool='borrow' with deployment.kind={self.kind!r}: the mixed pool "
+                             "borrows prefill and decode machines; expected kind='disaggregated' or "
+                             "mixed_pool='dedicated'")
+        if self.mixed_pool == "borrow" and self.mixed.num_instances:
+            raise ValueError(f"deployment.mixed_pool='borrow' with deployment.mixed.num_instances="
+                             f"{self.mixed.num_instances}: a borrowing mixed pool has no machines of its own; "
+                             "expected deployment.mixed.num_instances=0 (or mixed_pool='dedicated')")
 
     @property
     def roles(self) -> Tuple[str, ...]:
@@ -176,7 +199,13 @@ class DeploymentConfig:
 
     @property
     def has_mixed_pool(self) -> bool:
+        """A dedicated mixed group (deployment.mixed has instances)."""
         return "mixed" in self.roles
+
+    @property
+    def borrows(self) -> bool:
+        """Splitwise's borrowing mixed pool (mixed_pool='borrow' on a disaggregated deployment)."""
+        return self.kind == "disaggregated" and self.mixed_pool == "borrow"
 
     @property
     def num_devices(self) -> int:

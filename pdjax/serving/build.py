@@ -7,7 +7,9 @@ assigned devices: a PipelineRunner when pp > 1 (each stage a TP group holding it
 pp == 1. One colocated instance runs on ColocatedEngine; colocated replicas and disaggregated groups run on the
 one multi-instance loop (pdjax.serving.cluster.ClusterEngine; DisaggregatedEngine is its prefill/decode form, with
 the mixed group, when deployment.mixed has instances, as its Splitwise mixed pool: MixedScheduler instances
-'mixed0', ... and the deployment's thresholds). Batches in flight: every pipelined instance keeps up to pp batches
+'mixed0', ... and the deployment's thresholds; with deployment.mixed_pool='borrow', no mixed group: the prefill and
+decode instances run BorrowingSchedulers and are borrowed into the mixed pool, pdjax.scheduler.mixed).
+Batches in flight: every pipelined instance keeps up to pp batches
 in flight, on either engine (ColocatedEngine's max_in_flight = the runner's pp, except with async scheduling,
 which keeps one; ClusterEngine's per-instance batch queues default to each runner's pp, one without
 engine.overlap).
@@ -32,6 +34,7 @@ from pdjax.runtime.pipeline import PipelineRunner
 from pdjax.runtime.runner import ModelRunner
 from pdjax.scheduler import Request, request_from_workload
 from pdjax.scheduler.instances import make_role_scheduler
+from pdjax.scheduler.mixed import make_borrowing_scheduler
 from pdjax.serving.cluster import ClusterEngine, Instance
 from pdjax.serving.disagg import DisaggregatedEngine
 from pdjax.serving.engine import ColocatedEngine, TokenCallback
@@ -111,6 +114,7 @@ def build_instances(cfg: ServeConfig, *, devices: Optional[Sequence] = None, par
         raise ValueError("params given without their spec")
     assignment = check_against_model(cfg, spec, len(devices))   # max_model_len, pp <= layers, tp | heads, devices
     base = _scheduler_config(cfg, spec)
+    make_sched = make_borrowing_scheduler if dep.borrows else make_role_scheduler
     instances = []
     for role in dep.roles:
         group = dep.group(role)
@@ -122,7 +126,7 @@ def build_instances(cfg: ServeConfig, *, devices: Optional[Sequence] = None, par
                                  f"{group.pp * group.tp} (every device must run a stage's TP shard)")
             mesh = make_mesh([devices[d] for d in ids], dp=1, pp=group.pp, tp=group.tp)
             runner = build_runner(inst_cfg, spec=spec, params=params, mesh=mesh)
-            instances.append(Instance(name, role, runner, make_role_scheduler(role, inst_cfg.scheduler)))
+            instances.append(Instance(name, role, runner, make_sched(role, inst_cfg.scheduler)))
     return instances
 
 
@@ -158,7 +162,7 @@ def _build_engine(cfg: ServeConfig, *, devices, params, spec, on_token, compile_
                                [i for i in instances if i.role == "decode"], router=dep.router,
                                overlap=ec.overlap, mixed=[i for i in instances if i.role == "mixed"],
                                mixed_prefill_queue_tokens=dep.mixed_prefill_queue_tokens,
-                               mixed_decode_load=float(dep.mixed_decode_load), **common)
+                               mixed_decode_load=float(dep.mixed_decode_load), mixed_pool=dep.mixed_pool, **common)
 
 
 def build_colocated_engine(cfg: ServeConfig, *, on_token: Optional[TokenCallback] = None, compile_counter=None,

@@ -25,6 +25,11 @@ mixed instances it is the deployment's two routers, unchanged); a mixed instance
 protocol exactly (a prefill-phase one hands its requests off through the same transfer path; a decode-phase one
 receives handoffs), and idle ones are returned to the pool at the start of every round and before every pick.
 `self.pool.switches` logs every change of phase on the local engine clock (seconds since the run started).
+Or, with `mixed_pool='borrow'` (Splitwise's preset), the mixed pool has no instances of its own: the prefill and
+decode instances (BorrowingSchedulers) move into it and back (pdjax.scheduler.mixed.BorrowingPool, `self.pool.moves`
+on the same clock); in the mixed pool an instance runs Sarathi mixed batches, and a handoff whose pick is the
+instance that prefilled the request keeps it there (`keep_local`: no transfer, its pages stay), so KV may move
+between any two instances (warm-up compiles every pair).
 
 Loop (single host thread, mirroring ColocatedEngine's batch-queue loop per instance): every instance has its own
 `pdjax.scheduler.BatchQueue` of up to `max_in_flight` dispatched, uncollected batches (default: its runner's pp,
@@ -87,7 +92,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from pdjax.metrics import IterationRecord, request_record
 from pdjax.scheduler import BatchQueue, Request
 from pdjax.scheduler.instances import ROLE_POLICIES, ROLES, check_instance
-from pdjax.scheduler.mixed import MixedPool
+from pdjax.scheduler.mixed import make_pool
 from pdjax.scheduler.routing import InstanceRouter
 from pdjax.serving.distributed import Coordinator
 from pdjax.serving.engine import (ArrivalQueue, CompileTracker, EngineResult, TokenCallback, fail_nonfinite,
@@ -163,7 +168,8 @@ class ClusterEngine:
                  transfer: Callable[..., StagedKV] = transfer_kv, compile_counter: Optional[Callable[[], int]] = None,
                  fail_on_compile: bool = False, async_transfer: bool = True, coordinator=None,
                  mixed: Sequence[Instance] = (), mixed_prefill_queue_tokens: int = 8192,
-                 mixed_decode_load: float = 1.0, max_in_flight: Optional[int] = None):
+                 mixed_decode_load: float = 1.0, max_in_flight: Optional[int] = None,
+                 mixed_pool: str = "dedicated"):
         if max_in_flight is not None and (isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int)
                                           or max_in_flight < 1):
             raise ValueError(f"max_in_flight={max_in_flight!r}, expected None (each runner's pp) or a positive int")
@@ -186,12 +192,16 @@ class ClusterEngine:
             if len(set(sizes.values())) != 1:
                 raise ValueError(f"all instances need the same page_size (pages move whole), got {sizes}")
         if self.colocated:
+            if mixed_pool != "dedicated":
+                raise ValueError(f"mixed_pool={mixed_pool!r} with colocated instances: the mixed pool is part of a "
+                                 "disaggregated cluster; expected 'dedicated'")
             self.entry_router = InstanceRouter(router, self.colocated)
             self.pool = self.decode_router = None
         else:
-            self.pool = MixedPool(router, self.prefill, self.decode, self.mixed,
+            self.pool = make_pool(mixed_pool, router, self.prefill, self.decode, self.mixed,
                                   prefill_queue_tokens=mixed_prefill_queue_tokens, decode_load=mixed_decode_load)
             self.entry_router, self.decode_router = self.pool.prefill_router, self.pool.decode_router
+        self.mixed_pool = mixed_pool
         self._t0 = 0.0
         self.clock, self.sleep, self.on_token, self.overlap = clock, sleep, on_token, overlap
         self.max_in_flight = max_in_flight   # None: each instance's runner.pp (module docstring)
@@ -232,8 +242,10 @@ class ClusterEngine:
         Writes junk into the leading pages of the decode caches: harmless before serving (a request only ever
         reads KV positions it wrote itself or received)."""
         start = time.perf_counter()
-        for src in self.prefill + self.mixed:     # every pair a handoff can use (mixed: either side, never itself)
-            for dst in self.decode + self.mixed:
+        # Every pair a handoff can use (mixed: either side, never itself; borrowing: any two machines).
+        borrow = self.mixed_pool == "borrow"
+        for src in (self.prefill + self.decode if borrow else self.prefill + self.mixed):
+            for dst in (self.prefill + self.decode if borrow else self.decode + self.mixed):
                 if src is dst:
                     continue
                 src_stages = src.runner.kv_stages
@@ -249,7 +261,7 @@ class ClusterEngine:
                     staged = self.transfer(src.runner.kv_stages, list(range(n)), dst.runner.kv_stage_meshes,
                                            num_tokens=n * ps)
                     dst.runner.kv_stages = scatter_kv_pages(dst.runner.kv_stages, list(range(n)), staged)
-        for inst in self.decode + self.mixed:
+        for inst in (self.prefill + self.decode if borrow else self.decode + self.mixed):
             for cache in inst.runner.kv_stages:
                 cache.k[0].block_until_ready()
         return time.perf_counter() - start
@@ -258,9 +270,13 @@ class ClusterEngine:
     def _handoff(self, src: Instance, req: Request, now: Callable[[], float],
                  transfers: List[TransferRecord]) -> bool:
         """Hand a prefilled request to a decode instance; False if the decode side rejected it (then it is
-        finished: its pages on the prefill side are freed)."""
+        finished: its pages on the prefill side are freed). A pick equal to `src` (borrowing mixed pool) keeps it
+        there: no transfer, its held pages are its page table again (keep_local)."""
         rid = req.request_id
-        dst = self.pool.pick_decode(req, self._local_time())   # the decode router, or the mixed pool
+        dst = self.pool.pick_decode(req, self._local_time(), src)   # the decode router, or the mixed pool
+        if dst is src:
+            src.scheduler.keep_local(rid, now())
+            return True
         if not dst.scheduler.add_handoff(req, now()):
             src.scheduler.release(rid)
             return False
@@ -391,7 +407,7 @@ class ClusterEngine:
         admit(now())
         while True:
             self._poll_transfers(now)
-            if self.mixed:
+            if self.pool is not None and self.pool.active:
                 self.pool.return_idle(self._local_time())   # idle mixed instances back to the mixed pool
             busy = [inst for inst in self.instances if inst.scheduler.has_unfinished() or queues[inst.name]]
             if not busy and not self._in_flight:

@@ -140,6 +140,9 @@ def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str, *, wor
         for name, role, runner, sched, steps in _instances(engine)}
     if disaggregated:
         info["kv_transfer"] = result.transfer_summary()
+        pool = getattr(engine, "pool", None)
+        if pool is not None and pool.active:     # the mixed pool's phase changes / pool moves (engine clock)
+            info["mixed_pool"] = pool.summary()
     if coordinator.num_processes > 1:
         info["num_processes"] = coordinator.num_processes
     if not coordinator.is_main:    # only process 0 writes

@@ -21,7 +21,8 @@ Rules (each chosen so a simulated run answers "what would the real engine do wit
   `deployment.colocated.num_instances` replicas ('replica0', ...) of (pp, tp) behind `deployment.router`;
   disaggregated: the prefill and decode groups, the router for both, and the mixed group when it has instances
   ('mixed0', ...; Splitwise's mixed pool, pdjax.scheduler.mixed) with the deployment's thresholds
-  (`SimSetup.mixed_prefill_queue_tokens`, `.mixed_decode_load`).
+  (`SimSetup.mixed_prefill_queue_tokens`, `.mixed_decode_load`); with `deployment.mixed_pool='borrow'`
+  (`SimSetup.mixed_pool`) no mixed group, the prefill and decode instances run BorrowingSchedulers.
 - Schedulers: `instance_scheduler_config` of each group (colocated: the scheduler block's policy; prefill /
   decode: prefill_only / decode_only; mixed: a MixedScheduler, `make_role_scheduler`), vocab_size 0 filled from
   the model as run_real does (out-of-vocabulary prompts rejected).
@@ -53,6 +54,7 @@ from pdjax.config.model_specs import ModelSpec
 from pdjax.config.validate import check_against_model, model_spec_for
 from pdjax.scheduler import make_scheduler, request_from_workload
 from pdjax.scheduler.instances import check_instance, make_role_scheduler
+from pdjax.scheduler.mixed import make_borrowing_scheduler
 from pdjax.scheduler.routing import InstanceRouter
 from pdjax.sim.cost_model import CostParams, kv_bytes, kv_cache_capacity_tokens
 from pdjax.sim.disagg import DisaggSimInstance, kv_link_between, make_transfer_time
@@ -101,6 +103,7 @@ class SimSetup:
     serialize_transfers: bool = True
     mixed_prefill_queue_tokens: int = 8192     # deployment's mixed-pool thresholds (read with a 'mixed' group)
     mixed_decode_load: float = 1.0
+    mixed_pool: str = "dedicated"              # deployment.mixed_pool ('borrow': BorrowingSchedulers, no mixed group)
     step_noise: Tuple[float, ...] = ()         # the profile's StepNoise quantiles when sim.step_noise (else ())
     seed: int = 0                              # the run's seed: seeds the step noise
 
@@ -215,6 +218,7 @@ def build_setup(cfg, hardware: Optional[HardwareSpec] = None) -> SimSetup:
                     router=dep.router, groups=groups, async_scheduling=bool(cfg.engine.async_scheduling),
                     mixed_prefill_queue_tokens=dep.mixed_prefill_queue_tokens,
                     mixed_decode_load=float(dep.mixed_decode_load),
+                    mixed_pool=dep.mixed_pool if dep.kind == "disaggregated" else "dedicated",
                     step_noise=profile.step_noise if profile is not None and cfg.sim.step_noise else (),
                     seed=int(cfg.seed))
 
@@ -253,7 +257,8 @@ def build_instances(setup: SimSetup) -> Dict[str, List[Any]]:
             for inst in out[role]:
                 check_instance(inst.name, role, inst.scheduler)
         else:
-            out[role] = [DisaggSimInstance(name, role, make_role_scheduler(role, g.scheduler_config), step_time)
+            make = make_borrowing_scheduler if setup.mixed_pool == "borrow" else make_role_scheduler
+            out[role] = [DisaggSimInstance(name, role, make(role, g.scheduler_config), step_time)
                          for name in g.names]
     return out
 
@@ -292,7 +297,7 @@ def disaggregated_kwargs(setup: SimSetup, instances: Dict[str, List[Any]]) -> Di
     return {"kv_bytes_of": kv_bytes_fn(setup), "router": setup.router,
             "serialize_transfers": setup.serialize_transfers, "mixed": instances.get("mixed", []),
             "mixed_prefill_queue_tokens": setup.mixed_prefill_queue_tokens,
-            "mixed_decode_load": setup.mixed_decode_load}
+            "mixed_decode_load": setup.mixed_decode_load, "mixed_pool": setup.mixed_pool}
 
 
 def build_pending_requests(cfg, workload=None) -> list:

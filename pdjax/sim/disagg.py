@@ -53,6 +53,12 @@ Choices (and why):
   phase takes handoffs like a decode instance, and its KV transfers are timed on its links like any other
   (`transfer_time(src, dst, n)`). It returns to the pool at the first event time at which it is idle (after the
   steps and KV landings of that time, before its arrivals). `DisaggSimResult.mixed_pool` holds the switch log.
+- Borrowing mixed pool (`mixed_pool='borrow'`, Splitwise's preset; pdjax.scheduler.mixed.BorrowingPool): no mixed
+  instances; the prefill and decode instances run BorrowingSchedulers and are moved into the mixed pool (Sarathi
+  mixed batches) and back by the same routing calls. A handoff whose pick is the prefilling machine itself keeps
+  the request there (`keep_local`: no transfer record, its pages stay). Any two instances may then exchange KV (a
+  prefill machine borrowed for tokens receives it, a decode machine borrowed for prompts sends it), each pair on
+  its own link as above. `DisaggSimResult.mixed_pool` holds the move log (BorrowingPool.summary).
 - Outputs: the same RequestRecord / IterationRecord lists as a real disaggregated run (instance names
   'prefill0', 'decode0', ..., per-instance step indices) plus one TransferRecord per transfer;
   `transfer_summary()` has the real engine's keys (DisaggregatedResult.transfer_summary: num_transfers,
@@ -64,7 +70,8 @@ The loop (`simulate_disaggregated`) is a sequence of named steps at each event t
                        prefills (handoff: decode router -> add_handoff -> start_transfer on the link)
   land_transfer(t)     the next KV arrival at t: mark_kv_arrived on the decode side, release on the prefill side
                        (the two repeat until nothing more is due at t: a zero-time transfer can land at once)
-  return_idle(t)       every idle mixed instance in a phase returns to the mixed pool (no-op without one)
+  return_idle(t)       every idle mixed instance in a phase returns to the mixed pool (borrowing: every idle
+                       machine of the mixed pool to its own pool; no-op without a mixed pool)
   admit_arrivals(t)    every arrival at t: prefill router (MixedPool.pick_prefill) -> add_request
   start_steps(t)       every woken instance not blocked collecting fills its batch queue (schedule, dispatch onto
                        the stages) and blocks collecting its oldest batch (pp == 1: one step of step_time(out) s)
@@ -80,7 +87,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from pdjax.metrics import IterationRecord, stats
 from pdjax.scheduler.instances import Instance
-from pdjax.scheduler.mixed import MixedPool
+from pdjax.scheduler.mixed import make_pool
 from pdjax.sim.cost_model import CostParams, kv_bytes, p2p_time
 from pdjax.sim.hardware import HardwareSpec
 from pdjax.sim.pipeline import StagePipeline, StageTimer, pipeline_summary
@@ -253,10 +260,10 @@ class _Cluster:
 
     def __init__(self, requests, prefill, decode, transfer_time, kv_bytes_of, router, serialize_transfers,
                  sample, on_schedule, max_iterations, mixed=(), mixed_prefill_queue_tokens=8192,
-                 mixed_decode_load=1.0):
+                 mixed_decode_load=1.0, mixed_pool="dedicated"):
         self.instances = prefill + decode + list(mixed)
-        self.pool = MixedPool(router, prefill, decode, mixed, prefill_queue_tokens=mixed_prefill_queue_tokens,
-                              decode_load=mixed_decode_load)
+        self.pool = make_pool(mixed_pool, router, prefill, decode, mixed,
+                              prefill_queue_tokens=mixed_prefill_queue_tokens, decode_load=mixed_decode_load)
         self.index_of = {id(inst): i for i, inst in enumerate(self.instances)}
         self.transfer_time, self.kv_bytes_of = transfer_time, kv_bytes_of
         self.serialize_transfers, self.sample, self.on_schedule = serialize_transfers, sample, on_schedule
@@ -313,9 +320,15 @@ class _Cluster:
                 self.requests.finished(done or (), inst.scheduler)   # handed-off ones finish on the decode side
 
     def handoff(self, src_idx: int, req, t: float) -> None:
-        """A finished prefill: the decode router (MixedPool.pick_decode) picks its instance; a rejection releases
+        """A finished prefill: the decode router (MixedPool / BorrowingPool.pick_decode) picks its instance; the
+        prefilling machine itself (borrowing mixed pool) keeps it (keep_local, no transfer); a rejection releases
         it on the prefill side at once, else its KV transfer starts."""
-        dst = self.pool.pick_decode(req, t)
+        src = self.instances[src_idx]
+        dst = self.pool.pick_decode(req, t, src)
+        if dst is src:
+            src.scheduler.keep_local(req.request_id, t)
+            self.waking[src_idx] = True
+            return
         if not dst.scheduler.add_handoff(req, t):
             self.instances[src_idx].scheduler.release(req.request_id)
             self.waking[src_idx] = True
@@ -344,8 +357,9 @@ class _Cluster:
         self.waking[src_idx] = self.waking[dst_idx] = True
 
     def return_idle(self, t: float) -> None:
-        """Every mixed instance that is idle in a phase returns to the mixed pool."""
-        if self.pool.mixed:
+        """Every mixed instance that is idle in a phase returns to the mixed pool (borrowing: every idle machine of
+        the mixed pool returns to its own pool)."""
+        if self.pool.active:
             self.pool.return_idle(t)
 
     def admit_arrivals(self, t: float) -> None:
@@ -401,10 +415,11 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[DisaggSimInstan
                            on_schedule: Optional[Callable] = None,
                            max_iterations: int = 50_000_000, mixed: Sequence[DisaggSimInstance] = (),
                            mixed_prefill_queue_tokens: int = 8192,
-                           mixed_decode_load: float = 1.0) -> DisaggSimResult:
+                           mixed_decode_load: float = 1.0, mixed_pool: str = "dedicated") -> DisaggSimResult:
     """Serve `requests` (scheduler Requests, arrival_time in seconds) on prefill and decode instances, and the
     mixed pool's instances (role 'mixed', MixedScheduler; thresholds as deployment.mixed_prefill_queue_tokens /
-    mixed_decode_load), until all finish (module docstring).
+    mixed_decode_load), until all finish (module docstring). mixed_pool='borrow' (deployment.mixed_pool): no
+    mixed instances; the prefill and decode instances (BorrowingSchedulers) are borrowed into the mixed pool.
 
     transfer_time(src, dst, num_tokens) -> seconds of one KV transfer; kv_bytes_of(num_tokens) -> bytes (for the
     records only); router: a pdjax.scheduler.routing policy, used for both roles. on_schedule(instance, out,
@@ -415,7 +430,7 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[DisaggSimInstan
     _check_instances(prefill, decode, mixed)
     wall_start = time.perf_counter()
     c = _Cluster(requests, prefill, decode, transfer_time, kv_bytes_of, router, serialize_transfers, sample,
-                 on_schedule, max_iterations, mixed, mixed_prefill_queue_tokens, mixed_decode_load)
+                 on_schedule, max_iterations, mixed, mixed_prefill_queue_tokens, mixed_decode_load, mixed_pool)
     now = 0.0
     while True:
         t = c.next_event_time()
@@ -429,8 +444,13 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[DisaggSimInstan
         c.admit_arrivals(now)
         c.start_steps(now)
     c.check_done(now)
-    return DisaggSimResult(requests=c.requests.records(), iterations=c.iterations,
-                           duration_s=max((it.end_time for it in c.iterations), default=0.0),
+    duration = max((it.end_time for it in c.iterations), default=0.0)
+    summary = None
+    if mixed_pool == "borrow":
+        summary = c.pool.summary(end=max(duration, now))
+    elif mixed:
+        summary = c.pool.summary()
+    return DisaggSimResult(requests=c.requests.records(), iterations=c.iterations, duration_s=duration,
                            wall_s=time.perf_counter() - wall_start, num_iterations=len(c.iterations),
-                           transfers=c.transfers, mixed_pool=c.pool.summary() if mixed else None,
+                           transfers=c.transfers, mixed_pool=summary,
                            pipeline=pipeline_summary((i.name, i.pipeline) for i in c.instances))
