@@ -11,7 +11,8 @@ refactor of the simulator that changes any record (a single float bit) fails the
 The cases (CASES): configs/serve.py on the simulator (host-cpu, the tiny-byte model) and variants that reach
 every loop (asynchronous scheduling, replicas behind each router, pipeline stages, disaggregation with and
 without pipeline stages, vllm_v0 with swap preemption, offline); configs/sim/chat10k.py; every paper config
-(paper_base, capacity_paper, disagg_paper), fidelity_cpu and splitwise (with and without its mixed pool).
+(paper_base, capacity_paper, disagg_paper), fidelity_cpu and splitwise (its dedicated mixed group, no mixed pool, and
+the borrowing preset: `_borrow` cases).
 """
 from __future__ import annotations
 
@@ -73,9 +74,10 @@ def _cases() -> Dict[str, Tuple[str, object, dict]]:
             cases[f"disagg_paper_{layout}_{trace}"] = ("configs/sim/disagg_paper.py", f"{layout}-{trace}", {})
     for machines in ("aa", "hh"):
         for trace in ("code", "conv"):
-            cases[f"splitwise_{machines}_{trace}"] = ("configs/sim/splitwise.py", f"{machines}-{trace}", {})
-    cases["splitwise_aa_code_nomixed"] = ("configs/sim/splitwise.py", "aa-code",
-                                          {"deployment.mixed.num_instances": 0})
+            # The dedicated mixed group (the preset before borrowing: its fixtures are that code's records).
+            cases[f"splitwise_{machines}_{trace}"] = ("configs/sim/splitwise.py", f"{machines}-{trace}-dedicated", {})
+            cases[f"splitwise_{machines}_{trace}_borrow"] = ("configs/sim/splitwise.py", f"{machines}-{trace}", {})
+    cases["splitwise_aa_code_nomixed"] = ("configs/sim/splitwise.py", "aa-code-off", {})
     return cases
 
 
@@ -88,7 +90,7 @@ FULL_CASES = ("serve", "serve_async", "serve_2rep_least_loaded", "serve_pp2", "s
 # paper config family.
 FAST_CASES = tuple(n for n in CASES if n.startswith("serve")) + (
     "chat10k", "fidelity_cpu_small", "paper_llama70b_chat", "capacity_yi34b_orca_strict_chat",
-    "disagg_paper_1p1d_chat", "splitwise_aa_code")
+    "disagg_paper_1p1d_chat", "splitwise_aa_code", "splitwise_aa_code_borrow")
 
 
 def case_config(name: str):

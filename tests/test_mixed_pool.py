@@ -383,3 +383,78 @@ def test_real_engine_above_the_thresholds_switches_and_returns(engine_parts, col
     assert {"mixed0", "mixed1"} <= ran
     assert any(t.src.startswith("mixed") for t in result.transfers)     # a mixed prefill handed off (KV moved)
     assert any(t.dst.startswith("mixed") for t in result.transfers)     # a mixed decode received KV
+
+
+# ------------------------------------------------------------------------------------------ real engine, borrowing
+def _borrow_cfg(q, load):
+    from pdjax.config.serving import serve_config_from_dict
+    return serve_config_from_dict({
+        "model": {"checkpoint": "tiny-mha", "attention_impl": "reference"}, "workload": {"preset": "chat"},
+        "engine": {"token_buckets": [BUDGET], "seq_buckets": [8], "page_buckets": [MAX_LEN // PAGE]},
+        "scheduler": {"token_budget": BUDGET, "max_num_seqs": 8, "max_model_len": MAX_LEN, "page_size": PAGE,
+                      "num_pages": 48, "watermark": 0.0},
+        "deployment": {"kind": "disaggregated", "mixed_pool": "borrow", "mixed_prefill_queue_tokens": q,
+                       "mixed_decode_load": load}})
+
+
+def _sim_moves_of(cfg, prompts):
+    """The simulator's move log for the same machines (scheduler configs of cfg) and the same burst."""
+    from pdjax.scheduler.mixed import make_borrowing_scheduler
+    dep = cfg.deployment
+    group = [DisaggSimInstance(name, role, make_borrowing_scheduler(
+                 role, instance_scheduler_config(cfg.scheduler, dep.group(role), role)), step_time)
+             for role in dep.roles for name in dep.instance_names(role)]
+    result = simulate_disaggregated(_requests(prompts), [i for i in group if i.role == "prefill"],
+                                    [i for i in group if i.role == "decode"], transfer_time, router=dep.router,
+                                    mixed_prefill_queue_tokens=dep.mixed_prefill_queue_tokens,
+                                    mixed_decode_load=dep.mixed_decode_load, mixed_pool="borrow")
+    return result.mixed_pool["moves"]
+
+
+@pytest.mark.parametrize("load", [1.0, 0.2])
+def test_real_engine_borrowing_keeps_tokens_and_pages(engine_parts, colocated_tokens, load):
+    # The burst at t=0 (prompts 20, 33, 12, 40, 17, 25) overloads prefill0's 90-token queue at the fourth arrival
+    # (65 + 40 > 90): the token machine decode0 is borrowed and prefills r3 and r5 (mixed batches with the decodes
+    # it takes). load=0.2 (more than one live sequence of 8 is full): the token side then borrows prefill0 too, and
+    # requests stay on the machine that prefilled them.
+    from pdjax.serving.build import build_engine
+    spec, params, prompts = engine_parts
+    cfg = _borrow_cfg(90, load)
+    engine = build_engine(cfg, params=params, spec=spec)
+    assert [i.name for i in engine.instances] == ["prefill0", "decode0"] and not engine.mixed
+    batches = []                                  # (machine, pool at schedule, output) of every step
+    for inst in engine.instances:
+        def wrap(inst=inst, orig=inst.scheduler.schedule):
+            def schedule(now):
+                out = orig(now)
+                batches.append((inst.name, inst.scheduler.pool, out))
+                return out
+            return schedule
+        inst.scheduler.schedule = wrap()
+    result = engine.run(_requests(prompts))
+    assert {rid: [int(t) for t in toks] for rid, toks in result.output_tokens.items()} == colocated_tokens
+    assert all(r.finish_reason == "length" for r in result.requests) and not engine._staged
+    for inst in engine.instances:                 # no page leaks; every machine back in its own pool
+        s = inst.scheduler
+        assert s.num_held == 0 and not s.has_unfinished() and s.pool == s.home
+        assert s.block_manager.num_free_pages == s.config.num_pages
+    assert {it.instance for it in result.iterations} <= {"prefill0", "decode0"}      # 1 + 1 machines, no more
+    moves = [(m.instance, m.src, m.dst, m.reason) for m in engine.pool.moves]
+    assert moves[0] == ("decode0", "decode", "mixed", "prefill")
+    assert ("decode0", "mixed", "decode", "idle") in moves
+    if load < 1.0:
+        assert ("prefill0", "prefill", "mixed", "decode") in moves
+    prefilled_on_decode0 = {rid for name, pool, out in batches if name == "decode0" and pool == "mixed"
+                            for rid, pre in zip(out.req_ids, out.is_prefill) if pre}
+    assert prefilled_on_decode0 == {"r3", "r5"}
+    assert any(out.num_prefill_tokens and out.num_decode_tokens for _, pool, out in batches if pool == "mixed")
+    for name, pool, out in batches:               # at home a machine runs its own phase only
+        if pool == "prefill":
+            assert out.num_decode_tokens == 0, name
+        elif pool == "decode":
+            assert out.num_prefill_tokens == 0, name
+    assert len(result.transfers) + engine.pool.num_kept == len(prompts)
+    assert engine.pool.num_kept > 0                # r3 / r5 at least keep their KV on decode0
+    # The burst is routed before any step on both backends: the same arrival-side moves (the only arrivals).
+    sim_moves = [tuple(m[1:]) for m in _sim_moves_of(cfg, prompts) if m[4] in ("prefill", "whole")]
+    assert sim_moves == [mv for mv in moves if mv[3] in ("prefill", "whole")] == [moves[0]]
