@@ -238,19 +238,26 @@ def _stints(result, name):
     return pool_intervals(result.mixed_pool["moves"], name, end)
 
 
-@pytest.mark.parametrize("q,load,first_move", [
-    (300, 1.0, ("decode0", "decode", "mixed", "prefill")),      # the overloaded prompt pool borrows the token machine
-    (300, 0.3, ("decode0", "decode", "mixed", "prefill")),
-    (1000, 0.2, ("prefill1", "prefill", "mixed", "decode"))])   # the full token pool borrows the idle prompt machine
-def test_sim_borrowing_stays_within_p_plus_t_machines_and_returns_when_idle(q, load, first_move):
-    reqs = _burst(16)
-    result, machines, log = _sim(reqs, q=q, load=load, num_prefill=2, num_decode=1)
+@pytest.mark.parametrize("num_prefill,num_decode,q,load,first_move", [
+    (2, 1, 300, 1.0, ("decode0", "decode", "mixed", "prefill")),    # the overloaded prompt pool borrows decode0
+    (2, 1, 300, 0.3, ("decode0", "decode", "mixed", "prefill")),
+    (2, 1, 1000, 0.2, ("prefill1", "prefill", "mixed", "decode")),  # the full token pool borrows an idle prompt machine
+    (1, 2, 300, 1.0, ("decode0", "decode", "mixed", "prefill"))])   # decode0's prompts hand their KV to decode1
+def test_sim_borrowing_stays_within_p_plus_t_machines_and_returns_when_idle(num_prefill, num_decode, q, load,
+                                                                           first_move):
+    # 16 at once; with 2 token machines, 4 at once (the 4th overloads prefill0: decode0 prefills it and hands its
+    # KV to decode1, so it is idle only once that landed) and then 8 spaced out.
+    reqs = _burst(16) if num_decode == 1 else _burst(4, gap=0.0) + [
+        _req(f"s{i}", 100, 20, 0.5 + i * 0.25) for i in range(8)]
+    result, machines, log = _sim(reqs, q=q, load=load, num_prefill=num_prefill, num_decode=num_decode)
     _check_served(result, machines, reqs)
     names = {m.name for m in machines}
-    assert len(names) == 3 and {it.instance for it in result.iterations} <= names      # P + T machines, no more
+    assert len(names) == num_prefill + num_decode                          # P + T machines, no more
+    assert {it.instance for it in result.iterations} <= names
     assert {t.src for t in result.transfers} | {t.dst for t in result.transfers} <= names
     mp = result.mixed_pool
-    assert mp["machines"] == {"prefill": ["prefill0", "prefill1"], "decode": ["decode0"]}
+    assert mp["machines"] == {"prefill": [f"prefill{i}" for i in range(num_prefill)],
+                              "decode": [f"decode{i}" for i in range(num_decode)]}
     # Each request's KV moved once or stayed on its prompt machine.
     assert len(result.transfers) + mp["num_kept_local"] == len(reqs)
     assert len({t.request_id for t in result.transfers}) == len(result.transfers)
@@ -266,7 +273,8 @@ def test_sim_borrowing_stays_within_p_plus_t_machines_and_returns_when_idle(q, l
             assert n_prefill == 0
         else:
             mixed_batch = mixed_batch or (n_prefill > 0 and n_decode > 0)
-    assert mixed_batch                              # the mixed pool ran prompts and tokens in one batch
+    if num_decode == 1:       # the mixed pool ran prompts and tokens in one batch (decode0 took both)
+        assert mixed_batch
     for m in machines:
         stints = _stints(result, m.name)
         for (a, b, pool), nxt in zip(stints, stints[1:] + [None]):
@@ -275,7 +283,7 @@ def test_sim_borrowing_stays_within_p_plus_t_machines_and_returns_when_idle(q, l
             # It came home at the first moment it held nothing: its last step in the stint, or the landing of the
             # last KV it sent (its pages were held until then); none of its steps spans the move.
             work = [it.end_time for it in result.iterations if it.instance == m.name and it.start_time < b]
-            work += [t.end_time for t in result.transfers if t.src == m.name and t.ready_time < b]
+            work += [t.end_time for t in result.transfers if t.src == m.name and t.ready_time <= b]
             assert b == max(work), (m.name, a, b)
             assert not any(it.start_time < b < it.end_time for it in result.iterations if it.instance == m.name)
         if stints:
