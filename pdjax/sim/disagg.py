@@ -159,7 +159,7 @@ class TransferRecord:
 @dataclasses.dataclass
 class DisaggSimResult(SimResult):
     transfers: List[TransferRecord] = dataclasses.field(default_factory=list)
-    mixed_pool: Optional[Dict[str, Any]] = None     # MixedPool.summary() when there were mixed instances
+    mixed_pool: Optional[Dict[str, Any]] = None     # MixedPool / BorrowingPool.summary() when there was a mixed pool
 
     def transfer_summary(self) -> Dict[str, float]:
         """Totals over all transfers, with the real engine's keys (pdjax.serving.disagg.DisaggregatedResult):
