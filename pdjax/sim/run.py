@@ -23,7 +23,7 @@ No JAX.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Mapping, Optional, Tuple
 
 from pdjax.metrics import write_run_outputs
 
@@ -31,7 +31,7 @@ from pdjax.sim.build import (SimSetup, build_instances, build_pending_requests, 
                              build_transfer_time, disaggregated_kwargs, group_hardware)
 from pdjax.sim.disagg import simulate_disaggregated
 from pdjax.metrics.slowdown import splitwise_slo_check
-from pdjax.sim.machines import energy_report, machine_for_hardware
+from pdjax.sim.machines import MachineSpec, energy_report, machine_for_hardware
 from pdjax.sim.reference import UnloadedRuns
 from pdjax.sim.simulator import SimResult, simulate
 
@@ -86,12 +86,14 @@ def engine_info(result: SimResult, setup: SimSetup, cfg) -> dict:
     return info
 
 
-def energy_info(result: SimResult, setup: SimSetup) -> dict:
+def energy_info(result: SimResult, setup: SimSetup, machines: Optional[Mapping[str, MachineSpec]] = None) -> dict:
     """results.json's sim.energy block: energy (J, and per completed request), machine-hours and cost of the
     run on each group's hardware's machine SKU (pdjax.sim.machines), each instance using pp x tp of its GPUs; a reason
-    instead where the hardware has no SKU (e.g. host-cpu)."""
+    instead where the hardware has no SKU (e.g. host-cpu). `machines`: {role: MachineSpec} given instead of the
+    hardware's default SKU (a cluster design's machines, e.g. a power-capped one: pdjax.sim.provision)."""
     try:
-        machines = {role: machine_for_hardware(group_hardware(setup, role).name) for role in setup.groups}
+        machines = {role: (machines or {}).get(role) or machine_for_hardware(group_hardware(setup, role).name)
+                    for role in setup.groups}
     except ValueError as e:
         return {"available": False, "reason": str(e)}
     names = [(name, machines[role], g.pp * g.tp) for role, g in setup.groups.items() for name in g.names]
