@@ -2,7 +2,7 @@
 fewest-machine cluster of each design meeting the SLOs at a target load, and the highest load each design holds
 at an iso-cost and an iso-power budget.
 
-python -m experiments.provision --model=llama-2-70b --trace=conv --num_requests=600 --rate=6 \
+python -m experiments.provision --model=llama-2-70b-16k --trace=conv --num_requests=600 --rate=7 \
     --designs=Baseline-A100,Baseline-H100,Splitwise-AA,Splitwise-HH,Splitwise-HA,Splitwise-HHcap \
     --max_machines=12 --budget_machines=4 --workers=2 --out=/tmp/provision_conv
 
@@ -15,6 +15,7 @@ writes provision.json (atomically) and one PNG per question into --out.
 from __future__ import annotations
 
 import os
+import sys
 
 from absl import flags
 
@@ -29,11 +30,14 @@ TRACES_DIR = os.path.join(os.path.dirname(SHARED_PROFILING_DIR), "traces")
 NAMED_TRACES = {"code": "azure_llm_2023_code.csv", "conv": "azure_llm_2023_conv.csv"}
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "llama-2-70b", "Model spec name.")
+flags.DEFINE_string("model", "llama-2-70b-16k", "Model spec name (llama-2-70b-16k: Llama-2-70B with room for the "
+                    "Azure traces' long prompts, as Splitwise served them).")
 flags.DEFINE_string("trace", "conv", "'code', 'conv' (Azure LLM 2023), a trace CSV path, or '' (--preset, Poisson).")
 flags.DEFINE_string("preset", "chat", "Workload preset when --trace=''.")
 flags.DEFINE_integer("num_requests", 600, "Requests per simulation.")
 flags.DEFINE_integer("trace_start", 0, "First trace row replayed.")
+flags.DEFINE_enum("arrival", "trace", list(pv.TRACE_ARRIVALS), "With a trace: its own arrival times scaled to the "
+                  "rate, or Poisson arrivals at the rate with the trace's lengths (splitwise-sim's rr_* traces).")
 flags.DEFINE_float("rate", 6.0, "Target load of the iso-throughput questions (requests/s).")
 flags.DEFINE_list("designs", list(pv.DESIGNS), f"Cluster designs (of {list(pv.DESIGNS)}).")
 flags.DEFINE_list("colocated", ["sarathi"], f"Scheduling of the colocated baselines (of {pv.COLOCATED_POLICIES}).")
@@ -53,7 +57,7 @@ flags.DEFINE_integer("budget_machines", 0, "Iso budgets = this many --budget_mac
 flags.DEFINE_enum("budget_machine", "dgx-h100", sorted(MACHINES), "Machine SKU of --budget_machines.")
 flags.DEFINE_float("cost_budget", 0.0, "Iso-cost budget (USD per hour; 0 = not asked).")
 flags.DEFINE_float("power_budget_kw", 0.0, "Iso-power budget (kW of provisioned power; 0 = not asked).")
-flags.DEFINE_integer("max_model_len", 4096, "Max prompt + output tokens (Llama-2: 4096); longer trace rows are cut.")
+flags.DEFINE_integer("max_model_len", 8192, "Max prompt + output tokens; longer trace rows are cut.")
 flags.DEFINE_float("rel_tol", 0.05, "Relative tolerance of the load bisection.")
 flags.DEFINE_integer("seed", 0, "Run seed.")
 flags.DEFINE_integer("workers", 2, "Processes (or Ray CPUs of a local cluster).")
@@ -62,13 +66,13 @@ flags.DEFINE_string("ray_address", "", "Join this Ray cluster (implies --executo
 flags.DEFINE_string("out", "", "Directory for provision.json and the PNGs ('' = print only).")
 
 
-def workload(trace: str, preset: str, num_requests: int, trace_start: int, seed: int) -> dict:
+def workload(trace: str, preset: str, num_requests: int, trace_start: int, seed: int, arrival: str = "trace") -> dict:
     if not trace:
         return {"preset": preset, "num_requests": num_requests, "seed": seed, "fit_to_model": False}
     path = os.path.join(TRACES_DIR, NAMED_TRACES[trace]) if trace in NAMED_TRACES else trace
     if not os.path.isfile(path):
         raise ValueError(f"--trace={trace!r}: no file {path!r}; expected 'code', 'conv' or a trace CSV path")
-    return pv.trace_workload(path, num_requests, trace_start, seed)
+    return pv.trace_workload(path, num_requests, trace_start, seed, arrival)
 
 
 def main(argv):
@@ -81,7 +85,8 @@ def main(argv):
             cost_budget, power_budget = FLAGS.budget_machines * m.cost_per_hour, FLAGS.budget_machines * m.tdp_w
         problem = pv.ProvisionProblem(
             model=FLAGS.model, target_rate=FLAGS.rate,
-            workload=workload(FLAGS.trace, FLAGS.preset, FLAGS.num_requests, FLAGS.trace_start, FLAGS.seed),
+            workload=workload(FLAGS.trace, FLAGS.preset, FLAGS.num_requests, FLAGS.trace_start, FLAGS.seed,
+                              FLAGS.arrival),
             designs=tuple(FLAGS.designs), colocated_policies=tuple(FLAGS.colocated), mixed=tuple(FLAGS.mixed),
             slo=FLAGS.slo, ttft_s=FLAGS.ttft, tbt_s=FLAGS.tbt, tpot_s=FLAGS.tpot, attainment=FLAGS.attainment,
             reference=ReferenceMachine(FLAGS.reference_hardware, FLAGS.reference_tp),
@@ -90,7 +95,8 @@ def main(argv):
         if FLAGS.out:
             os.makedirs(FLAGS.out, exist_ok=True)
         result = pv.provision(problem, workers=FLAGS.workers, executor=FLAGS.executor,
-                              ray_address=FLAGS.ray_address)
+                              ray_address=FLAGS.ray_address, log=lambda line: print(line, file=sys.stderr,
+                                                                                     flush=True))
     except (ValueError, OSError) as e:
         raise cli.UserError(cli.one_line(e)) from None
     print(pv.format_table(result))

@@ -10,8 +10,9 @@ Designs (Splitwise, Patel et al., ISCA 2024, §5-6; splitwise-sim notebooks/util
 - Splitwise-AA, -HH, -HA, -HHcap: P prompt machines + T token machines (a disaggregated deployment: prefill
   group on the prompt SKU, decode group on the token SKU; KV moved machine to machine over the inter-node link):
   AA both DGX-A100, HH both DGX-H100, HA H100 prompt / A100 token, HHcap H100 prompt / power-capped H100 token
-  (pdjax.sim.machines 'dgx-h100-pcap': its GPUs' compute at `compute_scale` of the H100's, so a prefill it runs,
-  borrowed into the mixed pool, is slower; decodes are memory-bound and barely change).
+  (pdjax.sim.machines 'dgx-h100-pcap': a step carrying prefill tokens runs at `compute_scale` of the H100's
+  compute, so a prefill it runs, borrowed into the mixed pool, is slower; a decode-only step draws less than the
+  cap and runs at full speed: `PhaseCappedStepTime`).
 - Mixed pool 'on' (Splitwise's, machines of one pool borrowed by the other when it is overloaded) sets
   `deployment.mixed_pool='borrow'`; it needs the deployment to have that key (pdjax.config.deployment) and is
   refused with a one-line error until it has. 'off': the plain prompt/token pools.
@@ -259,10 +260,18 @@ def _check_names(what: str, names: Sequence[str], known: Sequence[str]) -> None:
         raise ValueError(f"unknown {what} {bad[0]!r}, expected one of {list(known)}")
 
 
-def trace_workload(path: str, num_requests: int, trace_start: int = 0, seed: int = 0) -> Dict[str, Any]:
-    """A WorkloadConfig dict replaying `num_requests` rows of the trace at `path` from `trace_start` at their own
-    arrival times (scaled per probe to the probed rate) with their own lengths."""
-    return {"kind": "trace", "arrival": "trace", "trace_path": path, "num_requests": int(num_requests),
+TRACE_ARRIVALS = ("trace", "poisson")
+
+
+def trace_workload(path: str, num_requests: int, trace_start: int = 0, seed: int = 0,
+                   arrival: str = "trace") -> Dict[str, Any]:
+    """A WorkloadConfig dict of `num_requests` rows of the trace at `path` from `trace_start`, with their own
+    lengths, arriving at their own times (arrival='trace', scaled per probe to the probed rate) or as a Poisson
+    process at the probed rate (arrival='poisson': what splitwise-sim's generate_trace.py makes of the Azure
+    traces, exponential gaps with the traces' lengths)."""
+    if arrival not in TRACE_ARRIVALS:
+        raise ValueError(f"arrival={arrival!r}, expected one of {TRACE_ARRIVALS}")
+    return {"kind": "trace", "arrival": arrival, "trace_path": path, "num_requests": int(num_requests),
             "trace_start": int(trace_start), "seed": int(seed)}
 
 
@@ -348,6 +357,40 @@ def capped(setup, machines: Mapping[str, MachineSpec]):
     return dataclasses.replace(setup, groups=groups)
 
 
+class PhaseCappedStepTime:
+    """A power-capped machine's step time (pdjax.sim.machines): a step carrying prefill tokens draws above the cap
+    and runs at the capped compute rate (`capped`), a decode-only step draws less than the cap (token_w <
+    prompt_w = the cap) and runs at full speed (`full`)."""
+
+    takes_context = True
+    pp = 1
+
+    def __init__(self, full: Callable, capped_fn: Callable):
+        self.full, self.capped = full, capped_fn
+
+    def __call__(self, out, ctx=None) -> float:
+        return (self.capped if out.num_prefill_tokens else self.full)(out, ctx)
+
+
+def cap_instances(setup, machines: Mapping[str, MachineSpec]) -> Optional[Callable[[dict], None]]:
+    """The simulate_setup hook giving every instance on a power-capped machine its PhaseCappedStepTime (None when
+    no machine is capped)."""
+    roles = [r for r, m in machines.items() if m.compute_scale < 1 and r in setup.groups]
+    if not roles:
+        return None
+    from pdjax.sim.build import group_step_time  # noqa: PLC0415
+    capped_setup = capped(setup, machines)
+    if any(setup.groups[r].pp != 1 or setup.groups[r].stack is not None for r in roles):
+        raise ValueError("a power-capped machine is modelled for pdjax-stack instances with pp=1 only")
+
+    def adjust(instances: dict) -> None:
+        for role in roles:
+            capped_fn = group_step_time(capped_setup, role)
+            for inst in instances[role]:
+                inst.step_time = inst.timer.step_time = PhaseCappedStepTime(inst.step_time, capped_fn)
+    return adjust
+
+
 _REFERENCES: Dict[Tuple[str, ReferenceMachine], UnloadedRuns] = {}
 
 
@@ -387,8 +430,8 @@ def probe(problem: ProvisionProblem, cluster: Cluster, rate: float) -> Probe:
     """Simulate `cluster` at `rate` req/s and check the problem's SLOs."""
     cfg = serve_config_from_dict(serve_config(problem, cluster, rate))
     machines = role_machines(cluster)
-    setup = capped(build_setup(cfg), machines)
-    result = simulate_setup(setup, build_pending_requests(cfg))
+    setup = build_setup(cfg)
+    result = simulate_setup(setup, build_pending_requests(cfg), cap_instances(setup, machines))
     records = result.requests
     reference = reference_runs(problem.model, problem.reference)
     check = splitwise_slo_check(records, reference.for_records(records), problem.slo_factors)
@@ -602,14 +645,25 @@ class _RunUnit:
         return run_unit(self.problem, unit, self.probe_fn)
 
 
-def _map_local(fn, items: Sequence, workers: int) -> List:
+def _map_local(fn, items: Sequence, workers: int, done: Callable[[int, Any], None]) -> List:
+    """fn over items on `workers` processes (1: here), results in the items' order; done(i, result) as each ends."""
     if workers <= 1 or len(items) <= 1:
-        return [fn(u) for u in items]
+        out = []
+        for i, item in enumerate(items):
+            out.append(fn(item))
+            done(i, out[-1])
+        return out
+    import concurrent.futures  # noqa: PLC0415
     from pdjax.procs import process_pool, stop_pool   # noqa: PLC0415
     pool = process_pool(min(workers, len(items)), "spawn" if "jax" in sys.modules else "fork")
     aborted = True
     try:
-        out = list(pool.map(fn, items))
+        futures = {pool.submit(fn, item): i for i, item in enumerate(items)}
+        out: List[Any] = [None] * len(items)
+        for future in concurrent.futures.as_completed(futures):
+            i = futures[future]
+            out[i] = future.result()
+            done(i, out[i])
         aborted = False
         return out
     finally:
@@ -620,9 +674,9 @@ def _call(fn, item):
     return fn(item)
 
 
-def _map_ray(fn, items: Sequence, workers: int, address: str) -> List:
+def _map_ray(fn, items: Sequence, workers: int, address: str, done: Callable[[int, Any], None]) -> List:
     """Each item as a Ray task (a local cluster of `workers` CPUs unless `address` names one to join); results in
-    the items' order."""
+    the items' order; done(i, result) as each ends."""
     try:
         import ray  # noqa: PLC0415 (optional cluster extra)
     except ImportError:
@@ -636,7 +690,15 @@ def _map_ray(fn, items: Sequence, workers: int, address: str) -> List:
         ray.init(logging_level="WARNING", **kwargs)
     try:
         remote = ray.remote(num_cpus=1)(_call)
-        return ray.get([remote.remote(fn, item) for item in items])
+        refs = {remote.remote(fn, item): i for i, item in enumerate(items)}
+        out: List[Any] = [None] * len(items)
+        pending = list(refs)
+        while pending:
+            (ref,), pending = ray.wait(pending, num_returns=1)
+            i = refs[ref]
+            out[i] = ray.get(ref)
+            done(i, out[i])
+        return out
     finally:
         if started:
             ray.shutdown()
@@ -644,9 +706,10 @@ def _map_ray(fn, items: Sequence, workers: int, address: str) -> List:
 
 # --------------------------------------------------------------------------------------------------- the search
 def provision(problem: ProvisionProblem, *, workers: int = 1, executor: str = "local", ray_address: str = "",
-              probe_fn: Callable = probe) -> Dict[str, Any]:
+              probe_fn: Callable = probe, log: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
     """Answer the questions (module docstring). Returns {'problem', 'systems': {system: {...}}, 'answers':
-    {question: row of the winning system, or None}, 'table': [per-system row], 'num_simulations', 'wall_s'}."""
+    {question: row of the winning system, or None}, 'table': [per-system row], 'num_simulations', 'wall_s'}.
+    `log`: told one line as each (question, system) search ends."""
     if executor not in EXECUTORS:
         raise ValueError(f"executor={executor!r}, expected one of {EXECUTORS}")
     if not isinstance(workers, int) or workers < 1:
@@ -654,10 +717,18 @@ def provision(problem: ProvisionProblem, *, workers: int = 1, executor: str = "l
     start = time.perf_counter()
     todo = units(problem)
     fn = _RunUnit(problem, probe_fn)
+    finished = []
+
+    def done(i: int, res: Mapping[str, Any]) -> None:
+        finished.append(i)
+        if log is not None:
+            log(f"provision: [{len(finished)}/{len(todo)}] {res['question']} {res['system']}: "
+                f"{len(res['probes'])} simulations, {res['wall_s']:.1f} s")
+
     if executor == "ray" or ray_address:
-        results = _map_ray(fn, todo, workers, ray_address)
+        results = _map_ray(fn, todo, workers, ray_address, done)
     else:
-        results = _map_local(fn, todo, workers)
+        results = _map_local(fn, todo, workers, done)
     systems: Dict[str, Dict[str, Any]] = {s.name: {"design": s.design, "policy": s.policy, "mixed": s.mixed}
                                           for s in problem.systems}
     for unit, res in zip(todo, results):

@@ -23,7 +23,7 @@ No JAX.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Optional, Tuple
+from typing import Callable, Mapping, Optional, Tuple
 
 from pdjax.metrics import write_run_outputs
 
@@ -40,9 +40,14 @@ def is_disaggregated(cfg) -> bool:
     return cfg.deployment.kind == "disaggregated"
 
 
-def simulate_setup(setup: SimSetup, requests) -> SimResult:
-    """Simulate the built deployment `setup` on `requests` (scheduler Requests or PendingRequests)."""
+def simulate_setup(setup: SimSetup, requests, adjust_instances: Optional[Callable[[dict], None]] = None
+                   ) -> SimResult:
+    """Simulate the built deployment `setup` on `requests` (scheduler Requests or PendingRequests).
+    adjust_instances: called with the built instances ({role: [instance, ...]}) before the run (e.g. a
+    power-capped machine's phase-dependent step time, pdjax.sim.provision)."""
     instances = build_instances(setup)
+    if adjust_instances is not None:
+        adjust_instances(instances)
     if setup.kind == "colocated":
         replicas = instances["colocated"]
         return simulate(requests, replicas, build_router(setup, replicas), async_scheduling=setup.async_scheduling)
