@@ -115,9 +115,12 @@ def slowdown_info(result: SimResult, setup: SimSetup, reference: Optional[Unload
     """results.json's sim.slowdown_slo block: Splitwise's slowdown SLO check (pdjax.metrics.slowdown: P50/P90/P99
     of the TTFT, mean-TBT and E2E slowdowns, all nine within Splitwise's factors) against each request's unloaded
     run on `reference` (pdjax.sim.reference.UnloadedRuns; default: this run's own instances, `of_setup`)."""
-    reference = reference if reference is not None else UnloadedRuns.of_setup(setup)
-    check = splitwise_slo_check(result.requests, reference.for_records(result.requests))
-    return {"reference": reference.description, **check}
+    try:
+        reference = reference if reference is not None else UnloadedRuns.of_setup(setup)
+        check = splitwise_slo_check(result.requests, reference.for_records(result.requests))
+    except ValueError as e:     # a step-time function that cannot cost the request alone (e.g. outside its fit)
+        return {"available": False, "reason": str(e)}
+    return {"available": True, "reference": reference.description, **check}
 
 
 def sim_info(result: SimResult, setup: SimSetup, cfg=None) -> dict:
