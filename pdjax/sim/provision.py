@@ -796,6 +796,8 @@ def format_table(result: Mapping[str, Any]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
     for q, row in result["answers"].items():
+        if q.startswith("iso") and not any(q in e for e in result["systems"].values()):
+            continue    # not asked (no budget)
         if row:
             lines.append(f"{q}: {row['system']} {row['cluster']} (${row['cost_per_hour']:.2f}/h, "
                          f"{row['power_kw']:.1f} kW, {row['num_machines']} machines, {row['rate']:.3g} req/s)")
