@@ -11,8 +11,8 @@ public simulator (Mutinifni/splitwise-sim: configs/hardware_repo/skus/*.yaml for
 configs/power_model/constant.yaml for the per-phase power, configs/cluster/iso*.yaml for the iso-cost ratio).
 The power-capped DGX-H100 ("HHcap") caps every GPU at 70% of 700 W; its token phase draws less than the cap and
 runs at full speed, its prompt phase is limited to the cap (`prompt_w` = 490 W) and runs at
-`compute_scale` = 0.7 of the H100's compute rate (a roofline model of the cap's effect; Splitwise reports the
-token phase barely slows, the prompt phase does).
+`compute_scale` = 0.7 of the H100's compute rate (pdjax's model of the cap's effect, applied per step by
+pdjax.sim.provision.PhaseCappedStepTime; Splitwise reports the token phase barely slows, the prompt phase does).
 """
 from __future__ import annotations
 

@@ -15,20 +15,24 @@ Outputs: `write_run_outputs` (results.json, CSVs, plots) with
 - "sim": the simulator's own (speed in simulated iterations per wall second, model, hardware, profile, router,
   per group its layout, pages and KV capacity; colocated: pipeline-stage occupancy when the simulator reports it;
   disaggregated: per-transfer time and link-queue percentiles; `energy`: energy per request, machine-hours and
-  cost on the hardware's machine SKU, pdjax.sim.machines).
+  cost on the hardware's machine SKU, pdjax.sim.machines; `slowdown_slo`: Splitwise's slowdown SLO check against
+  each request's unloaded run on this run's own instances, pdjax.sim.reference, beside the absolute SLO
+  attainment of the summary).
 No JAX.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Tuple
+from typing import Callable, Mapping, Optional, Tuple
 
 from pdjax.metrics import write_run_outputs
 
 from pdjax.sim.build import (SimSetup, build_instances, build_pending_requests, build_router, build_setup,
                              build_transfer_time, disaggregated_kwargs, group_hardware)
 from pdjax.sim.disagg import simulate_disaggregated
-from pdjax.sim.machines import energy_report, machine_for_hardware
+from pdjax.metrics.slowdown import splitwise_slo_check
+from pdjax.sim.machines import MachineSpec, energy_report, machine_for_hardware
+from pdjax.sim.reference import UnloadedRuns
 from pdjax.sim.simulator import SimResult, simulate
 
 
@@ -36,9 +40,14 @@ def is_disaggregated(cfg) -> bool:
     return cfg.deployment.kind == "disaggregated"
 
 
-def simulate_setup(setup: SimSetup, requests) -> SimResult:
-    """Simulate the built deployment `setup` on `requests` (scheduler Requests or PendingRequests)."""
+def simulate_setup(setup: SimSetup, requests, adjust_instances: Optional[Callable[[dict], None]] = None
+                   ) -> SimResult:
+    """Simulate the built deployment `setup` on `requests` (scheduler Requests or PendingRequests).
+    adjust_instances: called with the built instances ({role: [instance, ...]}) before the run (e.g. a
+    power-capped machine's phase-dependent step time, pdjax.sim.provision)."""
     instances = build_instances(setup)
+    if adjust_instances is not None:
+        adjust_instances(instances)
     if setup.kind == "colocated":
         replicas = instances["colocated"]
         return simulate(requests, replicas, build_router(setup, replicas), async_scheduling=setup.async_scheduling)
@@ -82,12 +91,14 @@ def engine_info(result: SimResult, setup: SimSetup, cfg) -> dict:
     return info
 
 
-def energy_info(result: SimResult, setup: SimSetup) -> dict:
+def energy_info(result: SimResult, setup: SimSetup, machines: Optional[Mapping[str, MachineSpec]] = None) -> dict:
     """results.json's sim.energy block: energy (J, and per completed request), machine-hours and cost of the
     run on each group's hardware's machine SKU (pdjax.sim.machines), each instance using pp x tp of its GPUs; a reason
-    instead where the hardware has no SKU (e.g. host-cpu)."""
+    instead where the hardware has no SKU (e.g. host-cpu). `machines`: {role: MachineSpec} given instead of the
+    hardware's default SKU (a cluster design's machines, e.g. a power-capped one: pdjax.sim.provision)."""
     try:
-        machines = {role: machine_for_hardware(group_hardware(setup, role).name) for role in setup.groups}
+        machines = {role: (machines or {}).get(role) or machine_for_hardware(group_hardware(setup, role).name)
+                    for role in setup.groups}
     except ValueError as e:
         return {"available": False, "reason": str(e)}
     names = [(name, machines[role], g.pp * g.tp) for role, g in setup.groups.items() for name in g.names]
@@ -100,8 +111,22 @@ def energy_info(result: SimResult, setup: SimSetup) -> dict:
     return {"available": True, **report}
 
 
+def slowdown_info(result: SimResult, setup: SimSetup, reference: Optional[UnloadedRuns] = None) -> dict:
+    """results.json's sim.slowdown_slo block: Splitwise's slowdown SLO check (pdjax.metrics.slowdown: P50/P90/P99
+    of the TTFT, mean-TBT and E2E slowdowns, all nine within Splitwise's factors) against each request's unloaded
+    run on `reference` (pdjax.sim.reference.UnloadedRuns; default: this run's own instances, `of_setup`)."""
+    try:
+        reference = reference if reference is not None else UnloadedRuns.of_setup(setup)
+        check = splitwise_slo_check(result.requests, reference.for_records(result.requests))
+    except ValueError as e:     # a step-time function that cannot cost the request alone (e.g. outside its fit)
+        return {"available": False, "reason": str(e)}
+    return {"available": True, "reference": reference.description, **check}
+
+
 def sim_info(result: SimResult, setup: SimSetup, cfg=None) -> dict:
-    """results.json's "sim" block: the simulator's speed and what it resolved."""
+    """results.json's "sim" block: the simulator's speed and what it resolved, the energy and machine-hours of
+    the run (`energy`), and Splitwise's slowdown SLO check (`slowdown_slo`) beside the absolute SLO attainment
+    results.json reports at its top level."""
     info = {
         "iterations_per_s": result.iterations_per_s,
         "wall_s": result.wall_s,
@@ -123,6 +148,7 @@ def sim_info(result: SimResult, setup: SimSetup, cfg=None) -> dict:
                    for role, g in setup.groups.items()},
         "iterations_per_instance": iterations_per_instance(result, setup),
         "energy": energy_info(result, setup),
+        "slowdown_slo": slowdown_info(result, setup),
     }
     if setup.kind == "colocated":   # the one group's figures at the top, as before
         g = setup.groups["colocated"]
