@@ -69,6 +69,16 @@ class PendingTokens:
     finished: List[Request]
 
 
+def _pages_grown(crossings: Sequence[int], steps: int, page_size: int) -> int:
+    """Pages the decode run's requests grow into within `steps` steps: a request whose next page starts
+    crossings[i] steps from now (0: the first step) grows every page_size steps from then on."""
+    n = 0
+    for j in crossings:
+        if j < steps:
+            n += 1 + (steps - 1 - j) // page_size
+    return n
+
+
 def _priority_key(req: Request):
     return (req.priority, req.arrival_time, req.request_id)
 
@@ -302,6 +312,99 @@ class Scheduler:
             assert r.status is SWAPPED and not r.page_table
             assert len(r.host_slots) == -(-r.num_computed_tokens // self._ps)
         assert len(self.running) <= self._max_seqs
+
+    # ---- decode runs (the simulator's fast path; the engine never calls these)
+    # The exact policy classes whose schedule(), with nothing waiting, swapped, in flight or in the prefill phase,
+    # is one decode token for every running request, in running order, and nothing else (set in policies.py; a
+    # subclass is not covered, since it may schedule differently).
+    DECODE_RUN_CLASSES: frozenset = frozenset()
+
+    def decode_run_limit(self, max_steps: int) -> int:
+        """How many of the next steps (each schedule(now) then update(out, placeholder ids, end), back to back,
+        no request added or aborted in between) are certain to be a *decode run*, at most `max_steps`: each
+        step one decode token for every running request (running order, no preemption), no request finishing
+        in the run. 0 when the state does not allow one. `apply_decode_run` then applies such steps in bulk with
+        exactly the effects of those schedule() and update() calls (the simulator's placeholder tokens; the
+        engine never calls either). Bounds: the first request to finish (its finishing step is not in the run)
+        and the free pages (every page a request grows into within the run must be free now)."""
+        if type(self) not in self.DECODE_RUN_CLASSES or not self._decode_run_policy_ok():
+            return 0
+        running = self.running
+        n = len(running)
+        if (not n or n > self._budget or self.waiting or self.swapped or self._kv_ready or self._caching
+                or self._last_emitted > self._applied_step or self._removed_from_running):
+            return 0
+        ps = self._ps
+        max_len = self._max_len
+        limit = max_steps
+        crossings = []      # per request: steps until it grows into a new page (0: in the run's first step)
+        for req in running:
+            c = req.num_computed_tokens
+            if (req.status is not RUNNING or c < req.prefill_end or req.first_token_time is None
+                    or PLACEHOLDER_TOKEN in req.stop_ids):
+                return 0
+            # it finishes in the step that makes its outputs max_tokens or its tokens max_model_len
+            left = min(req.max_tokens - len(req.output_token_ids), max_len - len(req.all_token_ids)) - 1
+            if left < limit:
+                limit = left
+                if limit < 1:
+                    return 0
+            j = len(req.page_table) * ps - c
+            if j < 0:
+                return 0
+            crossings.append(j)
+        free = len(self.block_manager._free) + len(self.block_manager._free_cached)
+        if _pages_grown(crossings, limit, ps) > free:
+            lo, hi = 0, limit      # the most steps whose page growth fits the free pages
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if _pages_grown(crossings, mid, ps) <= free:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            limit = lo
+        return limit
+
+    def apply_decode_run(self, starts: Sequence[float], ends: Sequence[float]) -> None:
+        """Apply len(starts) steps of a decode run (`decode_run_limit` steps at most): step j scheduled at
+        starts[j] and updated at ends[j] with PLACEHOLDER_TOKEN for every request; the same state (pages in the
+        same order, queues, step counters, every request's tokens and timestamps) as those schedule() and
+        update() calls would leave."""
+        k = len(starts)
+        if not k:
+            return
+        ps = self._ps
+        running = self.running
+        grow = []           # (step, running index) of every page growth, in the order the steps allocate them
+        for i, req in enumerate(running):
+            j = len(req.page_table) * ps - req.num_computed_tokens
+            while j < k:
+                grow.append((j, i))
+                j += ps
+        if grow:
+            grow.sort()
+            allocate = self.block_manager.allocate
+            for _, i in grow:
+                allocate(running[i].page_table, 1)
+        tokens = [PLACEHOLDER_TOKEN] * k
+        step = self.step + k
+        for req in running:
+            req.num_computed_tokens += k
+            req.output_token_ids += tokens
+            req.all_token_ids += tokens
+            req.token_times += ends
+            req.schedule_times += starts
+            req.sched_step = step
+        self.step = self._applied_step = self._last_emitted = self._floor = step
+        self._preempted_this_step = False
+        self._after_decode_run()
+
+    def _decode_run_policy_ok(self) -> bool:
+        """The policy's own conditions for a decode run (see decode_run_limit)."""
+        return True
+
+    def _after_decode_run(self) -> None:
+        """The policy state its decode steps leave (see apply_decode_run)."""
 
     # ---- disaggregation hooks (meaningful for prefill_only / decode_only)
     def held_page_table(self, request_id: str) -> List[int]:

@@ -214,6 +214,14 @@ class _Replicas:
         self.names = [inst.name if multi else "" for inst in self.instances]
         self.waking = [False] * len(self.instances)     # ready to run its loop at the current time
         self.index_of = {id(inst): i for i, inst in enumerate(self.instances)}
+        # Decode runs (decode_run): nobody watches single steps (no on_schedule, no observing router), the
+        # tokens are the placeholder, the synchronous loop; per instance one stage, one batch in flight and a
+        # step time exact for decode-only steps from their counts.
+        plain = (not async_scheduling and on_schedule is None and self.observe_step is None
+                 and sample is placeholder_sample)
+        self.decode_runs = [plain and inst.max_in_flight == 1 and inst.timer.stage_times is None
+                            and bool(getattr(inst.step_time, "decode_only_exact", False))
+                            for inst in self.instances]
 
     # ------------------------------------------------------------------------------------------- events
     def next_event_time(self) -> float:
@@ -292,6 +300,7 @@ class _Replicas:
         batch in flight or has to wait for an arrival."""
         inst = self.instances[idx]
         sched, pipe, admit, on_schedule = inst.scheduler, inst.pipeline, self.admit, self.on_schedule
+        runs = self.decode_runs[idx]
         while True:
             if not sched.has_unfinished():
                 if not admit(inst, t):
@@ -299,6 +308,11 @@ class _Replicas:
                 continue
             if not pipe.full:
                 admit(inst, t)
+                if runs and not pipe:
+                    end = self.decode_run(idx, t)
+                    if end is not None:
+                        t = end
+                        continue
                 out = sched.schedule(t)
                 if not out.is_empty:
                     admit(inst, t)
@@ -315,6 +329,56 @@ class _Replicas:
             inst.in_flight = (out, start)
             heapq.heappush(self.completions, (end if end > t else t, idx))
             return
+
+    def decode_run(self, idx: int, t: float) -> Optional[float]:
+        """Run instance `idx`'s next steps at once while they are a decode run (Scheduler.decode_run_limit: every
+        running request decodes one token, no preemption, nobody finishes) and end before the next event of the
+        simulation (an arrival, another instance's completion): the steps this loop would run one by one, with
+        the same scheduler state (Scheduler.apply_decode_run), step times (the step-time function's
+        `decode_only`), pipeline accounting (StagePipeline.run_serial) and iteration records, without building
+        their SchedulerOutputs. Returns the end of the last step (the loop goes on from there, as after that
+        step's completion event), None when no step qualifies."""
+        inst = self.instances[idx]
+        sched = inst.scheduler
+        steps = sched.decode_run_limit(self.max_iterations - len(self.iterations))
+        if not steps:
+            return None
+        waking = self.waking
+        if len(waking) > 1 and any(w for i, w in enumerate(waking) if i != idx):
+            return None       # another instance still runs its loop at t: its next step may end first
+        pending = self.pending
+        bound = pending[self.next_arrival].arrival_time if self.next_arrival < len(pending) else float("inf")
+        if self.completions and self.completions[0][0] < bound:
+            bound = self.completions[0][0]
+        running = sched.running
+        count = len(running)
+        total = 0
+        for req in running:
+            total += req.num_computed_tokens
+        cost = inst.step_time.decode_only
+        starts, ends, seconds = [], [], []
+        start = t
+        for _ in range(steps):
+            d = cost(count, total)
+            end = start + d
+            if not end < bound:     # an event at or before its end: the step runs through the event loop
+                break
+            starts.append(start)
+            ends.append(end)
+            seconds.append(d)
+            start = end
+            total += count
+        if not starts:
+            return None
+        sched.apply_decode_run(starts, ends)
+        inst.pipeline.run_serial(starts, ends, seconds)
+        its = self.iterations
+        name = self.names[idx]
+        step = len(its)
+        for s, e in zip(starts, ends):
+            its.append(IterationRecord(step, s, e, 0, count, count, name))
+            step += 1
+        return start
 
     def run_async(self, idx: int, t: float) -> None:
         """The engine's async loop of instance `idx` from host time t, until the host blocks on a step or waits.

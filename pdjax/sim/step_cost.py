@@ -217,6 +217,38 @@ class CachedIterationTime:
                 device = launch
         return device + overhead
 
+    def decode_only(self, count: int, total_context: int) -> float:
+        """`self(composition)` of `count` one-token decodes whose contexts sum to `total_context` (what
+        compact_composition makes of a decode-only SchedulerOutput), bit-identical, without building it: the
+        same terms in the same order (decode attention aggregates by the mean context, total / count)."""
+        p = self.params
+        overhead = cm.host_time(p, count, self.tp)
+        if count == 0:
+            return overhead
+        terms = self._count_terms.get((count, count))
+        if terms is None:
+            q, r = divmod(total_context, count)
+            batch = BatchComposition((), ((count - r, q), (r, q + 1)) if r else ((count, q),))
+            lin, ew, _, com, _, _ = cm._stage_components(batch, self.plan, p, self.tp)
+            terms = self._count_terms[(count, count)] = (lin, ew, com)
+        lin, ew, com = terms
+        plan = self.plan
+        s = plan.shapes
+        c, mem, per_item = cm.decode_attention_terms(count, total_context / count, s.heads, s.kv_heads, s.head_dim,
+                                                     s.dtype_bytes, plan.peak, plan.bandwidth, p)
+        attention = 0.0
+        attention += (c if c > mem else mem) + per_item
+        attention += p.attn_decode_fixed_s
+        device = lin + ew + attention * plan.layers_per_stage + com + 0.0
+        if p.launch_overhead_s > 0:
+            launch = self._launch.get((False, True))
+            if launch is None:
+                launch = self._launch[(False, True)] = p.launch_overhead_s * 1 * cm.kernels_per_iteration(
+                    plan.shapes, plan.layers_per_stage, self.tp, False, True)
+            if launch > device:
+                device = launch
+        return device + overhead
+
     def _attention(self, batch: BatchComposition) -> float:
         plan, p = self.plan, self.params
         s = plan.shapes
@@ -349,9 +381,24 @@ class StepTime:
         self._context = _ContextCost(params, padding)
         self.noise = noise
 
+    @property
+    def decode_only_exact(self) -> bool:
+        """`decode_only(count, total_context)` is this function's time of every decode-only step (no padding, no
+        step context, no noise): the simulator's decode runs (pdjax.sim.simulator) cost their steps by it."""
+        return self.padding is None and not self._context.active and self.noise is None
+
+    def decode_only(self, count: int, total_context: int) -> float:
+        """Seconds of a decode-only step of `count` one-token decodes whose num_computed_tokens sum to
+        `total_context`, without padding, step context or noise (the unpadded `base` of such a step)."""
+        return self._cost.decode_only(count, total_context)
+
     def base(self, out) -> float:
         """The step's own seconds (no step context)."""
-        if self.padding is not None:
+        if self.padding is None:
+            news = out.num_new_tokens
+            if True not in out.is_prefill and news.count(1) == len(news):    # decode only
+                return self._cost.decode_only(len(news), sum(out.num_computed_tokens))
+        else:
             batch = padded_composition(out, self.padding)
             # The padded composition's "sequences" are stand-ins for padded work; the host's per-sequence
             # cost (batch building, sampling bookkeeping) counts the real ones.
