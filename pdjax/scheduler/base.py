@@ -47,6 +47,7 @@ from pdjax.config.scheduler import SchedulerConfig
 from pdjax.scheduler.block_manager import BlockManager, extend_page_keys
 from pdjax.scheduler.output import SchedulerOutput
 from pdjax.scheduler.request import Request, RequestStatus
+from pdjax.scheduler.runs import DecodeRun
 
 WAITING = RequestStatus.WAITING
 RUNNING = RequestStatus.RUNNING
@@ -67,16 +68,6 @@ class PendingTokens:
     finished: the requests that finished on a placeholder (their finish time is the step's end)."""
     slots: List[Tuple[int, Request, int, int]]
     finished: List[Request]
-
-
-def _pages_grown(crossings: Sequence[int], steps: int, page_size: int) -> int:
-    """Pages the decode run's requests grow into within `steps` steps: a request whose next page starts
-    crossings[i] steps from now (0: the first step) grows every page_size steps from then on."""
-    n = 0
-    for j in crossings:
-        if j < steps:
-            n += 1 + (steps - 1 - j) // page_size
-    return n
 
 
 def _priority_key(req: Request):
@@ -319,85 +310,56 @@ class Scheduler:
     # subclass is not covered, since it may schedule differently).
     DECODE_RUN_CLASSES: frozenset = frozenset()
 
-    def decode_run_limit(self, max_steps: int) -> int:
-        """How many of the next steps (each schedule(now) then update(out, placeholder ids, end), back to back,
-        no request added or aborted in between) are certain to be a *decode run*, at most `max_steps`: each
-        step one decode token for every running request (running order, no preemption), no request finishing
-        in the run. 0 when the state does not allow one. `apply_decode_run` then applies such steps in bulk with
-        exactly the effects of those schedule() and update() calls (the simulator's placeholder tokens; the
-        engine never calls either). Bounds: the first request to finish (its finishing step is not in the run)
-        and the free pages (every page a request grows into within the run must be free now)."""
+    def decode_run(self, max_steps: int) -> Optional[DecodeRun]:
+        """The decode run starting at the next step (pdjax.scheduler.runs: steps applied in bulk, the simulator's
+        fast path; the engine never calls this), at most `max_steps` steps; None when the state does not allow
+        one."""
         if type(self) not in self.DECODE_RUN_CLASSES or not self._decode_run_policy_ok():
-            return 0
+            return None
         running = self.running
-        n = len(running)
-        if (not n or n > self._budget or self.waiting or self.swapped or self._kv_ready or self._caching
+        if (not running or self.waiting or self.swapped or self._kv_ready or self._caching
                 or self._last_emitted > self._applied_step or self._removed_from_running):
-            return 0
+            return None
         ps = self._ps
         max_len = self._max_len
         limit = max_steps
-        crossings = []      # per request: steps until it grows into a new page (0: in the run's first step)
+        decoders, prefills = [], []
+        crossings = []      # per decoder: steps until it grows into a new page (0: in the run's first step)
         for req in running:
+            if req.status is not RUNNING or PLACEHOLDER_TOKEN in req.stop_ids:
+                return None
             c = req.num_computed_tokens
-            if (req.status is not RUNNING or c < req.prefill_end or req.first_token_time is None
-                    or PLACEHOLDER_TOKEN in req.stop_ids):
-                return 0
+            if c < req.prefill_end:
+                if not self._run_prefills:
+                    return None
+                prefills.append(req)
+                continue
+            if req.first_token_time is None:
+                return None
             # it finishes in the step that makes its outputs max_tokens or its tokens max_model_len
-            left = min(req.max_tokens - len(req.output_token_ids), max_len - len(req.all_token_ids)) - 1
+            left = req.max_tokens - len(req.output_token_ids)
             if left < limit:
                 limit = left
-                if limit < 1:
-                    return 0
+            left = max_len - len(req.all_token_ids)
+            if left < limit:
+                limit = left
             j = len(req.page_table) * ps - c
             if j < 0:
-                return 0
+                return None
+            decoders.append(req)
             crossings.append(j)
-        free = len(self.block_manager._free) + len(self.block_manager._free_cached)
-        if _pages_grown(crossings, limit, ps) > free:
-            lo, hi = 0, limit      # the most steps whose page growth fits the free pages
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if _pages_grown(crossings, mid, ps) <= free:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            limit = lo
-        return limit
+        if limit < 1 or len(decoders) > self._run_decode_budget(bool(prefills)):
+            return None
+        bm = self.block_manager
+        return DecodeRun(self, decoders, prefills, crossings, limit, len(bm._free) + len(bm._free_cached),
+                         self._budget - len(decoders))
 
-    def apply_decode_run(self, starts: Sequence[float], ends: Sequence[float]) -> None:
-        """Apply len(starts) steps of a decode run (`decode_run_limit` steps at most): step j scheduled at
-        starts[j] and updated at ends[j] with PLACEHOLDER_TOKEN for every request; the same state (pages in the
-        same order, queues, step counters, every request's tokens and timestamps) as those schedule() and
-        update() calls would leave."""
-        k = len(starts)
-        if not k:
-            return
-        ps = self._ps
-        running = self.running
-        grow = []           # (step, running index) of every page growth, in the order the steps allocate them
-        for i, req in enumerate(running):
-            j = len(req.page_table) * ps - req.num_computed_tokens
-            while j < k:
-                grow.append((j, i))
-                j += ps
-        if grow:
-            grow.sort()
-            allocate = self.block_manager.allocate
-            for _, i in grow:
-                allocate(running[i].page_table, 1)
-        tokens = [PLACEHOLDER_TOKEN] * k
-        step = self.step + k
-        for req in running:
-            req.num_computed_tokens += k
-            req.output_token_ids += tokens
-            req.all_token_ids += tokens
-            req.token_times += ends
-            req.schedule_times += starts
-            req.sched_step = step
-        self.step = self._applied_step = self._last_emitted = self._floor = step
-        self._preempted_this_step = False
-        self._after_decode_run()
+    # policy hooks of decode runs
+    _run_prefills = False    # the policy's step in a run also runs its prefill pass over running prefills
+
+    def _run_decode_budget(self, prefills: bool) -> int:
+        """Decodes the policy's decode pass takes at most in a run's step (with running prefills or not)."""
+        return self._budget
 
     def _decode_run_policy_ok(self) -> bool:
         """The policy's own conditions for a decode run (see decode_run_limit)."""
@@ -477,8 +439,11 @@ class Scheduler:
 
     def _prefill_chunk(self, req: Request, budget_left: int) -> int:
         """Tokens of `req`'s remaining prefill to schedule given `budget_left` (0: none this step)."""
-        c = req.num_computed_tokens
-        rem = len(req.all_token_ids) - c
+        return self._chunk_size(req.num_computed_tokens, len(req.all_token_ids), budget_left)
+
+    def _chunk_size(self, c: int, tokens: int, budget_left: int) -> int:
+        """Tokens of a prefill with `c` of its `tokens` computed to schedule given `budget_left` (0: none)."""
+        rem = tokens - c
         n = rem if rem < budget_left else budget_left
         cap = self._chunk_cap
         if cap and n > cap:

@@ -90,6 +90,19 @@ class BlockManager:
             ref[p] = 1
             table.append(p)
 
+    def allocate_one_each(self, tables: Sequence[List[int]]) -> None:
+        """`allocate(table, 1)` for each of `tables` in order (a table may repeat). The caller checks
+        `num_free_pages >= len(tables)`."""
+        if self._free_cached or len(tables) > len(self._free):
+            for table in tables:
+                self.allocate(table, 1)
+            return
+        free, ref = self._free, self.ref_count
+        for table in tables:
+            p = free.pop()
+            ref[p] = 1
+            table.append(p)
+
     def free(self, table: Sequence[int]) -> None:
         """Drop one reference to every page of `table` (tail first). The caller drops the table itself."""
         ref, key = self.ref_count, self.page_key

@@ -128,8 +128,14 @@ class SarathiScheduler(Scheduler):
         budget -= self._admit_waiting(out, budget, now)
         return budget
 
+    _run_prefills = True
+
     def _decode_run_policy_ok(self) -> bool:
         return self.config.decode_batches <= 1
+
+    def _run_decode_budget(self, prefills: bool) -> int:
+        guard = self.config.min_prefill_tokens
+        return self._budget - guard if guard and prefills else self._budget
 
 
 class ChunkedOnlyScheduler(Scheduler):

@@ -331,53 +331,72 @@ class _Replicas:
             return
 
     def decode_run(self, idx: int, t: float) -> Optional[float]:
-        """Run instance `idx`'s next steps at once while they are a decode run (Scheduler.decode_run_limit: every
-        running request decodes one token, no preemption, nobody finishes) and end before the next event of the
-        simulation (an arrival, another instance's completion): the steps this loop would run one by one, with
-        the same scheduler state (Scheduler.apply_decode_run), step times (the step-time function's
-        `decode_only`), pipeline accounting (StagePipeline.run_serial) and iteration records, without building
-        their SchedulerOutputs. Returns the end of the last step (the loop goes on from there, as after that
-        step's completion event), None when no step qualifies."""
+        """Run instance `idx`'s next steps at once while they are a decode run (pdjax.scheduler.runs: every running
+        request decodes one token or takes its prefill chunk, no preemption, no admission; requests finish and
+        prompts complete only in the run's last step) that the rest of the simulation cannot interleave with: the
+        steps this loop would run one by one, with the same scheduler state (DecodeRun.apply), step times (the
+        step-time function's `decode_only` / `composition`), pipeline accounting (StagePipeline.run_serial) and
+        iteration records, without building their SchedulerOutputs. Returns the end of the last step, the loop
+        goes on from there as after that step's completion event; None when no step qualifies.
+
+        Which steps: with one instance, every step scheduled before the next arrival (the last one may end after
+        it: the arrival is routed at that end, before the loop goes on, as the event loop would: it only joins
+        the inbox while the step runs); with several, only steps that end before any other event (an arrival,
+        another instance's completion), and none while another instance still has to run its loop at t."""
         inst = self.instances[idx]
         sched = inst.scheduler
-        steps = sched.decode_run_limit(self.max_iterations - len(self.iterations))
-        if not steps:
+        run = sched.decode_run(self.max_iterations - len(self.iterations))
+        if run is None:
             return None
         waking = self.waking
-        if len(waking) > 1 and any(w for i, w in enumerate(waking) if i != idx):
-            return None       # another instance still runs its loop at t: its next step may end first
+        single = len(waking) == 1
+        if not single and any(w for i, w in enumerate(waking) if i != idx):
+            return None
         pending = self.pending
-        bound = pending[self.next_arrival].arrival_time if self.next_arrival < len(pending) else float("inf")
+        arrival = pending[self.next_arrival].arrival_time if self.next_arrival < len(pending) else float("inf")
+        bound = arrival
         if self.completions and self.completions[0][0] < bound:
             bound = self.completions[0][0]
-        running = sched.running
-        count = len(running)
-        total = 0
-        for req in running:
-            total += req.num_computed_tokens
-        cost = inst.step_time.decode_only
-        starts, ends, seconds = [], [], []
+        count, total = run.count, run.total
+        step_time = inst.step_time
+        decode_only, composition = step_time.decode_only, step_time.composition
+        starts, ends, seconds, chunk_lists = [], [], [], []
         start = t
-        for _ in range(steps):
-            d = cost(count, total)
+        while True:
+            if single and not start < arrival:
+                break
+            chunks = run.next_step()
+            if chunks is None:
+                break
+            d = composition(count, total, chunks) if chunks else decode_only(count, total)
             end = start + d
-            if not end < bound:     # an event at or before its end: the step runs through the event loop
+            if not single and not end < bound:
                 break
             starts.append(start)
             ends.append(end)
             seconds.append(d)
+            chunk_lists.append(chunks)
             start = end
             total += count
         if not starts:
             return None
-        sched.apply_decode_run(starts, ends)
+        finished = run.apply(starts, ends)
+        if finished:
+            self.requests.finished(finished, sched)
         inst.pipeline.run_serial(starts, ends, seconds)
         its = self.iterations
         name = self.names[idx]
         step = len(its)
-        for s, e in zip(starts, ends):
-            its.append(IterationRecord(step, s, e, 0, count, count, name))
+        seqs = count
+        for s, e, chunks in zip(starts, ends, chunk_lists):
+            if chunks:
+                its.append(IterationRecord(step, s, e, sum(n for n, _ in chunks), count, count + len(chunks), name))
+            else:
+                its.append(IterationRecord(step, s, e, 0, count, seqs, name))
             step += 1
+        if single and not start < arrival:
+            self.route_arrivals(start)     # arrived while the run's last step ran
+            self.waking[idx] = False
         return start
 
     def run_async(self, idx: int, t: float) -> None:

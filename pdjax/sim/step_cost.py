@@ -392,6 +392,15 @@ class StepTime:
         `total_context`, without padding, step context or noise (the unpadded `base` of such a step)."""
         return self._cost.decode_only(count, total_context)
 
+    def composition(self, count: int, total_context: int, chunks: Sequence[Tuple[int, int]]) -> float:
+        """Seconds of a step of prefill `chunks` ((tokens, context before them), in batch order) and `count`
+        one-token decodes whose num_computed_tokens sum to `total_context`, without padding, step context or
+        noise: the unpadded `base` of such a step (the same compact composition)."""
+        if not count:
+            return self._cost(BatchComposition(tuple(chunks), ()))
+        q, r = divmod(total_context, count)
+        return self._cost(BatchComposition(tuple(chunks), ((count - r, q), (r, q + 1)) if r else ((count, q),)))
+
     def base(self, out) -> float:
         """The step's own seconds (no step context)."""
         if self.padding is None:

@@ -1,0 +1,201 @@
+"""Decode runs: a scheduler's next steps applied in bulk when they are certain (the simulator's fast path).
+
+A *decode run* is a sequence of steps, each `schedule(now)` then `update(out, PLACEHOLDER_TOKEN ids, end)` back to
+back with no request added, aborted or otherwise touched in between, in which every running request in the decode
+phase ("decoder") decodes one token and every running request in the prefill phase gets the chunk the policy's
+prefill pass gives it, with no preemption, nothing resumed and nothing admitted. `Scheduler.decode_run(max_steps)`
+returns a DecodeRun when the scheduler's state makes that certain; the caller plans its steps one by one
+(`next_step`: the chunks of the next step, or None when the run cannot take it), costs each one, and applies the
+first k (`apply`) with exactly the effects the k schedule() and update() calls would have had: the same pages in
+the same order, the same queues and counters, every request's tokens and timestamps. No SchedulerOutput is built.
+The engine never uses this; the simulator (pdjax.sim.simulator) does, where the sampled ids are placeholders.
+
+When a run is possible (Scheduler.decode_run): the policy is one of Scheduler.DECODE_RUN_CLASSES (exact classes:
+their schedule() in such a state is the decode pass over the running list, then, for a class with
+`_run_prefills`, its prefill pass); nothing waiting, swapped, handed off or in flight; no prefix caching (it would
+register pages in update()); no decoder's stop tokens include the placeholder. A run ends (its last step
+included) at the first step in which a request finishes or a prefill completes its prompt (it then samples and
+becomes a decoder: the next run takes it as one), and before a step whose page growth the free pages at the
+start of the run cannot cover (that step would preempt).
+
+Per step, with D decoders whose contexts sum to `total` (it grows by D per step): the decode pass allocates a page
+to each decoder whose computed tokens reach its table's end (decoders in running order), then the prefill pass
+gives each prefill (running order) `Scheduler._chunk_size` of what the decodes left of the budget and allocates
+the pages its chunk needs. `apply` replays those allocations in that order.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+from pdjax.scheduler.request import RequestStatus
+
+PLACEHOLDER = 0   # pdjax.scheduler.base.PLACEHOLDER_TOKEN (the simulator's sampled id)
+RUNNING = RequestStatus.RUNNING
+
+
+class DecodeRun:
+    """The planned steps of one decode run of `sched` (module docstring). count: decoders per step; total: their
+    context sum (num_computed_tokens) in the first step. `next_step()` plans one more step; `apply(starts, ends)`
+    applies the first len(starts) planned ones."""
+
+    __slots__ = ("sched", "decoders", "prefills", "count", "total", "limit", "steps", "_free", "_first", "_active",
+                 "_p_state", "_plan", "_done", "_left")
+
+    def __init__(self, sched, decoders: list, prefills: list, crossings: List[int], limit: int, free: int,
+                 budget_left: int):
+        self.sched = sched
+        self.decoders = decoders          # running order
+        self.prefills = prefills          # running order
+        self.count = len(decoders)
+        total = 0
+        for req in decoders:
+            total += req.num_computed_tokens
+        self.total = total
+        self.limit = limit                # steps at most (the first decoder to finish, the caller's max_steps)
+        self.steps = 0                    # steps planned so far
+        self._free = free                 # free pages not yet claimed by planned steps
+        ps = sched._ps
+        # decoders' page growth: decoder i grows at steps crossings[i], + page_size, ...; _first[j]: how many start
+        # growing at step j, _active[j % page_size]: how many grow at step j once started
+        first: dict = {}
+        for j in crossings:
+            first[j] = first.get(j, 0) + 1
+        self._first = first
+        self._active = [0] * ps
+        self._p_state = [[r.num_computed_tokens, len(r.all_token_ids), len(r.page_table)] for r in prefills]
+        self._plan: List[Tuple[Tuple[int, int, int], ...]] = []    # per step: (prefill index, tokens, pages)
+        self._done = False                # the last planned step completes a prefill: the run ends there
+        self._left = budget_left          # tokens each step leaves the prefill pass
+
+    def next_step(self) -> Optional[list]:
+        """Plan the next step: its prefill chunks [(tokens, context before them)] in batch order ([]: decodes
+        only), or None when the run cannot take another step (nothing is planned then)."""
+        if self._done or self.steps >= self.limit:
+            return None
+        j = self.steps
+        sched = self.sched
+        ps = sched._ps
+        active = self._active
+        started = self._first.get(j)
+        if started:
+            active[j % ps] += started
+        pages = active[j % ps]
+        chunks = []
+        plan = ()
+        done = False
+        if self.prefills:
+            left = self._left
+            states = self._p_state
+            plan = []
+            for k in range(len(states)):
+                if left <= 0:
+                    break
+                c, tokens, held = states[k]
+                n = sched._chunk_size(c, tokens, left)
+                if n <= 0:
+                    continue
+                need = -(-(c + n) // ps) - held
+                if need < 0:
+                    need = 0
+                pages += need
+                plan.append((k, n, need))
+                chunks.append((n, c))
+                left -= n
+                if c + n == tokens:
+                    done = True
+            if not chunks and not self.count:
+                return None           # the step would schedule nothing
+        if pages > self._free:
+            if started:
+                active[j % ps] -= started
+            return None
+        self._free -= pages
+        for k, n, need in plan:
+            state = self._p_state[k]
+            state[0] += n
+            state[2] += need
+        self._plan.append(tuple(plan))
+        self._done = done
+        self.steps = j + 1
+        return chunks
+
+    def apply(self, starts: Sequence[float], ends: Sequence[float]) -> list:
+        """Apply the first len(starts) planned steps, step j scheduled at starts[j] and updated at ends[j];
+        returns the requests that finished (in the last step, in batch order), as update() does."""
+        k = len(starts)
+        if k > self.steps:
+            raise ValueError(f"DecodeRun.apply: {k} steps given, {self.steps} planned")
+        sched = self.sched
+        if not k:
+            return []
+        ps = sched._ps
+        decoders, prefills = self.decoders, self.prefills
+        grow = []        # (step, 0: decode pass / 1: prefill pass, index, pages) in the order steps allocate
+        for i, req in enumerate(decoders):
+            j = len(req.page_table) * ps - req.num_computed_tokens
+            while j < k:
+                grow.append((j, 0, i, 1))
+                j += ps
+        plan = self._plan
+        if prefills:
+            for j in range(k):
+                for p, _, need in plan[j]:
+                    if need:
+                        grow.append((j, 1, p, need))
+        if grow:
+            grow.sort()
+            tables = []
+            for _, kind, i, need in grow:
+                table = (prefills if kind else decoders)[i].page_table
+                tables.extend([table] * need)
+            sched.block_manager.allocate_one_each(tables)
+        first_step = sched.step
+        step = first_step + k
+        max_len = sched._max_len
+        finished = []
+        tokens = [PLACEHOLDER] * k
+        for req in decoders:
+            req.num_computed_tokens += k
+            req.output_token_ids += tokens
+            req.all_token_ids += tokens
+            req.token_times += ends
+            req.schedule_times += starts
+            req.sched_step = step
+            if len(req.output_token_ids) >= req.max_tokens or len(req.all_token_ids) >= max_len:
+                finished.append(req)
+        for p, req in enumerate(prefills):
+            last = -1
+            c = req.num_computed_tokens
+            times = req.schedule_times
+            for j in range(k):
+                for q, n, _ in plan[j]:
+                    if q == p:
+                        c += n
+                        times.append(starts[j])
+                        last = j
+            if last < 0:
+                continue
+            req.num_computed_tokens = c
+            req.sched_step = first_step + 1 + last
+            if c == len(req.all_token_ids):       # its prompt is done: it samples (the run's last step)
+                now = ends[last]
+                req.output_token_ids.append(PLACEHOLDER)
+                req.all_token_ids.append(PLACEHOLDER)
+                req.token_times.append(now)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                if len(req.output_token_ids) >= req.max_tokens or len(req.all_token_ids) >= max_len:
+                    finished.append(req)
+        sched.step = sched._applied_step = sched._last_emitted = sched._floor = step
+        sched._preempted_this_step = False
+        if finished:
+            now = ends[-1]
+            free = sched.block_manager.free
+            for req in finished:      # as update(): in batch order (decodes, then chunks), after the page growth
+                free(req.page_table)
+                req.page_table = []
+                sched._finish(req, "length", now)
+            sched.running = [r for r in sched.running if r.status is RUNNING]
+        sched._after_decode_run()
+        return finished
+
