@@ -317,8 +317,13 @@ class Scheduler:
         if type(self) not in self.DECODE_RUN_CLASSES or not self._decode_run_policy_ok():
             return None
         running = self.running
-        if (not running or self.waiting or self.swapped or self._kv_ready or self._caching
+        if (not running or self.swapped or self._kv_ready or self._caching
                 or self._last_emitted > self._applied_step or self._removed_from_running):
+            return None
+        # Waiting requests stay waiting if running is full (for the whole run: it only shrinks in its last step);
+        # with a prefill pass, also in a step whose chunks leave no budget (DecodeRun.next_step checks that).
+        admit_blocked = len(running) >= self._max_seqs
+        if self.waiting and not admit_blocked and not self._run_prefills:
             return None
         ps = self._ps
         max_len = self._max_len
@@ -348,17 +353,17 @@ class Scheduler:
                 return None
             decoders.append(req)
             crossings.append(j)
-        if limit < 1 or len(decoders) > self._run_decode_budget(bool(prefills)):
+        if limit < 1 or len(decoders) > self._run_decode_budget(bool(prefills or self.waiting)):
             return None
         bm = self.block_manager
         return DecodeRun(self, decoders, prefills, crossings, limit, len(bm._free) + len(bm._free_cached),
-                         self._budget - len(decoders))
+                         self._budget - len(decoders), bool(self.waiting) and not admit_blocked)
 
     # policy hooks of decode runs
     _run_prefills = False    # the policy's step in a run also runs its prefill pass over running prefills
 
-    def _run_decode_budget(self, prefills: bool) -> int:
-        """Decodes the policy's decode pass takes at most in a run's step (with running prefills or not)."""
+    def _run_decode_budget(self, prefill_pending: bool) -> int:
+        """Decodes the policy's decode pass takes at most in a run's step (with prefill work pending or not)."""
         return self._budget
 
     def _decode_run_policy_ok(self) -> bool:

@@ -133,9 +133,9 @@ class SarathiScheduler(Scheduler):
     def _decode_run_policy_ok(self) -> bool:
         return self.config.decode_batches <= 1
 
-    def _run_decode_budget(self, prefills: bool) -> int:
+    def _run_decode_budget(self, prefill_pending: bool) -> int:
         guard = self.config.min_prefill_tokens
-        return self._budget - guard if guard and prefills else self._budget
+        return self._budget - guard if guard and prefill_pending else self._budget
 
 
 class ChunkedOnlyScheduler(Scheduler):
@@ -311,8 +311,12 @@ class VllmV1Scheduler(Scheduler):
         budget -= self._resume_swapped(out, budget, now, prefill_counts=counts, max_decodes=max_decodes)
         self._admit_limited(out, budget, now, counts)
 
-    def _after_decode_run(self) -> None:
-        self._chunk_cap = self._long if len(self.running) > 1 else 0   # as its steps set it
+    def _run_decode_budget(self, prefill_pending: bool) -> int:
+        guard = self.config.min_prefill_tokens
+        return self._budget - guard if guard and prefill_pending else self._budget
+
+    def _after_decode_run(self) -> None:   # as its steps set it
+        self._chunk_cap = self._long if len(self.running) + len(self.waiting) + len(self.swapped) > 1 else 0
 
     def _grow_or_preempt(self, out: SchedulerOutput, req: Request, n: int, now: float):
         """Pages for `n` more tokens of running `req`, preempting by vLLM's rule while the pool is short; emits

@@ -39,10 +39,10 @@ class DecodeRun:
     applies the first len(starts) planned ones."""
 
     __slots__ = ("sched", "decoders", "prefills", "count", "total", "limit", "steps", "_free", "_first", "_active",
-                 "_p_state", "_plan", "_done", "_left")
+                 "_p_state", "_plan", "_done", "_left", "_admits")
 
     def __init__(self, sched, decoders: list, prefills: list, crossings: List[int], limit: int, free: int,
-                 budget_left: int):
+                 budget_left: int, admits: bool = False):
         self.sched = sched
         self.decoders = decoders          # running order
         self.prefills = prefills          # running order
@@ -66,6 +66,7 @@ class DecodeRun:
         self._plan: List[Tuple[Tuple[int, int, int], ...]] = []    # per step: (prefill index, tokens, pages)
         self._done = False                # the last planned step completes a prefill: the run ends there
         self._left = budget_left          # tokens each step leaves the prefill pass
+        self._admits = admits             # requests wait and would be admitted from any budget a step leaves
 
     def next_step(self) -> Optional[list]:
         """Plan the next step: its prefill chunks [(tokens, context before them)] in batch order ([]: decodes
@@ -83,8 +84,8 @@ class DecodeRun:
         chunks = []
         plan = ()
         done = False
+        left = self._left
         if self.prefills:
-            left = self._left
             states = self._p_state
             plan = []
             for k in range(len(states)):
@@ -105,7 +106,7 @@ class DecodeRun:
                     done = True
             if not chunks and not self.count:
                 return None           # the step would schedule nothing
-        if pages > self._free:
+        if (self._admits and left > 0) or pages > self._free:
             if started:
                 active[j % ps] -= started
             return None
