@@ -68,6 +68,32 @@ class DecodeRun:
         self._left = budget_left          # tokens each step leaves the prefill pass
         self._admits = admits             # requests wait and would be admitted from any budget a step leaves
 
+    def plan_decode_steps(self) -> int:
+        """For a run without prefills: plan every step it can take at once (no chunks to plan) and return how
+        many (next_step would give [] that many times, then None)."""
+        if self.prefills:
+            raise ValueError("DecodeRun.plan_decode_steps: the run has prefills; plan it with next_step")
+        if self.steps:
+            raise ValueError("DecodeRun.plan_decode_steps: steps were planned already")
+        if self._admits and self._left > 0:
+            return 0
+        limit = self.limit
+        ps = self.sched._ps
+        first = self._first
+        if _pages_grown(first, limit, ps) > self._free:
+            lo, hi = 0, limit      # the most steps whose page growth the free pages cover
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if _pages_grown(first, mid, ps) <= self._free:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            limit = lo
+        self._plan.extend([()] * limit)
+        self.steps = limit
+        self._done = True
+        return limit
+
     def next_step(self) -> Optional[list]:
         """Plan the next step: its prefill chunks [(tokens, context before them)] in batch order ([]: decodes
         only), or None when the run cannot take another step (nothing is planned then)."""
@@ -200,3 +226,13 @@ class DecodeRun:
         sched._after_decode_run()
         return finished
 
+
+
+def _pages_grown(first: dict, steps: int, page_size: int) -> int:
+    """Pages the decoders grow into within `steps` steps; first[j]: how many grow first at step j (then every
+    page_size steps)."""
+    n = 0
+    for j, count in first.items():
+        if j < steps:
+            n += count * (1 + (steps - 1 - j) // page_size)
+    return n

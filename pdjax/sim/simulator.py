@@ -359,25 +359,42 @@ class _Replicas:
             bound = self.completions[0][0]
         count, total = run.count, run.total
         step_time = inst.step_time
-        decode_only, composition = step_time.decode_only, step_time.composition
-        starts, ends, seconds, chunk_lists = [], [], [], []
+        decode = step_time.decode_fn(count)
+        starts, ends, seconds = [], [], []
         start = t
-        while True:
-            if single and not start < arrival:
-                break
-            chunks = run.next_step()
-            if chunks is None:
-                break
-            d = composition(count, total, chunks) if chunks else decode_only(count, total)
-            end = start + d
-            if not single and not end < bound:
-                break
-            starts.append(start)
-            ends.append(end)
-            seconds.append(d)
-            chunk_lists.append(chunks)
-            start = end
-            total += count
+        chunk_lists = None
+        if not run.prefills:        # decodes only: every step planned at once, then only the clock to run
+            for _ in range(run.plan_decode_steps()):
+                if single and not start < arrival:
+                    break
+                d = decode(total)
+                end = start + d
+                if not single and not end < bound:
+                    break
+                starts.append(start)
+                ends.append(end)
+                seconds.append(d)
+                start = end
+                total += count
+        else:
+            composition = step_time.composition
+            chunk_lists = []
+            while True:
+                if single and not start < arrival:
+                    break
+                chunks = run.next_step()
+                if chunks is None:
+                    break
+                d = composition(count, total, chunks) if chunks else decode(total)
+                end = start + d
+                if not single and not end < bound:
+                    break
+                starts.append(start)
+                ends.append(end)
+                seconds.append(d)
+                chunk_lists.append(chunks)
+                start = end
+                total += count
         if not starts:
             return None
         finished = run.apply(starts, ends)
@@ -387,13 +404,16 @@ class _Replicas:
         its = self.iterations
         name = self.names[idx]
         step = len(its)
-        seqs = count
-        for s, e, chunks in zip(starts, ends, chunk_lists):
-            if chunks:
-                its.append(IterationRecord(step, s, e, sum(n for n, _ in chunks), count, count + len(chunks), name))
-            else:
-                its.append(IterationRecord(step, s, e, 0, count, seqs, name))
-            step += 1
+        if chunk_lists is None:
+            its += [IterationRecord(step + j, s, e, 0, count, count, name) for j, (s, e) in enumerate(zip(starts, ends))]
+        else:
+            for s, e, chunks in zip(starts, ends, chunk_lists):
+                if chunks:
+                    its.append(IterationRecord(step, s, e, sum(n for n, _ in chunks), count, count + len(chunks),
+                                               name))
+                else:
+                    its.append(IterationRecord(step, s, e, 0, count, count, name))
+                step += 1
         if single and not start < arrival:
             self.route_arrivals(start)     # arrived while the run's last step ran
             self.waking[idx] = False

@@ -194,6 +194,7 @@ class CachedIterationTime:
         self.plan = _plan(model, hw, tp, 1)
         self._count_terms: dict = {}
         self._launch: dict = {}
+        self._decode_fns: dict = {}
 
     def __call__(self, batch: BatchComposition) -> float:
         tokens, seqs = batch.num_tokens, batch.num_seqs
@@ -219,35 +220,57 @@ class CachedIterationTime:
 
     def decode_only(self, count: int, total_context: int) -> float:
         """`self(composition)` of `count` one-token decodes whose contexts sum to `total_context` (what
-        compact_composition makes of a decode-only SchedulerOutput), bit-identical, without building it: the
-        same terms in the same order (decode attention aggregates by the mean context, total / count)."""
+        compact_composition makes of a decode-only SchedulerOutput), bit-identical: `decode_fn(count)`."""
+        return self.decode_fn(count)(total_context)
+
+    def decode_fn(self, count: int) -> Callable[[int], float]:
+        """total_context -> `self(composition)` of `count` one-token decodes whose contexts sum to total_context,
+        bit-identical without building the composition: every term that depends on the count alone is computed
+        once (cached per count), and the decode attention (aggregated by the mean context, total / count) is
+        `cost_model.decode_attention_terms`' arithmetic, operation for operation (tests check the equality)."""
+        fn = self._decode_fns.get(count)
+        if fn is not None:
+            return fn
         p = self.params
         overhead = cm.host_time(p, count, self.tp)
         if count == 0:
-            return overhead
+            fn = self._decode_fns[count] = lambda total_context: overhead
+            return fn
+        batch = BatchComposition((), ((count, 0),))
         terms = self._count_terms.get((count, count))
         if terms is None:
-            q, r = divmod(total_context, count)
-            batch = BatchComposition((), ((count - r, q), (r, q + 1)) if r else ((count, q),))
             lin, ew, _, com, _, _ = cm._stage_components(batch, self.plan, p, self.tp)
             terms = self._count_terms[(count, count)] = (lin, ew, com)
         lin, ew, com = terms
+        lin_ew = lin + ew
         plan = self.plan
         s = plan.shapes
-        c, mem, per_item = cm.decode_attention_terms(count, total_context / count, s.heads, s.kv_heads, s.head_dim,
-                                                     s.dtype_bytes, plan.peak, plan.bandwidth, p)
-        attention = 0.0
-        attention += (c if c > mem else mem) + per_item
-        attention += p.attn_decode_fixed_s
-        device = lin + ew + attention * plan.layers_per_stage + com + 0.0
+        heads, kv_heads, head_dim, dtype_bytes = s.heads, s.kv_heads, s.head_dim, s.dtype_bytes
+        flops_per_visible = 4.0 * heads * head_dim * count          # decode_attention_terms: flops, left to right
+        q_bytes = 2 * heads * head_dim
+        flops_rate = plan.peak * p.attn_flops_efficiency
+        bytes_rate = plan.bandwidth * p.attn_bandwidth_efficiency
+        per_item = count * heads * p.attn_seq_head_s
+        fixed = p.attn_decode_fixed_s
+        layers = plan.layers_per_stage
+        launch = 0.0
         if p.launch_overhead_s > 0:
             launch = self._launch.get((False, True))
             if launch is None:
                 launch = self._launch[(False, True)] = p.launch_overhead_s * 1 * cm.kernels_per_iteration(
                     plan.shapes, plan.layers_per_stage, self.tp, False, True)
+
+        def fn(total_context: int) -> float:
+            visible = total_context / count + 1
+            c = flops_per_visible * visible / flops_rate
+            mem = count * (visible * 2 * kv_heads * head_dim + q_bytes) * dtype_bytes / bytes_rate
+            device = lin_ew + (((c if c > mem else mem) + per_item) + fixed) * layers + com + 0.0
             if launch > device:
                 device = launch
-        return device + overhead
+            return device + overhead
+
+        self._decode_fns[count] = fn
+        return fn
 
     def _attention(self, batch: BatchComposition) -> float:
         plan, p = self.plan, self.params
@@ -390,7 +413,11 @@ class StepTime:
     def decode_only(self, count: int, total_context: int) -> float:
         """Seconds of a decode-only step of `count` one-token decodes whose num_computed_tokens sum to
         `total_context`, without padding, step context or noise (the unpadded `base` of such a step)."""
-        return self._cost.decode_only(count, total_context)
+        return self._cost.decode_fn(count)(total_context)
+
+    def decode_fn(self, count: int) -> Callable[[int], float]:
+        """total_context -> `decode_only(count, total_context)` (CachedIterationTime.decode_fn)."""
+        return self._cost.decode_fn(count)
 
     def composition(self, count: int, total_context: int, chunks: Sequence[Tuple[int, int]]) -> float:
         """Seconds of a step of prefill `chunks` ((tokens, context before them), in batch order) and `count`
@@ -406,7 +433,7 @@ class StepTime:
         if self.padding is None:
             news = out.num_new_tokens
             if True not in out.is_prefill and news.count(1) == len(news):    # decode only
-                return self._cost.decode_only(len(news), sum(out.num_computed_tokens))
+                return self._cost.decode_fn(len(news))(sum(out.num_computed_tokens))
         else:
             batch = padded_composition(out, self.padding)
             # The padded composition's "sequences" are stand-ins for padded work; the host's per-sequence
