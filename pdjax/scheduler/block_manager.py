@@ -21,7 +21,11 @@ Choices:
 """
 from __future__ import annotations
 
+from itertools import repeat as _repeat
+from operator import itemgetter as _getter
 from typing import Dict, Iterable, List, Sequence, Tuple
+
+_any = any
 
 
 def extend_page_keys(keys: list, tokens: Sequence[int], page_size: int, num_pages: int) -> None:
@@ -78,6 +82,19 @@ class BlockManager:
         if n > len(self._free) + len(self._free_cached):
             raise RuntimeError(f"allocate({n}) with only {self.num_free_pages} free pages")
         free, ref = self._free, self.ref_count
+        if n <= len(free):     # no eviction: the top n pages of the stack, in pop order, in C-level passes
+            if n <= 0:
+                return
+            if n == 1:
+                p = free.pop()
+                ref[p] = 1
+                table.append(p)
+                return
+            pages = free[:-n - 1:-1]
+            del free[-n:]
+            table += pages
+            _any(map(ref.__setitem__, pages, _repeat(1)))
+            return
         for _ in range(n):
             if free:
                 p = free.pop()
@@ -106,6 +123,13 @@ class BlockManager:
     def free(self, table: Sequence[int]) -> None:
         """Drop one reference to every page of `table` (tail first). The caller drops the table itself."""
         ref, key = self.ref_count, self.page_key
+        if len(table) > 1 and not self._key_to_page:
+            # No page holds a prefix-cache entry: a page whose last reference goes returns to the uncached stack.
+            # The common case, every page held once, in C-level passes.
+            if _getter(*table)(ref).count(1) == len(table):
+                self._free.extend(reversed(table))
+                _any(map(ref.__setitem__, table, _repeat(0)))
+                return
         for p in reversed(table):
             c = ref[p] - 1
             ref[p] = c

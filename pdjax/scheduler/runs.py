@@ -39,7 +39,7 @@ class DecodeRun:
     applies the first len(starts) planned ones."""
 
     __slots__ = ("sched", "decoders", "prefills", "count", "total", "limit", "steps", "_free", "_first", "_active",
-                 "_p_state", "_plan", "_done", "_left", "_admits")
+                 "_p_state", "_plan", "_done", "_left", "_admits", "_crossings")
 
     def __init__(self, sched, decoders: list, prefills: list, crossings: List[int], limit: int, free: int,
                  budget_left: int, admits: bool = False):
@@ -57,6 +57,7 @@ class DecodeRun:
         ps = sched._ps
         # decoders' page growth: decoder i grows at steps crossings[i], + page_size, ...; _first[j]: how many start
         # growing at step j, _active[j % page_size]: how many grow at step j once started
+        self._crossings = crossings
         first: dict = {}
         for j in crossings:
             first[j] = first.get(j, 0) + 1
@@ -158,11 +159,12 @@ class DecodeRun:
         ps = sched._ps
         decoders, prefills = self.decoders, self.prefills
         grow = []        # (step, 0: decode pass / 1: prefill pass, index, pages) in the order steps allocate
-        for i, req in enumerate(decoders):
-            j = len(req.page_table) * ps - req.num_computed_tokens
+        i = 0
+        for j in self._crossings:
             while j < k:
                 grow.append((j, 0, i, 1))
                 j += ps
+            i += 1
         plan = self._plan
         if prefills:
             for j in range(k):
