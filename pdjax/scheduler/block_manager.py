@@ -107,18 +107,25 @@ class BlockManager:
             ref[p] = 1
             table.append(p)
 
-    def allocate_one_each(self, tables: Sequence[List[int]]) -> None:
-        """`allocate(table, 1)` for each of `tables` in order (a table may repeat). The caller checks
-        `num_free_pages >= len(tables)`."""
-        if self._free_cached or len(tables) > len(self._free):
-            for table in tables:
-                self.allocate(table, 1)
+    def allocate_each(self, grants: Sequence[Tuple[List[int], int]]) -> None:
+        """`allocate(table, n)` for each (table, n) of `grants` in order (a table may repeat). The caller checks
+        `num_free_pages >= sum(n)`."""
+        free = self._free
+        if self._free_cached or sum(n for _, n in grants) > len(free):
+            for table, n in grants:
+                self.allocate(table, n)
             return
-        free, ref = self._free, self.ref_count
-        for table in tables:
-            p = free.pop()
-            ref[p] = 1
-            table.append(p)
+        ref = self.ref_count
+        for table, n in grants:
+            if n == 1:
+                p = free.pop()
+                ref[p] = 1
+                table.append(p)
+            elif n > 0:
+                pages = free[:-n - 1:-1]
+                del free[-n:]
+                table += pages
+                _any(map(ref.__setitem__, pages, _repeat(1)))
 
     def free(self, table: Sequence[int]) -> None:
         """Drop one reference to every page of `table` (tail first). The caller drops the table itself."""

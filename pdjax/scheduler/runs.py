@@ -173,11 +173,8 @@ class DecodeRun:
                         grow.append((j, 1, p, need))
         if grow:
             grow.sort()
-            tables = []
-            for _, kind, i, need in grow:
-                table = (prefills if kind else decoders)[i].page_table
-                tables.extend([table] * need)
-            sched.block_manager.allocate_one_each(tables)
+            sched.block_manager.allocate_each([((prefills if kind else decoders)[i].page_table, need)
+                                               for _, kind, i, need in grow])
         first_step = sched.step
         step = first_step + k
         max_len = sched._max_len
