@@ -405,7 +405,8 @@ class _Replicas:
         name = self.names[idx]
         step = len(its)
         if chunk_lists is None:
-            its += [IterationRecord(step + j, s, e, 0, count, count, name) for j, (s, e) in enumerate(zip(starts, ends))]
+            its += [IterationRecord(step + j, s, e, 0, count, count, name)
+                    for j, (s, e) in enumerate(zip(starts, ends))]
         else:
             for s, e, chunks in zip(starts, ends, chunk_lists):
                 if chunks:

@@ -192,9 +192,30 @@ class CachedIterationTime:
     def __init__(self, model: ModelSpec, hw: HardwareSpec, tp: int, params: CostParams):
         self.model, self.hw, self.tp, self.params = model, hw, tp, params
         self.plan = _plan(model, hw, tp, 1)
-        self._count_terms: dict = {}
+        self._by_count: dict = {}     # (tokens, seqs) -> (linear, elementwise, communication)
+        self._by_tokens: dict = {}    # tokens -> cost_model._token_components
+        self._lm_head: dict = {}      # seqs -> the LM head GEMM's seconds (roofline + fixed)
         self._launch: dict = {}
         self._decode_fns: dict = {}
+
+    def _count_terms(self, tokens: int, seqs: int):
+        """(linear, elementwise, communication) seconds of `_stage_components` for a batch of `tokens` tokens in
+        `seqs` sequences (they depend on nothing else): its own functions, cached per tokens and per seqs and
+        added as it adds them."""
+        terms = self._by_count.get((tokens, seqs))
+        if terms is not None:
+            return terms
+        p = self.params
+        tok = self._by_tokens.get(tokens)
+        if tok is None:
+            tok = self._by_tokens[tokens] = cm._token_components(tokens, self.plan, p, self.tp)
+        lm = self._lm_head.get(seqs)
+        if lm is None:
+            c, mem = cm._lm_head_terms(seqs, self.plan, p)
+            lm = self._lm_head[seqs] = (c if c > mem else mem) + p.kernel_fixed_s
+        linear, _, _, elementwise, comm = tok
+        terms = self._by_count[(tokens, seqs)] = (linear + lm, elementwise, comm)
+        return terms
 
     def __call__(self, batch: BatchComposition) -> float:
         tokens, seqs = batch.num_tokens, batch.num_seqs
@@ -202,11 +223,7 @@ class CachedIterationTime:
         overhead = cm.host_time(p, seqs, self.tp)
         if tokens == 0:
             return overhead
-        terms = self._count_terms.get((tokens, seqs))
-        if terms is None:
-            lin, ew, _, com, _, _ = cm._stage_components(batch, self.plan, p, self.tp)
-            terms = self._count_terms[(tokens, seqs)] = (lin, ew, com)
-        lin, ew, com = terms
+        lin, ew, com = self._count_terms(tokens, seqs)
         device = lin + ew + self._attention(batch) + com + 0.0
         if p.launch_overhead_s > 0:
             kinds = (bool(batch.prefills), bool(batch.decodes))
@@ -236,12 +253,7 @@ class CachedIterationTime:
         if count == 0:
             fn = self._decode_fns[count] = lambda total_context: overhead
             return fn
-        batch = BatchComposition((), ((count, 0),))
-        terms = self._count_terms.get((count, count))
-        if terms is None:
-            lin, ew, _, com, _, _ = cm._stage_components(batch, self.plan, p, self.tp)
-            terms = self._count_terms[(count, count)] = (lin, ew, com)
-        lin, ew, com = terms
+        lin, ew, com = self._count_terms(count, count)
         lin_ew = lin + ew
         plan = self.plan
         s = plan.shapes
@@ -271,6 +283,46 @@ class CachedIterationTime:
 
         self._decode_fns[count] = fn
         return fn
+
+    def chunked(self, chunks: Sequence[Tuple[int, int]], count: int, total_context: int) -> float:
+        """`self(composition)` of prefill `chunks` ((tokens, context before them), in batch order) and `count`
+        one-token decodes whose contexts sum to `total_context` (compact_composition's form of such a step),
+        bit-identical without building the composition: __call__'s terms in its order, the decode attention
+        aggregated by the mean context (total / count) as cost_model.decode_attention_time does."""
+        if not chunks:
+            return self.decode_fn(count)(total_context)
+        tokens = count
+        for n, _ in chunks:
+            tokens += n
+        seqs = len(chunks) + count
+        p = self.params
+        overhead = cm.host_time(p, seqs, self.tp)
+        lin, ew, com = self._count_terms(tokens, seqs)
+        plan = self.plan
+        sh = plan.shapes
+        peak, bw = plan.peak, plan.bandwidth
+        attention = 0.0
+        for chunk, context in chunks:
+            c, mem = cm.prefill_attention_terms(chunk, context, sh.heads, sh.kv_heads, sh.head_dim, sh.dtype_bytes,
+                                                peak, bw, p)
+            attention += c + mem
+        if count:
+            c, mem, per_item = cm.decode_attention_terms(count, total_context / count, sh.heads, sh.kv_heads,
+                                                         sh.head_dim, sh.dtype_bytes, peak, bw, p)
+            attention += (c if c > mem else mem) + per_item
+        attention += p.attn_prefill_fixed_s
+        if count:
+            attention += p.attn_decode_fixed_s
+        device = lin + ew + attention * plan.layers_per_stage + com + 0.0
+        if p.launch_overhead_s > 0:
+            kinds = (True, bool(count))
+            launch = self._launch.get(kinds)
+            if launch is None:
+                launch = self._launch[kinds] = p.launch_overhead_s * 1 * cm.kernels_per_iteration(
+                    plan.shapes, plan.layers_per_stage, self.tp, *kinds)
+            if launch > device:
+                device = launch
+        return device + overhead
 
     def _attention(self, batch: BatchComposition) -> float:
         plan, p = self.plan, self.params
@@ -423,10 +475,7 @@ class StepTime:
         """Seconds of a step of prefill `chunks` ((tokens, context before them), in batch order) and `count`
         one-token decodes whose num_computed_tokens sum to `total_context`, without padding, step context or
         noise: the unpadded `base` of such a step (the same compact composition)."""
-        if not count:
-            return self._cost(BatchComposition(tuple(chunks), ()))
-        q, r = divmod(total_context, count)
-        return self._cost(BatchComposition(tuple(chunks), ((count - r, q), (r, q + 1)) if r else ((count, q),)))
+        return self._cost.chunked(chunks, count, total_context)
 
     def base(self, out) -> float:
         """The step's own seconds (no step context)."""
@@ -434,6 +483,15 @@ class StepTime:
             news = out.num_new_tokens
             if True not in out.is_prefill and news.count(1) == len(news):    # decode only
                 return self._cost.decode_fn(len(news))(sum(out.num_computed_tokens))
+            chunks = []
+            count = total = 0
+            for is_prefill, start, new in zip(out.is_prefill, out.num_computed_tokens, news):
+                if is_prefill or new != 1:
+                    chunks.append((new, start))
+                else:
+                    count += 1
+                    total += start
+            return self._cost.chunked(chunks, count, total)
         else:
             batch = padded_composition(out, self.padding)
             # The padded composition's "sequences" are stand-ins for padded work; the host's per-sequence
