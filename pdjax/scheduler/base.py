@@ -330,6 +330,7 @@ class Scheduler:
         limit = max_steps
         decoders, prefills = [], []
         crossings = []      # per decoder: steps until it grows into a new page (0: in the run's first step)
+        lefts = []          # per decoder: the step of the run (1: its first) in which it finishes
         for req in running:
             if req.status is not RUNNING or PLACEHOLDER_TOKEN in req.stop_ids:
                 return None
@@ -343,9 +344,9 @@ class Scheduler:
                 return None
             # it finishes in the step that makes its outputs max_tokens or its tokens max_model_len
             left = req.max_tokens - len(req.output_token_ids)
-            if left < limit:
-                limit = left
-            left = max_len - len(req.all_token_ids)
+            left2 = max_len - len(req.all_token_ids)
+            if left2 < left:
+                left = left2
             if left < limit:
                 limit = left
             j = len(req.page_table) * ps - c
@@ -353,10 +354,11 @@ class Scheduler:
                 return None
             decoders.append(req)
             crossings.append(j)
+            lefts.append(left)
         if limit < 1 or len(decoders) > self._run_decode_budget(bool(prefills or self.waiting)):
             return None
         bm = self.block_manager
-        return DecodeRun(self, decoders, prefills, crossings, limit, len(bm._free) + len(bm._free_cached),
+        return DecodeRun(self, decoders, prefills, crossings, lefts, limit, len(bm._free) + len(bm._free_cached),
                          self._budget - len(decoders), bool(self.waiting) and not admit_blocked)
 
     # policy hooks of decode runs

@@ -39,10 +39,10 @@ class DecodeRun:
     applies the first len(starts) planned ones."""
 
     __slots__ = ("sched", "decoders", "prefills", "count", "total", "limit", "steps", "_free", "_first", "_active",
-                 "_p_state", "_plan", "_done", "_left", "_admits", "_crossings")
+                 "_p_state", "_plan", "_done", "_left", "_admits", "_crossings", "_lefts")
 
-    def __init__(self, sched, decoders: list, prefills: list, crossings: List[int], limit: int, free: int,
-                 budget_left: int, admits: bool = False):
+    def __init__(self, sched, decoders: list, prefills: list, crossings: List[int], lefts: List[int], limit: int,
+                 free: int, budget_left: int, admits: bool = False):
         self.sched = sched
         self.decoders = decoders          # running order
         self.prefills = prefills          # running order
@@ -58,6 +58,7 @@ class DecodeRun:
         # decoders' page growth: decoder i grows at steps crossings[i], + page_size, ...; _first[j]: how many start
         # growing at step j, _active[j % page_size]: how many grow at step j once started
         self._crossings = crossings
+        self._lefts = lefts               # per decoder: the step (1-based) in which it finishes
         first: dict = {}
         for j in crossings:
             first[j] = first.get(j, 0) + 1
@@ -187,8 +188,8 @@ class DecodeRun:
             req.token_times += ends
             req.schedule_times += starts
             req.sched_step = step
-            if len(req.output_token_ids) >= req.max_tokens or len(req.all_token_ids) >= max_len:
-                finished.append(req)
+        if k == self.limit:     # some decoder finishes in this step (the limit is the first finish)
+            finished = [req for req, left in zip(decoders, self._lefts) if left == k]
         for p, req in enumerate(prefills):
             last = -1
             c = req.num_computed_tokens

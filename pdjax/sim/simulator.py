@@ -58,7 +58,9 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import time
+from bisect import bisect_left
 from collections import deque
+from itertools import accumulate
 from typing import Callable, List, Optional, Sequence
 
 from pdjax.metrics import IterationRecord, RequestRecord, request_record
@@ -363,19 +365,34 @@ class _Replicas:
         starts, ends, seconds = [], [], []
         start = t
         chunk_lists = None
-        if not run.prefills:        # decodes only: every step planned at once, then only the clock to run
-            for _ in range(run.plan_decode_steps()):
-                if single and not start < arrival:
+        if not run.prefills:
+            # Decodes only: every step is planned at once; the clock runs in blocks, each step's end its start plus
+            # its seconds (accumulate adds left to right, as `start + d` step by step), step times >= 0 so the
+            # starts are sorted and the first step past the bound is found by bisection.
+            left = run.plan_decode_steps()
+            block = 16
+            while left:
+                m = block if block < left else left
+                ds = list(map(decode, range(total, total + m * count, count)))
+                clock = list(accumulate(ds, initial=start))     # clock[j]: start of block step j, clock[m]: end
+                if min(ds) < 0:      # a negative step time: the clock is not sorted, scan it in order
+                    ok = 0
+                    while ok < m and (clock[ok] < arrival if single else clock[ok + 1] < bound):
+                        ok += 1
+                elif single:
+                    ok = bisect_left(clock, arrival, 0, m)      # steps starting before the arrival
+                else:
+                    ok = bisect_left(clock, bound, 1, m + 1) - 1  # steps ending before the bound
+                if ok:
+                    starts += clock[:ok]
+                    ends += clock[1:ok + 1]
+                    seconds += ds[:ok]
+                    start = clock[ok]
+                    total += ok * count
+                if ok < m:
                     break
-                d = decode(total)
-                end = start + d
-                if not single and not end < bound:
-                    break
-                starts.append(start)
-                ends.append(end)
-                seconds.append(d)
-                start = end
-                total += count
+                left -= m
+                block = 64
         else:
             composition = step_time.composition
             chunk_lists = []
