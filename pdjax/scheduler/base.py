@@ -322,7 +322,7 @@ class Scheduler:
             return None
         # Waiting requests stay waiting if running is full (for the whole run: it only shrinks in its last step);
         # with a prefill pass, also in a step whose chunks leave no budget (DecodeRun.next_step checks that).
-        admit_blocked = len(running) >= self._max_seqs
+        admit_blocked = self._admission_blocked()
         if self.waiting and not admit_blocked and not self._run_prefills:
             return None
         ps = self._ps
@@ -367,6 +367,10 @@ class Scheduler:
     def _run_decode_budget(self, prefill_pending: bool) -> int:
         """Decodes the policy's decode pass takes at most in a run's step (with prefill work pending or not)."""
         return self._budget
+
+    def _admission_blocked(self) -> bool:
+        """No waiting request can be admitted in the run's steps, whatever the budget: running is full."""
+        return len(self.running) >= self._max_seqs
 
     def _decode_run_policy_ok(self) -> bool:
         """The policy's own conditions for a decode run (see decode_run_limit)."""

@@ -103,6 +103,9 @@ class DecodeFirstScheduler(Scheduler):
         left = self._decode_pass(out, now, self._budget, None)
         self._resume_swapped(out, left, now)
 
+    def _admission_blocked(self) -> bool:
+        return not self._forming or super()._admission_blocked()   # a sealed batch admits nothing
+
     def _after_decode_run(self) -> None:
         self._forming = False    # running requests and nothing to admit: the batch is sealed
 

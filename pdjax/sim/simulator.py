@@ -201,7 +201,8 @@ class _Replicas:
     A router with an `observe_step(instance, out)` method (a test-only router of pdjax.scheduler.routing that
     keeps its own load figures) is told every completed step; no other per-step routing work is done."""
 
-    def __init__(self, requests, instances, router, async_scheduling, sample, on_schedule, max_iterations):
+    def __init__(self, requests, instances, router, async_scheduling, sample, on_schedule, max_iterations,
+                 decode_runs: bool = True):
         self.instances = list(instances)
         self.router = router
         self.observe_step = getattr(router, "observe_step", None)
@@ -219,7 +220,7 @@ class _Replicas:
         # Decode runs (decode_run): nobody watches single steps (no on_schedule, no observing router), the
         # tokens are the placeholder, the synchronous loop; per instance one stage, one batch in flight and a
         # step time exact for decode-only steps from their counts.
-        plain = (not async_scheduling and on_schedule is None and self.observe_step is None
+        plain = (decode_runs and not async_scheduling and on_schedule is None and self.observe_step is None
                  and sample is placeholder_sample)
         self.decode_runs = [plain and inst.max_in_flight == 1 and inst.timer.stage_times is None
                             and bool(getattr(inst.step_time, "decode_only_exact", False))
@@ -508,7 +509,7 @@ def check_async_instances(instances: Sequence[SimInstance]) -> None:
 def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, *,
              async_scheduling: bool = False,
              sample: Callable = placeholder_sample, on_schedule: Optional[Callable] = None,
-             max_iterations: int = 50_000_000) -> SimResult:
+             max_iterations: int = 50_000_000, decode_runs: bool = True) -> SimResult:
     """Run `requests` (scheduler Requests, arrival_time in seconds) through `instances` until all finish.
 
     router(req, instances) -> instance (default round robin: pdjax.scheduler.routing.InstanceRouter).
@@ -516,7 +517,8 @@ def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, 
     sample(out) -> sampled ids (one per scheduled request, -1 where do_sample is False). on_schedule(instance,
     out, now) is called after every non-empty schedule() (tests use it to record the outputs). Raises
     RuntimeError when an instance has unfinished requests, schedules nothing and no arrival is left, or after
-    `max_iterations` iterations.
+    `max_iterations` iterations. decode_runs=False runs every step through schedule() and update() (the same
+    results, slower: _Replicas.decode_run).
     """
     if not instances:
         raise ValueError("simulate: no instances")
@@ -525,7 +527,8 @@ def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, 
     wall_start = time.perf_counter()
     if router is None:
         router = InstanceRouter("round_robin", instances, role="colocated")
-    state = _Replicas(requests, instances, router, async_scheduling, sample, on_schedule, max_iterations)
+    state = _Replicas(requests, instances, router, async_scheduling, sample, on_schedule, max_iterations,
+                      decode_runs)
     now = 0.0
     while True:
         t = state.next_event_time()
