@@ -159,19 +159,15 @@ class DecodeRun:
             return []
         ps = sched._ps
         decoders, prefills = self.decoders, self.prefills
-        grow = []        # (step, 0: decode pass / 1: prefill pass, index, pages) in the order steps allocate
-        i = 0
-        for j in self._crossings:
-            while j < k:
-                grow.append((j, 0, i, 1))
-                j += ps
-            i += 1
+        # page growth in the order the steps allocate: by step, decode pass (running order) before prefill pass
+        crossings = self._crossings
         plan = self._plan
+        if k <= ps:      # each decoder grows at most once
+            grow = [(j, 0, i, 1) for i, j in enumerate(crossings) if j < k]
+        else:
+            grow = [(j + m, 0, i, 1) for i, j in enumerate(crossings) for m in range(0, k - j, ps)]
         if prefills:
-            for j in range(k):
-                for p, _, need in plan[j]:
-                    if need:
-                        grow.append((j, 1, p, need))
+            grow += [(j, 1, p, need) for j in range(k) for p, _, need in plan[j] if need]
         if grow:
             grow.sort()
             sched.block_manager.allocate_each([((prefills if kind else decoders)[i].page_table, need)
