@@ -329,6 +329,7 @@ class Scheduler:
         max_len = self._max_len
         limit = max_steps
         decoders, prefills = [], []
+        total = 0
         crossings = []      # per decoder: steps until it grows into a new page (0: in the run's first step)
         lefts = []          # per decoder: the step of the run (1: its first) in which it finishes
         for req in running:
@@ -355,10 +356,11 @@ class Scheduler:
             decoders.append(req)
             crossings.append(j)
             lefts.append(left)
+            total += c
         if limit < 1 or len(decoders) > self._run_decode_budget(bool(prefills or self.waiting)):
             return None
         bm = self.block_manager
-        return DecodeRun(self, decoders, prefills, crossings, lefts, limit, len(bm._free) + len(bm._free_cached),
+        return DecodeRun(self, decoders, prefills, crossings, lefts, total, limit, len(bm._free) + len(bm._free_cached),
                          self._budget - len(decoders), bool(self.waiting) and not admit_blocked)
 
     # policy hooks of decode runs

@@ -41,30 +41,21 @@ class DecodeRun:
     __slots__ = ("sched", "decoders", "prefills", "count", "total", "limit", "steps", "_free", "_first", "_active",
                  "_p_state", "_plan", "_done", "_left", "_admits", "_crossings", "_lefts")
 
-    def __init__(self, sched, decoders: list, prefills: list, crossings: List[int], lefts: List[int], limit: int,
-                 free: int, budget_left: int, admits: bool = False):
+    def __init__(self, sched, decoders: list, prefills: list, crossings: List[int], lefts: List[int], total: int,
+                 limit: int, free: int, budget_left: int, admits: bool = False):
         self.sched = sched
         self.decoders = decoders          # running order
         self.prefills = prefills          # running order
         self.count = len(decoders)
-        total = 0
-        for req in decoders:
-            total += req.num_computed_tokens
-        self.total = total
+        self.total = total                # the decoders' num_computed_tokens, summed
         self.limit = limit                # steps at most (the first decoder to finish, the caller's max_steps)
         self.steps = 0                    # steps planned so far
         self._free = free                 # free pages not yet claimed by planned steps
-        ps = sched._ps
-        # decoders' page growth: decoder i grows at steps crossings[i], + page_size, ...; _first[j]: how many start
-        # growing at step j, _active[j % page_size]: how many grow at step j once started
-        self._crossings = crossings
+        self._crossings = crossings       # decoder i grows a page at steps crossings[i], + page_size, ...
         self._lefts = lefts               # per decoder: the step (1-based) in which it finishes
-        first: dict = {}
-        for j in crossings:
-            first[j] = first.get(j, 0) + 1
-        self._first = first
-        self._active = [0] * ps
-        self._p_state = [[r.num_computed_tokens, len(r.all_token_ids), len(r.page_table)] for r in prefills]
+        self._first = None                # next_step: how many decoders start growing at step j
+        self._active = None               # next_step: [j % page_size] how many grow at step j once started
+        self._p_state = None              # next_step: per prefill [computed, tokens, pages held]
         self._plan: List[Tuple[Tuple[int, int, int], ...]] = []    # per step: (prefill index, tokens, pages)
         self._done = False                # the last planned step completes a prefill: the run ends there
         self._left = budget_left          # tokens each step leaves the prefill pass
@@ -81,18 +72,17 @@ class DecodeRun:
             return 0
         limit = self.limit
         ps = self.sched._ps
-        first = self._first
-        if _pages_grown(first, limit, ps) > self._free:
+        crossings = self._crossings
+        if _pages_grown(crossings, limit, ps) > self._free:
             lo, hi = 0, limit      # the most steps whose page growth the free pages cover
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if _pages_grown(first, mid, ps) <= self._free:
+                if _pages_grown(crossings, mid, ps) <= self._free:
                     lo = mid
                 else:
                     hi = mid - 1
             limit = lo
-        self._plan.extend([()] * limit)
-        self.steps = limit
+        self.steps = limit       # (no chunks: apply reads no plan)
         self._done = True
         return limit
 
@@ -104,6 +94,13 @@ class DecodeRun:
         j = self.steps
         sched = self.sched
         ps = sched._ps
+        if self._first is None:
+            first: dict = {}
+            for c in self._crossings:
+                first[c] = first.get(c, 0) + 1
+            self._first = first
+            self._active = [0] * ps
+            self._p_state = [[r.num_computed_tokens, len(r.all_token_ids), len(r.page_table)] for r in self.prefills]
         active = self._active
         started = self._first.get(j)
         if started:
@@ -224,11 +221,11 @@ class DecodeRun:
 
 
 
-def _pages_grown(first: dict, steps: int, page_size: int) -> int:
-    """Pages the decoders grow into within `steps` steps; first[j]: how many grow first at step j (then every
-    page_size steps)."""
+def _pages_grown(crossings: Sequence[int], steps: int, page_size: int) -> int:
+    """Pages the decoders grow into within `steps` steps: one that grows first at step crossings[i] (0: the run's
+    first) grows every page_size steps from then on."""
     n = 0
-    for j, count in first.items():
+    for j in crossings:
         if j < steps:
-            n += count * (1 + (steps - 1 - j) // page_size)
+            n += 1 + (steps - 1 - j) // page_size
     return n
