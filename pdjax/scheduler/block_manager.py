@@ -107,6 +107,23 @@ class BlockManager:
             ref[p] = 1
             table.append(p)
 
+    def allocate_one_each(self, tables: Sequence[List[int]]) -> None:
+        """`allocate(table, 1)` for each of `tables` in order (a table may repeat). The caller checks
+        `num_free_pages >= len(tables)`."""
+        n = len(tables)
+        free = self._free
+        if not n:
+            return
+        if self._free_cached or n > len(free):
+            for table in tables:
+                self.allocate(table, 1)
+            return
+        pages = free[:-n - 1:-1]          # the pages n pops hand out, in order
+        del free[-n:]
+        for table, p in zip(tables, pages):
+            table.append(p)
+        _any(map(self.ref_count.__setitem__, pages, _repeat(1)))
+
     def allocate_each(self, grants: Sequence[Tuple[List[int], int]]) -> None:
         """`allocate(table, n)` for each (table, n) of `grants` in order (a table may repeat). The caller checks
         `num_free_pages >= sum(n)`."""

@@ -159,7 +159,13 @@ class DecodeRun:
         # page growth in the order the steps allocate: by step, decode pass (running order) before prefill pass
         crossings = self._crossings
         plan = self._plan
-        if k <= ps:      # each decoder grows at most once
+        if not prefills and k <= ps:     # each decoder grows at most once: by step, then running order
+            grown = [i for i, j in enumerate(crossings) if j < k]
+            if grown:
+                grown.sort(key=crossings.__getitem__)      # stable
+                sched.block_manager.allocate_one_each([decoders[i].page_table for i in grown])
+            grow = None
+        elif k <= ps:
             grow = [(j, 0, i, 1) for i, j in enumerate(crossings) if j < k]
         else:
             grow = [(j + m, 0, i, 1) for i, j in enumerate(crossings) for m in range(0, k - j, ps)]
