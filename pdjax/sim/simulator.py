@@ -371,7 +371,10 @@ class _Replicas:
             # its seconds (accumulate adds left to right, as `start + d` step by step), step times >= 0 so the
             # starts are sorted and the first step past the bound is found by bisection.
             left = run.plan_decode_steps()
-            block = 16
+            # First block: about the steps until the bound at the first step's time (steps only grow longer)
+            first = decode(total) if left else 0.0
+            gap = (arrival if single else bound) - start
+            block = left if gap == float("inf") or first <= 0 else max(1, int(gap / first) + 2)
             while left:
                 m = block if block < left else left
                 ds = list(map(decode, range(total, total + m * count, count)))
@@ -393,7 +396,7 @@ class _Replicas:
                 if ok < m:
                     break
                 left -= m
-                block = 64
+                block = 16
         else:
             composition = step_time.composition
             chunk_lists = []
