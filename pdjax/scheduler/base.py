@@ -36,6 +36,8 @@ Choices (the "why" of the hot path):
   request that would be spared at pp 1 is spared here too), which is what keeps two requests that do not fit
   together from preempting each other forever. With one batch in flight at a time (every output applied
   before the next schedule()) nothing is ever in flight at schedule() and every rule above is unchanged.
+- Decode runs (`decode_run`, pdjax.scheduler.runs): the simulator applies steps whose outcome is certain in
+  bulk, with exactly the state schedule() and update() would leave; the engine never uses them.
 """
 from __future__ import annotations
 

@@ -12,11 +12,14 @@ The engine never uses this; the simulator (pdjax.sim.simulator) does, where the 
 
 When a run is possible (Scheduler.decode_run): the policy is one of Scheduler.DECODE_RUN_CLASSES (exact classes:
 their schedule() in such a state is the decode pass over the running list, then, for a class with
-`_run_prefills`, its prefill pass); nothing waiting, swapped, handed off or in flight; no prefix caching (it would
-register pages in update()); no decoder's stop tokens include the placeholder. A run ends (its last step
-included) at the first step in which a request finishes or a prefill completes its prompt (it then samples and
-becomes a decoder: the next run takes it as one), and before a step whose page growth the free pages at the
-start of the run cannot cover (that step would preempt).
+`_run_prefills` (sarathi), its prefill pass); nothing swapped, handed off or in flight; no prefix caching (it
+would register pages in update()); no request's stop tokens include the placeholder; the decodes fit the policy's
+decode budget. Waiting requests are allowed only where they certainly stay waiting: running is full
+(`_admission_blocked`; decode_first: a sealed batch), or, with a prefill pass, in steps whose chunks leave no
+budget (a step that leaves some is not taken). A run ends (its last step included) at the first step in which a
+request finishes or a prefill completes its prompt (it then samples and becomes a decoder: the next run takes
+it as one), and before a step whose page growth the free pages at the start of the run cannot cover (that step
+would preempt).
 
 Per step, with D decoders whose contexts sum to `total` (it grows by D per step): the decode pass allocates a page
 to each decoder whose computed tokens reach its table's end (decoders in running order), then the prefill pass

@@ -48,7 +48,14 @@ context-free step time. Plain functions (one argument) are called as before.
 
 Speed and memory: the loop is a heap of completion times merged with the sorted arrival list; everything per
 iteration is the scheduler's own work plus one step-time call (see pdjax.sim.step_cost for the fast cost path),
-and no routing bookkeeping unless the router asks for it (`observe_step`). Requests may be given as
+and no routing bookkeeping unless the router asks for it (`observe_step`). Decode runs (`_Replicas.decode_run`,
+pdjax.scheduler.runs): where the next steps of an instance are certain (every running request decodes a token or
+takes its prefill chunk, nobody is admitted, preempted or finishes before the last of them) and nothing else in
+the simulation can come between them, they are applied in bulk, with the same scheduler state, step times,
+pipeline accounting and records as one by one (tests/test_decode_runs.py; `decode_runs=False` turns them off).
+They need the synchronous loop, one batch in flight on one stage, a step-time function exact for such steps from
+their counts (`decode_only_exact`: pdjax.sim.step_cost.StepTime without padding, step context or noise), the
+placeholder tokens, and no on_schedule / observe_step. Requests may be given as
 PendingRequests (pdjax.sim.build does): each becomes its scheduler Request when it arrives, and every request that
 finishes for good is turned into its RequestRecord at once and dropped (`SimRequests`), so a run holds the token
 lists of its live requests only, not of all of them (experiments/bench_sim.py measures both).
