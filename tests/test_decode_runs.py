@@ -15,10 +15,10 @@ from pdjax.config.scheduler import SchedulerConfig
 from pdjax.scheduler import Request, make_scheduler
 from pdjax.scheduler import runs as runs_module
 from pdjax.scheduler.routing import InstanceRouter
-from pdjax.sim.cost_model import BatchComposition, CostParams, iteration_time
+from pdjax.sim.cost_model import BatchComposition, CostParams, iteration_time, stage_times
 from pdjax.sim.hardware import get_hardware_spec
 from pdjax.sim.simulator import SimInstance, simulate
-from pdjax.sim.step_cost import CachedIterationTime, make_step_time
+from pdjax.sim.step_cost import CachedIterationTime, CachedStageTimes, make_step_time
 
 MODEL, HARDWARE = get_model_spec("mistral-7b"), get_hardware_spec("a100-80gb-sxm")
 
@@ -151,3 +151,18 @@ def test_decode_and_chunked_costs_equal_the_cost_model(model, hw, tp, launch):
         if not chunks:
             assert cached.decode_fn(count)(sum(contexts)) == reference
             assert cached.decode_only(count, sum(contexts)) == reference
+
+
+@pytest.mark.parametrize("model,hw,tp,pp,launch", [("llama-2-70b", "a100-80gb-sxm", 4, 2, 0.0),
+                                                   ("llama-2-13b", "a100-80gb-pcie", 1, 4, 3e-6),
+                                                   ("yi-34b", "h100-sxm", 2, 3, 0.0)])
+def test_cached_stage_times_equal_the_cost_model(model, hw, tp, pp, launch):
+    spec, hardware = get_model_spec(model), get_hardware_spec(hw)
+    params = CostParams(per_seq_overhead_s=3e-5, launch_overhead_s=launch, tp_sync_s=1e-5, attn_decode_fixed_s=5e-6)
+    cached = CachedStageTimes(spec, hardware, tp, pp, params)
+    rng = random.Random(pp)
+    for _ in range(300):
+        batch = BatchComposition(tuple((rng.randint(1, 512), rng.randint(0, 4000))
+                                       for _ in range(rng.choice([0, 0, 1, 2]))),
+                                 tuple((rng.randint(1, 8), rng.randint(0, 8000)) for _ in range(rng.randint(0, 4))))
+        assert cached(batch) == stage_times(batch, spec, hardware, tp, pp, params)
