@@ -153,3 +153,58 @@ def test_random_operations_keep_invariants():
         bm.free_host(s)
     bm.check_invariants()
     assert bm.num_free_pages == 32 and bm.num_free_host_pages == 16
+
+
+class OnePageAtATime:
+    """The pool rules written one page at a time (pop a page, push a page), the reference for the block
+    manager's batched allocate / allocate_each / allocate_one_each / free (no prefix caching)."""
+
+    def __init__(self, bm: BlockManager):
+        self.free, self.ref = list(bm._free), list(bm.ref_count)
+
+    def allocate(self, table, n):
+        for _ in range(n):
+            p = self.free.pop()
+            self.ref[p] = 1
+            table.append(p)
+
+    def release(self, table):
+        for p in reversed(table):
+            self.ref[p] -= 1
+            if self.ref[p] == 0:
+                self.free.append(p)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_batched_allocation_and_free_hand_out_the_same_pages(seed):
+    rng = random.Random(seed)
+    bm = BlockManager(80, 4)
+    rng.shuffle(bm._free)
+    ref = OnePageAtATime(bm)
+    tables, ref_tables = [[] for _ in range(6)], [[] for _ in range(6)]
+    for _ in range(200):
+        op = rng.random()
+        if op < 0.3:
+            i, n = rng.randrange(6), rng.randint(0, 6)
+            if n <= bm.num_free_pages:
+                bm.allocate(tables[i], n)
+                ref.allocate(ref_tables[i], n)
+        elif op < 0.5:
+            idx = [rng.randrange(6) for _ in range(rng.randint(0, 8))]
+            if len(idx) <= bm.num_free_pages:
+                bm.allocate_one_each([tables[i] for i in idx])
+                for i in idx:
+                    ref.allocate(ref_tables[i], 1)
+        elif op < 0.7:
+            grants = [(rng.randrange(6), rng.randint(0, 5)) for _ in range(rng.randint(0, 4))]
+            if sum(n for _, n in grants) <= bm.num_free_pages:
+                bm.allocate_each([(tables[i], n) for i, n in grants])
+                for i, n in grants:
+                    ref.allocate(ref_tables[i], n)
+        else:
+            i = rng.randrange(6)
+            bm.free(tables[i])
+            ref.release(ref_tables[i])
+            tables[i], ref_tables[i] = [], []
+        assert tables == ref_tables and bm._free == ref.free and bm.ref_count == ref.ref
+        bm.check_invariants(tables)

@@ -36,6 +36,8 @@ Choices (the "why" of the hot path):
   request that would be spared at pp 1 is spared here too), which is what keeps two requests that do not fit
   together from preempting each other forever. With one batch in flight at a time (every output applied
   before the next schedule()) nothing is ever in flight at schedule() and every rule above is unchanged.
+- Decode runs (`decode_run`, pdjax.scheduler.runs): the simulator applies steps whose outcome is certain in
+  bulk, with exactly the state schedule() and update() would leave; the engine never uses them.
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ from pdjax.config.scheduler import SchedulerConfig
 from pdjax.scheduler.block_manager import BlockManager, extend_page_keys
 from pdjax.scheduler.output import SchedulerOutput
 from pdjax.scheduler.request import Request, RequestStatus
+from pdjax.scheduler.runs import DecodeRun
 
 WAITING = RequestStatus.WAITING
 RUNNING = RequestStatus.RUNNING
@@ -303,6 +306,83 @@ class Scheduler:
             assert len(r.host_slots) == -(-r.num_computed_tokens // self._ps)
         assert len(self.running) <= self._max_seqs
 
+    # ---- decode runs (the simulator's fast path; the engine never calls these)
+    # The exact policy classes whose schedule(), with nothing waiting, swapped, in flight or in the prefill phase,
+    # is one decode token for every running request, in running order, and nothing else (set in policies.py; a
+    # subclass is not covered, since it may schedule differently).
+    DECODE_RUN_CLASSES: frozenset = frozenset()
+
+    def decode_run(self, max_steps: int) -> Optional[DecodeRun]:
+        """The decode run starting at the next step (pdjax.scheduler.runs: steps applied in bulk, the simulator's
+        fast path; the engine never calls this), at most `max_steps` steps; None when the state does not allow
+        one."""
+        if type(self) not in self.DECODE_RUN_CLASSES or not self._decode_run_policy_ok():
+            return None
+        running = self.running
+        if (not running or self.swapped or self._kv_ready or self._caching
+                or self._last_emitted > self._applied_step or self._removed_from_running):
+            return None
+        # Waiting requests stay waiting if running is full (for the whole run: it only shrinks in its last step);
+        # with a prefill pass, also in a step whose chunks leave no budget (DecodeRun.next_step checks that).
+        admit_blocked = self._admission_blocked()
+        if self.waiting and not admit_blocked and not self._run_prefills:
+            return None
+        ps = self._ps
+        max_len = self._max_len
+        limit = max_steps
+        decoders, prefills = [], []
+        total = 0
+        crossings = []      # per decoder: steps until it grows into a new page (0: in the run's first step)
+        lefts = []          # per decoder: the step of the run (1: its first) in which it finishes
+        for req in running:
+            if req.status is not RUNNING or PLACEHOLDER_TOKEN in req.stop_ids:
+                return None
+            c = req.num_computed_tokens
+            if c < req.prefill_end:
+                if not self._run_prefills:
+                    return None
+                prefills.append(req)
+                continue
+            if req.first_token_time is None:
+                return None
+            # it finishes in the step that makes its outputs max_tokens or its tokens max_model_len
+            left = req.max_tokens - len(req.output_token_ids)
+            left2 = max_len - len(req.all_token_ids)
+            if left2 < left:
+                left = left2
+            if left < limit:
+                limit = left
+            j = len(req.page_table) * ps - c
+            if j < 0:
+                return None
+            decoders.append(req)
+            crossings.append(j)
+            lefts.append(left)
+            total += c
+        if limit < 1 or len(decoders) > self._run_decode_budget(bool(prefills or self.waiting)):
+            return None
+        bm = self.block_manager
+        return DecodeRun(self, decoders, prefills, crossings, lefts, total, limit, len(bm._free) + len(bm._free_cached),
+                         self._budget - len(decoders), bool(self.waiting) and not admit_blocked)
+
+    # policy hooks of decode runs
+    _run_prefills = False    # the policy's step in a run also runs its prefill pass over running prefills
+
+    def _run_decode_budget(self, prefill_pending: bool) -> int:
+        """Decodes the policy's decode pass takes at most in a run's step (with prefill work pending or not)."""
+        return self._budget
+
+    def _admission_blocked(self) -> bool:
+        """No waiting request can be admitted in the run's steps, whatever the budget: running is full."""
+        return len(self.running) >= self._max_seqs
+
+    def _decode_run_policy_ok(self) -> bool:
+        """The policy's own conditions for a decode run (see decode_run_limit)."""
+        return True
+
+    def _after_decode_run(self) -> None:
+        """The policy state its decode steps leave (see apply_decode_run)."""
+
     # ---- disaggregation hooks (meaningful for prefill_only / decode_only)
     def held_page_table(self, request_id: str) -> List[int]:
         """prefill_only: the pages holding a handed-off request's KV (the transfer's source)."""
@@ -374,8 +454,11 @@ class Scheduler:
 
     def _prefill_chunk(self, req: Request, budget_left: int) -> int:
         """Tokens of `req`'s remaining prefill to schedule given `budget_left` (0: none this step)."""
-        c = req.num_computed_tokens
-        rem = len(req.all_token_ids) - c
+        return self._chunk_size(req.num_computed_tokens, len(req.all_token_ids), budget_left)
+
+    def _chunk_size(self, c: int, tokens: int, budget_left: int) -> int:
+        """Tokens of a prefill with `c` of its `tokens` computed to schedule given `budget_left` (0: none)."""
+        rem = tokens - c
         n = rem if rem < budget_left else budget_left
         cap = self._chunk_cap
         if cap and n > cap:

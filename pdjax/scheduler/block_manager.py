@@ -21,7 +21,11 @@ Choices:
 """
 from __future__ import annotations
 
+from itertools import repeat as _repeat
+from operator import itemgetter as _getter
 from typing import Dict, Iterable, List, Sequence, Tuple
+
+_any = any
 
 
 def extend_page_keys(keys: list, tokens: Sequence[int], page_size: int, num_pages: int) -> None:
@@ -78,6 +82,19 @@ class BlockManager:
         if n > len(self._free) + len(self._free_cached):
             raise RuntimeError(f"allocate({n}) with only {self.num_free_pages} free pages")
         free, ref = self._free, self.ref_count
+        if n <= len(free):     # no eviction: the top n pages of the stack, in pop order, in C-level passes
+            if n <= 0:
+                return
+            if n == 1:
+                p = free.pop()
+                ref[p] = 1
+                table.append(p)
+                return
+            pages = free[:-n - 1:-1]
+            del free[-n:]
+            table += pages
+            _any(map(ref.__setitem__, pages, _repeat(1)))
+            return
         for _ in range(n):
             if free:
                 p = free.pop()
@@ -90,9 +107,53 @@ class BlockManager:
             ref[p] = 1
             table.append(p)
 
+    def allocate_one_each(self, tables: Sequence[List[int]]) -> None:
+        """`allocate(table, 1)` for each of `tables` in order (a table may repeat). The caller checks
+        `num_free_pages >= len(tables)`."""
+        n = len(tables)
+        free = self._free
+        if not n:
+            return
+        if self._free_cached or n > len(free):
+            for table in tables:
+                self.allocate(table, 1)
+            return
+        pages = free[:-n - 1:-1]          # the pages n pops hand out, in order
+        del free[-n:]
+        for table, p in zip(tables, pages):
+            table.append(p)
+        _any(map(self.ref_count.__setitem__, pages, _repeat(1)))
+
+    def allocate_each(self, grants: Sequence[Tuple[List[int], int]]) -> None:
+        """`allocate(table, n)` for each (table, n) of `grants` in order (a table may repeat). The caller checks
+        `num_free_pages >= sum(n)`."""
+        free = self._free
+        if self._free_cached or sum(n for _, n in grants) > len(free):
+            for table, n in grants:
+                self.allocate(table, n)
+            return
+        ref = self.ref_count
+        for table, n in grants:
+            if n == 1:
+                p = free.pop()
+                ref[p] = 1
+                table.append(p)
+            elif n > 0:
+                pages = free[:-n - 1:-1]
+                del free[-n:]
+                table += pages
+                _any(map(ref.__setitem__, pages, _repeat(1)))
+
     def free(self, table: Sequence[int]) -> None:
         """Drop one reference to every page of `table` (tail first). The caller drops the table itself."""
         ref, key = self.ref_count, self.page_key
+        if len(table) > 1 and not self._key_to_page:
+            # No page holds a prefix-cache entry: a page whose last reference goes returns to the uncached stack.
+            # The common case, every page held once, in C-level passes.
+            if _getter(*table)(ref).count(1) == len(table):
+                self._free.extend(reversed(table))
+                _any(map(ref.__setitem__, table, _repeat(0)))
+                return
         for p in reversed(table):
             c = ref[p] - 1
             ref[p] = c

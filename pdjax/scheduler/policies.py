@@ -103,6 +103,12 @@ class DecodeFirstScheduler(Scheduler):
         left = self._decode_pass(out, now, self._budget, None)
         self._resume_swapped(out, left, now)
 
+    def _admission_blocked(self) -> bool:
+        return not self._forming or super()._admission_blocked()   # a sealed batch admits nothing
+
+    def _after_decode_run(self) -> None:
+        self._forming = False    # running requests and nothing to admit: the batch is sealed
+
 
 class SarathiScheduler(Scheduler):
     """Stall-free batching: decodes first, then prefill chunks in what the decodes leave."""
@@ -124,6 +130,15 @@ class SarathiScheduler(Scheduler):
         budget -= self._resume_swapped(out, budget, now, max_decodes=left if guard else None)
         budget -= self._admit_waiting(out, budget, now)
         return budget
+
+    _run_prefills = True
+
+    def _decode_run_policy_ok(self) -> bool:
+        return self.config.decode_batches <= 1
+
+    def _run_decode_budget(self, prefill_pending: bool) -> int:
+        guard = self.config.min_prefill_tokens
+        return self._budget - guard if guard and prefill_pending else self._budget
 
 
 class ChunkedOnlyScheduler(Scheduler):
@@ -155,6 +170,9 @@ class ChunkedOnlyScheduler(Scheduler):
                 self._prefill_turn = not prefill
                 return
         self._prefill_turn = True
+
+    def _after_decode_run(self) -> None:
+        self._prefill_turn = True   # a decode turn ran (after an empty prefill turn, if it was that one's turn)
 
     def _run_prefill_turn(self, out: SchedulerOutput, now: float) -> bool:
         prefills = [r for r in self.running if r.num_computed_tokens < r.prefill_end]
@@ -295,6 +313,13 @@ class VllmV1Scheduler(Scheduler):
                 counts[1] += int(r.is_long_prefill)
         budget -= self._resume_swapped(out, budget, now, prefill_counts=counts, max_decodes=max_decodes)
         self._admit_limited(out, budget, now, counts)
+
+    def _run_decode_budget(self, prefill_pending: bool) -> int:
+        guard = self.config.min_prefill_tokens
+        return self._budget - guard if guard and prefill_pending else self._budget
+
+    def _after_decode_run(self) -> None:   # as its steps set it
+        self._chunk_cap = self._long if len(self.running) + len(self.waiting) + len(self.swapped) > 1 else 0
 
     def _grow_or_preempt(self, out: SchedulerOutput, req: Request, n: int, now: float):
         """Pages for `n` more tokens of running `req`, preempting by vLLM's rule while the pool is short; emits
@@ -464,6 +489,11 @@ POLICY_CLASSES: Dict[str, Type[Scheduler]] = {
                               ChunkedOnlyScheduler, ChunkedPrefillFirstScheduler, VllmV1Scheduler,
                               PrefillOnlyScheduler, DecodeOnlyScheduler)
 }
+
+
+# Policies whose steady decode steps Scheduler.apply_decode_run may apply in bulk (exact classes, see there).
+Scheduler.DECODE_RUN_CLASSES = frozenset((VllmV0Scheduler, OrcaScheduler, DecodeFirstScheduler, SarathiScheduler,
+                                          ChunkedOnlyScheduler, ChunkedPrefillFirstScheduler, VllmV1Scheduler))
 
 
 def make_scheduler(config: SchedulerConfig) -> Scheduler:

@@ -14,6 +14,7 @@ starting before it is a prefill chunk, anything after is a decode.
 from __future__ import annotations
 
 import enum
+import functools
 from typing import List, Optional, Sequence
 
 from pdjax.config.sampling import SamplingParams
@@ -115,7 +116,12 @@ def request_from_workload(wr, *, eos_token_id: int = -1, offline: bool = False, 
     """A Request from a workload request (pdjax.workload.WorkloadRequest or anything with request_id,
     prompt_token_ids, max_tokens, arrival_time): greedy unless a temperature is given, stopping at
     `eos_token_id` when it is >= 0, arriving at 0 when offline. The engine and the simulator both use it."""
-    sampling = SamplingParams(temperature=temperature, seed=seed, max_tokens=int(wr.max_tokens),
-                              stop_token_ids=(eos_token_id,) if eos_token_id >= 0 else ())
-    return Request(str(wr.request_id), list(wr.prompt_token_ids), sampling,
-                   0.0 if offline else float(wr.arrival_time))
+    sampling = _sampling(temperature, seed, int(wr.max_tokens), (eos_token_id,) if eos_token_id >= 0 else ())
+    return Request(str(wr.request_id), wr.prompt_token_ids, sampling, 0.0 if offline else float(wr.arrival_time))
+
+
+@functools.lru_cache(maxsize=4096, typed=True)
+def _sampling(temperature, seed, max_tokens: int, stop_token_ids: tuple) -> SamplingParams:
+    """One SamplingParams per distinct value (frozen, so requests may share it; checking its fields is most of
+    what making a request from a workload request costs)."""
+    return SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens, stop_token_ids=stop_token_ids)

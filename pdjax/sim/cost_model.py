@@ -537,8 +537,20 @@ def _stage_components(batch: BatchComposition, plan: _Plan, params: CostParams, 
     """(linear, elementwise, attention, tp comm, flops-term, memory-term) seconds of one microbatch through the
     bottleneck stage (its layers, plus embedding and LM head)."""
     s = plan.shapes
+    linear, flops_s, memory_s, elementwise, comm = _token_components(batch.num_tokens, plan, params, tp)
+    c, mem = _lm_head_terms(batch.num_seqs, plan, params)
+    linear += (c if c > mem else mem) + params.kernel_fixed_s
+    flops_s += c
+    memory_s += mem
+    attention = plan.layers_per_stage * layer_attention_time(batch, s, plan.peak, plan.bandwidth, params)
+    return linear, elementwise, attention, comm, flops_s, memory_s
+
+
+def _token_components(tokens: int, plan: _Plan, params: CostParams, tp: int):
+    """The terms of `_stage_components` that depend on the token count alone: (the layers' GEMMs, their flops
+    and memory terms, element-wise kernels, TP communication) seconds."""
+    s = plan.shapes
     peak, bw = plan.peak, plan.bandwidth
-    tokens = batch.num_tokens
     layers = plan.layers_per_stage
     linear = flops_s = memory_s = 0.0
     for (k, m), bias in zip(s.gemms, s.gemm_bias):
@@ -549,23 +561,21 @@ def _stage_components(batch: BatchComposition, plan: _Plan, params: CostParams, 
     linear *= layers
     flops_s *= layers
     memory_s *= layers
-    c, mem = gemm_terms(batch.num_seqs, s.lm_head[0], s.lm_head[1], s.dtype_bytes, peak, bw, plan.compute_units,
-                        params)
-    linear += (c if c > mem else mem) + params.kernel_fixed_s
-    flops_s += c
-    memory_s += mem
-
     elementwise = layers * sum(elementwise_time(tokens, nbytes, kind, bw, params)
                                for kind, nbytes in s.layer_elementwise)
     elementwise += elementwise_time(tokens, s.embedding_bytes_per_token, "embedding", bw, params)
-
-    attention = layers * layer_attention_time(batch, s, peak, bw, params)
-
     comm = 0.0
     if tp > 1:
         comm = layers * 2 * allreduce_time(tokens * s.hidden * s.dtype_bytes, tp, plan.tp_link[0], plan.tp_link[1],
                                            params, plan.tp_kind, plan.tp_nics)
-    return linear, elementwise, attention, comm, flops_s, memory_s
+    return linear, flops_s, memory_s, elementwise, comm
+
+
+def _lm_head_terms(seqs: int, plan: _Plan, params: CostParams):
+    """(flops s, memory s) of the LM head GEMM for `seqs` sequences (one row each)."""
+    s = plan.shapes
+    return gemm_terms(seqs, s.lm_head[0], s.lm_head[1], s.dtype_bytes, plan.peak, plan.bandwidth, plan.compute_units,
+                      params)
 
 
 def layer_attention_time(batch, s, peak: float, bw: float, params: CostParams) -> float:

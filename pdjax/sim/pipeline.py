@@ -146,6 +146,28 @@ class StagePipeline:
         self.queue.push(out, (t, end))
         return end
 
+    def run_serial(self, starts: Sequence[float], ends: Sequence[float], seconds: Sequence[float]) -> None:
+        """The accounting of batches run one at a time on a one-stage pipeline with an empty queue: batch j
+        dispatched at starts[j] on a free stage, taking seconds[j] and collected at its end ends[j] ==
+        starts[j] + seconds[j] (the simulator's decode runs): bit-identical to dispatch() then collect() for
+        each, without the SchedulerOutputs."""
+        if self.queue or len(self.stage_free) > 1:
+            raise ValueError("StagePipeline.run_serial: needs a one-stage pipeline with no batch in flight")
+        if not starts:
+            return
+        if not self.stage_free:
+            self.stage_free = [0.0]
+            self.stage_busy = [0.0]
+        busy, in_flight, active = self.stage_busy[0], self.in_flight_s, self.active_s
+        for start, end, d in zip(starts, ends, seconds):
+            busy += d
+            in_flight += end - start
+            active += end - start
+        self.stage_busy[0], self.in_flight_s, self.active_s = busy, in_flight, active
+        self.stage_free[0] = ends[-1]
+        self._active_since = starts[-1]
+        self.queue.num_pushed += len(starts)
+
     def collect(self, t: float) -> Tuple[Any, float, float]:
         """Pop the oldest batch, collected (applied) at t >= its end; returns (out, dispatch time, end time)."""
         out, (start, end) = self.queue.pop()

@@ -48,7 +48,14 @@ context-free step time. Plain functions (one argument) are called as before.
 
 Speed and memory: the loop is a heap of completion times merged with the sorted arrival list; everything per
 iteration is the scheduler's own work plus one step-time call (see pdjax.sim.step_cost for the fast cost path),
-and no routing bookkeeping unless the router asks for it (`observe_step`). Requests may be given as
+and no routing bookkeeping unless the router asks for it (`observe_step`). Decode runs (`_Replicas.decode_run`,
+pdjax.scheduler.runs): where the next steps of an instance are certain (every running request decodes a token or
+takes its prefill chunk, nobody is admitted, preempted or finishes before the last of them) and nothing else in
+the simulation can come between them, they are applied in bulk, with the same scheduler state, step times,
+pipeline accounting and records as one by one (tests/test_decode_runs.py; `decode_runs=False` turns them off).
+They need the synchronous loop, one batch in flight on one stage, a step-time function exact for such steps from
+their counts (`decode_only_exact`: pdjax.sim.step_cost.StepTime without padding, step context or noise), the
+placeholder tokens, and no on_schedule / observe_step. Requests may be given as
 PendingRequests (pdjax.sim.build does): each becomes its scheduler Request when it arrives, and every request that
 finishes for good is turned into its RequestRecord at once and dropped (`SimRequests`), so a run holds the token
 lists of its live requests only, not of all of them (experiments/bench_sim.py measures both).
@@ -58,7 +65,9 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import time
+from bisect import bisect_left
 from collections import deque
+from itertools import accumulate
 from typing import Callable, List, Optional, Sequence
 
 from pdjax.metrics import IterationRecord, RequestRecord, request_record
@@ -199,7 +208,8 @@ class _Replicas:
     A router with an `observe_step(instance, out)` method (a test-only router of pdjax.scheduler.routing that
     keeps its own load figures) is told every completed step; no other per-step routing work is done."""
 
-    def __init__(self, requests, instances, router, async_scheduling, sample, on_schedule, max_iterations):
+    def __init__(self, requests, instances, router, async_scheduling, sample, on_schedule, max_iterations,
+                 decode_runs: bool = True):
         self.instances = list(instances)
         self.router = router
         self.observe_step = getattr(router, "observe_step", None)
@@ -214,6 +224,14 @@ class _Replicas:
         self.names = [inst.name if multi else "" for inst in self.instances]
         self.waking = [False] * len(self.instances)     # ready to run its loop at the current time
         self.index_of = {id(inst): i for i, inst in enumerate(self.instances)}
+        # Decode runs (decode_run): nobody watches single steps (no on_schedule, no observing router), the
+        # tokens are the placeholder, the synchronous loop; per instance one stage, one batch in flight and a
+        # step time exact for decode-only steps from their counts.
+        plain = (decode_runs and not async_scheduling and on_schedule is None and self.observe_step is None
+                 and sample is placeholder_sample)
+        self.decode_runs = [plain and inst.max_in_flight == 1 and inst.timer.stage_times is None
+                            and bool(getattr(inst.step_time, "decode_only_exact", False))
+                            for inst in self.instances]
 
     # ------------------------------------------------------------------------------------------- events
     def next_event_time(self) -> float:
@@ -292,6 +310,7 @@ class _Replicas:
         batch in flight or has to wait for an arrival."""
         inst = self.instances[idx]
         sched, pipe, admit, on_schedule = inst.scheduler, inst.pipeline, self.admit, self.on_schedule
+        runs = self.decode_runs[idx]
         while True:
             if not sched.has_unfinished():
                 if not admit(inst, t):
@@ -299,6 +318,11 @@ class _Replicas:
                 continue
             if not pipe.full:
                 admit(inst, t)
+                if runs and not pipe:
+                    end = self.decode_run(idx, t)
+                    if end is not None:
+                        t = end
+                        continue
                 out = sched.schedule(t)
                 if not out.is_empty:
                     admit(inst, t)
@@ -315,6 +339,114 @@ class _Replicas:
             inst.in_flight = (out, start)
             heapq.heappush(self.completions, (end if end > t else t, idx))
             return
+
+    def decode_run(self, idx: int, t: float) -> Optional[float]:
+        """Run instance `idx`'s next steps at once while they are a decode run (pdjax.scheduler.runs: every running
+        request decodes one token or takes its prefill chunk, no preemption, no admission; requests finish and
+        prompts complete only in the run's last step) that the rest of the simulation cannot interleave with: the
+        steps this loop would run one by one, with the same scheduler state (DecodeRun.apply), step times (the
+        step-time function's `decode_only` / `composition`), pipeline accounting (StagePipeline.run_serial) and
+        iteration records, without building their SchedulerOutputs. Returns the end of the last step, the loop
+        goes on from there as after that step's completion event; None when no step qualifies.
+
+        Which steps: with one instance, every step scheduled before the next arrival (the last one may end after
+        it: the arrival is routed at that end, before the loop goes on, as the event loop would: it only joins
+        the inbox while the step runs); with several, only steps that end before any other event (an arrival,
+        another instance's completion), and none while another instance still has to run its loop at t."""
+        inst = self.instances[idx]
+        sched = inst.scheduler
+        run = sched.decode_run(self.max_iterations - len(self.iterations))
+        if run is None:
+            return None
+        waking = self.waking
+        single = len(waking) == 1
+        if not single and any(w for i, w in enumerate(waking) if i != idx):
+            return None
+        pending = self.pending
+        arrival = pending[self.next_arrival].arrival_time if self.next_arrival < len(pending) else float("inf")
+        bound = arrival
+        if self.completions and self.completions[0][0] < bound:
+            bound = self.completions[0][0]
+        count, total = run.count, run.total
+        step_time = inst.step_time
+        decode = step_time.decode_fn(count)
+        starts, ends, seconds = [], [], []
+        start = t
+        chunk_lists = None
+        if not run.prefills:
+            # Decodes only: every step is planned at once; the clock runs in blocks, each step's end its start plus
+            # its seconds (accumulate adds left to right, as `start + d` step by step), step times >= 0 so the
+            # starts are sorted and the first step past the bound is found by bisection.
+            left = run.plan_decode_steps()
+            # First block: about the steps until the bound at the first step's time (steps only grow longer)
+            first = decode(total) if left else 0.0
+            gap = (arrival if single else bound) - start
+            block = left if gap == float("inf") or first <= 0 else max(1, int(gap / first) + 2)
+            while left:
+                m = block if block < left else left
+                ds = list(map(decode, range(total, total + m * count, count)))
+                clock = list(accumulate(ds, initial=start))     # clock[j]: start of block step j, clock[m]: end
+                if min(ds) < 0:      # a negative step time: the clock is not sorted, scan it in order
+                    ok = 0
+                    while ok < m and (clock[ok] < arrival if single else clock[ok + 1] < bound):
+                        ok += 1
+                elif single:
+                    ok = bisect_left(clock, arrival, 0, m)      # steps starting before the arrival
+                else:
+                    ok = bisect_left(clock, bound, 1, m + 1) - 1  # steps ending before the bound
+                if ok:
+                    starts += clock[:ok]
+                    ends += clock[1:ok + 1]
+                    seconds += ds[:ok]
+                    start = clock[ok]
+                    total += ok * count
+                if ok < m:
+                    break
+                left -= m
+                block = 16
+        else:
+            composition = step_time.composition
+            chunk_lists = []
+            while True:
+                if single and not start < arrival:
+                    break
+                chunks = run.next_step()
+                if chunks is None:
+                    break
+                d = composition(count, total, chunks) if chunks else decode(total)
+                end = start + d
+                if not single and not end < bound:
+                    break
+                starts.append(start)
+                ends.append(end)
+                seconds.append(d)
+                chunk_lists.append(chunks)
+                start = end
+                total += count
+        if not starts:
+            return None
+        finished = run.apply(starts, ends)
+        if finished:
+            self.requests.finished(finished, sched)
+        inst.pipeline.run_serial(starts, ends, seconds)
+        its = self.iterations
+        name = self.names[idx]
+        step = len(its)
+        if chunk_lists is None:
+            its += [IterationRecord(step + j, s, e, 0, count, count, name)
+                    for j, (s, e) in enumerate(zip(starts, ends))]
+        else:
+            for s, e, chunks in zip(starts, ends, chunk_lists):
+                if chunks:
+                    its.append(IterationRecord(step, s, e, sum(n for n, _ in chunks), count, count + len(chunks),
+                                               name))
+                else:
+                    its.append(IterationRecord(step, s, e, 0, count, count, name))
+                step += 1
+        if single and not start < arrival:
+            self.route_arrivals(start)     # arrived while the run's last step ran
+            self.waking[idx] = False
+        return start
 
     def run_async(self, idx: int, t: float) -> None:
         """The engine's async loop of instance `idx` from host time t, until the host blocks on a step or waits.
@@ -387,7 +519,7 @@ def check_async_instances(instances: Sequence[SimInstance]) -> None:
 def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, *,
              async_scheduling: bool = False,
              sample: Callable = placeholder_sample, on_schedule: Optional[Callable] = None,
-             max_iterations: int = 50_000_000) -> SimResult:
+             max_iterations: int = 50_000_000, decode_runs: bool = True) -> SimResult:
     """Run `requests` (scheduler Requests, arrival_time in seconds) through `instances` until all finish.
 
     router(req, instances) -> instance (default round robin: pdjax.scheduler.routing.InstanceRouter).
@@ -395,7 +527,8 @@ def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, 
     sample(out) -> sampled ids (one per scheduled request, -1 where do_sample is False). on_schedule(instance,
     out, now) is called after every non-empty schedule() (tests use it to record the outputs). Raises
     RuntimeError when an instance has unfinished requests, schedules nothing and no arrival is left, or after
-    `max_iterations` iterations.
+    `max_iterations` iterations. decode_runs=False runs every step through schedule() and update() (the same
+    results, slower: _Replicas.decode_run).
     """
     if not instances:
         raise ValueError("simulate: no instances")
@@ -404,7 +537,8 @@ def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, 
     wall_start = time.perf_counter()
     if router is None:
         router = InstanceRouter("round_robin", instances, role="colocated")
-    state = _Replicas(requests, instances, router, async_scheduling, sample, on_schedule, max_iterations)
+    state = _Replicas(requests, instances, router, async_scheduling, sample, on_schedule, max_iterations,
+                      decode_runs)
     now = 0.0
     while True:
         t = state.next_event_time()

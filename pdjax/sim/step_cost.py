@@ -192,8 +192,30 @@ class CachedIterationTime:
     def __init__(self, model: ModelSpec, hw: HardwareSpec, tp: int, params: CostParams):
         self.model, self.hw, self.tp, self.params = model, hw, tp, params
         self.plan = _plan(model, hw, tp, 1)
-        self._count_terms: dict = {}
+        self._by_count: dict = {}     # (tokens, seqs) -> (linear, elementwise, communication)
+        self._by_tokens: dict = {}    # tokens -> cost_model._token_components
+        self._lm_head: dict = {}      # seqs -> the LM head GEMM's seconds (roofline + fixed)
         self._launch: dict = {}
+        self._decode_fns: dict = {}
+
+    def _count_terms(self, tokens: int, seqs: int):
+        """(linear, elementwise, communication) seconds of `_stage_components` for a batch of `tokens` tokens in
+        `seqs` sequences (they depend on nothing else): its own functions, cached per tokens and per seqs and
+        added as it adds them."""
+        terms = self._by_count.get((tokens, seqs))
+        if terms is not None:
+            return terms
+        p = self.params
+        tok = self._by_tokens.get(tokens)
+        if tok is None:
+            tok = self._by_tokens[tokens] = cm._token_components(tokens, self.plan, p, self.tp)
+        lm = self._lm_head.get(seqs)
+        if lm is None:
+            c, mem = cm._lm_head_terms(seqs, self.plan, p)
+            lm = self._lm_head[seqs] = (c if c > mem else mem) + p.kernel_fixed_s
+        linear, _, _, elementwise, comm = tok
+        terms = self._by_count[(tokens, seqs)] = (linear + lm, elementwise, comm)
+        return terms
 
     def __call__(self, batch: BatchComposition) -> float:
         tokens, seqs = batch.num_tokens, batch.num_seqs
@@ -201,11 +223,7 @@ class CachedIterationTime:
         overhead = cm.host_time(p, seqs, self.tp)
         if tokens == 0:
             return overhead
-        terms = self._count_terms.get((tokens, seqs))
-        if terms is None:
-            lin, ew, _, com, _, _ = cm._stage_components(batch, self.plan, p, self.tp)
-            terms = self._count_terms[(tokens, seqs)] = (lin, ew, com)
-        lin, ew, com = terms
+        lin, ew, com = self._count_terms(tokens, seqs)
         device = lin + ew + self._attention(batch) + com + 0.0
         if p.launch_overhead_s > 0:
             kinds = (bool(batch.prefills), bool(batch.decodes))
@@ -213,6 +231,95 @@ class CachedIterationTime:
             if launch is None:
                 launch = self._launch[kinds] = p.launch_overhead_s * 1 * cm.kernels_per_iteration(
                     self.plan.shapes, self.plan.layers_per_stage, self.tp, *kinds)
+            if launch > device:
+                device = launch
+        return device + overhead
+
+    def decode_only(self, count: int, total_context: int) -> float:
+        """`self(composition)` of `count` one-token decodes whose contexts sum to `total_context` (what
+        compact_composition makes of a decode-only SchedulerOutput), bit-identical: `decode_fn(count)`."""
+        return self.decode_fn(count)(total_context)
+
+    def decode_fn(self, count: int) -> Callable[[int], float]:
+        """total_context -> `self(composition)` of `count` one-token decodes whose contexts sum to total_context,
+        bit-identical without building the composition: every term that depends on the count alone is computed
+        once (cached per count), and the decode attention (aggregated by the mean context, total / count) is
+        `cost_model.decode_attention_terms`' arithmetic, operation for operation (tests check the equality)."""
+        fn = self._decode_fns.get(count)
+        if fn is not None:
+            return fn
+        p = self.params
+        overhead = cm.host_time(p, count, self.tp)
+        if count == 0:
+            fn = self._decode_fns[count] = lambda total_context: overhead
+            return fn
+        lin, ew, com = self._count_terms(count, count)
+        lin_ew = lin + ew
+        plan = self.plan
+        s = plan.shapes
+        heads, kv_heads, head_dim, dtype_bytes = s.heads, s.kv_heads, s.head_dim, s.dtype_bytes
+        flops_per_visible = 4.0 * heads * head_dim * count          # decode_attention_terms: flops, left to right
+        q_bytes = 2 * heads * head_dim
+        flops_rate = plan.peak * p.attn_flops_efficiency
+        bytes_rate = plan.bandwidth * p.attn_bandwidth_efficiency
+        per_item = count * heads * p.attn_seq_head_s
+        fixed = p.attn_decode_fixed_s
+        layers = plan.layers_per_stage
+        launch = 0.0
+        if p.launch_overhead_s > 0:
+            launch = self._launch.get((False, True))
+            if launch is None:
+                launch = self._launch[(False, True)] = p.launch_overhead_s * 1 * cm.kernels_per_iteration(
+                    plan.shapes, plan.layers_per_stage, self.tp, False, True)
+
+        def fn(total_context: int) -> float:
+            visible = total_context / count + 1
+            c = flops_per_visible * visible / flops_rate
+            mem = count * (visible * 2 * kv_heads * head_dim + q_bytes) * dtype_bytes / bytes_rate
+            device = lin_ew + (((c if c > mem else mem) + per_item) + fixed) * layers + com + 0.0
+            if launch > device:
+                device = launch
+            return device + overhead
+
+        self._decode_fns[count] = fn
+        return fn
+
+    def chunked(self, chunks: Sequence[Tuple[int, int]], count: int, total_context: int) -> float:
+        """`self(composition)` of prefill `chunks` ((tokens, context before them), in batch order) and `count`
+        one-token decodes whose contexts sum to `total_context` (compact_composition's form of such a step),
+        bit-identical without building the composition: __call__'s terms in its order, the decode attention
+        aggregated by the mean context (total / count) as cost_model.decode_attention_time does."""
+        if not chunks:
+            return self.decode_fn(count)(total_context)
+        tokens = count
+        for n, _ in chunks:
+            tokens += n
+        seqs = len(chunks) + count
+        p = self.params
+        overhead = cm.host_time(p, seqs, self.tp)
+        lin, ew, com = self._count_terms(tokens, seqs)
+        plan = self.plan
+        sh = plan.shapes
+        peak, bw = plan.peak, plan.bandwidth
+        attention = 0.0
+        for chunk, context in chunks:
+            c, mem = cm.prefill_attention_terms(chunk, context, sh.heads, sh.kv_heads, sh.head_dim, sh.dtype_bytes,
+                                                peak, bw, p)
+            attention += c + mem
+        if count:
+            c, mem, per_item = cm.decode_attention_terms(count, total_context / count, sh.heads, sh.kv_heads,
+                                                         sh.head_dim, sh.dtype_bytes, peak, bw, p)
+            attention += (c if c > mem else mem) + per_item
+        attention += p.attn_prefill_fixed_s
+        if count:
+            attention += p.attn_decode_fixed_s
+        device = lin + ew + attention * plan.layers_per_stage + com + 0.0
+        if p.launch_overhead_s > 0:
+            kinds = (True, bool(count))
+            launch = self._launch.get(kinds)
+            if launch is None:
+                launch = self._launch[kinds] = p.launch_overhead_s * 1 * cm.kernels_per_iteration(
+                    plan.shapes, plan.layers_per_stage, self.tp, *kinds)
             if launch > device:
                 device = launch
         return device + overhead
@@ -233,6 +340,75 @@ class CachedIterationTime:
         if batch.decodes or batch.decode_pass:
             attention += p.attn_decode_fixed_s
         return attention * plan.layers_per_stage
+
+
+class CachedStageTimes:
+    """`cost_model.stage_times(batch, model, hw, tp, pp, params)`, bit-identical, faster: the terms that depend on
+    the token count (a layer's GEMMs and element-wise kernels, its TP all-reduces, the embedding, the sends) or
+    on the sequence count (the LM head) are computed once per count, with the cost model's functions in its
+    order, and only the attention is evaluated per batch (tests check the equality)."""
+
+    def __init__(self, model: ModelSpec, hw: HardwareSpec, tp: int, pp: int, params: CostParams):
+        self.model, self.hw, self.tp, self.pp, self.params = model, hw, tp, pp, params
+        self.plan = _plan(model, hw, tp, pp)
+        self.counts = cm.stage_layer_counts(model.num_layers, pp)
+        self.links = [cm.stage_link(hw, tp, b) for b in range(pp - 1)]
+        self._by_tokens: dict = {}
+        self._head: dict = {}
+        self._kernels: dict = {}
+
+    def _token_terms(self, tokens: int):
+        terms = self._by_tokens.get(tokens)
+        if terms is not None:
+            return terms
+        plan, p, tp = self.plan, self.params, self.tp
+        s = plan.shapes
+        peak, bw = plan.peak, plan.bandwidth
+        layer = 0.0
+        for (k, m), bias in zip(s.gemms, s.gemm_bias):
+            c, mem = cm.gemm_terms(tokens, k, m, s.dtype_bytes, peak, bw, plan.compute_units, p, bias=bias)
+            layer += (c if c > mem else mem) + p.kernel_fixed_s
+        layer += sum(cm.elementwise_time(tokens, nbytes, kind, bw, p) for kind, nbytes in s.layer_elementwise)
+        comm = None
+        if tp > 1:
+            comm = 2 * cm.allreduce_time(tokens * s.hidden * s.dtype_bytes, tp, plan.tp_link[0], plan.tp_link[1], p,
+                                         plan.tp_kind, plan.tp_nics)
+        embedding = cm.elementwise_time(tokens, s.embedding_bytes_per_token, "embedding", bw, p)
+        send_bytes = tokens * s.hidden * s.dtype_bytes
+        sends = tuple(cm.p2p_time(send_bytes, *link, p) for link in self.links)
+        terms = self._by_tokens[tokens] = (layer, comm, embedding, sends)
+        return terms
+
+    def __call__(self, batch: BatchComposition) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
+        p, pp = self.params, self.pp
+        plan = self.plan
+        seqs = batch.num_seqs
+        host = cm.host_time(p, seqs, self.tp * pp)
+        tokens = batch.num_tokens
+        if tokens == 0:
+            return (host,) + (0.0,) * (pp - 1), (0.0,) * (pp - 1)
+        layer, comm, embedding, sends = self._token_terms(tokens)
+        layer += cm.layer_attention_time(batch, plan.shapes, plan.peak, plan.bandwidth, p)
+        if comm is not None:
+            layer += comm
+        head = self._head.get(seqs)
+        if head is None:
+            c, mem = cm._lm_head_terms(seqs, plan, p)
+            head = self._head[seqs] = (c if c > mem else mem) + p.kernel_fixed_s
+        kinds = (bool(batch.prefills), bool(batch.decodes))
+        per_layer_kernels = self._kernels.get(kinds)
+        if per_layer_kernels is None:
+            per_layer_kernels = self._kernels[kinds] = cm.kernels_per_iteration(plan.shapes, 1, self.tp, *kinds) - 3
+        stages = []
+        for st, n in enumerate(self.counts):
+            first, last = st == 0, st == pp - 1
+            device = n * layer + (embedding if first else 0.0) + (head if last else 0.0)
+            if p.launch_overhead_s > 0:
+                launch = p.launch_overhead_s * (n * per_layer_kernels + int(first) + 2 * int(last))
+                if launch > device:
+                    device = launch
+            stages.append(device + host if first else device)
+        return tuple(stages), sends
 
 
 class _ContextCost:
@@ -309,16 +485,16 @@ class PipelineStepTime:
         self._per_seq = cm.per_seq_host_s(params, tp * pp)
         self._context = _ContextCost(params, padding)
         self.noise = noise
+        self._stages = CachedStageTimes(model, hw, tp, pp, params)
 
     def stage_times(self, out, ctx=None) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
         if self.padding is not None:
             batch = padded_composition(out, self.padding)
-            stages, sends = cm.stage_times(batch, self.model, self.hw, self.tp, self.pp, self.params)
+            stages, sends = self._stages(batch)
             # host per-sequence cost counts the real sequences (see make_step_time); it sits on stage 0
             extra = self._per_seq * (len(out.num_new_tokens) - batch.num_seqs)
         else:
-            stages, sends = cm.stage_times(compact_composition(out), self.model, self.hw, self.tp, self.pp,
-                                           self.params)
+            stages, sends = self._stages(compact_composition(out))
             extra = 0.0
         if self._context.active:
             extra += self._context(out, ctx)
@@ -349,9 +525,43 @@ class StepTime:
         self._context = _ContextCost(params, padding)
         self.noise = noise
 
+    @property
+    def decode_only_exact(self) -> bool:
+        """`decode_only(count, total_context)` is this function's time of every decode-only step (no padding, no
+        step context, no noise): the simulator's decode runs (pdjax.sim.simulator) cost their steps by it."""
+        return self.padding is None and not self._context.active and self.noise is None
+
+    def decode_only(self, count: int, total_context: int) -> float:
+        """Seconds of a decode-only step of `count` one-token decodes whose num_computed_tokens sum to
+        `total_context`, without padding, step context or noise (the unpadded `base` of such a step)."""
+        return self._cost.decode_fn(count)(total_context)
+
+    def decode_fn(self, count: int) -> Callable[[int], float]:
+        """total_context -> `decode_only(count, total_context)` (CachedIterationTime.decode_fn)."""
+        return self._cost.decode_fn(count)
+
+    def composition(self, count: int, total_context: int, chunks: Sequence[Tuple[int, int]]) -> float:
+        """Seconds of a step of prefill `chunks` ((tokens, context before them), in batch order) and `count`
+        one-token decodes whose num_computed_tokens sum to `total_context`, without padding, step context or
+        noise: the unpadded `base` of such a step (the same compact composition)."""
+        return self._cost.chunked(chunks, count, total_context)
+
     def base(self, out) -> float:
         """The step's own seconds (no step context)."""
-        if self.padding is not None:
+        if self.padding is None:
+            news = out.num_new_tokens
+            if True not in out.is_prefill and news.count(1) == len(news):    # decode only
+                return self._cost.decode_fn(len(news))(sum(out.num_computed_tokens))
+            chunks = []
+            count = total = 0
+            for is_prefill, start, new in zip(out.is_prefill, out.num_computed_tokens, news):
+                if is_prefill or new != 1:
+                    chunks.append((new, start))
+                else:
+                    count += 1
+                    total += start
+            return self._cost.chunked(chunks, count, total)
+        else:
             batch = padded_composition(out, self.padding)
             # The padded composition's "sequences" are stand-ins for padded work; the host's per-sequence
             # cost (batch building, sampling bookkeeping) counts the real ones.

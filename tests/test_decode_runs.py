@@ -1,0 +1,168 @@
+"""Decode runs (pdjax.scheduler.runs, the simulator's bulk steps) change nothing: the same simulation with
+decode_runs=False (every step through schedule() and update()) is the reference, compared record for record
+(requests, iterations, pipeline accounting, scheduler counters and page pools), across policies and the rules that
+shape a run (chunk caps, tiles, the prefill guard, full running lists, page pressure and preemption, several
+instances). Also: the decode-only and chunked step costs equal the cost model's on random batches."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdjax.config.model_specs import get_model_spec
+from pdjax.config.sampling import SamplingParams
+from pdjax.config.scheduler import SchedulerConfig
+from pdjax.scheduler import Request, make_scheduler
+from pdjax.scheduler import runs as runs_module
+from pdjax.scheduler.routing import InstanceRouter
+from pdjax.sim.cost_model import BatchComposition, CostParams, iteration_time, stage_times
+from pdjax.sim.hardware import get_hardware_spec
+from pdjax.sim.simulator import SimInstance, simulate
+from pdjax.sim.step_cost import CachedIterationTime, CachedStageTimes, make_step_time
+
+MODEL, HARDWARE = get_model_spec("mistral-7b"), get_hardware_spec("a100-80gb-sxm")
+
+CONFIGS = {
+    "sarathi": dict(policy="sarathi", token_budget=256, max_num_seqs=16),
+    "sarathi_guard_cap_tile": dict(policy="sarathi", token_budget=256, max_num_seqs=16, min_prefill_tokens=32,
+                                   long_prefill_token_threshold=96, tile_size=16),
+    "sarathi_dynamic": dict(policy="sarathi", token_budget=256, max_num_seqs=16, dynamic_chunking=True,
+                            dynamic_chunk_ref_context=256, dynamic_chunk_min_tokens=32),
+    "sarathi_full": dict(policy="sarathi", token_budget=512, max_num_seqs=4),
+    "sarathi_tight_memory": dict(policy="sarathi", token_budget=128, max_num_seqs=16, num_pages=72, watermark=0.0),
+    "sarathi_swap": dict(policy="sarathi", token_budget=128, max_num_seqs=16, num_pages=72, watermark=0.0,
+                         preemption_mode="swap", num_host_pages=96),
+    "vllm_v0": dict(policy="vllm_v0", token_budget=1024, max_num_seqs=8),
+    "vllm_v0_tight_memory": dict(policy="vllm_v0", token_budget=1024, max_num_seqs=16, num_pages=72, watermark=0.0),
+    "orca": dict(policy="orca", token_budget=1024, max_num_seqs=6),
+    "decode_first": dict(policy="decode_first", token_budget=1024, max_num_seqs=6),
+    "chunked_only": dict(policy="chunked_only", token_budget=128, max_num_seqs=8),
+    "chunked_prefill_first": dict(policy="chunked_prefill_first", token_budget=128, max_num_seqs=8),
+    "vllm_v1": dict(policy="vllm_v1", token_budget=256, max_num_seqs=8, long_prefill_token_threshold=64,
+                    min_prefill_tokens=16),
+    "vllm_v1_full": dict(policy="vllm_v1", token_budget=512, max_num_seqs=3),
+    "prefix_caching": dict(policy="sarathi", token_budget=256, max_num_seqs=16, enable_prefix_caching=True),
+}
+
+
+PREEMPTING = ("sarathi_tight_memory", "sarathi_swap", "vllm_v0_tight_memory")
+
+
+def make_requests(n: int, seed: int, rate: float = 20.0):
+    rng = random.Random(seed)
+    reqs, t = [], 0.0
+    for i in range(n):
+        t += rng.expovariate(rate)
+        prompt = [rng.randrange(1, 500) for _ in range(rng.randint(1, 400))]
+        reqs.append(Request(f"r{i:03d}", prompt, SamplingParams(max_tokens=rng.randint(1, 120)), t))
+    return reqs
+
+
+def run(cfg: SchedulerConfig, decode_runs: bool, instances: int = 1, seed: int = 0, router: str = "round_robin"):
+    insts = [SimInstance(f"i{k}", make_scheduler(cfg), make_step_time(MODEL, HARDWARE, 1, 1,
+                                                                       CostParams(per_seq_overhead_s=2e-5)))
+             for k in range(instances)]
+    result = simulate(make_requests(60, seed), insts, InstanceRouter(router, insts, role="colocated"),
+                      decode_runs=decode_runs)
+    state = [(i.scheduler.step, i.scheduler.num_preemptions, i.scheduler.num_swaps,
+              list(i.scheduler.block_manager._free), list(i.scheduler.block_manager.ref_count)) for i in insts]
+    return result, state
+
+
+def count_run_steps(monkeypatch) -> list:
+    """Patch DecodeRun.apply to count the steps applied in bulk."""
+    applied = [0]
+    apply = runs_module.DecodeRun.apply
+
+    def counting(self, starts, ends):
+        applied[0] += len(starts)
+        return apply(self, starts, ends)
+
+    monkeypatch.setattr(runs_module.DecodeRun, "apply", counting)
+    return applied
+
+
+def assert_same(reference, got):
+    (ref, ref_state), (res, state) = reference, got
+    assert [r.__dict__ for r in res.requests] == [r.__dict__ for r in ref.requests]
+    assert [(i.step, i.start_time, i.end_time, i.num_prefill_tokens, i.num_decode_tokens, i.num_seqs, i.instance)
+            for i in res.iterations] == \
+        [(i.step, i.start_time, i.end_time, i.num_prefill_tokens, i.num_decode_tokens, i.num_seqs, i.instance)
+         for i in ref.iterations]
+    assert res.pipeline == ref.pipeline
+    assert res.duration_s == ref.duration_s
+    assert state == ref_state
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_decode_runs_change_nothing(name, monkeypatch):
+    cfg = SchedulerConfig(max_model_len=1024, page_size=16, **{"num_pages": 512, **CONFIGS[name]})
+    reference = run(cfg, decode_runs=False)
+    applied = count_run_steps(monkeypatch)
+    got = run(cfg, decode_runs=True)
+    assert_same(reference, got)
+    if cfg.enable_prefix_caching:
+        assert applied[0] == 0, "prefix caching registers pages in update(): no decode runs"
+    else:
+        # under page pressure requests wait for pages (or sit swapped) most of the time: fewer runs
+        share = 20 if name in PREEMPTING else 3
+        assert applied[0] > len(got[0].iterations) // share, "the case is meant to run many steps in bulk"
+    if name in PREEMPTING:
+        assert sum(r.num_preemptions for r in got[0].requests) > 0, "the case is meant to preempt"
+
+
+@pytest.mark.parametrize("router", ["round_robin", "least_loaded"])
+def test_decode_runs_with_several_instances(router, monkeypatch):
+    cfg = SchedulerConfig(policy="sarathi", token_budget=256, max_num_seqs=16, max_model_len=1024, page_size=16,
+                          num_pages=512)
+    reference = run(cfg, decode_runs=False, instances=3, seed=3, router=router)
+    applied = count_run_steps(monkeypatch)
+    got = run(cfg, decode_runs=True, instances=3, seed=3, router=router)
+    assert_same(reference, got)
+    assert applied[0] > 0
+
+
+def test_decode_runs_under_max_iterations():
+    cfg = SchedulerConfig(policy="sarathi", token_budget=256, max_num_seqs=16, max_model_len=1024, page_size=16,
+                          num_pages=512)
+    inst = SimInstance("a", make_scheduler(cfg), make_step_time(MODEL, HARDWARE))
+    with pytest.raises(RuntimeError, match="max_iterations=50"):
+        simulate(make_requests(20, 1), [inst], max_iterations=50)
+
+
+@pytest.mark.parametrize("model,hw,tp,launch", [("mistral-7b", "a100-80gb-sxm", 1, 0.0),
+                                                ("yi-34b", "a100-80gb-pcie", 2, 4e-6),
+                                                ("llama-2-70b", "h100-sxm", 4, 2e-6)])
+def test_decode_and_chunked_costs_equal_the_cost_model(model, hw, tp, launch):
+    spec, hardware = get_model_spec(model), get_hardware_spec(hw)
+    params = CostParams(per_seq_overhead_s=3e-5, launch_overhead_s=launch, attn_seq_head_s=1e-8,
+                        attn_decode_fixed_s=5e-6, attn_prefill_fixed_s=7e-6)
+    cached = CachedIterationTime(spec, hardware, tp, params)
+    rng = random.Random(tp)
+    for _ in range(400):
+        count = rng.randint(0, 64)
+        contexts = [rng.randint(0, 8000) for _ in range(count)]
+        chunks = [(rng.randint(1, 512), rng.randint(0, 4000)) for _ in range(rng.choice([0, 0, 1, 2]))]
+        batch = BatchComposition(tuple(chunks), tuple((1, c) for c in contexts))
+        if batch.num_tokens == 0:
+            continue
+        reference = iteration_time(batch, spec, hardware, tp, 1, params).total
+        assert cached.chunked(chunks, count, sum(contexts)) == reference
+        if not chunks:
+            assert cached.decode_fn(count)(sum(contexts)) == reference
+            assert cached.decode_only(count, sum(contexts)) == reference
+
+
+@pytest.mark.parametrize("model,hw,tp,pp,launch", [("llama-2-70b", "a100-80gb-sxm", 4, 2, 0.0),
+                                                   ("llama-2-13b", "a100-80gb-pcie", 1, 4, 3e-6),
+                                                   ("yi-34b", "h100-sxm", 2, 3, 0.0)])
+def test_cached_stage_times_equal_the_cost_model(model, hw, tp, pp, launch):
+    spec, hardware = get_model_spec(model), get_hardware_spec(hw)
+    params = CostParams(per_seq_overhead_s=3e-5, launch_overhead_s=launch, tp_sync_s=1e-5, attn_decode_fixed_s=5e-6)
+    cached = CachedStageTimes(spec, hardware, tp, pp, params)
+    rng = random.Random(pp)
+    for _ in range(300):
+        batch = BatchComposition(tuple((rng.randint(1, 512), rng.randint(0, 4000))
+                                       for _ in range(rng.choice([0, 0, 1, 2]))),
+                                 tuple((rng.randint(1, 8), rng.randint(0, 8000)) for _ in range(rng.randint(0, 4))))
+        assert cached(batch) == stage_times(batch, spec, hardware, tp, pp, params)
