@@ -277,3 +277,23 @@ def test_decompose_on_the_slo_scale_axis(monkeypatch):
     out = pl.decompose(problem(), per_gpu_rate=0.5)
     assert [v["ratio"] for v in out["pairings"].values()] == [0.5, 0.5, 4.0]
     assert out["stack_factor"] == pytest.approx(8.0) and out["stack_share_of_paper_win"] == pytest.approx(1.5)
+
+
+def test_the_slo_scale_cli_prints_a_table_and_writes_the_json(tmp_path):
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "scale.json"
+    base = [sys.executable, "-m", "experiments.placement", "--budget=1", "--gpus_per_node=1", "--num_requests=10",
+            "--workers=1", "--colocated=vllm_v0", "--max_model_len=1024"]
+    proc = subprocess.run(base + ["--slo_scale_per_gpu_rate=1.0", f"--output={out}"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].split()[:2] == ["placement", "GPUs"] and "tightest scale" in lines[0]
+    result = json.loads(out.read_text())
+    assert result["problem"]["slo_scale_per_gpu_rate"] == 1.0 and result["ranking"]
+    assert [r["placement"] for r in result["ranking"]] == [line[:44].strip() for line in lines[1:]]
+    bad = subprocess.run(base + ["--slo_scale_per_gpu_rate=-1"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(
+        "error: flag --slo_scale_per_gpu_rate=-1.0")
