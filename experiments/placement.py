@@ -4,6 +4,20 @@ python -m experiments.placement --model=opt-13b --hardware=a100-80gb-sxm --gpus_
     --trace=../shared/data/traces/sarathi_sharegpt_8k_filtered_llama2_tok.csv --num_requests=300 \
     --ttft=0.2 --tpot=0.1 --attainment=0.9 --workers=2
 
+SLO scale (DistServe's Figures 8-9, lower rows): --slo_scale_per_gpu_rate=R simulates every candidate once at
+R req/s per GPU (R x its GPUs) and ranks the candidates by the tightest factor s on both SLOs (TTFT s x --ttft,
+TPOT s x --tpot) they still pass under --slo_rule (smaller = tighter); with --decompose, on the three stack
+pairings. DistServe's OPT-66B summarization setting (its AE plot script: 0.375 req/s per GPU, TTFT 15 s,
+TPOT 0.15 s, 90%; DistServe on 8 GPUs, vLLM TP4 on 4):
+
+python -m experiments.placement --model=opt-66b --hardware=a100-80gb-sxm --gpus_per_node=8 --budget=8 \
+    --trace=../shared/data/traces/vidur_arxiv_summarization_llama2_tok_filtered_v2.csv --num_requests=200 \
+    --ttft=15 --tpot=0.15 --attainment=0.9 --slo_rule=distserve --slo_scale_per_gpu_rate=0.375 --decompose \
+    --output=/tmp/slo_scale.json
+
+Prints a table (placement, tightest scale) per search; the JSON goes to --output (written atomically), or after
+the table when --output is not given.
+
 Workload: with --trace, DistServe's filtering: the trace's rows whose prompt + output fit --max_model_len, as
 (prompt, output) pairs drawn from those rows (--length_sampling=joint, as DistServe samples; 'independent' draws
 the two columns separately), Poisson arrivals; without it, the
@@ -13,12 +27,14 @@ disaggregated and colocated placements, and the wall time.
 from __future__ import annotations
 
 import json
+import os
 from typing import Dict, Optional
 
 from absl import flags
 
 from pdjax.experiment import cli
-from pdjax.sim.placement import AFFINITIES, COLOCATED_POLICIES, NodeType, PlacementProblem, search
+from pdjax.metrics.report import write_json
+from pdjax.sim.placement import AFFINITIES, COLOCATED_POLICIES, NodeType, PlacementProblem, search, slo_scale_search
 from pdjax.sim.placement import decompose as decompose_win
 from pdjax.workload.traces import load_trace
 
@@ -54,6 +70,11 @@ flags.DEFINE_enum("slo_rule", "pdjax", ["pdjax", "distserve"], "Pass rule: pdjax
                   "request >= --attainment) or distserve (the --attainment quantile of TTFT and of TPOT each within "
                   "its SLO).")
 
+flags.DEFINE_float("slo_scale_per_gpu_rate", 0.0, "If > 0: DistServe's SLO-scale axis at this fixed rate (req/s "
+                   "per GPU): each candidate simulated once, ranked by the tightest factor on both SLOs it passes.")
+flags.DEFINE_string("output", "", "Also write the JSON result here (atomically); in SLO-scale mode it then is "
+                    "not printed after the table.")
+
 
 def _names_among(flag: str, allowed) -> None:
     """Checked at parsing: a name outside `allowed` fails in one line naming it (pdjax.experiment.cli)."""
@@ -65,6 +86,8 @@ def _names_among(flag: str, allowed) -> None:
     flags.register_validator(flag, check)
 
 
+flags.register_validator("slo_scale_per_gpu_rate", lambda r: r >= 0,
+                         "--slo_scale_per_gpu_rate: expected req/s per GPU >= 0 (0: the goodput search)")
 _names_among("affinity", AFFINITIES)
 _names_among("colocated", COLOCATED_POLICIES)
 
@@ -86,31 +109,53 @@ def trace_workload(path: str, max_model_len: int, num_requests: int, seed: int,
 def run(model: str, hardware: str, budget: int, workload: dict, ttft: float, tpot: float, attainment: float = 0.9,
         gpus_per_node: int = 0, intra_node_gbps: float = 0.0, inter_node_gbps: float = 0.0, workers: int = 2,
         affinity=("high", "low"), colocated=("sarathi", "vllm_v0"), profile: str = "", max_model_len: int = 2048,
-        top: int = 0, stacks: Optional[Dict[str, str]] = None, slo_rule: str = "pdjax", decompose: bool = False
-        ) -> dict:
-    """One placement search; `stacks`: {'colocated' | 'prefill' | 'decode': stack name} ('pdjax' for the rest)."""
+        top: int = 0, stacks: Optional[Dict[str, str]] = None, slo_rule: str = "pdjax", decompose: bool = False,
+        slo_scale_per_gpu_rate: float = 0.0) -> dict:
+    """One placement search (per-GPU goodput; or, with slo_scale_per_gpu_rate > 0, the tightest SLO scale at that
+    per-GPU rate); `stacks`: {'colocated' | 'prefill' | 'decode': stack name} ('pdjax' for the rest)."""
     node = NodeType(hardware, gpus_per_node=gpus_per_node, intra_node_bandwidth=intra_node_gbps * 1e9,
                     inter_node_bandwidth=inter_node_gbps * 1e9)
     problem = PlacementProblem(model=model, node=node, gpu_budget=budget, workload=workload, ttft_s=ttft,
                                tpot_s=tpot, attainment=attainment, profile=profile, max_model_len=max_model_len,
                                slo_rule=slo_rule, **{f"{role}_stack": name for role, name in (stacks or {}).items()})
+    kwargs = {"workers": workers, "affinities": tuple(affinity), "colocated": tuple(colocated)}
+    rate = slo_scale_per_gpu_rate if slo_scale_per_gpu_rate > 0 else None
     if decompose:
-        result = decompose_win(problem, workers=workers, affinities=tuple(affinity), colocated=tuple(colocated))
+        result = decompose_win(problem, per_gpu_rate=rate, **kwargs)
+    elif rate is not None:
+        result = slo_scale_search(problem, rate, **kwargs)
     else:
-        result = search(problem, workers=workers, affinities=tuple(affinity), colocated=tuple(colocated))
-    if top and "ranking" in result:
-        result["ranking"] = result["ranking"][:top]
+        result = search(problem, **kwargs)
+    if top:
+        for part in [result] + list(result.get("pairings", {}).values()):
+            if "ranking" in part:
+                part["ranking"] = part["ranking"][:top]
     spec = node.spec()
     result["problem"] = {"model": model, "hardware": spec.name, "gpus_per_node": spec.devices_per_node,
                          "budget": budget, "ttft_s": ttft, "tpot_s": tpot, "attainment": attainment,
                          "num_requests": workload.get("num_requests"), "slo_rule": slo_rule,
+                         "slo_scale_per_gpu_rate": rate,
                          "stacks": {role: problem.stack(role) for role in ("colocated", "prefill", "decode")}}
     return result
+
+
+def scale_table(ranking) -> str:
+    """The SLO-scale ranking as a text table: placement, GPUs, rate, tightest scale, P90 TTFT / TPOT."""
+    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
+    lines = [f"{'placement':<44} {'GPUs':>4} {'rate':>7} {'tightest scale':>14} {'TTFT q (s)':>10} "
+             f"{'TPOT q (s)':>10}"]
+    for r in ranking:
+        lines.append(f"{r['placement']:<44} {r['num_gpus']:>4} {r['rate_rps']:>7.3f} "
+                     f"{fmt(r['tightest_slo_scale'], '.4f'):>14} {fmt(r['ttft_quantile_s'], '.3f'):>10} "
+                     f"{fmt(r['tpot_quantile_s'], '.4f'):>10}")
+    return "\n".join(lines)
 
 
 def main(argv):
     if len(argv) > 1:
         raise cli.UserError(f"unexpected arguments {argv[1:]}")
+    if FLAGS.output and not os.path.isdir(os.path.dirname(os.path.abspath(FLAGS.output))):
+        raise cli.UserError(f"--output={FLAGS.output!r}: its directory does not exist")
     try:     # a bad trace, model, hardware, profile, preset or budget: one line naming it
         if FLAGS.trace:
             workload = trace_workload(FLAGS.trace, FLAGS.max_model_len, FLAGS.num_requests, FLAGS.seed,
@@ -122,9 +167,23 @@ def main(argv):
                   FLAGS.gpus_per_node, FLAGS.intra_node_gbps, FLAGS.inter_node_gbps, FLAGS.workers,
                   FLAGS.affinity, FLAGS.colocated, FLAGS.profile, FLAGS.max_model_len, FLAGS.top,
                   {"colocated": FLAGS.colocated_stack, "prefill": FLAGS.prefill_stack, "decode": FLAGS.decode_stack},
-                  FLAGS.slo_rule, FLAGS.decompose)
+                  FLAGS.slo_rule, FLAGS.decompose, FLAGS.slo_scale_per_gpu_rate)
     except (ValueError, OSError) as e:
         raise cli.UserError(cli.one_line(e)) from None
+    if FLAGS.output:
+        write_json(FLAGS.output, out)
+    if FLAGS.slo_scale_per_gpu_rate > 0:
+        parts = out["pairings"].items() if "pairings" in out else [("", out)]
+        for name, part in parts:
+            print(f"\n{name}" if name else "")
+            print(scale_table(part["ranking"]))
+            if name:
+                print(f"ratio (best colocated / best disaggregated scale): {part['ratio']}")
+        if "pairings" in out:
+            print(f"\nstack factor {out['stack_factor']}, stack share of the paper's win "
+                  f"{out['stack_share_of_paper_win']}")
+        if FLAGS.output:
+            return
     print(json.dumps(out, indent=1))
 
 

@@ -180,3 +180,120 @@ def test_decompose_attributes_the_paper_win_to_the_stack(monkeypatch):
     assert out["stack_share_of_paper_win"] == pytest.approx(1.5)     # log 8 / log 4: the architecture alone loses
     per_gpu[("distserve-vllm", "distserve")] = (1.0, 2.0)
     assert pl.decompose(problem())["stack_share_of_paper_win"] is None    # no published win to attribute
+
+
+# ------------------------------------------------------------------------------------------- SLO scale
+def _passes_directly(records, ttft_s, tpot_s, rule, attainment):
+    """The rule evaluated straight from pdjax.metrics (independent of placement.slo_rule_passes)."""
+    from pdjax.metrics.latency import SLOs, distserve_slo_check, meets_slos
+    slos = SLOs(ttft_s=ttft_s, tpot_s=tpot_s)
+    if rule == "distserve":
+        return distserve_slo_check(records, slos, quantile=attainment)["passes"]
+    return sum(meets_slos(r, slos) for r in records) / len(records) >= attainment
+
+
+def _record(i, arrival, ttft, tpot, n_out=5, reason="length"):
+    from pdjax.metrics.records import RequestRecord
+    times = [arrival + ttft + k * tpot for k in range(n_out)] if reason == "length" else []
+    return RequestRecord(f"r{i}", arrival, arrival, times[0] if times else None, times[-1] if times else None,
+                         10, len(times), 0, reason, times)
+
+
+def test_tightest_slo_scale_by_hand():
+    """Ten requests with known TTFT / TPOT against SLOs 1 s / 0.1 s: per-request scales max(ttft/1, tpot/0.1)."""
+    ttfts = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 3.0]
+    tpots = [0.01, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01, 0.12, 0.01, 0.01]   # request 7's scale: 1.2
+    recs = [_record(i, float(i), a, b) for i, (a, b) in enumerate(zip(ttfts, tpots))]
+    # pdjax, 90%: 9 of 10 must pass; sorted scales 0.1..0.7, 0.9, 1.2, 3.0 -> the 9th is 1.2
+    assert pl.tightest_slo_scale(recs, 1.0, 0.1, "pdjax", 0.9) == pytest.approx(1.2)
+    assert pl.tightest_slo_scale(recs, 1.0, 0.1, "pdjax", 0.5) == pytest.approx(0.5)
+    assert pl.tightest_slo_scale(recs, 1.0, 0.1, "pdjax", 1.0) == pytest.approx(3.0)
+    # distserve, P90 (numpy linear): TTFT p90 = 0.9 + 0.1 (3.0 - 0.9) = 1.11; TPOT p90 = 0.01 + 0.1 (0.12 - 0.01)
+    # = 0.021, so the TTFT binds at SLOs 1 s / 0.1 s (1.11 vs 0.21) and the TPOT at 1 s / 0.01 s (1.11 vs 2.1)
+    assert pl.tightest_slo_scale(recs, 1.0, 0.1, "distserve", 0.9) == pytest.approx(1.11)
+    assert pl.tightest_slo_scale(recs, 1.0, 0.01, "distserve", 0.9) == pytest.approx(2.1)
+    # an unserved request counts as infinitely late: one of ten is allowed at 90%, two are not
+    recs[9] = _record(9, 9.0, 0, 0, reason="rejected")
+    assert pl.tightest_slo_scale(recs, 1.0, 0.1, "pdjax", 0.9) == pytest.approx(1.2)
+    recs[8] = _record(8, 8.0, 0, 0, reason="unfinished")
+    assert pl.tightest_slo_scale(recs, 1.0, 0.1, "pdjax", 0.9) is None
+    assert pl.tightest_slo_scale(recs, 1.0, 0.1, "distserve", 0.9) is None
+    assert pl.tightest_slo_scale([], 1.0, 0.1) is None
+
+
+@pytest.mark.parametrize("rule", ["pdjax", "distserve"])
+def test_the_tightest_scale_passes_and_a_tighter_one_fails(rule):
+    """On simulated records (one colocated, one disaggregated candidate, light and heavy load): the scale found
+    passes the rule evaluated directly on the records, and 0.1% tighter fails."""
+    prob = problem(budget=2, per_node=2, slo_rule=rule)
+    cands = pl.enumerate_placements(prob, colocated=("vllm_v0",))
+    picked = [next(c for c in cands if c.kind == "colocated"), next(c for c in cands if c.kind != "colocated")]
+    for cand in picked:
+        for rate in (1.0, 12.0):
+            records = pl.simulate_placement(prob, cand, rate)
+            s = pl.tightest_slo_scale(records, prob.ttft_s, prob.tpot_s, rule, prob.attainment)
+            assert s is not None and s > 0
+            assert _passes_directly(records, s * prob.ttft_s, s * prob.tpot_s, rule, prob.attainment)
+            t = s * (1 - 1e-3)
+            assert not _passes_directly(records, t * prob.ttft_s, t * prob.tpot_s, rule, prob.attainment)
+
+
+def test_slo_scale_search_simulates_each_candidate_once_and_ranks_tightest_first(monkeypatch):
+    prob = problem(budget=2, per_node=2, slo_rule="distserve")
+    cands = pl.enumerate_placements(prob, colocated=("vllm_v0",))[:4]
+    calls = []
+    real = pl.simulate_placement
+
+    def counting(problem_, placement, rate):
+        calls.append((placement.name, rate))
+        return real(problem_, placement, rate)
+    monkeypatch.setattr(pl, "simulate_placement", counting)
+    out = pl.slo_scale_search(prob, 2.0, placements=cands)
+    assert sorted(calls) == sorted((c.name, 2.0 * c.num_gpus) for c in cands)     # once each, rate per GPU
+    scales = [r["tightest_slo_scale"] for r in out["ranking"]]
+    held = [s for s in scales if s is not None]
+    assert held == sorted(held) and scales[:len(held)] == held
+    by_name = {c.name: c for c in cands}
+    for row in out["ranking"]:
+        records = real(prob, by_name[row["placement"]], row["rate_rps"])
+        expect = pl.tightest_slo_scale(records, prob.ttft_s, prob.tpot_s, "distserve", prob.attainment)
+        assert row["tightest_slo_scale"] == (None if expect is None else round(expect, 4))
+        assert row["passes_at_scale_1"] == (expect is not None and expect <= 1.0)
+    with pytest.raises(ValueError, match="per_gpu_rate=0"):
+        pl.slo_scale_search(prob, 0.0, placements=cands)
+
+
+def test_decompose_on_the_slo_scale_axis(monkeypatch):
+    """R = best colocated scale / best disaggregated scale (> 1: disaggregation holds tighter SLOs)."""
+    scales = {("pdjax", "pdjax"): (2.0, 1.0), ("distserve", "distserve"): (1.0, 0.5),
+              ("distserve-vllm", "distserve"): (0.5, 2.0)}        # (best disagg, best colocated) tightest scale
+
+    def fake(p, rate, **kw):
+        d, c = scales[(p.colocated_stack, p.prefill_stack)]
+        return {"best_disaggregated": {"tightest_slo_scale": d}, "ranking": [],
+                "best_colocated": {"sarathi": {"tightest_slo_scale": 2 * c}, "vllm_v0": {"tightest_slo_scale": c}},
+                "wall_s": 0.0}
+    monkeypatch.setattr(pl, "slo_scale_search", fake)
+    out = pl.decompose(problem(), per_gpu_rate=0.5)
+    assert [v["ratio"] for v in out["pairings"].values()] == [0.5, 0.5, 4.0]
+    assert out["stack_factor"] == pytest.approx(8.0) and out["stack_share_of_paper_win"] == pytest.approx(1.5)
+
+
+def test_the_slo_scale_cli_prints_a_table_and_writes_the_json(tmp_path):
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "scale.json"
+    base = [sys.executable, "-m", "experiments.placement", "--budget=1", "--gpus_per_node=1", "--num_requests=10",
+            "--workers=1", "--colocated=vllm_v0", "--max_model_len=1024"]
+    proc = subprocess.run(base + ["--slo_scale_per_gpu_rate=1.0", f"--output={out}"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].split()[:2] == ["placement", "GPUs"] and "tightest scale" in lines[0]
+    result = json.loads(out.read_text())
+    assert result["problem"]["slo_scale_per_gpu_rate"] == 1.0 and result["ranking"]
+    assert [r["placement"] for r in result["ranking"]] == [line[:44].strip() for line in lines[1:]]
+    bad = subprocess.run(base + ["--slo_scale_per_gpu_rate=-1"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(
+        "error: flag --slo_scale_per_gpu_rate=-1.0")

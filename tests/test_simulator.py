@@ -458,3 +458,100 @@ def test_pending_requests_are_made_on_arrival_and_dropped_once_recorded():
     ids = {p.request_id for p in pending}
     held = [o for o in gc.get_objects() if isinstance(o, Request) and o.request_id in ids and o.finish_reason]
     assert held == [], f"{len(held)} finished requests are still referenced"
+
+
+class _LandedKV:
+    """A fake StagedKV that has already landed (zero transfer time)."""
+
+    def __init__(self, num_tokens: int, page_size: int = 16):
+        self.num_tokens, self.num_pages = num_tokens, -(-num_tokens // page_size)
+        self.kv_bytes = self.moved_bytes = 0
+
+    def wait(self) -> None:
+        pass
+
+    def is_ready(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("async_transfer", [False, True], ids=["sync_kv", "async_kv"])
+@pytest.mark.parametrize("decode_seqs", [32, 5], ids=["all_fit", "handoffs_wait_for_slots"])
+def test_simulator_reproduces_a_disaggregated_pp2_decode_group(monkeypatch, decode_seqs, async_transfer):
+    """A disaggregated decode group of one pp2 instance with decode_batches=2 (what instance_scheduler_config gives
+    it) keeps 2 batches in flight, its running decodes split over them: the engine's loop (DisaggregatedEngine,
+    fake runners, fake clock, KV that lands at once) and the simulator's (simulate_disaggregated) make the same
+    per-step schedules, admissions of handed-off KV included, iteration records and requests. Every request arrives
+    at 0 and one prefill step hands all off: the engine runs its instances in lock-step rounds, which the simulator
+    deliberately does not copy (pdjax/sim/disagg.py), so the two loops agree where only the decode group runs."""
+    pytest.importorskip("jax")
+    from pdjax.config.deployment import InstanceGroupConfig, instance_scheduler_config
+    from pdjax.serving import cluster
+    from pdjax.serving.disagg import DisaggregatedEngine, Instance
+    from pdjax.sim.disagg import DisaggSimInstance, simulate_disaggregated
+    monkeypatch.setattr(cluster, "scatter_kv_pages", lambda caches, pages, staged: caches)   # no KV to move
+    base = SchedulerConfig(policy="sarathi", token_budget=64, max_num_seqs=8, max_model_len=512, page_size=16,
+                           num_pages=512)
+    prefill_cfg = instance_scheduler_config(base, InstanceGroupConfig(token_budget=8192, max_num_seqs=64), "prefill")
+    decode_cfg = instance_scheduler_config(base, InstanceGroupConfig(pp=2, max_num_seqs=decode_seqs), "decode")
+    assert decode_cfg.decode_batches == 2 and prefill_cfg.decode_batches == 1
+    stage_times = dyadic_stage_times(2)
+
+    def reqs():
+        return make_requests(24, seed=5, max_prompt=300, max_out=30, rate_ticks=0)   # every arrival at 0
+
+    engine_log = {"prefill0": [], "decode0": []}
+    clock = FakeClock()
+
+    def entry(out, t):
+        """snapshot without out.step: the engine's round tops a pipelined instance's queue up before it collects
+        (pdjax.serving.cluster, loop step 4), one more schedule() call that finds nothing to run here and only
+        advances the scheduler's call counter."""
+        snap = snapshot(out, t)
+        return snap[:1] + snap[2:], list(out.kv_handoff_req_ids)
+
+    def recorder(name):
+        return lambda out, t: engine_log[name].append(entry(out, t))
+    prefill_runner = FakeRunner(clock, dyadic_step_time, recorder("prefill0"))
+    decode_runner = FakePipelineRunner(clock, stage_times, recorder("decode0"), pp=2)
+    for runner in (prefill_runner, decode_runner):
+        runner.kv_stages = runner.kv_stage_meshes = None
+    engine = DisaggregatedEngine(
+        [Instance("prefill0", "prefill", prefill_runner, make_scheduler(prefill_cfg))],
+        [Instance("decode0", "decode", decode_runner, make_scheduler(decode_cfg))],
+        clock=clock.clock, sleep=clock.sleep, async_transfer=async_transfer,
+        transfer=lambda src, pages, dst, num_tokens, wait=False: _LandedKV(num_tokens))
+    assert [engine.instance_max_in_flight(i) for i in engine.instances] == [1, 2]
+    engine_result = engine.run(reqs())
+
+    sim_log = {"prefill0": [], "decode0": []}
+    sim_result = simulate_disaggregated(
+        reqs(), [DisaggSimInstance("prefill0", "prefill", make_scheduler(prefill_cfg), dyadic_step_time)],
+        [DisaggSimInstance("decode0", "decode", make_scheduler(decode_cfg), stage_times=stage_times,
+                           max_in_flight=2)],
+        lambda src, dst, n: 0.0,
+        on_schedule=lambda inst, out, t: sim_log[inst.name].append(entry(out, t)))
+    assert len(engine_log["prefill0"]) == 1, "the premise: one prefill step hands every request off"
+    for name in ("prefill0", "decode0"):
+        assert len(sim_log[name]) == len(engine_log[name])
+        for i, (a, b) in enumerate(zip(engine_log[name], sim_log[name])):
+            assert a == b, f"{name} iteration {i} differs"
+    assert len(sim_log["decode0"]) > 30
+    assert [r.__dict__ for r in sim_result.requests] == [r.__dict__ for r in engine_result.requests]
+    key = lambda it: (it.instance, it.step)   # noqa: E731
+    assert [(it.instance, it.step, it.start_time, it.end_time, it.num_seqs) for it in sorted(sim_result.iterations,
+            key=key)] == [(it.instance, it.step, it.start_time, it.end_time, it.num_seqs)
+                          for it in sorted(engine_result.iterations, key=key)]
+    assert all(r.finish_reason == "length" for r in sim_result.requests)
+    # The case is what it claims: two decode batches in flight, each with at most half the running decodes, and
+    # (with few slots) handed-off KV admitted while a batch is in flight.
+    its = [it for it in sim_result.iterations if it.instance == "decode0"]
+    assert any(b.start_time < a.end_time for a, b in zip(its, its[1:]))
+    running, split = set(), []
+    for snap, handed in sim_log["decode0"]:
+        decoded = [rid for rid in snap[1] if rid not in handed]
+        split.append(len(decoded) <= -(-len(running) // 2))
+        running |= set(snap[1])
+        running -= {r.request_id for r in sim_result.requests if r.token_times and r.token_times[-1] <= snap[0]}
+    assert all(split)
+    late = [i for i, (_, handed) in enumerate(sim_log["decode0"]) if handed and i > 0]
+    assert bool(late) == (decode_seqs < 24), "with few slots, handed-off KV is admitted while batches run"

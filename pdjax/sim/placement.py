@@ -33,6 +33,10 @@ What this module does with that (a GPU budget instead of a traffic rate, and who
 - Goodput: the highest arrival rate whose SLO attainment (share of requests meeting both TTFT and TPOT) is at
   least the target, by doubling then bisection on the rate (same seed: arrivals rescaled, lengths unchanged);
   reported per GPU (rate / GPUs the candidate uses), as DistServe ranks placements.
+- SLO scale (DistServe's other axis, its Figures 8-9 lower rows): at a fixed per-GPU rate, the tightest factor s
+  on both SLOs (TTFT s·ttft_s, TPOT s·tpot_s) each candidate still passes under the problem's rule. A run's
+  records do not depend on the SLOs, so each candidate is simulated once (at the per-GPU rate x its GPUs) and s
+  is read off its records in closed form (`tightest_slo_scale`), not bisected over simulations.
 - Parallelism: candidates are evaluated in a process pool (fork; each worker asks the kernel to kill it when the
   parent dies, PR_SET_PDEATHSIG, and the pool is shut down with its queued work cancelled on any exit).
   Every evaluation is deterministic, so the ranking is the same serially and in parallel.
@@ -395,11 +399,21 @@ def attainment_at(problem: PlacementProblem, placement: Placement, rate: float) 
 def probe(problem: PlacementProblem, placement: Placement, rate: float) -> Tuple[bool, float]:
     """(passes the problem's SLO rule, pdjax attainment) of `placement` at `rate` req/s."""
     records = simulate_placement(problem, placement, rate)
-    slos = SLOs(ttft_s=problem.ttft_s, tpot_s=problem.tpot_s)
-    attainment = slo_attainment(records, slos) or 0.0
-    if problem.slo_rule == "distserve":
-        return distserve_slo_check(records, slos, quantile=problem.attainment)["passes"], attainment
-    return attainment >= problem.attainment, attainment
+    return slo_rule_passes(records, problem.ttft_s, problem.tpot_s, problem.slo_rule, problem.attainment)
+
+
+def slo_rule_passes(records: Sequence[Any], ttft_s: float, tpot_s: float, rule: str = "pdjax",
+                    attainment: float = 0.9) -> Tuple[bool, float]:
+    """(passes `rule` with SLOs TTFT `ttft_s` / TPOT `tpot_s` seconds at target `attainment`, pdjax attainment):
+    'pdjax': the share of requests meeting both SLOs (unserved ones failing) >= attainment; 'distserve': the
+    `attainment` quantile of TTFT and of TPOT each within its SLO (pdjax.metrics.latency.distserve_slo_check)."""
+    if rule not in SLO_RULES:
+        raise ValueError(f"slo rule {rule!r}, expected one of {SLO_RULES}")
+    slos = SLOs(ttft_s=ttft_s, tpot_s=tpot_s)
+    share = slo_attainment(records, slos) or 0.0
+    if rule == "distserve":
+        return distserve_slo_check(records, slos, quantile=attainment)["passes"], share
+    return share >= attainment, share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -492,23 +506,151 @@ def search(problem: PlacementProblem, *, workers: int = 1, affinities: Sequence[
     if not placements:
         raise ValueError(f"no placement of {problem.model} fits {problem.gpu_budget} GPU(s) of "
                          f"{problem.node.hardware} (weights + one {problem.max_model_len}-token request)")
-    fn = _Evaluate(problem)
-    if workers <= 1:
-        evaluations = [fn(p) for p in placements]
-    else:
-        method = "spawn" if "jax" in sys.modules else "fork"
-        pool = process_pool(workers, method)
-        try:
-            evaluations = list(pool.map(fn, placements))
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-    ranked = rank(evaluations)
+    ranked = rank(_map(_Evaluate(problem), placements, workers))
     rows = [e.row(problem) for e in ranked]
     disagg = [r for r in rows if r["kind"] != "colocated"]
     coloc = [r for r in rows if r["kind"] == "colocated"]
     return {"ranking": rows, "best_disaggregated": disagg[0] if disagg else None,
             "best_colocated": {p: next((r for r in coloc if r["policy"] == p), None) for p in colocated},
             "num_candidates": len(rows), "wall_s": round(time.perf_counter() - start, 2), "workers": workers}
+
+
+# --------------------------------------------------------------------------------------------------- SLO scale
+def _request_scales(records: Sequence[Any], ttft_s: float, tpot_s: float) -> List[float]:
+    """Per request, the smallest scale s at which it meets TTFT s·ttft_s and TPOT s·tpot_s (pdjax's per-request
+    test, pdjax.metrics.latency.meets_slos; a one-token output has no TPOT); inf for an unserved request."""
+    out = []
+    for r in records:
+        if not r.completed:
+            out.append(math.inf)
+            continue
+        t = r.token_times
+        scale = (t[0] - r.arrival_time) / ttft_s
+        if len(t) >= 2:
+            scale = max(scale, (t[-1] - t[0]) / (len(t) - 1) / tpot_s)
+        out.append(max(scale, 0.0))
+    return out
+
+
+def tightest_slo_scale(records: Sequence[Any], ttft_s: float, tpot_s: float, rule: str = "pdjax",
+                       attainment: float = 0.9) -> Optional[float]:
+    """The smallest factor s such that `records` pass `rule` (slo_rule_passes) with both SLOs multiplied by s
+    (DistServe's SLO-scale axis: smaller = tighter), None when no scale passes (too many unserved requests).
+    The records do not depend on the SLOs, so this is read off them in closed form: 'pdjax' is the k-th smallest
+    per-request scale (k the fewest passing requests the target allows), 'distserve' the larger of the TTFT and
+    TPOT quantiles over their SLOs; then checked by the rule itself (nudged up by ulps against rounding)."""
+    if not records:
+        return None
+    if rule == "pdjax":
+        scales = sorted(_request_scales(records, ttft_s, tpot_s))
+        n = len(scales)
+        need = next(k for k in range(1, n + 1) if k / n >= attainment)
+        scale = scales[need - 1]
+    else:
+        check = distserve_slo_check(records, SLOs(ttft_s=ttft_s, tpot_s=tpot_s), quantile=attainment)
+        if check["ttft_p90_s"] is None or check["tpot_p90_s"] is None:
+            return None
+        scale = max(check["ttft_p90_s"] / ttft_s, check["tpot_p90_s"] / tpot_s)
+    if not math.isfinite(scale):
+        return None
+    scale = max(scale, 5e-324)              # SLOs must stay > 0
+    for _ in range(8):
+        if slo_rule_passes(records, scale * ttft_s, scale * tpot_s, rule, attainment)[0]:
+            return scale
+        scale = math.nextafter(scale, math.inf)
+    raise AssertionError(f"tightest_slo_scale: {scale!r} does not pass the {rule!r} rule it was read from")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleEvaluation:
+    placement: Placement
+    rate_rps: float                  # the rate simulated: per-GPU rate x the placement's GPUs
+    tightest_scale: Optional[float]  # smallest SLO factor that still passes (None: none does)
+    attainment_at_1: float           # pdjax attainment at the problem's SLOs (scale 1)
+    passes_at_1: bool
+    ttft_q_s: Optional[float]        # the target quantile of TTFT / TPOT (unserved requests infinitely late)
+    tpot_q_s: Optional[float]
+    wall_s: float
+
+    def row(self, problem: Optional[PlacementProblem] = None) -> Dict[str, Any]:
+        p = self.placement
+        rnd = lambda x: None if x is None else round(x, 4)  # noqa: E731
+        return {"placement": p.name, "kind": p.kind, "policy": p.policy, "num_gpus": p.num_gpus,
+                "prefill": str(p.prefill), "num_prefill": p.num_prefill,
+                "decode": str(p.decode) if p.decode else None, "num_decode": p.num_decode,
+                "devices": [list(d) for d in p.devices], "deployment": p.deployment(problem),
+                "rate_rps": round(self.rate_rps, 4), "tightest_slo_scale": rnd(self.tightest_scale),
+                "passes_at_scale_1": self.passes_at_1, "attainment_at_scale_1": round(self.attainment_at_1, 4),
+                "ttft_quantile_s": rnd(self.ttft_q_s), "tpot_quantile_s": rnd(self.tpot_q_s),
+                "wall_s": round(self.wall_s, 2)}
+
+
+def evaluate_slo_scale(problem: PlacementProblem, placement: Placement, per_gpu_rate: float) -> ScaleEvaluation:
+    """One simulation of `placement` at `per_gpu_rate` x its GPUs req/s, and the tightest SLO scale it holds
+    under the problem's rule and attainment target (tightest_slo_scale)."""
+    if not (per_gpu_rate > 0 and math.isfinite(per_gpu_rate)):
+        raise ValueError(f"per_gpu_rate={per_gpu_rate!r}, expected req/s per GPU > 0")
+    start = time.perf_counter()
+    rate = per_gpu_rate * placement.num_gpus
+    records = simulate_placement(problem, placement, rate)
+    passes, share = slo_rule_passes(records, problem.ttft_s, problem.tpot_s, problem.slo_rule, problem.attainment)
+    check = distserve_slo_check(records, SLOs(ttft_s=problem.ttft_s, tpot_s=problem.tpot_s),
+                                quantile=problem.attainment)
+    scale = tightest_slo_scale(records, problem.ttft_s, problem.tpot_s, problem.slo_rule, problem.attainment)
+    return ScaleEvaluation(placement, rate, scale, share, passes, check["ttft_p90_s"], check["tpot_p90_s"],
+                           time.perf_counter() - start)
+
+
+class _EvaluateScale:
+    def __init__(self, problem: PlacementProblem, per_gpu_rate: float):
+        self.problem, self.per_gpu_rate = problem, per_gpu_rate
+
+    def __call__(self, placement: Placement) -> ScaleEvaluation:
+        return evaluate_slo_scale(self.problem, placement, self.per_gpu_rate)
+
+
+def rank_by_scale(evaluations: Sequence[ScaleEvaluation]) -> List[ScaleEvaluation]:
+    """Tightest SLO scale first (None last); ties: fewer GPUs, then name."""
+    return sorted(evaluations, key=lambda e: (e.tightest_scale is None, round(e.tightest_scale or 0.0, 9),
+                                              e.placement.num_gpus, e.placement.name))
+
+
+def _map(fn, placements: Sequence[Placement], workers: int) -> list:
+    if workers <= 1:
+        return [fn(p) for p in placements]
+    pool = process_pool(workers, "spawn" if "jax" in sys.modules else "fork")
+    try:
+        return list(pool.map(fn, placements))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def slo_scale_search(problem: PlacementProblem, per_gpu_rate: float, *, workers: int = 1,
+                     affinities: Sequence[str] = AFFINITIES, colocated: Sequence[str] = COLOCATED_POLICIES,
+                     placements: Optional[Sequence[Placement]] = None) -> Dict[str, Any]:
+    """DistServe's other axis: at a fixed per-GPU rate (each candidate simulated once at per_gpu_rate x its GPUs),
+    the tightest factor on both SLOs each candidate holds (evaluate_slo_scale). Returns {"ranking": [row, ...]
+    (tightest first), "best_disaggregated", "best_colocated" (per policy), "per_gpu_rate", "num_candidates",
+    "wall_s", "workers"}."""
+    start = time.perf_counter()
+    if not (per_gpu_rate > 0 and math.isfinite(per_gpu_rate)):
+        raise ValueError(f"per_gpu_rate={per_gpu_rate!r}, expected req/s per GPU > 0")
+    bad = [a for a in affinities if a not in AFFINITIES]
+    if bad:
+        raise ValueError(f"affinities {bad}: expected some of {AFFINITIES}")
+    if placements is None:
+        placements = enumerate_placements(problem, affinities, colocated)
+    if not placements:
+        raise ValueError(f"no placement of {problem.model} fits {problem.gpu_budget} GPU(s) of "
+                         f"{problem.node.hardware} (weights + one {problem.max_model_len}-token request)")
+    rows = [e.row(problem) for e in rank_by_scale(_map(_EvaluateScale(problem, per_gpu_rate), placements, workers))]
+    held = [r for r in rows if r["tightest_slo_scale"] is not None]
+    disagg = [r for r in held if r["kind"] != "colocated"]
+    coloc = [r for r in held if r["kind"] == "colocated"]
+    return {"ranking": rows, "best_disaggregated": disagg[0] if disagg else None,
+            "best_colocated": {p: next((r for r in coloc if r["policy"] == p), None) for p in colocated},
+            "per_gpu_rate": per_gpu_rate, "num_candidates": len(rows),
+            "wall_s": round(time.perf_counter() - start, 2), "workers": workers}
 
 
 # --------------------------------------------------------------------------------------------------- decomposition
@@ -520,24 +662,36 @@ PAIRINGS = {   # name -> (colocated stack, prefill stack, decode stack)
 }
 
 
-def decompose(problem: PlacementProblem, **search_kwargs) -> Dict[str, Any]:
+def decompose(problem: PlacementProblem, per_gpu_rate: Optional[float] = None, **search_kwargs) -> Dict[str, Any]:
     """How much of a published disaggregation win is the architecture and how much the serving stack: the same
-    search under PAIRINGS (the problem's stacks replaced), each with the ratio R = best disaggregated / best
-    colocated per-GPU goodput. With R_same the ratio on one stack (DistServe's engine on both sides) and R_paper the
-    paper's pairing's, the stack's factor is R_paper / R_same and its share of the published win
-    log(R_paper / R_same) / log(R_paper) (1 = all of it; > 1: the architecture alone loses)."""
-    out: Dict[str, Any] = {"pairings": {}}
+    search under PAIRINGS (the problem's stacks replaced), each with the ratio R of best disaggregated over best
+    colocated: per-GPU goodput (`search`), or, given `per_gpu_rate`, on DistServe's SLO-scale axis
+    (`slo_scale_search`): R = best colocated tightest scale / best disaggregated tightest scale (how many times
+    tighter SLOs the disaggregated side holds). R > 1 favours disaggregation either way. With R_same the ratio on
+    one stack (DistServe's engine on both sides) and R_paper the paper's pairing's, the stack's factor is
+    R_paper / R_same and its share of the published win log(R_paper / R_same) / log(R_paper) (1 = all of it;
+    > 1: the architecture alone loses)."""
+    out: Dict[str, Any] = {"pairings": {}, "axis": "per-GPU goodput" if per_gpu_rate is None else
+                           f"SLO scale at {per_gpu_rate} req/s per GPU"}
     for name, (coloc, pre, dec) in PAIRINGS.items():
         p = dataclasses.replace(problem, colocated_stack=coloc, prefill_stack=pre, decode_stack=dec)
-        result = search(p, **search_kwargs)
+        if per_gpu_rate is None:
+            result = search(p, **search_kwargs)
+            metric, larger_is_better = "per_gpu_goodput_rps", True
+        else:
+            result = slo_scale_search(p, per_gpu_rate, **search_kwargs)
+            metric, larger_is_better = "tightest_slo_scale", False
         best_d = result["best_disaggregated"]
-        best_c = max((r for r in result["best_colocated"].values() if r), key=lambda r: r["per_gpu_goodput_rps"],
-                     default=None)
-        ratio = (best_d["per_gpu_goodput_rps"] / best_c["per_gpu_goodput_rps"]
-                 if best_d and best_c and best_c["per_gpu_goodput_rps"] > 0 else None)
-        out["pairings"][name] = {"stacks": {"colocated": coloc, "prefill": pre, "decode": dec},
-                                 "best_disaggregated": best_d, "best_colocated": best_c, "ratio": ratio,
-                                 "wall_s": result["wall_s"]}
+        pick = max if larger_is_better else min
+        best_c = pick((r for r in result["best_colocated"].values() if r), key=lambda r: r[metric], default=None)
+        ratio = None
+        if best_d and best_c and best_d[metric] and best_c[metric]:
+            ratio = (best_d[metric] / best_c[metric] if larger_is_better else best_c[metric] / best_d[metric])
+        entry = {"stacks": {"colocated": coloc, "prefill": pre, "decode": dec}, "best_disaggregated": best_d,
+                 "best_colocated": best_c, "ratio": ratio, "wall_s": result["wall_s"]}
+        if per_gpu_rate is not None:
+            entry["ranking"] = result["ranking"]
+        out["pairings"][name] = entry
     ratios = [v["ratio"] for v in out["pairings"].values()]
     r_arch, r_same, r_paper = ratios
     out["architecture_ratio"], out["same_stack_ratio"], out["paper_ratio"] = r_arch, r_same, r_paper
