@@ -38,6 +38,7 @@ NEG_INF = rb.NEG_INF
 CHUNK_ROWS = 512  # query rows (tokens x group) per chunk work item: big enough for an efficient matmul
 CHUNK_KEYS = 256  # keys per chunk-pass step
 DECODE_KEYS = 128  # keys per decode-pass step (a mat-vec: smaller blocks stay in L2)
+DENSE_BYTES = 4 << 20  # largest gathered K block (f32) for which single-token items skip the key loop
 
 
 def _pages_per_block(keys: int, page_size: int, pages_per_seq: int) -> int:
@@ -90,10 +91,42 @@ def _vector_pass(q, k_pages, v_pages, table, seq, key_start, key_end, *, ppb, so
         s = _scores(jnp.einsum("whgd,hwkd->whgk", q, k, preferred_element_type=jnp.float32), soft_cap)
         key_pos = b[:, None] * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]  # [W, K]
         mask = (key_pos < key_end[:, None]) & (key_pos >= key_start[:, None])
+        v = jnp.where(mask[None, :, :, None], v, 0)  # unwritten slots may hold NaN: 0 * NaN = NaN
         return _online_update(carry, s, mask[:, None, None, :], v, "whgk,hwkd->whgd")
 
     acc, _, l = jax.lax.fori_loop(0, jnp.max(nblk), body, _init((num_items, num_kv_heads, group), head_dim))
     return acc / jnp.maximum(l, 1e-30)[..., None]
+
+
+def _dense_pass(q, k_pages, v_pages, table, seq, key_start, key_end, *, soft_cap):
+    """`_vector_pass` without the key loop: every item's whole page-table row gathered at once ([Hkv, W,
+    width * page_size, D] of K and of V), one masked softmax and two batched mat-vecs. On CPU this beats the
+    loop while the gathered block is small (`dense_bytes`); same arguments and result as `_vector_pass`."""
+    num_items, num_kv_heads, group, head_dim = q.shape
+    keys = table.shape[1] * k_pages.shape[2]
+    rows = table[seq]  # [W, width]
+    k = k_pages[:, rows].reshape(num_kv_heads, num_items, keys, head_dim).astype(jnp.float32)
+    v = v_pages[:, rows].reshape(num_kv_heads, num_items, keys, head_dim).astype(jnp.float32)
+    key_pos = jnp.arange(keys, dtype=jnp.int32)[None, :]
+    valid = (key_pos < key_end[:, None]) & (key_pos >= key_start[:, None])  # [W, keys]
+    s = _scores(jnp.einsum("hwgd,hwkd->hwgk", jnp.swapaxes(q, 0, 1), k, preferred_element_type=jnp.float32),
+                soft_cap)
+    s = jnp.where(valid[None, :, None, :], s, NEG_INF)
+    p = jnp.where(valid[None, :, None, :], jnp.exp(s - s.max(axis=-1, keepdims=True)), 0.0)
+    v = jnp.where(valid[None, :, :, None], v, 0)  # unwritten slots may hold NaN: 0 * NaN = NaN
+    out = jnp.einsum("hwgk,hwkd->hwgd", p, v, preferred_element_type=jnp.float32)
+    out = out / jnp.maximum(p.sum(axis=-1), 1e-30)[..., None]
+    return jnp.swapaxes(out, 0, 1)  # [W, Hkv, G, D]
+
+
+def _items_pass(q, k_pages, v_pages, table, seq, key_start, key_end, *, ppb, soft_cap, dense_bytes):
+    """One query token per item: `_dense_pass` when its gathered K block ([W, width * page_size] keys of every
+    KV head, f32) fits in `dense_bytes` (static), else the key loop of `_vector_pass`."""
+    num_items, num_kv_heads, _, head_dim = q.shape
+    gathered = num_items * table.shape[1] * k_pages.shape[2] * num_kv_heads * head_dim * 4
+    if gathered <= dense_bytes:
+        return _dense_pass(q, k_pages, v_pages, table, seq, key_start, key_end, soft_cap=soft_cap)
+    return _vector_pass(q, k_pages, v_pages, table, seq, key_start, key_end, ppb=ppb, soft_cap=soft_cap)
 
 
 def _chunk_pass(qs, out, k_pages, v_pages, table, q_start, q_len, kv_lens, real, num_seqs, *, block_q, ppb,
@@ -130,6 +163,7 @@ def _chunk_pass(qs, out, k_pages, v_pages, table, q_start, q_len, kv_lens, real,
                 mask = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < key_end)
                 if sliding_window is not None:
                     mask &= key_pos[None, :] > row_pos[:, None] - sliding_window
+                v = jnp.where((key_pos < key_end)[None, :, None], v, 0)  # unwritten slots may hold NaN
                 return _online_update(carry, s, mask[None], v, "hrk,hkd->hrd")
 
             acc, _, l = jax.lax.fori_loop(key_start // block_k, (key_end + block_k - 1) // block_k, key_body,
@@ -146,9 +180,9 @@ def _chunk_pass(qs, out, k_pages, v_pages, table, q_start, q_len, kv_lens, real,
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "chunk_rows",
-                                             "chunk_keys", "decode_keys"))
+                                             "chunk_keys", "decode_keys", "dense_bytes"))
 def _blocked(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window,
-             soft_cap, chunk_rows, chunk_keys, decode_keys):
+             soft_cap, chunk_rows, chunk_keys, decode_keys, dense_bytes):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     num_slots, pages_per_seq = page_indices.shape
@@ -171,16 +205,16 @@ def _blocked(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
         seq = jnp.minimum(jnp.sum(cu_q_lens[None, 1:] <= t[:, None], axis=1, dtype=jnp.int32), num_slots - 1)
         pos = kv_lens[seq] - q_len[seq] + t - q_start[seq]
         key_end = jnp.where(t < cu_q_lens[num_seqs], pos + 1, 0)
-        out = _vector_pass(qs, k_pages, v_pages, table, seq, _window_start(key_end, sliding_window), key_end,
-                           ppb=ppb_d, soft_cap=soft_cap)
+        out = _items_pass(qs, k_pages, v_pages, table, seq, _window_start(key_end, sliding_window), key_end,
+                          ppb=ppb_d, soft_cap=soft_cap, dense_bytes=dense_bytes)
         return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
     # Decodes (q_len == 1): one item per sequence slot, scattered back to their tokens.
     is_decode = real & (q_len == 1)
     key_end = jnp.where(is_decode, kv_lens, 0)
-    dec = _vector_pass(qs[jnp.clip(q_start, 0, num_tokens - 1)], k_pages, v_pages, table,
-                       jnp.arange(num_slots, dtype=jnp.int32), _window_start(key_end, sliding_window), key_end,
-                       ppb=ppb_d, soft_cap=soft_cap)
+    dec = _items_pass(qs[jnp.clip(q_start, 0, num_tokens - 1)], k_pages, v_pages, table,
+                      jnp.arange(num_slots, dtype=jnp.int32), _window_start(key_end, sliding_window), key_end,
+                      ppb=ppb_d, soft_cap=soft_cap, dense_bytes=dense_bytes)
     block_q = chunk_block_q(num_tokens, group, chunk_rows)
     out = jnp.zeros((num_tokens + block_q, num_kv_heads, group, head_dim), jnp.float32)
     out = out.at[jnp.where(is_decode, q_start, jnp.iinfo(jnp.int32).max)].set(dec, mode="drop")
@@ -200,7 +234,8 @@ def _window_start(key_end, sliding_window):
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale: Optional[float] = None, sliding_window: Optional[int] = None,
                            soft_cap: Optional[float] = None, chunk_rows: int = CHUNK_ROWS,
-                           chunk_keys: int = CHUNK_KEYS, decode_keys: int = DECODE_KEYS):
+                           chunk_keys: int = CHUNK_KEYS, decode_keys: int = DECODE_KEYS,
+                           dense_bytes: int = DENSE_BYTES):
     """Ragged paged attention with K/V loaded per query block; the seam of `reference.ragged_paged_attention`.
 
     Returns [T, num_q_heads, head_dim] in q's dtype, zeros for padding tokens. chunk_rows / chunk_keys /
@@ -213,4 +248,4 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     return _blocked(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
                     sliding_window=None if sliding_window is None else int(sliding_window),
                     soft_cap=None if soft_cap is None else float(soft_cap), chunk_rows=int(chunk_rows),
-                    chunk_keys=int(chunk_keys), decode_keys=int(decode_keys))
+                    chunk_keys=int(chunk_keys), decode_keys=int(decode_keys), dense_bytes=int(dense_bytes))
