@@ -2,7 +2,7 @@
 
     python -m experiments.bench_throughput [--checkpoint=SPEC_OR_DIR] [--num_prompts=32] [--prompt_len=128]
         [--output_len=64] [--policy=sarathi] [--token_budget=2048] [--attention_impl=auto]
-        [--backend=hf --repeats=3 --hf_threads=0]
+        [--backend=hf --repeats=3 --hf_threads=0] [--async_scheduling]
 
 --backend=hf runs the same job on HF transformers (PyTorch eager, CPU; the optional extra `hf`) side by side in
 the same run, as vLLM's benchmark_throughput --backend hf: the same weights (written as an HF checkpoint), the
@@ -26,6 +26,12 @@ Token counts (written down, checked by tests/test_bench_throughput.py):
     tokens           = P * (L + N) = prompt_tokens + output_tokens   -> tokens_per_s = tokens / serving_s
     fed_tokens       = sum over steps of the tokens fed = P * (L + N - 1) without preemption
                        (prefill_tokens_fed + decode_tokens_fed; the last output token is never fed back)
+CPU time: `serving_cpu_s` is this process's CPU seconds (every thread) over the serving, `output_tokens_per_cpu_s`
+= output_tokens / serving_cpu_s; with --backend=hf both backends' tokens per CPU second sit beside their tokens per
+wall second (`cpu_speedup_vs_hf`). On a shared machine wall time counts the other jobs' share of the cores and CPU
+time does not (HF's spinning OpenMP threads under ACTIVE count as CPU time: that is what they cost).
+--async_scheduling: the engine's async scheduling (pdjax.serving.engine): the host schedules and builds step k+1
+while step k runs.
 Roofline: per executed step, max(FLOPs / matmul rate, bytes / copy bandwidth) with the ceilings measured in the
 same run (`pdjax/runtime/ceilings.py`, before and after serving, the higher of the two: load from other jobs on a
 shared machine only lowers a measurement), summed over the steps; ratio = roofline_s / serving_s (1.0 = at the ceiling).
@@ -72,6 +78,8 @@ _BACKEND = flags.DEFINE_string("backend", "pdjax", "pdjax, or hf: pdjax and HF t
                                "by side, alternating (needs the 'hf' extra).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "With --backend=hf: alternating rounds (best of each kept).")
 _HF_THREADS = flags.DEFINE_integer("hf_threads", 0, "With --backend=hf: PyTorch threads (0 = all cores).")
+_ASYNC = flags.DEFINE_bool("async_scheduling", False, "Serve with async scheduling (the host schedules step k+1 "
+                           "while step k runs; every request runs to max_tokens, as async scheduling needs).")
 
 BACKENDS = ("pdjax", "hf")
 
@@ -133,16 +141,17 @@ def step_cost(out, spec: ModelSpec, sizes: dict) -> tuple:
     return float(flops), float(moved)
 
 
-def _serve(runner: ModelRunner, cfg: SchedulerConfig, requests: List[Request]):
-    """(engine result, the executed SchedulerOutputs, wall seconds) of one serving of `requests`."""
+def _serve(runner: ModelRunner, cfg: SchedulerConfig, requests: List[Request], async_scheduling: bool = False):
+    """(engine result, the executed SchedulerOutputs, wall seconds, CPU seconds of this process (all threads))
+    of one serving of `requests`."""
     sched = make_scheduler(cfg)
     recorded = []
     schedule = sched.schedule
     sched.schedule = lambda now: recorded.append(schedule(now)) or recorded[-1]
-    engine = ColocatedEngine(runner, sched)
-    start = time.perf_counter()
+    engine = ColocatedEngine(runner, sched, async_scheduling=async_scheduling)
+    start, cpu_start = time.perf_counter(), time.process_time()
     result = engine.run(requests)
-    return result, recorded, time.perf_counter() - start
+    return result, recorded, time.perf_counter() - start, time.process_time() - cpu_start
 
 
 def _hf_side_by_side(spec, params, requests: List[Request], output_len: int, repeats: int, threads: int,
@@ -152,15 +161,18 @@ def _hf_side_by_side(spec, params, requests: List[Request], output_len: int, rep
     prompts = [r.prompt_token_ids for r in requests]
     num_output = len(prompts) * output_len
     pdjax_tok_s, hf_tok_s = [], {"ACTIVE": [], "PASSIVE": []}
+    pdjax_cpu, hf_cpu = [], {"ACTIVE": [], "PASSIVE": []}   # output tokens per CPU second
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as hf_dir:
         save_hf_checkpoint(hf_dir, spec, params)
         for _ in range(repeats):
-            result = serve_pdjax()
+            result, cpu_s = serve_pdjax()
             pdjax_tok_s.append(num_output / result.duration_s)
+            pdjax_cpu.append(num_output / cpu_s)
             for policy in hf_tok_s:
                 hf = run_hf_subprocess(hf_dir, prompts, output_len, threads, policy)
                 hf_tok_s[policy].append(num_output / hf["generate_s"])
+                hf_cpu[policy].append(num_output / hf["generate_cpu_s"])
             load.append(os.getloadavg()[0])
     ids = [r.request_id for r in requests]
     best_hf = max(max(v) for v in hf_tok_s.values())
@@ -169,6 +181,8 @@ def _hf_side_by_side(spec, params, requests: List[Request], output_len: int, rep
             "pdjax_best": max(pdjax_tok_s), "hf_best": best_hf,
             "hf_best_policy": max(hf_tok_s, key=lambda k: max(hf_tok_s[k])),
             "speedup_vs_hf": max(pdjax_tok_s) / best_hf,
+            "pdjax_output_tokens_per_cpu_s": pdjax_cpu, "hf_output_tokens_per_cpu_s": hf_cpu,
+            "cpu_speedup_vs_hf": max(pdjax_cpu) / max(max(v) for v in hf_cpu.values()),
             "requests_with_equal_tokens": matching_outputs(result.output_tokens, ids, hf["output_tokens"]),
             "num_requests": len(ids), "load_avg_1min": load}
 
@@ -176,7 +190,7 @@ def _hf_side_by_side(spec, params, requests: List[Request], output_len: int, rep
 def run(checkpoint: str = "", num_prompts: int = 32, prompt_len: int = 128, output_len: int = 64, *,
         policy: str = "sarathi", token_budget: int = 2048, page_size: int = 16, attention_impl: str = "auto",
         seed: int = 0, ceilings: Optional[dict] = None, backend: str = "pdjax", repeats: int = 3,
-        hf_threads: int = 0) -> dict:
+        hf_threads: int = 0, async_scheduling: bool = False) -> dict:
     validate(num_prompts, prompt_len, output_len, token_budget, page_size)
     if backend not in BACKENDS:
         raise ValueError(f"--backend={backend!r}, expected one of {BACKENDS}")
@@ -201,13 +215,14 @@ def run(checkpoint: str = "", num_prompts: int = 32, prompt_len: int = 128, outp
     compiled = runner.compile_count
 
     requests = _requests(spec.vocab_size, num_prompts, prompt_len, output_len, seed)
-    result, recorded, wall_s = _serve(runner, cfg, requests)
+    result, recorded, wall_s, cpu_s = _serve(runner, cfg, requests, async_scheduling)
     serving_s = result.duration_s
     side_by_side = None
     if backend == "hf":
         side_by_side = _hf_side_by_side(
             spec, params, requests, output_len, repeats, hf_threads or os.cpu_count(),
-            lambda: _serve(runner, cfg, _requests(spec.vocab_size, num_prompts, prompt_len, output_len, seed))[0])
+            lambda: _serve(runner, cfg, _requests(spec.vocab_size, num_prompts, prompt_len, output_len, seed),
+                           async_scheduling)[::3])
 
     if ceilings is None:  # the best of before and after the run: other jobs on a shared machine only lower it
         measured.append(measure_ceilings(jax.default_backend()))
@@ -236,12 +251,14 @@ def run(checkpoint: str = "", num_prompts: int = 32, prompt_len: int = 128, outp
         "page_size": page_size, "num_prompts": num_prompts, "prompt_len": prompt_len, "output_len": output_len,
         "compile_s": compile_s, "num_compiled_shapes": compiled, "shapes": ["x".join(map(str, s)) for s in shapes],
         "compiles_during_run": runner.compile_count - compiled,
-        "serving_s": serving_s, "wall_s": wall_s, "num_steps": len(result.iterations),
+        "async_scheduling": async_scheduling,
+        "serving_s": serving_s, "wall_s": wall_s, "serving_cpu_s": cpu_s, "num_steps": len(result.iterations),
         "completed": sum(r.finish_time is not None for r in requests),
         "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "tokens": tokens,
         "prefill_tokens_fed": prefill_fed, "decode_tokens_fed": decode_fed, "fed_tokens": prefill_fed + decode_fed,
         "tokens_per_s": tokens / serving_s, "output_tokens_per_s": output_tokens / serving_s,
         "fed_tokens_per_s": (prefill_fed + decode_fed) / serving_s,
+        "output_tokens_per_cpu_s": output_tokens / cpu_s,
         "step_s": {"mean": float(np.mean([it.step_time for it in result.iterations])),
                    "max": float(np.max([it.step_time for it in result.iterations]))},
         "roofline_s": roofline_s, "roofline_compute_s": compute_s, "roofline_memory_s": memory_s,
@@ -268,7 +285,7 @@ def main(argv):
     print(json.dumps(run(_CKPT.value, _P.value, _L.value, _N.value, policy=_POLICY.value,
                          token_budget=_BUDGET.value, page_size=_PAGE.value, attention_impl=_IMPL.value,
                          seed=_SEED.value, backend=_BACKEND.value, repeats=_REPEATS.value,
-                         hf_threads=_HF_THREADS.value), indent=1))
+                         hf_threads=_HF_THREADS.value, async_scheduling=_ASYNC.value), indent=1))
 
 
 if __name__ == "__main__":

@@ -10,9 +10,12 @@ from experiments import bench_throughput
 CEILINGS = {"matmul_flops": 1e11, "copy_bandwidth_Bps": 1e10}  # fixed, so the test skips measuring them
 
 
-def test_tiny_run_fields_are_consistent():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_tiny_run_fields_are_consistent(async_scheduling):
     p, l, n = 3, 21, 4
-    d = bench_throughput.run("tiny-llama", p, l, n, token_budget=32, ceilings=CEILINGS)
+    d = bench_throughput.run("tiny-llama", p, l, n, token_budget=32, ceilings=CEILINGS,
+                             async_scheduling=async_scheduling)
+    assert d["async_scheduling"] is async_scheduling
     assert d["completed"] == p and d["compiles_during_run"] == 0 and d["num_compiled_shapes"] == len(d["shapes"])
     assert d["prompt_tokens"] == p * l and d["output_tokens"] == p * n and d["tokens"] == p * (l + n)
     assert d["prefill_tokens_fed"] == p * l and d["decode_tokens_fed"] == p * (n - 1)
@@ -23,7 +26,8 @@ def test_tiny_run_fields_are_consistent():
     assert d["roofline_s"] == pytest.approx(d["ratio"] * d["serving_s"])
     assert max(d["roofline_compute_s"], d["roofline_memory_s"]) <= d["roofline_s"] + 1e-12
     assert d["roofline_s"] <= d["roofline_compute_s"] + d["roofline_memory_s"] + 1e-12
-    assert d["compile_s"] > 0 and d["serving_s"] > 0
+    assert d["compile_s"] > 0 and d["serving_s"] > 0 and d["serving_cpu_s"] > 0
+    assert d["output_tokens_per_cpu_s"] == pytest.approx(p * n / d["serving_cpu_s"])
     assert d["ceilings"]["matmul_flops_per_s"] == CEILINGS["matmul_flops"]
 
 
@@ -54,6 +58,10 @@ def test_side_by_side_with_hf_gives_the_same_greedy_tokens():
     assert hf["hf_best"] == max(max(v) for v in hf["hf_output_tokens_per_s"].values())
     assert hf["speedup_vs_hf"] == pytest.approx(hf["pdjax_best"] / hf["hf_best"])
     assert len(hf["load_avg_1min"]) == 2
+    assert set(hf["hf_output_tokens_per_cpu_s"]) == {"ACTIVE", "PASSIVE"}
+    assert len(hf["pdjax_output_tokens_per_cpu_s"]) == 1
+    assert hf["cpu_speedup_vs_hf"] == pytest.approx(
+        max(hf["pdjax_output_tokens_per_cpu_s"]) / max(max(v) for v in hf["hf_output_tokens_per_cpu_s"].values()))
 
 
 def test_hf_backend_without_the_extra_is_one_line(monkeypatch):

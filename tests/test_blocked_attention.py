@@ -14,8 +14,10 @@ from pdjax.runtime.batch import Buckets
 from pdjax.runtime.generate import generate
 from pdjax.runtime.runner import ModelRunner
 
-# Small tiles so small batches still cross many query blocks and key blocks (every setting is exact).
-SMALL_TILES = dict(chunk_rows=16, chunk_keys=16, decode_keys=16)
+# Small tiles so small batches still cross many query blocks and key blocks (every setting is exact); with
+# dense_bytes=0 single-token items take the key loop (`_vector_pass`), with the default tiles the one-shot
+# gather (`_dense_pass`), so every case checked with both covers both.
+SMALL_TILES = dict(chunk_rows=16, chunk_keys=16, decode_keys=16, dense_bytes=0)
 
 
 def make_case(seqs, *, page_size=16, num_kv_heads=2, group=2, head_dim=64, num_slots=None, num_tokens=None,
@@ -168,6 +170,41 @@ def test_bf16_long_mixed():
     case = make_case([(1, 300), (90, 250), (1, 64)], num_slots=4, num_tokens=128, pages_per_seq=19,
                      dtype=jnp.bfloat16, seed=6)
     check(case, dtype=jnp.bfloat16, sliding_window=100)
+
+
+def poison_unwritten_slots(case):
+    """The case with NaN in every K/V slot no sequence's context covers (slots past kv_len in a last page, whole
+    unused pages, pages only garbage page-table entries point at): what an aborted request's NaN leaves behind."""
+    q, k, v, kv_lens, table, cu, n = case
+    page_size = k.shape[2]
+    written = np.zeros(k.shape[1:3], bool)  # [num_pages, page_size]
+    for i in range(int(n[0])):
+        pos = np.arange(kv_lens[i])
+        written[table[i, pos // page_size], pos % page_size] = True
+    k, v = k.copy(), v.copy()
+    k[:, ~written], v[:, ~written] = np.nan, np.nan
+    assert (~written).any()
+    return q, k, v, kv_lens, table, cu, n
+
+
+@pytest.mark.parametrize("impl", ["blocked_dense", "blocked_loop", "reference"])
+@pytest.mark.parametrize("kind", ["decode_only", "mixed", "window"])
+def test_nan_in_unwritten_slots_does_not_leak(impl, kind):
+    if kind == "decode_only":   # T <= S: token mode; partial last pages and a page-aligned context
+        case = make_case([(1, 40), (1, 16), (1, 17), (1, 1)], num_slots=6, num_tokens=6, pages_per_seq=4)
+    else:                       # T > S: the decode items and the chunk pass; chunks ending mid-page
+        case = make_case([(1, 40), (20, 37), (1, 9), (33, 33), (1, 48)], num_slots=8, num_tokens=64,
+                         pages_per_seq=5, seed=2)
+    case = poison_unwritten_slots(case)
+    kw = {"sliding_window": 7} if kind == "window" else {}
+    args = tuple(jnp.asarray(x) for x in case)
+    if impl == "reference":
+        got = reference.ragged_paged_attention(*args, **kw)
+    else:
+        got = blocked.ragged_paged_attention(*args, **kw, **({} if impl == "blocked_dense" else SMALL_TILES))
+    got = np.asarray(got)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, numpy_attention(*case, **kw), atol=2e-5, rtol=2e-5)
 
 
 def test_jit_with_traced_metadata_and_sm_scale():

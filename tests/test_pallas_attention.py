@@ -144,6 +144,24 @@ def test_padding_slots_and_all_padding_batch():
     assert out.shape == q.shape and not np.any(np.asarray(out))
 
 
+@pytest.mark.parametrize("kernel", ["auto", "decode_splitk", "small_tiles"])
+def test_nan_in_unwritten_slots_does_not_leak(kernel):
+    """NaN in every K/V slot outside the sequences' contexts (past kv_len in a last page, unused pages): what an
+    aborted request leaves in freed pages. The kernels weigh those slots by 0, and must not compute 0 * NaN."""
+    q, k, v, kv, pt, cu, n = make_batch(MIXED if kernel != "decode_splitk" else [(1, 40), (1, 17), (1, 1)], seed=9)
+    page_size = k.shape[2]
+    written = np.zeros(k.shape[1:3], bool)
+    for i in range(int(n[0])):
+        pos = np.arange(int(kv[i]))
+        written[np.asarray(pt)[i, pos // page_size], pos % page_size] = True
+    assert (~written).any()
+    k = jnp.where(jnp.asarray(written)[None, :, :, None], k, jnp.nan)
+    v = jnp.where(jnp.asarray(written)[None, :, :, None], v, jnp.nan)
+    out = np.asarray(KERNELS[kernel](q, k, v, kv, pt, cu, n))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, dense_oracle(q, k, v, kv, pt, cu, n), **TOL[jnp.float32])
+
+
 def test_bfloat16_mixed_batch():
     check(make_batch(MIXED, dtype=jnp.bfloat16, seed=7), "auto")
     check(make_batch(MIXED, dtype=jnp.bfloat16, seed=8), "decode_splitk")

@@ -47,6 +47,38 @@ def test_build_ragged_batch_layout():
     assert int(b.num_seqs) == 2 and b.shape_key == (8, 4, 4)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_build_ragged_batch_matches_a_per_token_loop(seed):
+    """Random batches (decodes, chunks from mid-page, a page table longer than needed, a page-aligned context,
+    sampling params, padding) against a per-token loop written from the RaggedBatch docstring."""
+    rng = np.random.RandomState(seed)
+    ps, n = 8, int(rng.randint(1, 7))
+    q_lens = [int(rng.choice([1, 1, rng.randint(2, 20)])) for _ in range(n)]
+    starts = [int(rng.choice([0, 8, rng.randint(0, 40)])) for _ in range(n)]
+    tables = [list(rng.permutation(64)[:-(-(c + q) // ps) + int(rng.randint(0, 2))]) for c, q in zip(starts, q_lens)]
+    tokens = [list(rng.randint(0, 100, q)) for q in q_lens]
+    sampling = [None if rng.rand() < 0.5 else SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=2 ** 33 + i)
+                for i in range(n)]
+    b = build_ragged_batch(tokens, starts, tables, [True] * n, sampling, page_size=ps, num_pages=64, vocab_size=100,
+                           buckets=Buckets(tokens=(128,), seqs=(8,), pages=(8,)))
+    t = 0
+    for i in range(n):
+        for j in range(q_lens[i]):
+            pos = starts[i] + j
+            assert (b.token_ids[t], b.positions[t]) == (tokens[i][j], pos)
+            assert b.slot_mapping[t] == tables[i][pos // ps] * ps + pos % ps
+            t += 1
+        used = -(-(starts[i] + q_lens[i]) // ps)
+        assert list(b.page_indices[i, :used]) == tables[i][:used] and not b.page_indices[i, used:].any()
+        sp = sampling[i] or SamplingParams()
+        assert b.temperature[i] == np.float32(sp.temperature) and b.top_p[i] == np.float32(sp.top_p)
+        assert b.top_k[i] == sp.top_k
+        assert b.seed[i] == sp.seed % 2 ** 32 and b.kv_lens[i] == starts[i] + q_lens[i]
+        assert b.cu_q_lens[i + 1] == t and b.sample_indices[i] == t - 1
+    assert (b.slot_mapping[t:] == -1).all() and not b.token_ids[t:].any() and not b.kv_lens[n:].any()
+    assert (b.cu_q_lens[n:] == t).all() and int(b.num_seqs) == n
+
+
 def test_powers_of_two_buckets():
     b = Buckets.powers_of_two(max_tokens=300, max_seqs=8, max_pages=5, min_tokens=16, min_seqs=1, min_pages=2)
     assert b.tokens == (16, 32, 64, 128, 256, 300) and b.seqs == (1, 2, 4, 8) and b.pages == (2, 4, 5)

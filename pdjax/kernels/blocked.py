@@ -16,9 +16,16 @@ does not grow with the number of items or blocks. Two passes, chosen statically 
   prefill never touches blocks above the diagonal. A step is two batched matmuls [Hkv, R, D] x [Hkv, block_k, D];
   results are written straight to the token axis (masked to the block's real tokens).
 
-Buckets with T <= S (the runner's decode buckets): the vector pass over all T tokens (each token its own item;
-exact for any batch, and a decode step needs nothing else). T > S: the vector pass over the S sequence slots for
-the decodes (q_len == 1), scattered back to their tokens, then the chunk pass for everything longer.
+- dense pass (`_dense_pass`): the vector pass without the loop, for items whose whole page-table rows, gathered
+  at once, stay small (`DENSE_BYTES` of f32 K; a static choice from the shapes): one gather of [W, P * page_size]
+  keys, one masked softmax, two batched mat-vecs. On CPU the loop's per-step gathers and online-softmax
+  rescaling cost more than the masked keys past a short context (decode batch 32 x 12 pages: ~0.3 vs ~0.9 ms).
+
+Buckets with T <= S (the runner's decode buckets): the vector (or dense) pass over all T tokens (each token its
+own item; exact for any batch, and a decode step needs nothing else). T > S: the vector (or dense) pass over the
+S sequence slots for the decodes (q_len == 1), scattered back to their tokens, then the chunk pass for
+everything longer. Every pass zeroes V outside its keys' range before p @ V: slots not yet written (or left by
+an aborted request) may hold NaN, and their weight 0 times NaN is NaN.
 Tiles are static functions of the shapes (block_q from T and the GQA ratio, block_k from the page-table width);
 any GQA ratio, page size and head dim work (no power-of-two requirement on CPU). Inputs of any float dtype are
 read as such and upcast per block; the output has q's dtype, zeros for padding tokens.
@@ -36,8 +43,9 @@ from pdjax.kernels import ragged_blocks as rb
 
 NEG_INF = rb.NEG_INF
 CHUNK_ROWS = 512  # query rows (tokens x group) per chunk work item: big enough for an efficient matmul
-CHUNK_KEYS = 256  # keys per chunk-pass step
+CHUNK_KEYS = 128  # keys per chunk-pass step (256 costs ~1.5x on a 128-token causal chunk: half the block is masked)
 DECODE_KEYS = 128  # keys per decode-pass step (a mat-vec: smaller blocks stay in L2)
+DENSE_BYTES = 4 << 20  # largest gathered K block (f32) for which single-token items skip the key loop
 
 
 def _pages_per_block(keys: int, page_size: int, pages_per_seq: int) -> int:
@@ -90,10 +98,49 @@ def _vector_pass(q, k_pages, v_pages, table, seq, key_start, key_end, *, ppb, so
         s = _scores(jnp.einsum("whgd,hwkd->whgk", q, k, preferred_element_type=jnp.float32), soft_cap)
         key_pos = b[:, None] * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]  # [W, K]
         mask = (key_pos < key_end[:, None]) & (key_pos >= key_start[:, None])
+        v = jnp.where(mask[None, :, :, None], v, 0)  # unwritten slots may hold NaN: 0 * NaN = NaN
         return _online_update(carry, s, mask[:, None, None, :], v, "whgk,hwkd->whgd")
 
     acc, _, l = jax.lax.fori_loop(0, jnp.max(nblk), body, _init((num_items, num_kv_heads, group), head_dim))
     return acc / jnp.maximum(l, 1e-30)[..., None]
+
+
+def _dense_pass(q, k_pages, v_pages, table, seq, key_start, key_end, *, width, soft_cap):
+    """`_vector_pass` without the key loop: the first `width` pages of every item's page-table row gathered at
+    once ([Hkv, W, width * page_size, D] of K and of V), one masked softmax and two batched mat-vecs. On CPU
+    this beats the loop while the gathered block is small (`dense_bytes`); same result as `_vector_pass`."""
+    num_items, num_kv_heads, group, head_dim = q.shape
+    keys = width * k_pages.shape[2]
+    rows = table[seq, :width]  # [W, width]
+    k = k_pages[:, rows].reshape(num_kv_heads, num_items, keys, head_dim).astype(jnp.float32)
+    v = v_pages[:, rows].reshape(num_kv_heads, num_items, keys, head_dim).astype(jnp.float32)
+    key_pos = jnp.arange(keys, dtype=jnp.int32)[None, :]
+    valid = (key_pos < key_end[:, None]) & (key_pos >= key_start[:, None])  # [W, keys]
+    s = _scores(jnp.einsum("hwgd,hwkd->hwgk", jnp.swapaxes(q, 0, 1), k, preferred_element_type=jnp.float32),
+                soft_cap)
+    s = jnp.where(valid[None, :, None, :], s, NEG_INF)
+    p = jnp.where(valid[None, :, None, :], jnp.exp(s - s.max(axis=-1, keepdims=True)), 0.0)
+    v = jnp.where(valid[None, :, :, None], v, 0)  # unwritten slots may hold NaN: 0 * NaN = NaN
+    out = jnp.einsum("hwgk,hwkd->hwgd", p, v, preferred_element_type=jnp.float32)
+    out = out / jnp.maximum(p.sum(axis=-1), 1e-30)[..., None]
+    return jnp.swapaxes(out, 0, 1)  # [W, Hkv, G, D]
+
+
+def _items_pass(q, k_pages, v_pages, table, seq, key_start, key_end, *, width, ppb, soft_cap, dense_bytes):
+    """One query token per item: `_dense_pass` when its gathered K block ([W, width * page_size] keys of every
+    KV head, f32; width = the page-table bucket) fits in `dense_bytes` (static), else the key loop of
+    `_vector_pass`."""
+    num_items, num_kv_heads, _, head_dim = q.shape
+    if dense_fits(num_items, width, k_pages.shape[2], num_kv_heads, head_dim, dense_bytes):
+        return _dense_pass(q, k_pages, v_pages, table, seq, key_start, key_end, width=width, soft_cap=soft_cap)
+    return _vector_pass(q, k_pages, v_pages, table, seq, key_start, key_end, ppb=ppb, soft_cap=soft_cap)
+
+
+def dense_fits(num_items: int, width: int, page_size: int, num_kv_heads: int, head_dim: int,
+               dense_bytes: Optional[int] = None) -> bool:
+    """Whether single-token items take the one-shot gather (`_dense_pass`) rather than the key loop."""
+    dense_bytes = DENSE_BYTES if dense_bytes is None else dense_bytes
+    return num_items * width * page_size * num_kv_heads * head_dim * 4 <= dense_bytes
 
 
 def _chunk_pass(qs, out, k_pages, v_pages, table, q_start, q_len, kv_lens, real, num_seqs, *, block_q, ppb,
@@ -130,6 +177,7 @@ def _chunk_pass(qs, out, k_pages, v_pages, table, q_start, q_len, kv_lens, real,
                 mask = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < key_end)
                 if sliding_window is not None:
                     mask &= key_pos[None, :] > row_pos[:, None] - sliding_window
+                v = jnp.where((key_pos < key_end)[None, :, None], v, 0)  # unwritten slots may hold NaN
                 return _online_update(carry, s, mask[None], v, "hrk,hkd->hrd")
 
             acc, _, l = jax.lax.fori_loop(key_start // block_k, (key_end + block_k - 1) // block_k, key_body,
@@ -146,9 +194,9 @@ def _chunk_pass(qs, out, k_pages, v_pages, table, q_start, q_len, kv_lens, real,
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "chunk_rows",
-                                             "chunk_keys", "decode_keys"))
+                                             "chunk_keys", "decode_keys", "dense_bytes"))
 def _blocked(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window,
-             soft_cap, chunk_rows, chunk_keys, decode_keys):
+             soft_cap, chunk_rows, chunk_keys, decode_keys, dense_bytes):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     num_slots, pages_per_seq = page_indices.shape
@@ -171,16 +219,16 @@ def _blocked(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
         seq = jnp.minimum(jnp.sum(cu_q_lens[None, 1:] <= t[:, None], axis=1, dtype=jnp.int32), num_slots - 1)
         pos = kv_lens[seq] - q_len[seq] + t - q_start[seq]
         key_end = jnp.where(t < cu_q_lens[num_seqs], pos + 1, 0)
-        out = _vector_pass(qs, k_pages, v_pages, table, seq, _window_start(key_end, sliding_window), key_end,
-                           ppb=ppb_d, soft_cap=soft_cap)
+        out = _items_pass(qs, k_pages, v_pages, table, seq, _window_start(key_end, sliding_window), key_end,
+                          width=pages_per_seq, ppb=ppb_d, soft_cap=soft_cap, dense_bytes=dense_bytes)
         return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
     # Decodes (q_len == 1): one item per sequence slot, scattered back to their tokens.
     is_decode = real & (q_len == 1)
     key_end = jnp.where(is_decode, kv_lens, 0)
-    dec = _vector_pass(qs[jnp.clip(q_start, 0, num_tokens - 1)], k_pages, v_pages, table,
-                       jnp.arange(num_slots, dtype=jnp.int32), _window_start(key_end, sliding_window), key_end,
-                       ppb=ppb_d, soft_cap=soft_cap)
+    dec = _items_pass(qs[jnp.clip(q_start, 0, num_tokens - 1)], k_pages, v_pages, table,
+                      jnp.arange(num_slots, dtype=jnp.int32), _window_start(key_end, sliding_window), key_end,
+                      width=pages_per_seq, ppb=ppb_d, soft_cap=soft_cap, dense_bytes=dense_bytes)
     block_q = chunk_block_q(num_tokens, group, chunk_rows)
     out = jnp.zeros((num_tokens + block_q, num_kv_heads, group, head_dim), jnp.float32)
     out = out.at[jnp.where(is_decode, q_start, jnp.iinfo(jnp.int32).max)].set(dec, mode="drop")
@@ -200,7 +248,8 @@ def _window_start(key_end, sliding_window):
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale: Optional[float] = None, sliding_window: Optional[int] = None,
                            soft_cap: Optional[float] = None, chunk_rows: int = CHUNK_ROWS,
-                           chunk_keys: int = CHUNK_KEYS, decode_keys: int = DECODE_KEYS):
+                           chunk_keys: int = CHUNK_KEYS, decode_keys: int = DECODE_KEYS,
+                           dense_bytes: int = DENSE_BYTES):
     """Ragged paged attention with K/V loaded per query block; the seam of `reference.ragged_paged_attention`.
 
     Returns [T, num_q_heads, head_dim] in q's dtype, zeros for padding tokens. chunk_rows / chunk_keys /
@@ -213,4 +262,4 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     return _blocked(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
                     sliding_window=None if sliding_window is None else int(sliding_window),
                     soft_cap=None if soft_cap is None else float(soft_cap), chunk_rows=int(chunk_rows),
-                    chunk_keys=int(chunk_keys), decode_keys=int(decode_keys))
+                    chunk_keys=int(chunk_keys), decode_keys=int(decode_keys), dense_bytes=int(dense_bytes))

@@ -81,6 +81,9 @@ def _attention_kernel(seq_ref, first_pos_ref, key_start_ref, key_end_ref, pt_ref
         if sliding_window is not None:
             mask &= key_pos > row_pos - sliding_window
         s = jnp.where(mask, s, rb.NEG_INF)
+        # Slots past key_end may hold anything (NaN from an aborted request): p is 0 there, but 0 * NaN = NaN.
+        key_col = b * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+        v = jnp.where(key_col < key_end, v, 0)
         m_new = jnp.maximum(m, s.max(axis=1))
         p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)
         alpha = jnp.exp2(m - m_new)

@@ -65,6 +65,9 @@ def _tpu_kernel(seq_ref, first_pos_ref, key_start_ref, key_end_ref, table_ref,  
         if sliding_window is not None:
             mask &= key_pos > row_pos - sliding_window
         s = jnp.where(mask, s, rb.NEG_INF)
+        # Slots past key_end may hold anything (NaN from an aborted request): p is 0 there, but 0 * NaN = NaN.
+        key_col = (first_page + j) * page_size + jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)
+        v = jnp.where(key_col < key_end, v, 0)
         m_prev = m_scr[...][:, :1]
         m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
         p = jnp.where(mask, jnp.exp(s - m_new), 0.0)

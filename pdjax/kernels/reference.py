@@ -76,6 +76,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
         mask = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] < ctx[:, None])
         if sliding_window is not None:
             mask &= key_pos[None, :] > pos[:, None] - sliding_window
+        # Keys past a token's context may hold anything (NaN in unwritten slots): p is 0 there, 0 * NaN is not.
+        v = jnp.where(mask[None, :, :, None], v, 0)
         s = jnp.einsum("tkgd,ktsd->tkgs", qg, k)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)

@@ -16,6 +16,8 @@ from flax import struct
 from pdjax.config.buckets import Buckets
 from pdjax.config.sampling import SamplingParams
 
+_GREEDY = SamplingParams()
+
 
 @struct.dataclass
 class RaggedBatch:
@@ -110,19 +112,26 @@ def build_ragged_batch(token_ids: Sequence[Sequence[int]], num_computed_tokens: 
         bad = int(flat_tokens[(flat_tokens < 0) | (flat_tokens >= vocab_size)][0])
         raise ValueError(f"token id {bad} outside [0, {vocab_size})")
     batch.token_ids[:total] = flat_tokens
+    # Vectorized over sequences and tokens (one Python step per sequence only to copy its page table): this
+    # runs on the host between two device steps of a synchronous engine.
     for i in range(n):
-        table = np.asarray(page_tables[i][:pages_needed[i]], np.int64)
-        if num_pages is not None and table.size and (table.min() < 0 or table.max() >= num_pages):
-            raise ValueError(f"sequence {i}: page table {table.tolist()} has ids outside [0, {num_pages})")
-        batch.page_indices[i, :table.size] = table
-        pos = starts[i] + np.arange(q_lens[i])
-        batch.positions[cu[i]:cu[i + 1]] = pos
-        batch.slot_mapping[cu[i]:cu[i + 1]] = table[pos // page_size] * page_size + pos % page_size
-        sp = sampling[i] or SamplingParams()
-        batch.temperature[i] = sp.temperature
-        batch.top_k[i] = sp.top_k
-        batch.top_p[i] = sp.top_p
-        batch.seed[i] = sp.seed % (2 ** 32)
+        batch.page_indices[i, :pages_needed[i]] = page_tables[i][:pages_needed[i]]
+    if num_pages is not None and n:
+        used = np.arange(p_pad)[None, :] < pages_needed[:, None]
+        bad_rows = np.nonzero((used & ((batch.page_indices[:n] < 0) | (batch.page_indices[:n] >= num_pages))).any(1))[0]
+        if bad_rows.size:
+            i = int(bad_rows[0])
+            table = [int(p) for p in page_tables[i][:pages_needed[i]]]
+            raise ValueError(f"sequence {i}: page table {table} has ids outside [0, {num_pages})")
+    seq_of_token = np.repeat(np.arange(n), q_lens)
+    pos = starts[seq_of_token] + np.arange(total) - cu[seq_of_token]
+    batch.positions[:total] = pos
+    batch.slot_mapping[:total] = batch.page_indices[seq_of_token, pos // page_size] * page_size + pos % page_size
+    params = [sp or _GREEDY for sp in sampling]
+    batch.temperature[:n] = [sp.temperature for sp in params]
+    batch.top_k[:n] = [sp.top_k for sp in params]
+    batch.top_p[:n] = [sp.top_p for sp in params]
+    batch.seed[:n] = [sp.seed % (2 ** 32) for sp in params]
     batch.cu_q_lens[:] = cu
     batch.kv_lens[:n] = kv_lens
     batch.sample_indices[:n] = cu[1:n + 1] - 1

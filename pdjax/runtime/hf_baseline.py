@@ -38,7 +38,8 @@ def require_hf() -> None:
 
 def hf_generate(checkpoint_dir: str, prompts: Sequence[Sequence[int]], output_len: int, threads: int) -> Dict:
     """Greedy-generate `output_len` tokens for every prompt (equal lengths) in one batch; in this process.
-    Returns {'output_tokens': [[ids] per prompt], 'generate_s', 'load_s', 'torch', 'transformers'}."""
+    Returns {'output_tokens': [[ids] per prompt], 'generate_s', 'generate_cpu_s' (CPU seconds of this process,
+    every thread: spinning OpenMP threads count), 'load_s', 'torch', 'transformers'}."""
     import torch  # noqa: PLC0415 (optional hf extra)
     import transformers  # noqa: PLC0415 (optional hf extra)
 
@@ -52,11 +53,12 @@ def hf_generate(checkpoint_dir: str, prompts: Sequence[Sequence[int]], output_le
     with torch.inference_mode():
         model.generate(ids[:1, :8], max_new_tokens=2, min_new_tokens=2, **{**kwargs,
                        "attention_mask": torch.ones_like(ids[:1, :8])})   # warm-up (allocator, kernels)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kwargs)
-        generate_s = time.perf_counter() - start
+        generate_s, generate_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     new = out[:, ids.shape[1]:].tolist()
-    return {"output_tokens": new, "generate_s": generate_s, "load_s": load_s, "torch": torch.__version__,
+    return {"output_tokens": new, "generate_s": generate_s, "generate_cpu_s": generate_cpu_s, "load_s": load_s,
+            "torch": torch.__version__,
             "transformers": transformers.__version__, "threads": threads}
 
 

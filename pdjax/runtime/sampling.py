@@ -3,6 +3,8 @@
 Each request draws the token at absolute position p with key fold_in(PRNGKey(seed), p), so its samples do not
 depend on which other requests share the batch or on where it sits in it. top-k and top-p are applied as
 logit thresholds found on one descending sort of each row (ties at a threshold are all kept).
+A batch with no random row (every temperature 0: greedy) skips the sort and the draws (`lax.cond`): on CPU the
+sort of [S, V] logits cost as much as the lm_head matmul, for a result that is the argmax anyway.
 """
 from __future__ import annotations
 
@@ -19,9 +21,15 @@ def sample_tokens(logits: jax.Array, positions: jax.Array, temperature: jax.Arra
     seed uint32[S].
     """
     logits = logits.astype(jnp.float32)
-    vocab = logits.shape[-1]
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_random = temperature > 0
+    return jax.lax.cond(jnp.any(is_random), _sample_random, lambda *_: greedy_ids,
+                        logits, greedy_ids, is_random, positions, temperature, top_k, top_p, seed)
+
+
+def _sample_random(logits, greedy_ids, is_random, positions, temperature, top_k, top_p, seed):
+    """`sample_tokens` of a batch with at least one random row (greedy rows keep greedy_ids)."""
+    vocab = logits.shape[-1]
     scaled = logits / jnp.where(is_random, temperature, 1.0)[:, None]
 
     sorted_desc = -jnp.sort(-scaled, axis=-1)
