@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 
 from absl import flags
 
@@ -52,6 +54,7 @@ flags.DEFINE_integer("max_num_seqs", 256, "Sequences per instance (Sarathi's bud
 flags.DEFINE_integer("workers", 2, "Processes.")
 flags.DEFINE_bool("cache", True, "Share simulations across SLO points and colocated results across links "
                   "(--nocache: every point and candidate through placement.evaluate on its own; same numbers).")
+flags.DEFINE_integer("progress_every", 25, "Print progress to stderr every this many tasks (0: never).")
 flags.DEFINE_string("out_dir", "workdirs/regime_map", "Where regime_map.{csv,png,json} go.")
 
 
@@ -80,7 +83,14 @@ def main(argv):
                           max_num_seqs=FLAGS.max_num_seqs)
     except (ValueError, OSError) as e:
         raise cli.UserError(cli.one_line(e)) from None
-    result = run_grid(grid, workers=FLAGS.workers, cache=FLAGS.cache)
+    start = time.perf_counter()
+    step = max(1, FLAGS.progress_every)
+
+    def progress(done: int, total: int) -> None:
+        if FLAGS.progress_every and (done % step == 0 or done == total):
+            print(f"regime_map: {done}/{total} tasks, {time.perf_counter() - start:.0f} s, load "
+                  f"{os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+    result = run_grid(grid, workers=FLAGS.workers, cache=FLAGS.cache, progress=progress)
     paths = write_outputs(grid, result, FLAGS.out_dir)
     out = {k: v for k, v in summary(grid, result).items() if k != "points"}
     out["outputs"] = paths

@@ -497,12 +497,21 @@ def _tasks(grid: RegimeGrid, budgets: Mapping) -> List[Task]:
     return tasks
 
 
-def _map(fn, items: Sequence, workers: int) -> List[Any]:
+def _map(fn, items: Sequence, workers: int, progress: Optional[Callable[[int, int], None]] = None) -> List[Any]:
+    """[fn(x) for x in items] on `workers` processes (1: here), in order; progress(done, total) after each."""
+    out: List[Any] = []
+
+    def collect(results) -> List[Any]:
+        for r in results:
+            out.append(r)
+            if progress is not None:
+                progress(len(out), len(items))
+        return out
     if workers <= 1 or len(items) <= 1:
-        return [fn(x) for x in items]
+        return collect(fn(x) for x in items)
     pool = process_pool(min(workers, len(items)), "spawn" if "jax" in sys.modules else "fork")
     try:
-        return list(pool.map(fn, items, chunksize=1))
+        return collect(pool.map(fn, items, chunksize=1))
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
@@ -517,10 +526,12 @@ def _link_gbps(placements: Sequence[Placement]) -> Optional[float]:
     return round(min(links) / 1e9, 3) if links else None
 
 
-def run_grid(grid: RegimeGrid, workers: int = 1, cache: bool = True) -> Dict[str, Any]:
+def run_grid(grid: RegimeGrid, workers: int = 1, cache: bool = True,
+             progress: Optional[Callable[[int, int], None]] = None) -> Dict[str, Any]:
     """Every point of the grid: {"rows": [CSV row per point, `grid.points` order], "points": [per point the best
     of each side and each colocated policy], "timing": {...}}. cache=False: every (point, candidate) through
-    `placement.evaluate` on its own (the reference the cached path must equal)."""
+    `placement.evaluate` on its own (the reference the cached path must equal). progress(done, total): called
+    as tasks finish."""
     wall, cpu = time.perf_counter(), time.process_time()
     budgets = sarathi_budgets(grid)
     coloc_cands = colocated_candidates(grid)
@@ -537,7 +548,7 @@ def run_grid(grid: RegimeGrid, workers: int = 1, cache: bool = True) -> Dict[str
 
     if cache:
         tasks = _tasks(grid, budgets)
-        results = _map(run_task, tasks, workers)
+        results = _map(run_task, tasks, workers, progress)
         for task, res in zip(tasks, results):
             stats["simulations"] += res.simulations
             stats["worker_cpu_s"] += res.cpu_s
@@ -558,7 +569,7 @@ def run_grid(grid: RegimeGrid, workers: int = 1, cache: bool = True) -> Dict[str
                 for k in grid.links:
                     pairs = point_problems(grid, w, s, k, budgets)["disaggregated"]
                     jobs += [(("d", w, s, k), p, pair) for pair, p in zip(pairs, disagg_cands[k])]
-        results = _map(_evaluate_pair, [j[2] for j in jobs], workers)
+        results = _map(_evaluate_pair, [j[2] for j in jobs], workers, progress)
         for (key, p, _), (good, n) in zip(jobs, results):
             stats["probes"] += n
             stats["simulations"] += n
