@@ -55,7 +55,7 @@ import itertools
 import math
 import sys
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pdjax.config.model_specs import ModelSpec, get_model_spec
 from pdjax.config.deployment import STACKS
@@ -437,44 +437,53 @@ class Evaluation:
                 "num_probes": len(self.probes), "wall_s": round(self.wall_s, 2)}
 
 
-def evaluate(problem: PlacementProblem, placement: Placement) -> Evaluation:
-    """Highest rate meeting the attainment target: start at 0.5 req/s per GPU, double (or halve) until the
-    bracket holds, then bisect to rel_tol (at most max_probes simulations)."""
-    start = time.perf_counter()
+def rate_search(ok: Callable[[float], Tuple[bool, float]], num_gpus: int, rel_tol: float,
+                max_probes: int) -> Tuple[float, Tuple[Tuple[float, float], ...]]:
+    """The highest rate `ok` passes: (rate, ((rate, attainment), ...) in probe order). `ok(rate)` -> (passes,
+    attainment). Start at 0.5 req/s per GPU, double (or halve) until the bracket holds, then bisect to rel_tol (at
+    most max_probes probes). Shared by evaluate and pdjax.sim.regime (whose probes reuse cached simulations)."""
     probes: List[Tuple[float, float]] = []
 
-    def ok(rate: float) -> bool:
-        passes, a = probe(problem, placement, rate)
+    def test(rate: float) -> bool:
+        passes, a = ok(rate)
         probes.append((rate, a))
         return passes
 
-    rate = 0.5 * placement.num_gpus
+    rate = 0.5 * num_gpus
     good, bad = 0.0, math.inf
-    if ok(rate):
+    if test(rate):
         good = rate
-        while len(probes) < problem.max_probes // 2:
+        while len(probes) < max_probes // 2:
             rate *= 2
-            if ok(rate):
+            if test(rate):
                 good = rate
             else:
                 bad = rate
                 break
     else:
         bad = rate
-        while len(probes) < problem.max_probes // 2:
+        while len(probes) < max_probes // 2:
             rate /= 2
-            if ok(rate):
+            if test(rate):
                 good = rate
                 break
             bad = rate
     if good > 0 and math.isfinite(bad):
-        while bad - good > problem.rel_tol * good and len(probes) < problem.max_probes:
+        while bad - good > rel_tol * good and len(probes) < max_probes:
             mid = 0.5 * (good + bad)
-            if ok(mid):
+            if test(mid):
                 good = mid
             else:
                 bad = mid
-    return Evaluation(placement, good, good / placement.num_gpus, tuple(probes), time.perf_counter() - start)
+    return good, tuple(probes)
+
+
+def evaluate(problem: PlacementProblem, placement: Placement) -> Evaluation:
+    """Highest rate meeting the attainment target (rate_search over simulations of the placement)."""
+    start = time.perf_counter()
+    good, probes = rate_search(lambda rate: probe(problem, placement, rate), placement.num_gpus, problem.rel_tol,
+                               problem.max_probes)
+    return Evaluation(placement, good, good / placement.num_gpus, probes, time.perf_counter() - start)
 
 
 # --------------------------------------------------------------------------------------------------- search

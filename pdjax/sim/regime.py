@@ -25,7 +25,8 @@ At each grid point (workload w, SLO scale s, KV link k):
   disaggregated / colocated per-GPU goodput (None when the colocated one is 0).
 
 What a point's numbers equal: the same `placement.evaluate` (and so `placement.search`) on the point's problems
-(`point_problems`), by construction of `rate_search` (tests/test_regime_map.py checks it at every point).
+(`point_problems`), by construction: both run `placement.rate_search` (tests/test_regime_map.py checks it at every
+point).
 
 Speed (shared sub-results; every one is exact, not an approximation):
 - Colocated results do not depend on the KV link: computed once per (workload, SLO) and shared by the links.
@@ -57,7 +58,7 @@ from pdjax.scheduler.output import SchedulerOutput
 from pdjax.sim.build import build_setup, group_step_time
 from pdjax.sim.disagg import kv_link
 from pdjax.sim.placement import (COLOCATED_POLICIES, Layout, NodeType, Placement, PlacementProblem,
-                                 enumerate_placements, evaluate, serve_config, simulate_placement)
+                                 enumerate_placements, evaluate, rate_search, serve_config, simulate_placement)
 from pdjax.workload.config import WorkloadConfig
 from pdjax.workload.generate import make_workload
 from pdjax.workload.presets import PRESETS
@@ -338,46 +339,6 @@ def passes(records, problem: PlacementProblem) -> Tuple[bool, float]:
     if problem.slo_rule == "distserve":
         return distserve_slo_check(records, slos, quantile=problem.attainment)["passes"], attainment
     return attainment >= problem.attainment, attainment
-
-
-def rate_search(ok: Callable[[float], Tuple[bool, float]], num_gpus: int, rel_tol: float,
-                max_probes: int) -> Tuple[float, Tuple[Tuple[float, float], ...]]:
-    """placement.evaluate's search with the probe given: (highest passing rate, ((rate, attainment), ...)). Start
-    at 0.5 req/s per GPU, double (or halve) until the bracket holds, then bisect to rel_tol, at most max_probes."""
-    probes: List[Tuple[float, float]] = []
-
-    def test(rate: float) -> bool:
-        good_, a = ok(rate)
-        probes.append((rate, a))
-        return good_
-
-    rate = 0.5 * num_gpus
-    good, bad = 0.0, math.inf
-    if test(rate):
-        good = rate
-        while len(probes) < max_probes // 2:
-            rate *= 2
-            if test(rate):
-                good = rate
-            else:
-                bad = rate
-                break
-    else:
-        bad = rate
-        while len(probes) < max_probes // 2:
-            rate /= 2
-            if test(rate):
-                good = rate
-                break
-            bad = rate
-    if good > 0 and math.isfinite(bad):
-        while bad - good > rel_tol * good and len(probes) < max_probes:
-            mid = 0.5 * (good + bad)
-            if test(mid):
-                good = mid
-            else:
-                bad = mid
-    return good, tuple(probes)
 
 
 @dataclasses.dataclass(frozen=True)
