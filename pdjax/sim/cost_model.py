@@ -674,6 +674,24 @@ def stage_link(hw: HardwareSpec, tp: int, boundary: int) -> tuple[float, float]:
     return hw.intra_node_bandwidth, hw.intra_node_latency
 
 
+def stage_device_times(counts: Sequence[int], layer: float, embedding: float, head: float, host: float,
+                       launch_overhead_s: float, per_layer_kernels: int) -> list:
+    """Per-stage seconds of one step: stage i runs counts[i] layers of `layer` s (stage 0 + embedding + host, the
+    last + lm_head), or its kernels' launch floor when that is larger. Shared by stage_times and
+    pdjax.sim.step_cost's cached form (bit-identical by sharing)."""
+    pp = len(counts)
+    stages = []
+    for st, n in enumerate(counts):
+        first, last = st == 0, st == pp - 1
+        device = n * layer + (embedding if first else 0.0) + (head if last else 0.0)
+        if launch_overhead_s > 0:
+            launch = launch_overhead_s * (n * per_layer_kernels + int(first) + 2 * int(last))
+            if launch > device:
+                device = launch
+        stages.append(device + host if first else device)
+    return stages
+
+
 def stage_times(batch: BatchComposition, model: ModelSpec, hw: HardwareSpec, tp: int = 1, pp: int = 1,
                 params: Optional[CostParams] = None) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """(seconds of each pipeline stage, seconds of each activation send between stages s and s+1) for one batch
@@ -713,15 +731,7 @@ def stage_times(batch: BatchComposition, model: ModelSpec, hw: HardwareSpec, tp:
                         params)
     head = (c if c > mem else mem) + params.kernel_fixed_s
     per_layer_kernels = kernels_per_iteration(s, 1, tp, bool(batch.prefills), bool(batch.decodes)) - 3
-    stages = []
-    for st, n in enumerate(counts):
-        first, last = st == 0, st == pp - 1
-        device = n * layer + (embedding if first else 0.0) + (head if last else 0.0)
-        if params.launch_overhead_s > 0:
-            launch = params.launch_overhead_s * (n * per_layer_kernels + int(first) + 2 * int(last))
-            if launch > device:
-                device = launch
-        stages.append(device + host if first else device)
+    stages = stage_device_times(counts, layer, embedding, head, host, params.launch_overhead_s, per_layer_kernels)
     send_bytes = tokens * s.hidden * s.dtype_bytes
     sends = tuple(p2p_time(send_bytes, *stage_link(hw, tp, b), params) for b in range(pp - 1))
     return tuple(stages), sends

@@ -500,13 +500,9 @@ def rank(evaluations: Sequence[Evaluation]) -> List[Evaluation]:
     return sorted(evaluations, key=lambda e: (-round(e.per_gpu_rps, 9), e.placement.num_gpus, e.placement.name))
 
 
-def search(problem: PlacementProblem, *, workers: int = 1, affinities: Sequence[str] = AFFINITIES,
-           colocated: Sequence[str] = COLOCATED_POLICIES,
-           placements: Optional[Sequence[Placement]] = None) -> Dict[str, Any]:
-    """Evaluate every candidate (`placements`, default `enumerate_placements`) on `workers` processes (1: in this
-    process) and return {"ranking": [row, ...], "best_disaggregated", "best_colocated", "num_candidates",
-    "wall_s", "workers"}."""
-    start = time.perf_counter()
+def _candidates(problem: PlacementProblem, affinities: Sequence[str], colocated: Sequence[str],
+                placements: Optional[Sequence[Placement]]) -> Sequence[Placement]:
+    """`placements`, or every candidate of the families asked for; refuses an unknown family or an empty set."""
     bad = [a for a in affinities if a not in AFFINITIES]
     if bad:
         raise ValueError(f"affinities {bad}: expected some of {AFFINITIES}")
@@ -515,6 +511,17 @@ def search(problem: PlacementProblem, *, workers: int = 1, affinities: Sequence[
     if not placements:
         raise ValueError(f"no placement of {problem.model} fits {problem.gpu_budget} GPU(s) of "
                          f"{problem.node.hardware} (weights + one {problem.max_model_len}-token request)")
+    return placements
+
+
+def search(problem: PlacementProblem, *, workers: int = 1, affinities: Sequence[str] = AFFINITIES,
+           colocated: Sequence[str] = COLOCATED_POLICIES,
+           placements: Optional[Sequence[Placement]] = None) -> Dict[str, Any]:
+    """Evaluate every candidate (`placements`, default `enumerate_placements`) on `workers` processes (1: in this
+    process) and return {"ranking": [row, ...], "best_disaggregated", "best_colocated", "num_candidates",
+    "wall_s", "workers"}."""
+    start = time.perf_counter()
+    placements = _candidates(problem, affinities, colocated, placements)
     ranked = rank(_map(_Evaluate(problem), placements, workers))
     rows = [e.row(problem) for e in ranked]
     disagg = [r for r in rows if r["kind"] != "colocated"]
@@ -644,14 +651,7 @@ def slo_scale_search(problem: PlacementProblem, per_gpu_rate: float, *, workers:
     start = time.perf_counter()
     if not (per_gpu_rate > 0 and math.isfinite(per_gpu_rate)):
         raise ValueError(f"per_gpu_rate={per_gpu_rate!r}, expected req/s per GPU > 0")
-    bad = [a for a in affinities if a not in AFFINITIES]
-    if bad:
-        raise ValueError(f"affinities {bad}: expected some of {AFFINITIES}")
-    if placements is None:
-        placements = enumerate_placements(problem, affinities, colocated)
-    if not placements:
-        raise ValueError(f"no placement of {problem.model} fits {problem.gpu_budget} GPU(s) of "
-                         f"{problem.node.hardware} (weights + one {problem.max_model_len}-token request)")
+    placements = _candidates(problem, affinities, colocated, placements)
     rows = [e.row(problem) for e in rank_by_scale(_map(_EvaluateScale(problem, per_gpu_rate), placements, workers))]
     held = [r for r in rows if r["tightest_slo_scale"] is not None]
     disagg = [r for r in held if r["kind"] != "colocated"]

@@ -399,15 +399,8 @@ class CachedStageTimes:
         per_layer_kernels = self._kernels.get(kinds)
         if per_layer_kernels is None:
             per_layer_kernels = self._kernels[kinds] = cm.kernels_per_iteration(plan.shapes, 1, self.tp, *kinds) - 3
-        stages = []
-        for st, n in enumerate(self.counts):
-            first, last = st == 0, st == pp - 1
-            device = n * layer + (embedding if first else 0.0) + (head if last else 0.0)
-            if p.launch_overhead_s > 0:
-                launch = p.launch_overhead_s * (n * per_layer_kernels + int(first) + 2 * int(last))
-                if launch > device:
-                    device = launch
-            stages.append(device + host if first else device)
+        stages = cm.stage_device_times(self.counts, layer, embedding, head, host, p.launch_overhead_s,
+                                       per_layer_kernels)
         return tuple(stages), sends
 
 
