@@ -11,6 +11,7 @@ import types
 
 import pytest
 
+from pdjax.config.serving import serve_config_from_dict
 from pdjax.sim import provision as pv
 from pdjax.sim.machines import get_machine
 
@@ -222,14 +223,12 @@ def test_the_capped_token_machine_is_slower_at_prefill_only_and_draws_less():
     assert pv.cap_instances(setup, pv.role_machines(hh)) is None
 
 
-def test_mixed_on_sets_the_borrow_key_or_is_refused():
-    if pv.mixed_pool_supported():
-        problem = small_problem(mixed=("on",))
-        s = problem.systems[-1]
-        assert pv.serve_config(problem, pv.Cluster(s, 1, 1), 5.0)["deployment"]["mixed_pool"] == "borrow"
-    else:
-        with pytest.raises(ValueError, match="mixed='on' needs deployment.mixed_pool='borrow'"):
-            small_problem(mixed=("on",))
+def test_mixed_on_sets_the_borrow_key():
+    problem = small_problem(mixed=("on",))
+    s = problem.systems[-1]
+    cfg = pv.serve_config(problem, pv.Cluster(s, 1, 1), 5.0)
+    assert cfg["deployment"]["mixed_pool"] == "borrow"
+    assert serve_config_from_dict(cfg).deployment.mixed_pool == "borrow"
 
 
 @pytest.mark.parametrize("changes,match", [

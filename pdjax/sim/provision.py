@@ -14,8 +14,8 @@ Designs (Splitwise, Patel et al., ISCA 2024, §5-6; splitwise-sim notebooks/util
   compute, so a prefill it runs, borrowed into the mixed pool, is slower; a decode-only step draws less than the
   cap and runs at full speed: `PhaseCappedStepTime`).
 - Mixed pool 'on' (Splitwise's, machines of one pool borrowed by the other when it is overloaded) sets
-  `deployment.mixed_pool='borrow'`; it needs the deployment to have that key (pdjax.config.deployment) and is
-  refused with a one-line error until it has. 'off': the plain prompt/token pools.
+  `deployment.mixed_pool='borrow'` (pdjax.config.deployment, pdjax.scheduler.mixed). 'off': the plain prompt/token
+  pools.
 One model instance per machine at the TP Splitwise used (8 GPUs, TP 8: splitwise-sim configs/start_state/
 baseline.yaml and splitwise*.yaml, `tensor_parallelism: 8`, `max_batch_tokens: 2048`, `max_batch_size: 512`:
 the problem's defaults). A machine's cost is its SKU's cost per hour, its power its provisioned power (TDP);
@@ -59,7 +59,6 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from pdjax.config.deployment import DeploymentConfig
 from pdjax.config.model_specs import get_model_spec
 from pdjax.config.serving import serve_config_from_dict
 from pdjax.config.validate import check_max_model_len
@@ -103,11 +102,6 @@ DESIGNS: Dict[str, Design] = {d.name: d for d in (
     Design("Splitwise-HA", "disaggregated", "dgx-h100", "dgx-a100"),
     Design("Splitwise-HHcap", "disaggregated", "dgx-h100", "dgx-h100-pcap"),
 )}
-
-
-def mixed_pool_supported() -> bool:
-    """Whether the deployment config has Splitwise's borrowing mixed pool (`deployment.mixed_pool`)."""
-    return "mixed_pool" in {f.name for f in dataclasses.fields(DeploymentConfig)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,9 +205,6 @@ class ProvisionProblem:
         _check_names("design", self.designs, tuple(DESIGNS))
         _check_names("colocated policy", self.colocated_policies, COLOCATED_POLICIES)
         _check_names("mixed setting", self.mixed, MIXED_SETTINGS)
-        if "on" in self.mixed and not mixed_pool_supported():
-            raise ValueError("mixed='on' needs deployment.mixed_pool='borrow' (Splitwise's borrowing mixed pool), "
-                             "which this pdjax's deployment config does not have yet; expected mixed='off'")
         if self.slo not in SLO_KINDS:
             raise ValueError(f"slo={self.slo!r}, expected one of {SLO_KINDS}")
         if not (isinstance(self.target_rate, (int, float)) and self.target_rate > 0):
