@@ -67,7 +67,7 @@ import heapq
 import time
 from bisect import bisect_left
 from collections import deque
-from itertools import accumulate
+from itertools import accumulate, repeat
 from typing import Callable, List, Optional, Sequence
 
 from pdjax.metrics import IterationRecord, RequestRecord, request_record
@@ -433,8 +433,9 @@ class _Replicas:
         name = self.names[idx]
         step = len(its)
         if chunk_lists is None:
-            its += [IterationRecord(step + j, s, e, 0, count, count, name)
-                    for j, (s, e) in enumerate(zip(starts, ends))]
+            k = len(starts)
+            its += map(IterationRecord, range(step, step + k), starts, ends, repeat(0, k), repeat(count, k),
+                       repeat(count, k), repeat(name, k))
         else:
             for s, e, chunks in zip(starts, ends, chunk_lists):
                 if chunks:
