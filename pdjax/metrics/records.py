@@ -84,4 +84,4 @@ def request_record(req: Any) -> RequestRecord:
         finish_time=req.finish_time, num_prompt_tokens=int(req.num_prompt_tokens),
         num_output_tokens=int(req.num_output_tokens), num_preemptions=int(req.num_preemptions),
         finish_reason=req.finish_reason if req.finish_reason is not None else "unfinished",
-        token_times=[float(t) for t in req.token_times], reject_reason=getattr(req, "reject_reason", None) or "")
+        token_times=list(map(float, req.token_times)), reject_reason=getattr(req, "reject_reason", None) or "")

@@ -414,11 +414,13 @@ class Scheduler:
             return "empty prompt: expected at least one token"
         if n > self._max_len:
             return f"prompt of {n} tokens exceeds max_model_len={self._max_len}"
-        if min(req.prompt_token_ids) < 0:
-            return f"negative token id {min(req.prompt_token_ids)} in the prompt"
         vocab = self.config.vocab_size
-        if vocab and max(req.prompt_token_ids) >= vocab:
-            return f"token id {max(req.prompt_token_ids)} in the prompt is outside the vocabulary [0, {vocab})"
+        bound = req.token_bound       # a guarantee (lo, hi) of the request's maker: scan only if it allows a bad id
+        if bound is None or bound[0] < 0 or (vocab and bound[1] >= vocab):
+            if min(req.prompt_token_ids) < 0:
+                return f"negative token id {min(req.prompt_token_ids)} in the prompt"
+            if vocab and max(req.prompt_token_ids) >= vocab:
+                return f"token id {max(req.prompt_token_ids)} in the prompt is outside the vocabulary [0, {vocab})"
         if req.max_tokens < 1:
             return f"max_tokens={req.max_tokens}, expected >= 1"
         return None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from pdjax.config.sampling import SamplingParams
 
@@ -54,7 +54,7 @@ class Request:
         "reject_reason", "num_cached_tokens",
         # internal
         "page_table", "prefill_end", "page_keys", "num_registered_pages", "host_slots", "admit_seq",
-        "sched_step", "stop_ids", "max_tokens", "is_long_prefill",
+        "sched_step", "stop_ids", "max_tokens", "is_long_prefill", "token_bound",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
@@ -88,6 +88,7 @@ class Request:
         self.stop_ids = frozenset(getattr(sampling, "stop_token_ids", ()) or ())
         self.max_tokens = getattr(sampling, "max_tokens", 0)
         self.is_long_prefill = False
+        self.token_bound: Optional[Tuple[int, int]] = None  # (lo, hi): every prompt id in [lo, hi] (see below)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -117,7 +118,10 @@ def request_from_workload(wr, *, eos_token_id: int = -1, offline: bool = False, 
     prompt_token_ids, max_tokens, arrival_time): greedy unless a temperature is given, stopping at
     `eos_token_id` when it is >= 0, arriving at 0 when offline. The engine and the simulator both use it."""
     sampling = _sampling(temperature, seed, int(wr.max_tokens), (eos_token_id,) if eos_token_id >= 0 else ())
-    return Request(str(wr.request_id), wr.prompt_token_ids, sampling, 0.0 if offline else float(wr.arrival_time))
+    req = Request(str(wr.request_id), wr.prompt_token_ids, sampling, 0.0 if offline else float(wr.arrival_time))
+    # The workload's guarantee on its prompt ids (WorkloadRequest.token_bound): add_request then skips scanning them.
+    req.token_bound = getattr(wr, "token_bound", None)
+    return req
 
 
 @functools.lru_cache(maxsize=4096, typed=True)

@@ -69,6 +69,16 @@ def _token_ids(cfg: WorkloadConfig, seed: int, stream: int, key: int, length: in
     return hashed_token_ids(seed, stream, key, length, cfg.vocab_size, cfg.allowed_token_ids)
 
 
+def _token_bound(cfg: WorkloadConfig) -> Tuple[int, int]:
+    """(lo, hi) bounding every id _token_ids makes for cfg: bytes for 'text', else [0, vocab_size) or the
+    allowed ids."""
+    if cfg.prompt_source == "text":
+        return 0, 255
+    if cfg.allowed_token_ids:
+        return min(cfg.allowed_token_ids), max(cfg.allowed_token_ids)
+    return 0, cfg.vocab_size - 1
+
+
 def _prompt(cfg: WorkloadConfig, seed: int, key: int, body_len: int) -> List[int]:
     prefix = _token_ids(cfg, seed, STREAM_PREFIX, 0, cfg.shared_prefix_len)
     return prefix + _token_ids(cfg, seed, STREAM_BODY, key, body_len)
@@ -203,11 +213,20 @@ def describe_length_report(report: Mapping[str, Any]) -> Optional[str]:
 
 
 def make_workload(cfg: Any, seed: Optional[int] = None) -> List[WorkloadRequest]:
-    """Requests of the workload `cfg` (a WorkloadConfig, dict or ConfigDict); `seed` overrides cfg.seed."""
+    """Requests of the workload `cfg` (a WorkloadConfig, dict or ConfigDict); `seed` overrides cfg.seed. Each
+    carries the bound of its prompt ids (WorkloadRequest.token_bound)."""
     cfg = WorkloadConfig.from_dict(cfg)
     seed = cfg.seed if seed is None else seed
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed={seed!r}, expected an int >= 0")
+    requests = _make_workload(cfg, seed)
+    bound = _token_bound(cfg)
+    for r in requests:
+        r.token_bound = bound
+    return requests
+
+
+def _make_workload(cfg: WorkloadConfig, seed: int) -> List[WorkloadRequest]:
     if cfg.kind == "trace":
         return _from_trace(cfg, seed, load_trace(cfg.trace_path))
     prompt, output, fit_total = _source_dists(cfg)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 
 @dataclasses.dataclass
@@ -27,6 +27,10 @@ class WorkloadRequest:
     shared_prefix_len: int = 0
     uncapped_prompt_len: int = 0
     uncapped_output_len: int = 0
+    # (lo, hi): the generator's guarantee that every prompt id lies in [lo, hi] (it knows from how it made them),
+    # so a scheduler can skip scanning the prompt; None: no claim. Not an __init__ argument, so replace() or a
+    # hand-made request never carries a stale one.
+    token_bound: Optional[Tuple[int, int]] = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.prompt_token_ids:
