@@ -91,7 +91,7 @@ from pdjax.scheduler.mixed import make_pool
 from pdjax.sim.cost_model import CostParams, kv_bytes, p2p_time
 from pdjax.sim.hardware import HardwareSpec
 from pdjax.sim.pipeline import StagePipeline, StageTimer, pipeline_summary
-from pdjax.sim.simulator import SimResult, SimRequests, placeholder_sample
+from pdjax.sim.simulator import SimResult, SimRequests, gc_paused, placeholder_sample
 
 ROLES = ("prefill", "decode", "mixed")
 
@@ -432,17 +432,18 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[DisaggSimInstan
     c = _Cluster(requests, prefill, decode, transfer_time, kv_bytes_of, router, serialize_transfers, sample,
                  on_schedule, max_iterations, mixed, mixed_prefill_queue_tokens, mixed_decode_load, mixed_pool)
     now = 0.0
-    while True:
-        t = c.next_event_time()
-        if t == float("inf"):
-            break
-        now = t
-        while c.step_or_transfer_due(now):
-            c.finish_steps(now)
-            c.land_transfer(now)
-        c.return_idle(now)
-        c.admit_arrivals(now)
-        c.start_steps(now)
+    with gc_paused():
+        while True:
+            t = c.next_event_time()
+            if t == float("inf"):
+                break
+            now = t
+            while c.step_or_transfer_due(now):
+                c.finish_steps(now)
+                c.land_transfer(now)
+            c.return_idle(now)
+            c.admit_arrivals(now)
+            c.start_steps(now)
     c.check_done(now)
     duration = max((it.end_time for it in c.iterations), default=0.0)
     summary = None
