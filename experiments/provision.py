@@ -19,14 +19,13 @@ import sys
 
 from absl import flags
 
+from pdjax.config.files import shared_trace
 from pdjax.experiment import cli
 from pdjax.metrics.report import write_json
 from pdjax.sim import provision as pv
 from pdjax.sim.machines import MACHINES, get_machine
 from pdjax.sim.reference import ReferenceMachine
-from pdjax.sim.stack import SHARED_PROFILING_DIR
 
-TRACES_DIR = os.path.join(os.path.dirname(SHARED_PROFILING_DIR), "traces")
 NAMED_TRACES = {"code": "azure_llm_2023_code.csv", "conv": "azure_llm_2023_conv.csv"}
 
 FLAGS = flags.FLAGS
@@ -69,7 +68,7 @@ flags.DEFINE_string("out", "", "Directory for provision.json and the PNGs ('' = 
 def workload(trace: str, preset: str, num_requests: int, trace_start: int, seed: int, arrival: str = "trace") -> dict:
     if not trace:
         return {"preset": preset, "num_requests": num_requests, "seed": seed, "fit_to_model": False}
-    path = os.path.join(TRACES_DIR, NAMED_TRACES[trace]) if trace in NAMED_TRACES else trace
+    path = shared_trace(NAMED_TRACES[trace]) if trace in NAMED_TRACES else trace
     if not os.path.isfile(path):
         raise ValueError(f"--trace={trace!r}: no file {path!r}; expected 'code', 'conv' or a trace CSV path")
     return pv.trace_workload(path, num_requests, trace_start, seed, arrival)

@@ -51,14 +51,15 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pdjax.config.deployment import STACKS
 from pdjax.config.serving import serve_config_from_dict
-from pdjax.metrics.latency import SLO_RULES, SLOs, distserve_slo_check, slo_attainment
+from pdjax.metrics.latency import SLO_RULES
 from pdjax.metrics.report import atomic_write_bytes, atomic_write_text
 from pdjax.procs import process_pool
 from pdjax.scheduler.output import SchedulerOutput
 from pdjax.sim.build import build_setup, group_step_time
 from pdjax.sim.disagg import kv_link
 from pdjax.sim.placement import (COLOCATED_POLICIES, Layout, NodeType, Placement, PlacementProblem,
-                                 enumerate_placements, evaluate, rate_search, serve_config, simulate_placement)
+                                 enumerate_placements, evaluate, rate_search, serve_config, simulate_placement,
+                                 slo_rule_passes)
 from pdjax.workload.config import WorkloadConfig
 from pdjax.workload.generate import make_workload
 from pdjax.workload.presets import PRESETS
@@ -332,15 +333,6 @@ def sarathi_budget(problem: PlacementProblem, layout: Layout, means: Tuple[float
 
 
 # --------------------------------------------------------------------------------------------------- rate search
-def passes(records, problem: PlacementProblem) -> Tuple[bool, float]:
-    """(passes the problem's SLO rule, attainment) of simulated records (placement.probe's judgement)."""
-    slos = SLOs(ttft_s=problem.ttft_s, tpot_s=problem.tpot_s)
-    attainment = slo_attainment(records, slos) or 0.0
-    if problem.slo_rule == "distserve":
-        return distserve_slo_check(records, slos, quantile=problem.attainment)["passes"], attainment
-    return attainment >= problem.attainment, attainment
-
-
 @dataclasses.dataclass(frozen=True)
 class Task:
     """One candidate on one workload (and link, and Sarathi budget), searched at several SLO points that share its
@@ -368,7 +360,8 @@ def run_task(task: Task) -> TaskResult:
         def ok(rate: float) -> Tuple[bool, float]:
             if rate not in records:
                 records[rate] = simulate_placement(base, task.placement, rate)
-            return passes(records[rate], problem)
+            return slo_rule_passes(records[rate], problem.ttft_s, problem.tpot_s, problem.slo_rule,
+                                   problem.attainment)
         return ok
 
     out = []
