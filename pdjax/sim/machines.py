@@ -17,6 +17,7 @@ pdjax.sim.provision.PhaseCappedStepTime; Splitwise reports the token phase barel
 from __future__ import annotations
 
 import dataclasses
+from operator import attrgetter
 from typing import Dict, Mapping, Sequence, Tuple
 
 
@@ -110,9 +111,14 @@ def energy_report(iterations: Sequence, instances: Mapping[str, Tuple[MachineSpe
     machine's idle power whenever it runs no step during the run's `duration_s`. Machine-hours count the
     machines' share the instances use (GPUs / GPUs per machine) for the whole run."""
     per_instance, energy, machine_hours, cost = {}, 0.0, 0.0, 0.0
+    steps_of: Dict[str, list] = {name: [] for name in instances}
+    step = attrgetter("start_time", "end_time", "num_prefill_tokens")
+    for it in iterations:   # one pass over the run's iterations, grouped by instance
+        steps = steps_of.get(it.instance)
+        if steps is not None:
+            steps.append(step(it))
     for name, (machine, gpus) in sorted(instances.items()):
-        prompt_s, token_s = busy_seconds_by_phase(
-            [(it.start_time, it.end_time, it.num_prefill_tokens) for it in iterations if it.instance == name])
+        prompt_s, token_s = busy_seconds_by_phase(steps_of[name])
         idle_s = max(0.0, duration_s - prompt_s - token_s)
         joules = machine.phase_energy_j(prompt_s, token_s, idle_s, gpus)
         share = gpus / machine.gpus
