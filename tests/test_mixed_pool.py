@@ -324,19 +324,26 @@ def colocated_tokens(engine_parts):
     return {rid: [int(t) for t in toks] for rid, toks in result.output_tokens.items()}
 
 
+def _record_schedules(instances, state: str) -> list:
+    """Wrap each instance's scheduler.schedule to log (instance name, scheduler.<state> when it scheduled, output)
+    of every call; returns the (growing) log."""
+    log = []
+    for inst in instances:
+        def wrap(inst=inst, orig=inst.scheduler.schedule):
+            def schedule(now):
+                out = orig(now)
+                log.append((inst.name, getattr(inst.scheduler, state), out))
+                return out
+            return schedule
+        inst.scheduler.schedule = wrap()
+    return log
+
+
 def _run_real(engine_parts, q, load, num_mixed):
     from pdjax.serving.build import build_engine
     spec, params, prompts = engine_parts
     engine = build_engine(_serve_cfg(q, load, num_mixed), params=params, spec=spec)
-    phases = []                                   # (instance, phase at schedule, output) of every mixed step
-    for inst in engine.mixed:
-        def wrap(inst=inst, orig=inst.scheduler.schedule):
-            def schedule(now):
-                out = orig(now)
-                phases.append((inst.name, inst.scheduler.phase, out))
-                return out
-            return schedule
-        inst.scheduler.schedule = wrap()
+    phases = _record_schedules(engine.mixed, "phase")   # (instance, phase at schedule, output) of every mixed step
     result = engine.run(_requests(prompts))
     return engine, result, phases
 
@@ -422,15 +429,7 @@ def test_real_engine_borrowing_keeps_tokens_and_pages(engine_parts, colocated_to
     cfg = _borrow_cfg(90, load)
     engine = build_engine(cfg, params=params, spec=spec)
     assert [i.name for i in engine.instances] == ["prefill0", "decode0"] and not engine.mixed
-    batches = []                                  # (machine, pool at schedule, output) of every step
-    for inst in engine.instances:
-        def wrap(inst=inst, orig=inst.scheduler.schedule):
-            def schedule(now):
-                out = orig(now)
-                batches.append((inst.name, inst.scheduler.pool, out))
-                return out
-            return schedule
-        inst.scheduler.schedule = wrap()
+    batches = _record_schedules(engine.instances, "pool")   # (machine, pool at schedule, output) of every step
     result = engine.run(_requests(prompts))
     assert {rid: [int(t) for t in toks] for rid, toks in result.output_tokens.items()} == colocated_tokens
     assert all(r.finish_reason == "length" for r in result.requests) and not engine._staged
