@@ -17,7 +17,7 @@ from pdjax.runtime.runner import ModelRunner
 # Small tiles so small batches still cross many query blocks and key blocks (every setting is exact); with
 # dense_bytes=0 single-token items take the key loop (`_vector_pass`), with the default tiles the one-shot
 # gather (`_dense_pass`), so every case checked with both covers both.
-SMALL_TILES = dict(chunk_rows=16, chunk_keys=16, decode_keys=16, dense_bytes=0)
+SMALL_TILES = dict(chunk_rows=16, chunk_keys=16, decode_keys=16, dense_bytes=0, group_bytes=2 * 2 * 16 * 16 * 4)
 
 
 def make_case(seqs, *, page_size=16, num_kv_heads=2, group=2, head_dim=64, num_slots=None, num_tokens=None,
@@ -154,6 +154,19 @@ def test_long_context_many_blocks_default_tiles():
     case = make_case([(1, 700), (100, 650), (1, 129), (300, 300)], num_slots=4, num_tokens=512,
                      pages_per_seq=44, head_dim=64, seed=3)
     check(case)
+
+
+@pytest.mark.parametrize("items_per_group", [1, 3, 64])
+def test_chunk_items_grouped_any_size(items_per_group):
+    # Chunks of unequal lengths and contexts share groups (one item needs more key blocks than its neighbours),
+    # the last group is partial, and decodes sit between the chunks on the token axis.
+    seqs = [(40, 40), (1, 70), (9, 130), (33, 33), (1, 5), (2, 90), (24, 24), (17, 60)]
+    case = make_case(seqs, num_slots=10, num_tokens=160, pages_per_seq=9, head_dim=64, group=2, seed=7)
+    rows, block_k, num_kv_heads = 16, 16, 2
+    group_bytes = items_per_group * num_kv_heads * rows * block_k * 4
+    assert blocked.chunk_items_per_group(num_kv_heads, rows, block_k, group_bytes) == items_per_group
+    check(case, chunk_rows=rows, chunk_keys=block_k, group_bytes=group_bytes)
+    check(case, chunk_rows=rows, chunk_keys=block_k, group_bytes=group_bytes, sliding_window=20)
 
 
 @pytest.mark.parametrize("tiles", [{}, SMALL_TILES])
