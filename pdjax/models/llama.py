@@ -218,8 +218,12 @@ def project_qkv(layer: LayerParams, x, cos, sin, spec: ModelSpec):
 
 
 def attention_residual(layer: LayerParams, x, attn):
-    """x [T, H] plus the output projection of the attention result attn [T, Nq, D]."""
-    return x + jnp.einsum("tnd,ndh->th", attn, layer.wo)
+    """x [T, H] plus the output projection of the attention result attn [T, Nq, D].
+
+    As one [T, Nq * D] x [Nq * D, H] matmul: with the (n, d) contraction of an einsum, XLA's CPU layout pass
+    chose to transpose wo on every step."""
+    num_tokens, num_heads, head_dim = attn.shape
+    return x + attn.reshape(num_tokens, num_heads * head_dim) @ layer.wo.reshape(num_heads * head_dim, -1)
 
 
 def _attention_block(layer: LayerParams, x, k_pages, v_pages, cos, sin, meta, spec: ModelSpec,
