@@ -167,6 +167,11 @@ def test_chunk_items_grouped_any_size(items_per_group):
     assert blocked.chunk_items_per_group(num_kv_heads, rows, block_k, group_bytes) == items_per_group
     check(case, chunk_rows=rows, chunk_keys=block_k, group_bytes=group_bytes)
     check(case, chunk_rows=rows, chunk_keys=block_k, group_bytes=group_bytes, sliding_window=20)
+    # Equal prompts (grouping computes only needed blocks: grouped) and one long prompt (its query blocks need
+    # 1, 2, 3, ... key blocks: past GROUPED_WASTE, groups of one).
+    for seqs in ([(24, 24)] * 6, [(150, 150)]):
+        case = make_case(seqs, num_slots=6, num_tokens=160, pages_per_seq=10, head_dim=64, group=2, seed=8)
+        check(case, chunk_rows=rows, chunk_keys=block_k, group_bytes=group_bytes)
 
 
 @pytest.mark.parametrize("tiles", [{}, SMALL_TILES])

@@ -159,41 +159,66 @@ def chunk_items_per_group(num_kv_heads: int, rows: int, block_k: int, group_byte
     return max(1, group_bytes // (num_kv_heads * rows * block_k * 4))
 
 
+GROUPED_WASTE = 1.25  # most key blocks computed per block needed for which the chunk pass groups items
+
+
 def _chunk_pass(qs, k_pages, v_pages, table, kv_lens, cu_q_lens, num_seqs, *, block_q, ppb, sliding_window,
                 soft_cap, group_bytes):
     """Sequences with q_len >= 2, cut into work items of `block_q` tokens (`ragged_blocks.build_work_list`),
     processed `chunk_items_per_group` items at a time: a fori_loop over the groups of real items and, inside,
     over the key blocks the group's items need (the most any of them needs; each item reads its own blocks from
-    key_start // block_k on, masked past its key_end). Works head-major ([Hkv, tokens, G, D]) so no block needs
-    a transpose. Returns f32 [T, Hkv * G, D], zeros for the tokens of other sequences (decodes, padding)."""
+    key_start // block_k on, masked past its key_end). Items are sorted by the blocks they need, most first; when
+    grouping would still compute more than GROUPED_WASTE times the blocks needed (one long prompt: its query
+    blocks need 1, 2, 3, ... key blocks), a `lax.cond` takes groups of one item instead. Works head-major
+    ([Hkv, tokens, G, D]) so no block needs a transpose. Returns f32 [T, Hkv * G, D], zeros for the tokens of
+    other sequences (decodes, padding)."""
     num_tokens, num_kv_heads, group, head_dim = qs.shape
     block_k = ppb * k_pages.shape[2]
     rows = block_q * group
-    width = table.shape[1]
     work = rb.build_work_list(kv_lens, cu_q_lens, num_seqs, num_tokens, block_q, sliding_window,
                               q_len_range=(2, num_tokens))
     num_items = work.seq.shape[0]
     # Groups no larger than the bucket's tokens can fill (a short bucket's one chunk is not padded 8-fold).
     per_group = min(num_items, max(1, num_tokens // block_q), chunk_items_per_group(num_kv_heads, rows, block_k,
                                                                                    group_bytes))
-    # Items sorted by the key blocks they need, most first (padding items need none: last), so a group's items
-    # need about as many blocks and few are masked (a sequence's query blocks need 1, 2, 3, ... blocks each).
     need = jnp.where(work.num_q > 0, (work.key_end + block_k - 1) // block_k - work.key_start // block_k, 0)
-    order = jnp.argsort(-need, stable=True)
-    pad = -num_items % per_group  # padded items: no tokens, empty key range
-    seq, q_start, num_q, first_pos, key_start, key_end = (jnp.pad(a[order], (0, pad)) for a in (
-        work.seq, work.q_start, work.num_q, work.first_pos, work.key_start, work.key_end))
-    num_groups = -(-jnp.sum(work.num_q > 0) // per_group)
+    order = jnp.argsort(-need, stable=True)  # padding items need none: last
+    items = tuple(a[order] for a in (work.seq, work.q_start, work.num_q, work.first_pos, work.key_start,
+                                     work.key_end))
+    num_real = jnp.sum(work.num_q > 0)
     qs_h = jnp.swapaxes(qs, 0, 1)  # [Hkv, T, G, D]
+
+    def run(size):
+        return _chunk_groups(qs_h, k_pages, v_pages, table, items, num_real, size=size, block_q=block_q, ppb=ppb,
+                             sliding_window=sliding_window, soft_cap=soft_cap)
+
+    if per_group == 1:
+        out = run(1)
+    else:
+        sorted_need = need[order]
+        computed = per_group * jnp.sum(jnp.where(jnp.arange(num_items) % per_group == 0, sorted_need, 0))
+        out = jax.lax.cond(computed <= GROUPED_WASTE * jnp.sum(need), lambda: run(per_group), lambda: run(1))
+    return jnp.swapaxes(out, 0, 1).reshape(num_tokens, num_kv_heads * group, head_dim)
+
+
+def _chunk_groups(qs_h, k_pages, v_pages, table, items, num_real, *, size, block_q, ppb, sliding_window, soft_cap):
+    """The chunk pass's loops over groups of `size` items (sorted: a group's first item needs the most blocks);
+    qs_h [Hkv, T, G, D]; returns [Hkv, T, G, D] f32 with the items' tokens filled in."""
+    num_kv_heads, num_tokens, group, head_dim = qs_h.shape
+    block_k = ppb * k_pages.shape[2]
+    rows = block_q * group
+    width = table.shape[1]
+    pad = -items[0].shape[0] % size  # padded items: no tokens, empty key range
+    seq, q_start, num_q, first_pos, key_start, key_end = (jnp.pad(a, (0, pad)) for a in items)
     row_offset = jnp.arange(rows, dtype=jnp.int32) // group  # row r = token r // G, head r % G
     tok_offset = jnp.arange(block_q, dtype=jnp.int32)
     key_iota = jnp.arange(block_k, dtype=jnp.int32)
 
     def group_body(g, out):
-        take = lambda a: jax.lax.dynamic_slice_in_dim(a, g * per_group, per_group)  # noqa: E731
+        take = lambda a: jax.lax.dynamic_slice_in_dim(a, g * size, size)  # noqa: E731
         items_seq, items_end, items_start = take(seq), take(key_end), take(key_start)
         tok = take(q_start)[:, None] + tok_offset[None, :]  # [I, BQ]
-        q = qs_h[:, jnp.clip(tok, 0, num_tokens - 1)].reshape(num_kv_heads, per_group, rows, head_dim)
+        q = qs_h[:, jnp.clip(tok, 0, num_tokens - 1)].reshape(num_kv_heads, size, rows, head_dim)
         row_pos = take(first_pos)[:, None] + row_offset[None, :]  # [I, R]
         lo = items_start // block_k
         num_blocks = jnp.maximum((items_end + block_k - 1) // block_k - lo, 0)
@@ -201,8 +226,8 @@ def _chunk_pass(qs, k_pages, v_pages, table, kv_lens, cu_q_lens, num_seqs, *, bl
         def key_body(j, carry):
             b = lo + j
             pages = table[items_seq[:, None], jnp.clip(b[:, None] * ppb + jnp.arange(ppb)[None, :], 0, width - 1)]
-            k = k_pages[:, pages].reshape(num_kv_heads, per_group, block_k, head_dim).astype(jnp.float32)
-            v = v_pages[:, pages].reshape(num_kv_heads, per_group, block_k, head_dim).astype(jnp.float32)
+            k = k_pages[:, pages].reshape(num_kv_heads, size, block_k, head_dim).astype(jnp.float32)
+            v = v_pages[:, pages].reshape(num_kv_heads, size, block_k, head_dim).astype(jnp.float32)
             s = _scores(jnp.einsum("hird,hikd->hirk", q, k, preferred_element_type=jnp.float32), soft_cap)
             key_pos = b[:, None] * block_k + key_iota[None, :]  # [I, K]
             in_range = (key_pos < items_end[:, None]) & (key_pos >= items_start[:, None])
@@ -212,14 +237,12 @@ def _chunk_pass(qs, k_pages, v_pages, table, kv_lens, cu_q_lens, num_seqs, *, bl
             v = jnp.where(in_range[None, :, :, None], v, 0)  # unwritten slots may hold NaN: 0 * NaN = NaN
             return _online_update(carry, s, mask[None], v, "hirk,hikd->hird")
 
-        acc, _, l = jax.lax.fori_loop(0, jnp.max(num_blocks), key_body,
-                                      _init((num_kv_heads, per_group, rows), head_dim))
-        res = (acc / jnp.maximum(l, 1e-30)[..., None]).reshape(num_kv_heads, per_group * block_q, group, head_dim)
+        acc, _, l = jax.lax.fori_loop(0, jnp.max(num_blocks), key_body, _init((num_kv_heads, size, rows), head_dim))
+        res = (acc / jnp.maximum(l, 1e-30)[..., None]).reshape(num_kv_heads, size * block_q, group, head_dim)
         dest = jnp.where(tok_offset[None, :] < take(num_q)[:, None], tok, num_tokens).reshape(-1)  # past: dropped
         return out.at[:, dest].set(res, mode="drop")
 
-    out = jax.lax.fori_loop(0, num_groups, group_body, jnp.zeros_like(qs_h))
-    return jnp.swapaxes(out, 0, 1).reshape(num_tokens, num_kv_heads * group, head_dim)
+    return jax.lax.fori_loop(0, -(-num_real // size), group_body, jnp.zeros_like(qs_h))
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "chunk_rows",
