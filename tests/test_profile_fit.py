@@ -124,7 +124,7 @@ def _entry_point(*args):
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
-def test_fit_profile_entry_point_writes_what_is_shipped(tmp_path):
+def test_fit_profile_entry_point_writes_what_is_shipped(tmp_path, shared_data):
     """Smoke test of `python -m experiments.fit_profile` (the H100 fit, a few seconds): the profile it writes is
     the shipped h100.json up to float round-off, and it prints the per-regime medians before and after."""
     import json
@@ -138,7 +138,7 @@ def test_fit_profile_entry_point_writes_what_is_shipped(tmp_path):
         assert getattr(fitted.params, name) == pytest.approx(value, rel=1e-6, abs=1e-15), name
 
 
-def test_fit_a100_entry_point_evaluates_and_rejects_bad_hardware():
+def test_fit_a100_entry_point_evaluates_and_rejects_bad_hardware(shared_data):
     import json
     out = _entry_point("experiments.fit_a100", "--evaluate_only")
     assert out.returncode == 0, out.stderr

@@ -90,15 +90,18 @@ def test_a_loaded_run_is_slowed_and_results_report_the_check():
     assert info["reference"]["hardware"] == "a100-80gb-sxm" and info["reference"]["prefill_chunk"] == 0
 
 
-def test_the_splitwise_reference_is_the_dgx_a100_at_tp8_and_a_fitted_stack_is_refused_off_its_fits():
+def test_the_splitwise_reference_is_the_dgx_a100_at_tp8():
     model = get_model_spec("llama-2-70b")
     runs = UnloadedRuns.on(model)
     assert runs.description["hardware"] == "a100-80gb-sxm" and runs.description["tp"] == 8
     ttft_a100 = runs.latencies(2000, 10)[0]
     ttft_h100 = UnloadedRuns.on(model, ReferenceMachine("h100-sxm")).latencies(2000, 10)[0]
     assert ttft_h100 < ttft_a100
+
+
+def test_a_fitted_stack_is_refused_off_its_fits(shared_data):  # DistServe's step fits live in the shared data
     with pytest.raises(ValueError, match="no step fit"):
-        UnloadedRuns.on(model, ReferenceMachine(stack="distserve", tp=8))
+        UnloadedRuns.on(get_model_spec("llama-2-70b"), ReferenceMachine(stack="distserve", tp=8))
 
 
 def test_own_setup_reference_of_a_disaggregated_run_is_its_prefill_machine():
