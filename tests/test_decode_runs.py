@@ -15,7 +15,9 @@ from pdjax.config.scheduler import SchedulerConfig
 from pdjax.scheduler import Request, make_scheduler
 from pdjax.scheduler import runs as runs_module
 from pdjax.scheduler.routing import InstanceRouter
+from pdjax.config.deployment import InstanceGroupConfig, instance_scheduler_config
 from pdjax.sim.cost_model import BatchComposition, CostParams, iteration_time, stage_times
+from pdjax.sim.disagg import DisaggSimInstance, simulate_disaggregated
 from pdjax.sim.hardware import get_hardware_spec
 from pdjax.sim.simulator import SimInstance, simulate
 from pdjax.sim.step_cost import CachedIterationTime, CachedStageTimes, make_step_time
@@ -120,6 +122,64 @@ def test_decode_runs_with_several_instances(router, monkeypatch):
     got = run(cfg, decode_runs=True, instances=3, seed=3, router=router)
     assert_same(reference, got)
     assert applied[0] > 0
+
+
+def paired_requests(n: int, seed: int):
+    """Requests in identical pairs (same arrival, prompt length and output length): with two prefill and two
+    decode instances, round robin, the two decode instances step in lockstep and wake at the same times."""
+    reqs = []
+    for r in make_requests(n, seed, rate=30.0):
+        for k in range(2):
+            reqs.append(Request(f"{r.request_id}-{k}", list(r.prompt_token_ids),
+                                SamplingParams(max_tokens=r.max_tokens), r.arrival_time))
+    return reqs
+
+
+def run_disaggregated(decode_runs: bool, num_prefill: int, num_decode: int, decode_pages: int, router: str,
+                      seed: int, paired: bool = False):
+    base = SchedulerConfig(policy="sarathi", token_budget=256, max_num_seqs=16, max_model_len=1024, page_size=16,
+                           num_pages=512)
+    groups = {"prefill": InstanceGroupConfig(), "decode": InstanceGroupConfig(num_pages=decode_pages)}
+    made = {role: [DisaggSimInstance(f"{role}{i}", role, make_scheduler(instance_scheduler_config(base, group, role)),
+                                     make_step_time(MODEL, HARDWARE, 1, 1, CostParams(per_seq_overhead_s=2e-5)))
+                   for i in range(n)]
+            for role, n, group in (("prefill", num_prefill, groups["prefill"]),
+                                   ("decode", num_decode, groups["decode"]))}
+    reqs = paired_requests(40, seed) if paired else make_requests(80, seed, rate=30.0)
+    result = simulate_disaggregated(reqs, made["prefill"], made["decode"],
+                                    lambda src, dst, n: 1e-4 + 2e-6 * n, router=router, decode_runs=decode_runs)
+    state = [(i.scheduler.step, i.num_steps, list(i.scheduler.block_manager._free),
+              list(i.scheduler.block_manager.ref_count)) for i in made["prefill"] + made["decode"]]
+    return result, state
+
+
+# share: the run steps are at least 1/share of the decode steps. Several decode instances bound each other's
+# runs (a run ends before any other instance's step does); 72 decode pages: handoffs wait for pages
+# (backpressure), and the KV landings that admit them cut the runs short.
+@pytest.mark.parametrize("num_prefill,num_decode,decode_pages,router,share", [
+    (1, 1, 512, "round_robin", 4), (2, 2, 512, "least_loaded", 100), (1, 2, 512, "round_robin", 100),
+    (1, 1, 72, "round_robin", 100)])
+def test_decode_runs_in_the_disaggregated_loop_change_nothing(num_prefill, num_decode, decode_pages, router, share,
+                                                              monkeypatch):
+    args = (num_prefill, num_decode, decode_pages, router, num_prefill + 7 * num_decode)
+    (ref, ref_state) = run_disaggregated(False, *args)
+    applied = count_run_steps(monkeypatch)
+    (res, state) = run_disaggregated(True, *args)
+    assert_same((ref, ref_state), (res, state))
+    assert [t.__dict__ for t in res.transfers] == [t.__dict__ for t in ref.transfers]
+    decode_steps = sum(1 for i in res.iterations if i.instance.startswith("decode"))
+    assert applied[0] > decode_steps // share, "the case is meant to run decode steps in bulk"
+
+
+def test_decode_runs_wait_for_every_instance_woken_at_the_same_time(monkeypatch):
+    # Two decode instances in lockstep: a run of the first must not start while the second has yet to dispatch
+    # its step at the same time (its end would fall inside the run).
+    args = (2, 2, 512, "round_robin", 5)
+    reference = run_disaggregated(False, *args, paired=True)
+    got = run_disaggregated(True, *args, paired=True)
+    assert_same(reference, got)
+    ends = {i.end_time for i in got[0].iterations if i.instance == "decode0"}
+    assert len(ends & {i.end_time for i in got[0].iterations if i.instance == "decode1"}) >= 20, "meant as lockstep"
 
 
 def test_decode_runs_under_max_iterations():

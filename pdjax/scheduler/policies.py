@@ -491,9 +491,12 @@ POLICY_CLASSES: Dict[str, Type[Scheduler]] = {
 }
 
 
-# Policies whose steady decode steps Scheduler.apply_decode_run may apply in bulk (exact classes, see there).
+# Policies whose steady decode steps Scheduler.decode_run may apply in bulk (exact classes, see there). A
+# decode_only scheduler qualifies while no KV has landed unadmitted (decode_run checks `_kv_ready`): its schedule()
+# is then Sarathi's; the disaggregated simulator bounds a run by the next KV landing.
 Scheduler.DECODE_RUN_CLASSES = frozenset((VllmV0Scheduler, OrcaScheduler, DecodeFirstScheduler, SarathiScheduler,
-                                          ChunkedOnlyScheduler, ChunkedPrefillFirstScheduler, VllmV1Scheduler))
+                                          ChunkedOnlyScheduler, ChunkedPrefillFirstScheduler, VllmV1Scheduler,
+                                          DecodeOnlyScheduler))
 
 
 def make_scheduler(config: SchedulerConfig) -> Scheduler:

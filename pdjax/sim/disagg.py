@@ -74,7 +74,10 @@ The loop (`simulate_disaggregated`) is a sequence of named steps at each event t
                        machine of the mixed pool to its own pool; no-op without a mixed pool)
   admit_arrivals(t)    every arrival at t: prefill router (MixedPool.pick_prefill) -> add_request
   start_steps(t)       every woken instance not blocked collecting fills its batch queue (schedule, dispatch onto
-                       the stages) and blocks collecting its oldest batch (pp == 1: one step of step_time(out) s)
+                       the stages) and blocks collecting its oldest batch (pp == 1: one step of step_time(out) s);
+                       a decode instance first applies its decode run (decode_run: the steps that end before any
+                       other event, in bulk, as pdjax.sim.simulator does for colocated instances; bit-identical
+                       records, tests/test_decode_runs.py; `decode_runs=False` turns them off)
 No JAX.
 """
 from __future__ import annotations
@@ -83,6 +86,7 @@ import dataclasses
 import heapq
 import itertools
 import time
+from itertools import repeat
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from pdjax.metrics import IterationRecord, stats
@@ -260,7 +264,7 @@ class _Cluster:
 
     def __init__(self, requests, prefill, decode, transfer_time, kv_bytes_of, router, serialize_transfers,
                  sample, on_schedule, max_iterations, mixed=(), mixed_prefill_queue_tokens=8192,
-                 mixed_decode_load=1.0, mixed_pool="dedicated"):
+                 mixed_decode_load=1.0, mixed_pool="dedicated", decode_runs=True):
         self.instances = prefill + decode + list(mixed)
         self.pool = make_pool(mixed_pool, router, prefill, decode, mixed,
                               prefill_queue_tokens=mixed_prefill_queue_tokens, decode_load=mixed_decode_load)
@@ -278,6 +282,15 @@ class _Cluster:
         self.link_free: Dict[Tuple[int, int], float] = {}
         self.seq = itertools.count()
         self.waking = [False] * len(self.instances)
+        # Decode runs (decode_run): decode instances with one stage, one batch in flight and a step time exact for
+        # decode-only steps, when nobody watches single steps (no on_schedule, no mixed pool) and the tokens are
+        # the placeholder.
+        plain = (decode_runs and on_schedule is None and sample is placeholder_sample and not mixed
+                 and mixed_pool == "dedicated")
+        self.decode_runs = [plain and inst.role == "decode" and inst.max_in_flight == 1
+                            and inst.timer.stage_times is None
+                            and bool(getattr(inst.step_time, "decode_only_exact", False))
+                            for inst in self.instances]
 
     # ------------------------------------------------------------------------------------------- events
     def next_event_time(self) -> float:
@@ -378,13 +391,18 @@ class _Cluster:
         flight), dispatch it onto the stages (StagePipeline); then, with a batch in flight, block collecting the
         oldest (its completion event at max(its end, t)). Nothing in flight and an empty batch: blocked until an
         arrival, a KV arrival or a release wakes it. One stage: a non-empty output runs step_time(out) seconds."""
+        now = t
         for idx, inst in enumerate(self.instances):
+            t = now
             if not self.waking[idx]:
                 continue
             self.waking[idx] = False
             if inst.busy:
                 continue
             pipe, sched = inst.pipeline, inst.scheduler
+            if self.decode_runs[idx] and not pipe and not any(
+                    w and not self.instances[j].busy for j, w in enumerate(self.waking) if j > idx):
+                t = self.decode_run(idx, t)   # the instance's loop goes on from the end of the run's last step
             while not pipe.full and sched.has_unfinished():
                 out = sched.schedule(t)
                 if out.is_empty:
@@ -397,6 +415,49 @@ class _Cluster:
                 out, start, end = pipe.peek()
                 inst.in_flight = (out, start)
                 heapq.heappush(self.completions, (end if end > t else t, next(self.seq), idx))
+
+    def decode_run(self, idx: int, t: float) -> float:
+        """Run decode instance `idx`'s next steps at once while they are a decode run (pdjax.scheduler.runs) that
+        no other event interleaves with: every step, scheduled at the end of the one before, ends before the next
+        arrival, step completion or KV landing anywhere (none of which can then change what it does, or see its
+        state). The same scheduler state (DecodeRun.apply), step times (`decode_fn`), pipeline accounting
+        (StagePipeline.run_serial), iteration and request records as the loop's one-by-one steps, in the same
+        order. Called from start_steps when no instance after this one still has to start a step at t. Returns
+        the end of the run's last step (t when no step qualifies): the instance's loop goes on from there."""
+        inst = self.instances[idx]
+        sched = inst.scheduler
+        run = sched.decode_run(self.max_iterations - len(self.iterations))
+        if run is None or run.prefills:
+            return t
+        bound = self.next_event_time()
+        count, total = run.count, run.total
+        decode = inst.step_time.decode_fn(count)
+        starts, ends, seconds = [], [], []
+        start = t
+        left = run.plan_decode_steps()
+        while left:
+            d = decode(total)
+            end = start + d
+            if not (d > 0 and end < bound):   # a step ending at or past another event: the loop runs it
+                break
+            starts.append(start)
+            ends.append(end)
+            seconds.append(d)
+            start = end
+            total += count
+            left -= 1
+        if not starts:
+            return t
+        finished = run.apply(starts, ends)
+        if finished:
+            self.requests.finished(finished, sched)
+        inst.pipeline.run_serial(starts, ends, seconds)
+        k = len(starts)
+        first = inst.num_steps
+        self.iterations += map(IterationRecord, range(first, first + k), starts, ends, repeat(0, k),
+                               repeat(count, k), repeat(count, k), repeat(inst.name, k))
+        inst.num_steps += k
+        return start
 
     def check_done(self, t: float) -> None:
         stuck = {i.name: (i.scheduler.num_waiting, i.scheduler.num_running)
@@ -415,7 +476,8 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[DisaggSimInstan
                            on_schedule: Optional[Callable] = None,
                            max_iterations: int = 50_000_000, mixed: Sequence[DisaggSimInstance] = (),
                            mixed_prefill_queue_tokens: int = 8192,
-                           mixed_decode_load: float = 1.0, mixed_pool: str = "dedicated") -> DisaggSimResult:
+                           mixed_decode_load: float = 1.0, mixed_pool: str = "dedicated",
+                           decode_runs: bool = True) -> DisaggSimResult:
     """Serve `requests` (scheduler Requests, arrival_time in seconds) on prefill and decode instances, and the
     mixed pool's instances (role 'mixed', MixedScheduler; thresholds as deployment.mixed_prefill_queue_tokens /
     mixed_decode_load), until all finish (module docstring). mixed_pool='borrow' (deployment.mixed_pool): no
@@ -424,13 +486,15 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[DisaggSimInstan
     transfer_time(src, dst, num_tokens) -> seconds of one KV transfer; kv_bytes_of(num_tokens) -> bytes (for the
     records only); router: a pdjax.scheduler.routing policy, used for both roles. on_schedule(instance, out,
     now) is called after every non-empty schedule(). Raises RuntimeError when requests are left that no
-    instance can schedule, or after `max_iterations` iterations.
+    instance can schedule, or after `max_iterations` iterations. decode_runs=False runs every step of the decode
+    instances through schedule() and update() (the same results, slower: _Cluster.decode_run).
     """
     prefill, decode, mixed = list(prefill), list(decode), list(mixed)
     _check_instances(prefill, decode, mixed)
     wall_start = time.perf_counter()
     c = _Cluster(requests, prefill, decode, transfer_time, kv_bytes_of, router, serialize_transfers, sample,
-                 on_schedule, max_iterations, mixed, mixed_prefill_queue_tokens, mixed_decode_load, mixed_pool)
+                 on_schedule, max_iterations, mixed, mixed_prefill_queue_tokens, mixed_decode_load, mixed_pool,
+                 decode_runs)
     now = 0.0
     with gc_paused():
         while True:
