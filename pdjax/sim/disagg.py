@@ -95,7 +95,7 @@ from pdjax.scheduler.mixed import make_pool
 from pdjax.sim.cost_model import CostParams, kv_bytes, p2p_time
 from pdjax.sim.hardware import HardwareSpec
 from pdjax.sim.pipeline import StagePipeline, StageTimer, pipeline_summary
-from pdjax.sim.simulator import SimResult, SimRequests, gc_paused, placeholder_sample
+from pdjax.sim.simulator import SimResult, SimRequests, apply_run, gc_paused, placeholder_sample
 
 ROLES = ("prefill", "decode", "mixed")
 
@@ -448,10 +448,7 @@ class _Cluster:
             left -= 1
         if not starts:
             return t
-        finished = run.apply(starts, ends)
-        if finished:
-            self.requests.finished(finished, sched)
-        inst.pipeline.run_serial(starts, ends, seconds)
+        apply_run(run, inst.pipeline, self.requests, starts, ends, seconds)
         k = len(starts)
         first = inst.num_steps
         self.iterations += map(IterationRecord, range(first, first + k), starts, ends, repeat(0, k),

@@ -202,6 +202,16 @@ def placeholder_sample(out) -> List[int]:
     return [PLACEHOLDER_TOKEN if s else -1 for s in do_sample]
 
 
+def apply_run(run, pipeline, requests: SimRequests, starts: Sequence[float], ends: Sequence[float],
+              seconds: Sequence[float]) -> None:
+    """Apply the first len(starts) planned steps of decode run `run` (pdjax.scheduler.runs.DecodeRun): its
+    scheduler's state, the records of the requests it finished, the one-stage pipeline's accounting."""
+    finished = run.apply(starts, ends)
+    if finished:
+        requests.finished(finished, run.sched)
+    pipeline.run_serial(starts, ends, seconds)
+
+
 class _Replicas:
     """The state of one colocated simulation and its steps (the module docstring's loop), as pdjax.sim.disagg's
     _Cluster is for a disaggregated one:
@@ -429,10 +439,7 @@ class _Replicas:
                 total += count
         if not starts:
             return None
-        finished = run.apply(starts, ends)
-        if finished:
-            self.requests.finished(finished, sched)
-        inst.pipeline.run_serial(starts, ends, seconds)
+        apply_run(run, inst.pipeline, self.requests, starts, ends, seconds)
         its = self.iterations
         name = self.names[idx]
         step = len(its)
