@@ -139,6 +139,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting or self.swapped or self._kv_pending or self._kv_ready)
 
+    @property
+    def is_idle(self) -> bool:
+        """Nothing waiting, running or awaiting its KV, and no pages held for a transfer (a mixed-pool instance
+        changes phase or pool only then: pdjax.scheduler.mixed)."""
+        return not self.has_unfinished() and not self._held
+
     def get_request(self, request_id: str) -> Optional[Request]:
         return self._live.get(request_id) or self._held.get(request_id)
 

@@ -54,7 +54,7 @@ Routing (`BorrowingPool`; the loads of pdjax.scheduler.routing, tests as above):
   loads as they are without a mixed pool, so a run that never overloads a pool is the plain one, record for record.
 - A machine moves into the mixed pool busy or idle (its work carries on: a prefill machine's requests still prefill
   and are then handed off or kept, a decode machine's decodes continue) and returns to its home pool as soon as it
-  is idle (`BorrowingScheduler.is_idle`: nothing waiting, running, awaiting KV, and no pages held for a transfer;
+  is idle (`Scheduler.is_idle`: nothing waiting, running, awaiting KV, and no pages held for a transfer;
   the artifact's `notify_free_instance`). `return_idle(now)` is called by the engines after steps and KV landings
   and before every pick. Every move is logged (`BorrowingPool.moves`: time, instance, from pool, to pool, why).
 - Machines: P prompt + T token machines are P + T machines; the mixed pool is a state of theirs, never a group.
@@ -81,7 +81,7 @@ size and layout and the mixed machines are a reserve that either phase can draw 
   mixed instance, never to itself: it is in the prefill phase until it is idle). It never keeps a request's
   tokens locally: pdjax does not mix the phases on one machine (the artifact does that only as a last resort).
 - It returns to the mixed pool (phase None) as soon as it is idle: nothing waiting or running and no pages held
-  for a transfer in flight (`MixedScheduler.is_idle`). The phase changes only while idle, so one scheduler and one
+  for a transfer in flight (`Scheduler.is_idle`). The phase changes only while idle, so one scheduler and one
   KV cache serve both phases (the block manager and its prefix cache are the machine's, whatever the phase).
   `MixedPool.return_idle(now)` is called by the engines after steps and KV landings, and before every pick.
 - Every change of phase is logged (`MixedPool.switches`: (time, instance name, new phase or None)).
@@ -120,11 +120,6 @@ class MixedScheduler(DecodeOnlyScheduler):
     @property
     def handoff_after_prefill(self) -> bool:   # read by Scheduler.update
         return self.phase == "prefill"
-
-    @property
-    def is_idle(self) -> bool:
-        """Nothing waiting, running or awaiting its KV, and no pages held for a transfer."""
-        return not self.has_unfinished() and not self._held
 
     def take_phase(self, phase: str) -> bool:
         """Act as the `phase` pool's instance; True if that changed the phase. Only an idle instance changes."""
@@ -180,11 +175,6 @@ class BorrowingScheduler(DecodeOnlyScheduler):
     @property
     def handoff_after_prefill(self) -> bool:   # read by Scheduler.update
         return self.pool == "prefill"
-
-    @property
-    def is_idle(self) -> bool:
-        """Nothing waiting, running or awaiting its KV, and no pages held for a transfer."""
-        return not self.has_unfinished() and not self._held
 
     def add_request(self, req: Request) -> bool:
         if self.pool == "decode":
@@ -290,6 +280,15 @@ class Switch:
     phase: Optional[str]
 
 
+def _thresholds(prefill_queue_tokens: int, decode_load: float) -> Tuple[int, float]:
+    """The pools' overload thresholds, checked (one-line errors naming the value)."""
+    if not (isinstance(prefill_queue_tokens, int) and prefill_queue_tokens >= 1):
+        raise ValueError(f"prefill_queue_tokens={prefill_queue_tokens!r}, expected an int >= 1")
+    if not 0 < decode_load <= 1:
+        raise ValueError(f"decode_load={decode_load!r}, expected a fraction in (0, 1]")
+    return prefill_queue_tokens, decode_load
+
+
 class MixedPool:
     """Cluster-level routing over prefill, decode and mixed instances (module docstring). `pick_prefill(req, now)`
     for an arrival, `pick_decode(req, now)` for a handoff, `return_idle(now)` after steps and KV landings. Without
@@ -304,11 +303,7 @@ class MixedPool:
             if getattr(inst.scheduler, "name", None) != MixedScheduler.name:
                 raise ValueError(f"mixed instance {inst.name!r} needs a MixedScheduler, got "
                                  f"{getattr(inst.scheduler, 'name', inst.scheduler)!r}")
-        if not (isinstance(prefill_queue_tokens, int) and prefill_queue_tokens >= 1):
-            raise ValueError(f"prefill_queue_tokens={prefill_queue_tokens!r}, expected an int >= 1")
-        if not 0 < decode_load <= 1:
-            raise ValueError(f"decode_load={decode_load!r}, expected a fraction in (0, 1]")
-        self.prefill_queue_tokens, self.decode_load = prefill_queue_tokens, decode_load
+        self.prefill_queue_tokens, self.decode_load = _thresholds(prefill_queue_tokens, decode_load)
         self.switches: List[Switch] = []
 
     def phase_of(self, inst) -> Optional[str]:
@@ -427,11 +422,7 @@ class BorrowingPool:
                                      f"{'' if not isinstance(s, BorrowingScheduler) else f' home={s.home!r}'}")
         self.prefill_router = InstanceRouter(router, self.prefill, role="prefill")
         self.decode_router = InstanceRouter(router, self.decode, role="decode")
-        if not (isinstance(prefill_queue_tokens, int) and prefill_queue_tokens >= 1):
-            raise ValueError(f"prefill_queue_tokens={prefill_queue_tokens!r}, expected an int >= 1")
-        if not 0 < decode_load <= 1:
-            raise ValueError(f"decode_load={decode_load!r}, expected a fraction in (0, 1]")
-        self.prefill_queue_tokens, self.decode_load = prefill_queue_tokens, decode_load
+        self.prefill_queue_tokens, self.decode_load = _thresholds(prefill_queue_tokens, decode_load)
         self.moves: List[Move] = []
         self.num_kept = 0              # handoffs whose token machine was their prompt machine (no KV transfer)
         self._whole: set = set()       # request ids to run whole on their prompt machine (every pool overloaded)
