@@ -86,7 +86,6 @@ import dataclasses
 import heapq
 import itertools
 import time
-from itertools import repeat
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from pdjax.metrics import IterationRecord, stats
@@ -95,7 +94,8 @@ from pdjax.scheduler.mixed import make_pool
 from pdjax.sim.cost_model import CostParams, kv_bytes, p2p_time
 from pdjax.sim.hardware import HardwareSpec
 from pdjax.sim.pipeline import StagePipeline, StageTimer, pipeline_summary
-from pdjax.sim.simulator import SimResult, SimRequests, apply_run, gc_paused, placeholder_sample
+from pdjax.sim.simulator import (SimResult, SimRequests, apply_run, gc_paused, placeholder_sample,
+                                 plan_decode_clock)
 
 ROLES = ("prefill", "decode", "mixed")
 
@@ -420,7 +420,8 @@ class _Cluster:
         """Run decode instance `idx`'s next steps at once while they are a decode run (pdjax.scheduler.runs) that
         no other event interleaves with: every step, scheduled at the end of the one before, ends before the next
         arrival, step completion or KV landing anywhere (none of which can then change what it does, or see its
-        state). The same scheduler state (DecodeRun.apply), step times (`decode_fn`), pipeline accounting
+        state). The same scheduler state (DecodeRun.apply), step times (`decode_fn`, planned by
+        simulator.plan_decode_clock), pipeline accounting
         (StagePipeline.run_serial), iteration and request records as the loop's one-by-one steps, in the same
         order. Called from start_steps when no instance after this one still has to start a step at t. Returns
         the end of the run's last step (t when no step qualifies): the instance's loop goes on from there."""
@@ -429,32 +430,18 @@ class _Cluster:
         run = sched.decode_run(self.max_iterations - len(self.iterations))
         if run is None or run.prefills:
             return t
-        bound = self.next_event_time()
-        count, total = run.count, run.total
-        decode = inst.step_time.decode_fn(count)
-        starts, ends, seconds = [], [], []
-        start = t
-        left = run.plan_decode_steps()
-        while left:
-            d = decode(total)
-            end = start + d
-            if not (d > 0 and end < bound):   # a step ending at or past another event: the loop runs it
-                break
-            starts.append(start)
-            ends.append(end)
-            seconds.append(d)
-            start = end
-            total += count
-            left -= 1
+        starts, ends, seconds, end = plan_decode_clock(run, inst.step_time.decode_fn(run.count), t,
+                                                       self.next_event_time(), ends_before=True)
         if not starts:
             return t
         apply_run(run, inst.pipeline, self.requests, starts, ends, seconds)
         k = len(starts)
-        first = inst.num_steps
-        self.iterations += map(IterationRecord, range(first, first + k), starts, ends, repeat(0, k),
-                               repeat(count, k), repeat(count, k), repeat(inst.name, k))
+        first, count = inst.num_steps, run.count
+        self.iterations += map(IterationRecord, range(first, first + k), starts, ends, itertools.repeat(0, k),
+                               itertools.repeat(count, k), itertools.repeat(count, k),
+                               itertools.repeat(inst.name, k))
         inst.num_steps += k
-        return start
+        return end
 
     def check_done(self, t: float) -> None:
         stuck = {i.name: (i.scheduler.num_waiting, i.scheduler.num_running)

@@ -202,6 +202,45 @@ def placeholder_sample(out) -> List[int]:
     return [PLACEHOLDER_TOKEN if s else -1 for s in do_sample]
 
 
+def plan_decode_clock(run, decode: Callable[[int], float], start: float, limit: float, *, ends_before: bool):
+    """The steps of decode run `run` (decoders only: DecodeRun.plan_decode_steps) from `start`, step j taking
+    decode(its decoders' context sum) seconds: (starts, ends, seconds, the end of the last step, or `start` when
+    none). ends_before: the steps ending before `limit`; else the steps starting before it (the last may end
+    after). The clock runs in blocks, each step's end its start plus its seconds (accumulate adds left to right,
+    as `start + d` step by step); step times >= 0 keep the starts sorted, so the first step past the limit is
+    found by bisection (a negative one: the block is scanned in order)."""
+    count, total = run.count, run.total
+    starts, ends, seconds = [], [], []
+    left = run.plan_decode_steps()
+    # First block: about the steps until the limit at the first step's time (steps only grow longer)
+    first = decode(total) if left else 0.0
+    gap = limit - start
+    block = left if gap == float("inf") or first <= 0 else max(1, int(gap / first) + 2)
+    while left:
+        m = block if block < left else left
+        ds = list(map(decode, range(total, total + m * count, count)))
+        clock = list(accumulate(ds, initial=start))     # clock[j]: start of block step j, clock[m]: end
+        if min(ds) < 0:      # a negative step time: the clock is not sorted, scan it in order
+            ok = 0
+            while ok < m and (clock[ok + 1] < limit if ends_before else clock[ok] < limit):
+                ok += 1
+        elif ends_before:
+            ok = bisect_left(clock, limit, 1, m + 1) - 1  # steps ending before the limit
+        else:
+            ok = bisect_left(clock, limit, 0, m)          # steps starting before the limit
+        if ok:
+            starts += clock[:ok]
+            ends += clock[1:ok + 1]
+            seconds += ds[:ok]
+            start = clock[ok]
+            total += ok * count
+        if ok < m:
+            break
+        left -= m
+        block = 16
+    return starts, ends, seconds, start
+
+
 def apply_run(run, pipeline, requests: SimRequests, starts: Sequence[float], ends: Sequence[float],
               seconds: Sequence[float]) -> None:
     """Apply the first len(starts) planned steps of decode run `run` (pdjax.scheduler.runs.DecodeRun): its
@@ -388,36 +427,8 @@ class _Replicas:
         start = t
         chunk_lists = None
         if not run.prefills:
-            # Decodes only: every step is planned at once; the clock runs in blocks, each step's end its start plus
-            # its seconds (accumulate adds left to right, as `start + d` step by step), step times >= 0 so the
-            # starts are sorted and the first step past the bound is found by bisection.
-            left = run.plan_decode_steps()
-            # First block: about the steps until the bound at the first step's time (steps only grow longer)
-            first = decode(total) if left else 0.0
-            gap = (arrival if single else bound) - start
-            block = left if gap == float("inf") or first <= 0 else max(1, int(gap / first) + 2)
-            while left:
-                m = block if block < left else left
-                ds = list(map(decode, range(total, total + m * count, count)))
-                clock = list(accumulate(ds, initial=start))     # clock[j]: start of block step j, clock[m]: end
-                if min(ds) < 0:      # a negative step time: the clock is not sorted, scan it in order
-                    ok = 0
-                    while ok < m and (clock[ok] < arrival if single else clock[ok + 1] < bound):
-                        ok += 1
-                elif single:
-                    ok = bisect_left(clock, arrival, 0, m)      # steps starting before the arrival
-                else:
-                    ok = bisect_left(clock, bound, 1, m + 1) - 1  # steps ending before the bound
-                if ok:
-                    starts += clock[:ok]
-                    ends += clock[1:ok + 1]
-                    seconds += ds[:ok]
-                    start = clock[ok]
-                    total += ok * count
-                if ok < m:
-                    break
-                left -= m
-                block = 16
+            starts, ends, seconds, start = plan_decode_clock(run, decode, start, arrival if single else bound,
+                                                             ends_before=not single)
         else:
             composition = step_time.composition
             chunk_lists = []
