@@ -60,6 +60,7 @@ def run_case(name: str, num_requests: int, repeat: int) -> dict:
         base_rss = _rss_mb()
         best = best_cpu = None
         for _ in range(repeat):
+            records = iterations = None   # the last repeat's records only: a peak of one simulation's memory
             cpu_start = time.process_time()
             result, _ = simulate_config(prep.cfg, prep.workload)
             cpu = time.process_time() - cpu_start
