@@ -117,16 +117,18 @@ def decode_num_splits(num_slots: int, num_kv_heads: int, max_key_blocks: int) ->
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q",
                                              "keys_per_block", "num_splits", "interpret", "num_warps",
-                                             "num_stages", "q_len_range"))
+                                             "num_stages", "q_len_range", "declare_cost"))
 def paged_attention_blocks(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale: Optional[float] = None, sliding_window: Optional[int] = None,
                            soft_cap: Optional[float] = None, block_q: int = 16, keys_per_block: int = 64,
                            num_splits: Optional[int] = 1, interpret: bool = False, num_warps: int = 4,
-                           num_stages: int = 2, q_len_range: Optional[Tuple[int, int]] = None):
+                           num_stages: int = 2, q_len_range: Optional[Tuple[int, int]] = None,
+                           declare_cost: bool = True):
     """The seam with explicit tiling. block_q: query tokens per work item (rounded up so a block has
     >= 16 rows); keys_per_block: keys per inner step (>= 16, whole pages); num_splits: split-K factor
     (None = decode heuristic); q_len_range: None = every sequence, (lo, hi) = only sequences with
-    lo <= q_len <= hi (rb.build_work_list). Returns [T, num_q_heads, head_dim] in
+    lo <= q_len <= hi (rb.build_work_list); declare_cost: give XLA the bucket's cost (rb.bucket_cost; off for
+    all but one of the calls that split a bucket, so the step counts it once). Returns [T, num_q_heads, head_dim] in
     q.dtype, zeros for padding tokens and for tokens of sequences left out."""
     rb.check_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -173,6 +175,7 @@ def paged_attention_blocks(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"pdjax_ragged_paged_attention_splits{num_splits}",
+        cost_estimate=pl.CostEstimate(**rb.bucket_cost(q, k_pages, page_indices)) if declare_cost else None,
     )(work.seq, work.first_pos, work.key_start, work.key_end, table, q_blocks, k_pages, v_pages)
     if num_splits == 1:
         out_blocks = outs[0][0]
@@ -213,7 +216,7 @@ def mixed_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
     common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
     short = paged_attention_blocks(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                                    block_q=short_max, keys_per_block=128, num_splits=None,
-                                   q_len_range=(1, short_max), **common)
+                                   q_len_range=(1, short_max), declare_cost=False, **common)
     long = paged_attention_blocks(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                                   block_q=max(1, 64 // group_pad), keys_per_block=64, num_splits=1,
                                   q_len_range=(short_max + 1, q.shape[0]), **common)

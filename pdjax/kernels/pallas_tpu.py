@@ -133,6 +133,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="pdjax_ragged_paged_attention_tpu",
+        cost_estimate=pl.CostEstimate(**rb.bucket_cost(q, k_pages, page_indices)),
     )(work.seq, work.first_pos, work.key_start, work.key_end, table, q_blocks, k_pages, v_pages)
     return rb.tokens_from_blocks(out_blocks, work, kv_lens, cu_q_lens, num_seqs, num_tokens, num_q_heads,
                                  block_q, group_pad, q.dtype)

@@ -94,6 +94,22 @@ def _bucket(cu_ends, x):
     return jnp.sum(cu_ends[None, :] <= x[:, None], axis=1, dtype=jnp.int32)
 
 
+def bucket_cost(q, k_pages, page_indices) -> dict:
+    """{flops, transcendentals, bytes_accessed} a kernel call declares to XLA (`pl.CostEstimate`): the bucket's
+    ceiling, every one of the T query tokens attending its sequence's whole page table (P · page_size keys), and
+    each of the S sequences' pages read once per KV head, plus q and the output. The call's real work follows
+    kv_lens, which XLA cannot see; the ceiling keeps the step's total (and `optimal_seconds`) an upper bound.
+    `pdjax.sim.cost_model.step_counts` counts the same work for the same shapes."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_slots, pages_per_seq = page_indices.shape
+    keys = pages_per_seq * page_size
+    flops = 4 * num_tokens * num_q_heads * head_dim * keys
+    kv_read = 2 * num_slots * keys * num_kv_heads * head_dim * k_pages.dtype.itemsize
+    return dict(flops=flops, transcendentals=num_tokens * num_q_heads * keys,
+                bytes_accessed=kv_read + 2 * q.size * q.dtype.itemsize)
+
+
 def num_work_items(num_tokens: int, num_slots: int, block_q: int) -> int:
     return -(-num_tokens // block_q) + num_slots
 

@@ -41,6 +41,7 @@ stage holding it in the destination layout (`pdjax.serving.kv_transfer.transfer_
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -50,6 +51,7 @@ from flax import struct
 
 from pdjax.config.model_specs import ModelSpec
 from pdjax.config.pipeline import check_pipeline_parallel, stage_layer_ranges
+from pdjax.kernels import get_attention_fn
 from pdjax.models.llama import (KVCache, LayerParams, LlamaParams, check_runnable, embed, final_logits,
                                 forward_layers, init_kv_cache)
 from pdjax.models.params import TOP_FIELDS, param_table
@@ -139,6 +141,24 @@ def stage_forward(params: StageParams, kv_cache: KVCache, hidden, batch: RaggedB
     return sampled_ids(logits, batch, max_seqs), kv_cache
 
 
+def make_stage_fn(spec: ModelSpec, attention_impl: str, stage_mesh, *, stage: int, pp: int, num_layers: int,
+                  output: str, max_seqs: int, on_trace: Optional[Callable] = None):
+    """The jitted `stage_forward` of stage `stage` of `pp` on its (1, 1, tp) `stage_mesh` (num_layers: the
+    stage's layer count; output: 'hidden' before the last stage, 'step' or 'logits' on it), KV cache donated, as
+    the runner runs it and `pdjax.runtime.aot` compiles it. on_trace(batch) runs at each trace."""
+    attention_fn = get_attention_fn(attention_impl, stage_mesh)
+    kv_sh = mesh_lib.kv_cache_sharding(stage_mesh, spec)
+    out_shardings = (mesh_lib.replicated(stage_mesh), KVCache(k=(kv_sh,) * num_layers, v=(kv_sh,) * num_layers))
+
+    def traced(params, kv_cache, hidden, batch, prev_ids):
+        if on_trace is not None:
+            on_trace(batch)
+        return stage_forward(params, kv_cache, hidden, batch, prev_ids, spec=spec, attention_fn=attention_fn,
+                             first=stage == 0, last=stage == pp - 1, output=output, max_seqs=max_seqs)
+
+    return jax.jit(traced, donate_argnums=(1,), out_shardings=out_shardings)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The runner
 # --------------------------------------------------------------------------------------------------------------
@@ -177,6 +197,7 @@ class PipelineRunner(ModelRunner):
         kv_dtype = kv_dtype or params.embed.dtype
         self._layer_ranges = stage_layer_ranges(spec.num_layers, pp)
         self.stage_meshes = mesh_lib.stage_meshes(mesh)
+        self.attention_fn = get_attention_fn(self.attention_impl, self.stage_meshes[0])   # every stage's kind
         self._replicated = tuple(mesh_lib.replicated(m) for m in self.stage_meshes)
 
         stage_params, caches = [], []
@@ -203,21 +224,16 @@ class PipelineRunner(ModelRunner):
         return mesh_lib.table_shardings(stage_table, sub, self.spec)
 
     def _make_stage_fn(self, s: int, kinds: Sequence[str]) -> dict:
-        pp, sub = self.pp, self.stage_meshes[s]
+        def on_trace(kind, batch):
+            self.stage_traces.append((s, kind, batch.shape_key))   # once per trace = per compiled shape
+            if s == self.pp - 1:
+                self.traces.append((kind, batch.shape_key))
+
         n_layers = self.layer_ranges[s][1] - self.layer_ranges[s][0]
-        kv_sh = mesh_lib.kv_cache_sharding(sub, self.spec)
-        out_shardings = (self._replicated[s], KVCache(k=(kv_sh,) * n_layers, v=(kv_sh,) * n_layers))
-        fns = {}
-        for kind in kinds:
-            def traced(params, kv_cache, hidden, batch, prev_ids, _kind=kind):
-                self.stage_traces.append((s, _kind, batch.shape_key))   # once per trace = per compiled shape
-                if s == pp - 1:
-                    self.traces.append((_kind, batch.shape_key))
-                return stage_forward(params, kv_cache, hidden, batch, prev_ids, spec=self.spec,
-                                     attention_fn=self.attention_fn, first=s == 0, last=s == pp - 1,
-                                     output=_kind, max_seqs=self.buckets.max_seqs)
-            fns[kind] = jax.jit(traced, donate_argnums=(1,), out_shardings=out_shardings)
-        return fns
+        return {kind: make_stage_fn(self.spec, self.attention_impl, self.stage_meshes[s], stage=s, pp=self.pp,
+                                    num_layers=n_layers, output=kind, max_seqs=self.buckets.max_seqs,
+                                    on_trace=functools.partial(on_trace, kind))
+                for kind in kinds}
 
     # ----------------------------------------------------------------------------------------------------------
     @property

@@ -17,6 +17,8 @@ profile's "padding" entry (pdjax.sim.step_cost.padding_from_profile reads it).
 """
 from __future__ import annotations
 
+import inspect
+
 import statistics
 import time
 from typing import Sequence, Tuple
@@ -195,7 +197,7 @@ def profile_step_context(runner, outputs, *, rounds: int = 11, gaps=CONTEXT_GAPS
 def attention_impl(runner) -> str:
     """The attention implementation `runner` runs: 'reference' (jnp oracle), 'blocked' (XLA, the CPU default) or
     'pallas' (GPU/TPU kernels, or any other implementation that loops over each sequence's own pages)."""
-    fn = runner.attention_fn
+    fn = inspect.unwrap(runner.attention_fn)   # the kernel under the mesh's sharding
     if fn is reference_attention:
         return "reference"
     if getattr(fn, "__module__", "") == blocked.__name__:

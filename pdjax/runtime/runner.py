@@ -105,6 +105,19 @@ def _scatter_pages(kv_cache: KVCache, pages, k, v):
 _scatter_pages_donated = jax.jit(_scatter_pages.__wrapped__, donate_argnums=(0,))
 
 
+def make_mesh_step(spec: ModelSpec, attention_impl: str, mesh, *, max_seqs: int, output: str = "step",
+                   on_trace: Optional[Callable] = None):
+    """The jitted step (output 'step': sampled ids) or forward (output 'logits') of one (1, 1, tp) `mesh`, as the
+    runner runs it and as `pdjax.runtime.aot` compiles it for a device it does not have: attention for the mesh's
+    platform, sharded over its 'tensor' axis; the sampled ids replicated, the KV cache donated and kept split on
+    KV heads."""
+    attention_fn = get_attention_fn(attention_impl, mesh)
+    out_shardings = (mesh_lib.replicated(mesh), mesh_lib.kv_cache_shardings(mesh, spec))
+    if output == "logits":
+        return make_forward_logits(spec, attention_fn, out_shardings=out_shardings, on_trace=on_trace)
+    return make_step(spec, attention_fn, max_seqs=max_seqs, out_shardings=out_shardings, on_trace=on_trace)
+
+
 class ModelRunner:
     """Executes ragged steps for one model.
 
@@ -133,17 +146,16 @@ class ModelRunner:
                              f"stage={mesh.shape['stage']}: use PipelineRunner for stages and one runner per replica")
         self.mesh = mesh
         self.params = mesh_lib.shard_params(params, mesh, spec)
-        out_shardings = (mesh_lib.replicated(mesh), mesh_lib.kv_cache_shardings(mesh, spec))
+        self.attention_fn = get_attention_fn(self.attention_impl, mesh)
         self.kv_cache = init_kv_cache(spec, self.num_pages, self.page_size, kv_dtype,
                                       sharding=mesh_lib.kv_cache_sharding(mesh, spec))
         # The "previous step's ids" of a step that takes no token from one: placed like the step's output.
-        self._no_prev_ids = jax.device_put(np.zeros(buckets.max_seqs, np.int32), mesh_lib.replicated(mesh))
+        self._no_prev_ids = jax.device_put(np.zeros(self.buckets.max_seqs, np.int32), mesh_lib.replicated(mesh))
         self.traces: List[Tuple[str, Tuple[int, int, int]]] = []
-        self._step = make_step(spec, self.attention_fn, max_seqs=buckets.max_seqs, out_shardings=out_shardings,
-                               on_trace=lambda b: self.traces.append(("step", b.shape_key)))
-        self._forward_logits = make_forward_logits(
-            spec, self.attention_fn, out_shardings=out_shardings,
-            on_trace=lambda b: self.traces.append(("logits", b.shape_key)))
+        self._step, self._forward_logits = (
+            make_mesh_step(spec, self.attention_impl, mesh, max_seqs=self.buckets.max_seqs, output=kind,
+                           on_trace=lambda b, _kind=kind: self.traces.append((_kind, b.shape_key)))
+            for kind in ("step", "logits"))
         self.host_pages: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
 
     def _set_limits(self, spec, num_pages, page_size, buckets, max_model_len, attention_impl) -> None:
@@ -156,7 +168,8 @@ class ModelRunner:
         if buckets is None:
             buckets = Buckets.powers_of_two(512, 64, -(-self.max_model_len // self.page_size))
         self.buckets = buckets
-        self.attention_fn = get_attention_fn(attention_impl)
+        get_attention_fn(attention_impl)   # checks the name; each mesh gets its own (sharded) function
+        self.attention_impl = attention_impl
         _warn_slow_paths(attention_impl, jax.default_backend(), self.page_size, self.max_model_len)
 
     @property

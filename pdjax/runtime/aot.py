@@ -1,0 +1,231 @@
+"""Ahead-of-time compilation of the engine's steps for devices this host may not have, and HBM planning.
+
+`compile_instance` compiles, for one instance's (1, pp, tp) mesh, exactly the jitted functions the runners run
+(`runner.make_mesh_step` when pp == 1, `pipeline.make_stage_fn` per stage otherwise) on abstract arguments
+(`jax.ShapeDtypeStruct`s carrying the runner's shardings: nothing is allocated, so a 70B model compiles on a
+laptop), one (T, S, P) bucket at a time, and reports per bucket and stage what XLA says of the binary: per-device
+bytes (`memory_analysis`: arguments = weights + KV cache + batch, plus temporaries and code, less the donated KV
+that aliases the output) and its cost (`cost_analysis`: FLOPs, bytes accessed, optimal seconds). A bucket that
+does not compile is reported with its one-line reason, never raised: the caller sees every failure at once.
+
+The mesh may be made of real devices or of a TPU topology's compile-only devices (`topology_devices`: the
+registry's libtpu, `pip install -e ".[tpu]"`, runs the real XLA and Mosaic compilers on a CPU host); the Pallas
+kernels learn the TPU generation from the mesh (pdjax.kernels.shard_over_kv_heads).
+
+HBM planning (`max_num_pages`): KV bytes grow linearly with num_pages and nothing else in a step does (the cache
+is donated and updated in place), so one compile at any page count gives the bytes that are not KV; the pages that
+fit are what is left of `utilization · HBM` divided by one page's per-device bytes (K and V of every layer the
+device holds, its share of the KV heads). vLLM sizes its cache the same way from a profiled forward
+(`gpu_memory_utilization`).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from pdjax.config.model_specs import ModelSpec
+from pdjax.config.pipeline import stage_layer_ranges
+from pdjax.models.llama import KVCache, jnp_dtype
+from pdjax.models.params import param_table
+from pdjax.runtime import mesh as mesh_lib
+from pdjax.runtime.batch import empty_batch
+from pdjax.runtime.pipeline import make_stage_fn, split_params
+from pdjax.runtime.runner import make_mesh_step
+
+Bucket = Tuple[int, int, int]
+# libtpu looks for a TPU VM's metadata at start-up; a compile-only topology needs none of it.
+_TPU_QUIET_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-1", "TPU_WORKER_HOSTNAMES": "localhost",
+                  "TPU_WORKER_ID": "0", "TF_CPP_MIN_LOG_LEVEL": "3"}
+
+
+def topology_devices(topology: str) -> list:
+    """The compile-only TPU devices of `topology` ('v5e:2x2', 'v5p:2x2x2', 'v6e:2x4', 'v4:2x2x1', ...), in the
+    topology's device order. Needs libtpu (the 'tpu' extra); a bad name raises ValueError naming it."""
+    from jax.experimental import topologies   # noqa: PLC0415 -- loads libtpu: only on the ahead-of-time path
+
+    for key, value in _TPU_QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    try:
+        return list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
+    except Exception as e:  # noqa: BLE001 -- libtpu missing or the name unknown: one line naming the topology
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"topology={topology!r} gives no TPU devices ({type(e).__name__}: {first[:200]}); "
+                         f"expected a TPU topology such as 'v5e:2x2', 'v5p:2x2x2' or 'v6e:2x4', with libtpu "
+                         f"installed (pip install -e \".[tpu]\")") from e
+
+
+def shard_bytes(abstract) -> int:
+    """Bytes one device holds of a pytree of sharded ShapeDtypeStructs (each leaf's shard shape)."""
+    return int(sum(np.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+                   for x in jax.tree_util.tree_leaves(abstract)))
+
+
+def _abstract(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
+
+
+def abstract_stage_params(spec: ModelSpec, mesh: Mesh, dtype, *, stage: int = 0, pp: int = 1):
+    """The weights stage `stage` of `pp` holds (all of them when pp == 1: a LlamaParams), as sharded
+    ShapeDtypeStructs on `mesh` (a stage's own (1, 1, tp) mesh), placed as the runners place real weights."""
+    table = param_table(spec)
+    if pp > 1:
+        table = split_params(table, stage_layer_ranges(spec.num_layers, pp), spec)[stage]
+    shardings = mesh_lib.table_shardings(table, mesh, spec)
+    return jax.tree_util.tree_map(lambda info, sh: _abstract(info.shape, jnp_dtype(info.dtype or dtype), sh),
+                                  table, shardings)
+
+
+def abstract_kv_cache(spec: ModelSpec, mesh: Mesh, *, num_pages: int, page_size: int, dtype,
+                      num_layers: int) -> KVCache:
+    """A KVCache of `num_layers` layers of [num_kv_heads, num_pages, page_size, head_dim], split on KV heads."""
+    sh = mesh_lib.kv_cache_sharding(mesh, spec)
+    shape = (spec.num_kv_heads, num_pages, page_size, spec.head_dim)
+    return KVCache(k=tuple(_abstract(shape, dtype, sh) for _ in range(num_layers)),
+                   v=tuple(_abstract(shape, dtype, sh) for _ in range(num_layers)))
+
+
+def kv_page_bytes(spec: ModelSpec, *, tp: int, num_layers: int, page_size: int, dtype) -> int:
+    """Per-device bytes of one KV page: K and V of `num_layers` layers, num_kv_heads / tp heads each."""
+    return 2 * num_layers * (spec.num_kv_heads // tp) * page_size * spec.head_dim * jnp_dtype(dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    """What XLA reports of one compiled step (one bucket, one pipeline stage). Bytes are per device.
+
+    total_bytes = arguments + outputs - aliased (the donated KV cache) + temporaries + generated code: the HBM the
+    step needs while it runs. weights_bytes and kv_bytes are the arguments' shares (from their shardings).
+    flops / bytes_accessed / optimal_seconds: XLA's cost analysis of the whole step (per device)."""
+    bucket: Bucket
+    stage: int
+    compiled: bool
+    compile_s: float
+    weights_bytes: int
+    kv_bytes: int
+    temp_bytes: int = 0
+    code_bytes: int = 0
+    total_bytes: int = 0
+    flops: Optional[float] = None
+    bytes_accessed: Optional[float] = None
+    optimal_seconds: Optional[float] = None
+    error: str = ""
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def one_line(err: BaseException, limit: int = 300) -> str:
+    """The first meaningful line of an exception (XLA's errors run to pages), prefixed by its type."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    text = next((ln for ln in lines if "RESOURCE_EXHAUSTED" in ln or "NotImplementedError" in ln),
+                lines[0] if lines else "")
+    return f"{type(err).__name__}: {text}"[:limit]
+
+
+def _stage_fn_and_args(spec, attention_impl, mesh, bucket, *, stage, pp, num_pages, page_size, dtype, max_seqs):
+    """(jitted fn, abstract args, weights bytes, KV bytes) of one stage of one bucket, as the runner runs it."""
+    num_tokens, _, _ = bucket
+    sub = mesh_lib.stage_mesh(mesh, stage)
+    lo, hi = stage_layer_ranges(spec.num_layers, pp)[stage]
+    params = abstract_stage_params(spec, sub, dtype, stage=stage, pp=pp)
+    kv = abstract_kv_cache(spec, sub, num_pages=num_pages, page_size=page_size, dtype=dtype, num_layers=hi - lo)
+    rep = mesh_lib.replicated(sub)
+    batch = jax.tree_util.tree_map(lambda a: _abstract(a.shape, a.dtype, rep), empty_batch(bucket))
+    prev_ids = _abstract((max_seqs,), jnp.int32, rep)
+    if pp == 1:
+        fn = make_mesh_step(spec, attention_impl, sub, max_seqs=max_seqs)
+        args = (params, kv, batch, prev_ids)
+    else:
+        last = stage == pp - 1
+        fn = make_stage_fn(spec, attention_impl, sub, stage=stage, pp=pp, num_layers=hi - lo,
+                           output="step" if last else "hidden", max_seqs=max_seqs)
+        hidden = None if stage == 0 else _abstract((num_tokens, spec.hidden_size), dtype, rep)
+        args = (params, kv, hidden, batch, prev_ids if stage == 0 else None)
+    return fn, args, shard_bytes(params), shard_bytes(kv)
+
+
+def compile_step(spec: ModelSpec, attention_impl: str, mesh: Mesh, bucket: Bucket, *, num_pages: int,
+                 page_size: int, dtype, max_seqs: int, stage: int = 0) -> CompiledStep:
+    """Compile stage `stage` of the step of `bucket` on `mesh` (data=1, stage=pp, tensor=tp) and report it; a
+    failure (XLA out of memory, a kernel that does not lower, ...) is reported in `error`, not raised."""
+    pp = int(mesh.shape["stage"])
+    fn, args, weights, kv = _stage_fn_and_args(spec, attention_impl, mesh, bucket, stage=stage, pp=pp,
+                                               num_pages=num_pages, page_size=page_size, dtype=dtype,
+                                               max_seqs=max_seqs)
+    start = time.perf_counter()
+    try:
+        compiled = fn.trace(*args).lower().compile()
+    except Exception as e:  # noqa: BLE001 -- any compiler failure is a row of the report, with its reason
+        return CompiledStep(bucket, stage, False, time.perf_counter() - start, weights, kv, error=one_line(e))
+    seconds = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+             + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
+    return CompiledStep(bucket, stage, True, seconds, weights, kv, temp_bytes=int(mem.temp_size_in_bytes),
+                        code_bytes=int(mem.generated_code_size_in_bytes), total_bytes=int(total),
+                        flops=cost.get("flops"), bytes_accessed=cost.get("bytes accessed"),
+                        optimal_seconds=cost.get("optimal_seconds"))
+
+
+def compile_instance(spec: ModelSpec, attention_impl: str, mesh: Mesh, buckets: Sequence[Bucket], *, num_pages: int,
+                     page_size: int, dtype, max_seqs: int, jobs: int = 1,
+                     on_done: Optional[Callable[[CompiledStep], None]] = None) -> List[CompiledStep]:
+    """`compile_step` of every bucket and pipeline stage of one instance, `jobs` compiles at a time (XLA compiles
+    in C++ outside the GIL, so threads use the host's cores); results in (bucket, stage) order."""
+    pp = int(mesh.shape["stage"])
+    work = [(tuple(b), s) for b in buckets for s in range(pp)]
+
+    def run(item):
+        out = compile_step(spec, attention_impl, mesh, item[0], num_pages=num_pages, page_size=page_size,
+                           dtype=dtype, max_seqs=max_seqs, stage=item[1])
+        if on_done is not None:
+            on_done(out)
+        return out
+
+    if jobs <= 1:
+        return [run(item) for item in work]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(run, work))
+
+
+def max_num_pages(steps: Sequence[CompiledStep], *, num_pages: int, page_bytes: Dict[int, int], hbm_bytes: float,
+                  utilization: float) -> int:
+    """The most KV pages every compiled step of an instance fits in `utilization · hbm_bytes` per device, from steps
+    compiled at `num_pages` (page_bytes: per-device bytes of one page, by stage). 0 when not even the non-KV bytes
+    fit; raises ValueError when no step compiled (nothing to plan from)."""
+    done = [s for s in steps if s.compiled]
+    if not done:
+        raise ValueError("no step compiled: nothing to plan the KV cache from")
+    budget = utilization * hbm_bytes
+    fits = [int((budget - (s.total_bytes - s.kv_bytes)) // page_bytes[s.stage]) for s in done]
+    return max(0, min(fits))
+
+
+def device_memory_bytes(devices: Sequence) -> Optional[int]:
+    """The smallest memory limit of `devices` as the runtime reports it (`memory_stats()['bytes_limit']`), None
+    where a device reports none (CPU, compile-only devices)."""
+    limits = []
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except Exception:  # noqa: BLE001 -- platforms without the call (CPU) raise rather than return None
+            stats = None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        limits.append(int(stats["bytes_limit"]))
+    return min(limits) if limits else None
+
+
+__all__ = ["Bucket", "CompiledStep", "abstract_kv_cache", "abstract_stage_params", "compile_instance",
+           "compile_step", "device_memory_bytes", "kv_page_bytes", "max_num_pages", "one_line", "shard_bytes",
+           "topology_devices"]
