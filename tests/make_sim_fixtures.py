@@ -142,15 +142,14 @@ def read_fixture(name: str, file: str) -> bytes:
 
 def write_case(name: str, digests: Dict[str, Dict[str, str]]) -> int:
     """Run case `name`, store its digests and whole files; returns the bytes stored."""
+    from pdjax.metrics.report import atomic_write_bytes   # pdjax is on sys.path once main() runs
     files = run_case(name)
     digests[name] = {file: digest(data) for file, data in files.items()}
     size = 0
     for file in stored_files(name):
         path = fixture_path(name, file)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(lzma.compress(files[file]))
-        os.replace(tmp, path)
+        atomic_write_bytes(path, lzma.compress(files[file]))
         size += path.stat().st_size
     return size
 
@@ -164,9 +163,8 @@ def main(argv) -> int:
     digests = read_digests() if DIGESTS.is_file() else {}
     for name in names:
         print(f"{name}: {write_case(name, digests)} bytes")
-    tmp = DIGESTS.with_suffix(".tmp")
-    tmp.write_text(json.dumps({n: digests[n] for n in CASES if n in digests}, indent=1) + "\n")
-    os.replace(tmp, DIGESTS)
+    from pdjax.metrics.report import atomic_write_text
+    atomic_write_text(DIGESTS, json.dumps({n: digests[n] for n in CASES if n in digests}, indent=1) + "\n")
     return 0
 
 
