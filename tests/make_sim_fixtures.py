@@ -95,7 +95,7 @@ FAST_CASES = tuple(n for n in CASES if n.startswith("serve")) + (
 
 def case_config(name: str):
     """The case's ConfigDict: its config file (with ARG), the overrides, NUM_REQUESTS unless overridden."""
-    from pdjax.config.files import config_file  # noqa: PLC0415
+    from pdjax.config.files import config_file
     path, arg, overrides = CASES[name]
     config = config_file(str(REPO / "x"), path, arg)
     overrides = {"workload.num_requests": NUM_REQUESTS, **overrides}
@@ -110,8 +110,8 @@ def case_config(name: str):
 
 def run_case(name: str) -> Dict[str, bytes]:
     """Simulate case `name` as `experiments.serve --config.backend=sim` does; returns {file name: bytes}."""
-    from pdjax.experiment.run import prepare_experiment  # noqa: PLC0415
-    from pdjax.sim.run import run_sim  # noqa: PLC0415
+    from pdjax.experiment.run import prepare_experiment
+    from pdjax.sim.run import run_sim
     with tempfile.TemporaryDirectory() as tmp:
         workdir = os.path.join(tmp, "run")
         prep = prepare_experiment(case_config(name), workdir)

@@ -366,7 +366,7 @@ def restore_params(directory) -> Tuple[ModelSpec, LlamaParams]:
             # the saver's devices, which another process does not have.)
             target = jax.tree_util.tree_map(lambda m: np.empty(m.shape, m.dtype), tree)
             restored = ckptr.restore(directory / ORBAX_SUBDIR, target)
-    except Exception as e:  # noqa: BLE001  (orbax/TensorStore raise plain Exception, ValueError, JSON errors)
+    except Exception as e:  # orbax/TensorStore raise plain Exception, ValueError, JSON errors
         raise _corrupt(directory, f"restoring {ORBAX_SUBDIR}/ with orbax", e) from e
     check_shapes(_dict_shapes(restored), spec, where=f"checkpoint {str(directory)!r}")
     return spec, params_from_dict(restored)
