@@ -42,36 +42,36 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     # Two disjoint CPU groups need several (fake) host devices; no effect on accelerator platforms.
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-import dataclasses  # noqa: E402
-import functools  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
+import dataclasses
+import functools
+import json
+import statistics
+import sys
+import tempfile
+import time
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import flags  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pdjax.config.model_specs import get_model_spec  # noqa: E402
-from pdjax.config.sampling import SamplingParams  # noqa: E402
-from pdjax.config.scheduler import SchedulerConfig  # noqa: E402
-from pdjax.models.llama import init_params  # noqa: E402
-from pdjax.runtime.batch import Buckets  # noqa: E402
-from pdjax.runtime.ceilings import host_copy_rate  # noqa: E402
-from pdjax.experiment import cli  # noqa: E402
-from pdjax.models.llama import KVCache  # noqa: E402
-from pdjax.procs import end_processes, free_port, start_local_processes, wait_processes  # noqa: E402
-from pdjax.runtime.mesh import make_mesh  # noqa: E402
-from pdjax.runtime.runner import ModelRunner  # noqa: E402
-from pdjax.scheduler import Request, make_scheduler  # noqa: E402
-from pdjax.serving.cluster import ClusterEngine, Instance  # noqa: E402
-from pdjax.serving.distributed import DistributedCoordinator, initialize, settings_from_env  # noqa: E402
+from pdjax.config.model_specs import get_model_spec
+from pdjax.config.sampling import SamplingParams
+from pdjax.config.scheduler import SchedulerConfig
+from pdjax.models.llama import init_params
+from pdjax.runtime.batch import Buckets
+from pdjax.runtime.ceilings import host_copy_rate
+from pdjax.experiment import cli
+from pdjax.models.llama import KVCache
+from pdjax.procs import end_processes, free_port, start_local_processes, wait_processes
+from pdjax.runtime.mesh import make_mesh
+from pdjax.runtime.runner import ModelRunner
+from pdjax.scheduler import Request, make_scheduler
+from pdjax.serving.cluster import ClusterEngine, Instance
+from pdjax.serving.distributed import DistributedCoordinator, initialize, settings_from_env
 from pdjax.serving.kv_transfer import crossing_route, cross_device_put, gather_kv_pages, scatter_kv_pages, \
-    staged_sharding, transfer_kv  # noqa: E402
+    staged_sharding, transfer_kv
 
 _QUICK = flags.DEFINE_bool("quick", False, "shortest lengths only, for a smoke run")
 _REPS = flags.DEFINE_integer("reps", 5, "timed repetitions per case")

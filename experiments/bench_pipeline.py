@@ -29,23 +29,23 @@ import time
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-import numpy as np  # noqa: E402
-from absl import flags  # noqa: E402
+import numpy as np
+from absl import flags
 
-from pdjax.config.model_specs import get_model_spec  # noqa: E402
-from pdjax.config.sampling import SamplingParams  # noqa: E402
-from pdjax.config.scheduler import SchedulerConfig  # noqa: E402
-from pdjax.experiment import cli  # noqa: E402
-from pdjax.metrics import summarize_run  # noqa: E402
-from pdjax.scheduler import Request, make_scheduler, request_from_workload  # noqa: E402
-from pdjax.scheduler.batch_queue import mean_in_flight  # noqa: E402
-from pdjax.serving.engine import ColocatedEngine  # noqa: E402
-from pdjax.sim.cost_model import kv_cache_capacity_tokens  # noqa: E402
-from pdjax.sim.hardware import get_hardware_spec  # noqa: E402
-from pdjax.sim.profile import load_profile  # noqa: E402
-from pdjax.sim.simulator import SimInstance, simulate  # noqa: E402
-from pdjax.sim.step_cost import make_step_time  # noqa: E402
-from pdjax.workload import make_workload  # noqa: E402
+from pdjax.config.model_specs import get_model_spec
+from pdjax.config.sampling import SamplingParams
+from pdjax.config.scheduler import SchedulerConfig
+from pdjax.experiment import cli
+from pdjax.metrics import summarize_run
+from pdjax.scheduler import Request, make_scheduler, request_from_workload
+from pdjax.scheduler.batch_queue import mean_in_flight
+from pdjax.serving.engine import ColocatedEngine
+from pdjax.sim.cost_model import kv_cache_capacity_tokens
+from pdjax.sim.hardware import get_hardware_spec
+from pdjax.sim.profile import load_profile
+from pdjax.sim.simulator import SimInstance, simulate
+from pdjax.sim.step_cost import make_step_time
+from pdjax.workload import make_workload
 
 _SIM = flags.DEFINE_boolean("sim", False, "Run the paper-scale simulated table instead of the CPU benchmark.")
 _CKPT = flags.DEFINE_string("checkpoint", "tiny-byte", "Checkpoint dir or registry spec name (CPU benchmark).")

@@ -87,7 +87,7 @@ def main(argv):
         exit_now(1)       # not through jax's shutdown barrier, which would wait for the process that failed us
     except cli.UserError:
         raise
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         if not settings.multi:
             raise
         end_after_failure(e)     # one line naming the dead peer (or this failure), exit 1

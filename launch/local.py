@@ -28,7 +28,7 @@ import sys
 from typing import Dict, List, Sequence
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))   # this checkout's pdjax, run as a script
-from pdjax.procs import (end_processes, forward_lines, free_port, local_process_env,  # noqa: E402
+from pdjax.procs import (end_processes, forward_lines, free_port, local_process_env,
                          start_local_processes, wait_processes)
 
 

@@ -95,7 +95,7 @@ FAST_CASES = tuple(n for n in CASES if n.startswith("serve")) + (
 
 def case_config(name: str):
     """The case's ConfigDict: its config file (with ARG), the overrides, NUM_REQUESTS unless overridden."""
-    from pdjax.config.files import config_file  # noqa: PLC0415
+    from pdjax.config.files import config_file
     path, arg, overrides = CASES[name]
     config = config_file(str(REPO / "x"), path, arg)
     overrides = {"workload.num_requests": NUM_REQUESTS, **overrides}
@@ -110,8 +110,8 @@ def case_config(name: str):
 
 def run_case(name: str) -> Dict[str, bytes]:
     """Simulate case `name` as `experiments.serve --config.backend=sim` does; returns {file name: bytes}."""
-    from pdjax.experiment.run import prepare_experiment  # noqa: PLC0415
-    from pdjax.sim.run import run_sim  # noqa: PLC0415
+    from pdjax.experiment.run import prepare_experiment
+    from pdjax.sim.run import run_sim
     with tempfile.TemporaryDirectory() as tmp:
         workdir = os.path.join(tmp, "run")
         prep = prepare_experiment(case_config(name), workdir)
@@ -142,15 +142,14 @@ def read_fixture(name: str, file: str) -> bytes:
 
 def write_case(name: str, digests: Dict[str, Dict[str, str]]) -> int:
     """Run case `name`, store its digests and whole files; returns the bytes stored."""
+    from pdjax.metrics.report import atomic_write_bytes   # pdjax is on sys.path once main() runs
     files = run_case(name)
     digests[name] = {file: digest(data) for file, data in files.items()}
     size = 0
     for file in stored_files(name):
         path = fixture_path(name, file)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(lzma.compress(files[file]))
-        os.replace(tmp, path)
+        atomic_write_bytes(path, lzma.compress(files[file]))
         size += path.stat().st_size
     return size
 
@@ -164,9 +163,8 @@ def main(argv) -> int:
     digests = read_digests() if DIGESTS.is_file() else {}
     for name in names:
         print(f"{name}: {write_case(name, digests)} bytes")
-    tmp = DIGESTS.with_suffix(".tmp")
-    tmp.write_text(json.dumps({n: digests[n] for n in CASES if n in digests}, indent=1) + "\n")
-    os.replace(tmp, DIGESTS)
+    from pdjax.metrics.report import atomic_write_text
+    atomic_write_text(DIGESTS, json.dumps({n: digests[n] for n in CASES if n in digests}, indent=1) + "\n")
     return 0
 
 

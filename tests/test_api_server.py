@@ -18,10 +18,10 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families
 
-from pdjax.procs import free_port  # noqa: E402
-from pdjax.workload import byte_tokenizer  # noqa: E402
+from pdjax.procs import free_port
+from pdjax.workload import byte_tokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MAX_LEN = 256

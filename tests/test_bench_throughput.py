@@ -68,8 +68,15 @@ def test_hf_backend_without_the_extra_is_one_line(monkeypatch):
     import importlib.util
     from pdjax.runtime import hf_baseline
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
-    with pytest.raises(hf_baseline.MissingExtraError, match=r"^--backend=hf needs torch \(the optional extra 'hf'\)"):
-        bench_throughput.run("tiny-llama", 2, 4, 2, backend="hf")
+    # One text whether or not transformers is installed: the extra, what it holds, then what is missing.
+    for absent, listed in ((("torch",), "torch"), (("torch", "transformers"), "torch, transformers")):
+        def find_spec(name, *a, absent=absent):   # transformers present unless listed, installed or not
+            return None if name in absent else object() if name == "transformers" else real(name, *a)
+        monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+        with pytest.raises(hf_baseline.MissingExtraError) as e:
+            bench_throughput.run("tiny-llama", 2, 4, 2, backend="hf")
+        assert str(e.value) == (f"--backend=hf needs the optional extra 'hf' (torch and transformers; not installed: "
+                                f"{listed}): pip install -e \".[hf]\"")
+    monkeypatch.setattr(importlib.util, "find_spec", real)
     with pytest.raises(ValueError, match=r"^--backend='tf', expected one of \('pdjax', 'hf'\)$"):
         bench_throughput.run("tiny-llama", 2, 4, 2, backend="tf")

@@ -20,9 +20,9 @@ import pytest
 
 pytest.importorskip("jax")
 
-from experiments.sim_fidelity import MUST_HOLD, format_table, run_fidelity, run_seeds, summarize  # noqa: E402
-from pdjax.config.files import config_file  # noqa: E402
-from pdjax.experiment.run import to_plain_dict  # noqa: E402
+from experiments.sim_fidelity import MUST_HOLD, format_table, run_fidelity, run_seeds, summarize
+from pdjax.config.files import config_file
+from pdjax.experiment.run import to_plain_dict
 
 CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "sim" / "fidelity_cpu.py"
 

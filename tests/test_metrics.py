@@ -270,6 +270,20 @@ def test_atomic_write_text(tmp_path):
     assert open(path).read() == "a,b\n1,2\n" and os.listdir(tmp_path) == ["s.csv"]
 
 
+def test_atomic_open_fsyncs_the_file_then_its_directory(tmp_path, monkeypatch):
+    """Durable, not just atomic: the data is on disk before the rename, and the rename before it returns."""
+    import pdjax.metrics.report as report
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(report.os, "fsync", lambda fd: (synced.append(os.path.realpath(f"/proc/self/fd/{fd}")),
+                                                         real_fsync(fd)))
+    path = tmp_path / "p.json"                          # a pathlib.Path too
+    with report.atomic_open(path, "w") as f:
+        f.write("{}")
+    assert synced == [os.path.realpath(f"{path}.tmp-{os.getpid()}"), os.path.realpath(tmp_path)]
+    assert path.read_text() == "{}" and os.listdir(tmp_path) == ["p.json"]
+
+
 def test_atomic_json_leaves_no_file_on_error(tmp_path):
     with pytest.raises(TypeError, match="object"):
         write_json(str(tmp_path / "r.json"), {"ok": 1, "bad": object()})

@@ -171,7 +171,7 @@ def _check_configs(configs):
         c = DistributedCoordinator(DistributedSettings("127.0.0.1:1", len(configs), i, 10.0), client=service)
         try:
             c.check_same_config(configs[i])
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001  (the thread hands back whatever it raised)
             errors[i] = e
     threads = [threading.Thread(target=check, args=(i,)) for i in range(len(configs))]
     for t in threads:

@@ -10,13 +10,13 @@ import pytest
 
 pytest.importorskip("jax")
 
-from pdjax.config.files import config_file  # noqa: E402
-from pdjax.config.serving import serve_config_from_dict  # noqa: E402
-from pdjax.experiment.calibrate import engine_padding  # noqa: E402
-from pdjax.experiment.run import to_plain_dict  # noqa: E402
-from pdjax.runtime import probe  # noqa: E402
-from pdjax.serving.build import build_runner  # noqa: E402
-from pdjax.sim.step_cost import EnginePadding, padded_shape  # noqa: E402
+from pdjax.config.files import config_file
+from pdjax.config.serving import serve_config_from_dict
+from pdjax.experiment.calibrate import engine_padding
+from pdjax.experiment.run import to_plain_dict
+from pdjax.runtime import probe
+from pdjax.serving.build import build_runner
+from pdjax.sim.step_cost import EnginePadding, padded_shape
 
 CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "sim" / "fidelity_cpu.py"
 

@@ -13,9 +13,9 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from pdjax.config.files import config_file  # noqa: E402
-from pdjax.experiment import sweep as sweep_lib  # noqa: E402
-from pdjax.experiment.run import run_experiment, to_plain_dict  # noqa: E402
+from pdjax.config.files import config_file
+from pdjax.experiment import sweep as sweep_lib
+from pdjax.experiment.run import run_experiment, to_plain_dict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The test's run functions travel to the Ray workers by value (this module is not importable there).
@@ -70,7 +70,7 @@ def test_a_real_engine_point_runs_on_ray(cluster, tmp_path):
     every real-engine Ray sweep failed with "Setting 'max_calls' is not supported in '.options()'"."""
     @ray.remote
     def imported_pdjax():
-        import pdjax  # noqa: PLC0415
+        import pdjax
         return pdjax.__file__
 
     # The workers import this checkout's pdjax (Ray puts the driver's working directory on their sys.path).

@@ -621,7 +621,7 @@ def write_sweep_plots(rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
     combination of the other columns."""
     import matplotlib  # noqa: PLC0415 (matplotlib: 1 s; only the sweep CLI plots, library callers do not)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415 (after use('Agg'))
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (matplotlib only when plotting; after use('Agg'))
 
 
     numeric = [c for c in columns if all(isinstance(r[c], (int, float)) and not isinstance(r[c], bool)

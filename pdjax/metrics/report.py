@@ -31,9 +31,12 @@ PLOT_FILES = ("ttft_cdf.png", "tbt_cdf.png", "iteration_timeline.png")
 
 
 @contextlib.contextmanager
-def atomic_open(path: str, mode: str = "w", **kwargs) -> Iterator[Any]:
-    """Open a temporary file next to `path`; on clean exit fsync and os.replace it onto `path`, on an exception
-    delete it (leaving `path` as it was) and re-raise."""
+def atomic_open(path, mode: str = "w", **kwargs) -> Iterator[Any]:
+    """Open a temporary file next to `path` (a str or os.PathLike); on clean exit fsync it, os.replace it onto
+    `path` and fsync the directory (so the rename itself survives a power loss); on an exception delete it
+    (leaving `path` as it was) and re-raise. The one atomic file writer of pdjax: every file a run, a sweep, a
+    checkpoint, a stack fit or a generation writes goes through it."""
+    path = os.fspath(path)
     tmp = f"{path}.tmp-{os.getpid()}"
     f = open(tmp, mode, **kwargs)
     try:
@@ -46,15 +49,27 @@ def atomic_open(path: str, mode: str = "w", **kwargs) -> Iterator[Any]:
         raise
     f.close()
     os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
 
 
-def atomic_write_text(path: str, text: str) -> None:
+def _fsync_dir(directory: str) -> None:
+    """fsync a directory, making a rename in it durable (POSIX; Windows cannot open a directory)."""
+    if os.name != "posix":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path, text: str) -> None:
     """Write `text` to `path` atomically (see atomic_open)."""
     with atomic_open(path, "w") as f:
         f.write(text)
 
 
-def atomic_write_bytes(path: str, data: bytes) -> None:
+def atomic_write_bytes(path, data: bytes) -> None:
     with atomic_open(path, "wb") as f:
         f.write(data)
 

@@ -37,6 +37,7 @@ from safetensors.numpy import save_file
 
 from pdjax.config.model_specs import DTYPE_BYTES, ModelSpec, RopeScaling, get_model_spec
 from pdjax.errors import UserError
+from pdjax.metrics.report import atomic_write_text
 from pdjax.models.llama import check_runnable, init_params, jnp_dtype
 from pdjax.models.params import (LayerParams, LlamaParams, WeightInfo, check_params, check_shapes, flat_params,
                                  param_table, table_items)
@@ -343,9 +344,7 @@ def save_params(directory, spec: ModelSpec, params: LlamaParams) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(directory / ORBAX_SUBDIR, params_to_dict(params), force=True)
-    tmp = directory / (SPEC_FILE + ".tmp")
-    tmp.write_text(spec_to_json(spec))
-    os.replace(tmp, directory / SPEC_FILE)
+    atomic_write_text(directory / SPEC_FILE, spec_to_json(spec))
 
 
 def restore_params(directory) -> Tuple[ModelSpec, LlamaParams]:
@@ -367,7 +366,7 @@ def restore_params(directory) -> Tuple[ModelSpec, LlamaParams]:
             # the saver's devices, which another process does not have.)
             target = jax.tree_util.tree_map(lambda m: np.empty(m.shape, m.dtype), tree)
             restored = ckptr.restore(directory / ORBAX_SUBDIR, target)
-    except Exception as e:  # noqa: BLE001  (orbax/TensorStore raise plain Exception, ValueError, JSON errors)
+    except Exception as e:  # orbax/TensorStore raise plain Exception, ValueError, JSON errors
         raise _corrupt(directory, f"restoring {ORBAX_SUBDIR}/ with orbax", e) from e
     check_shapes(_dict_shapes(restored), spec, where=f"checkpoint {str(directory)!r}")
     return spec, params_from_dict(restored)

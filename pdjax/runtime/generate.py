@@ -7,17 +7,17 @@ prompt still prefilling. Prompts of different lengths therefore share mixed batc
 while others are still prefilling. Each iteration is a `SchedulerOutput`, so the runner contract is exercised
 end to end. Decoding is greedy. A prompt whose logits are not finite (NaN or inf) stops the generation with
 NonFiniteLogitsError naming the prompt and the step (no token is made up for it). `run_generate` is the whole
-`experiments.generate` command (files in, files out, written atomically via a tmp file + os.replace).
+`experiments.generate` command (files in, files out, written atomically by pdjax.metrics.atomic_open).
 """
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from pdjax.metrics.report import atomic_open, atomic_write_text
 from pdjax.models.checkpoint import load_model
 from pdjax.runtime.batch import Buckets
 from pdjax.runtime.runner import ModelRunner
@@ -157,13 +157,6 @@ def generate(runner, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, c
     return outputs, last_logits
 
 
-def _atomic_write(path: pathlib.Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def run_generate(checkpoint: str, prompts_path, max_new_tokens: int, out_path, *, chunk_size: int = 64,
                  token_budget: int = 0, page_size: int = 16, dump_logits=None, dtype=None,
                  attention_impl: str = "auto"):
@@ -184,10 +177,10 @@ def run_generate(checkpoint: str, prompts_path, max_new_tokens: int, out_path, *
                          attention_impl=attention_impl, max_model_len=max_len)
     tokens, logits = generate(runner, prompts, max_new_tokens, chunk_size=chunk_size, token_budget=budget,
                               return_logits=dump_logits is not None)
-    _atomic_write(pathlib.Path(out_path), lambda p: p.write_text(json.dumps({"tokens": tokens})))
+    pathlib.Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out_path, json.dumps({"tokens": tokens}))
     if dump_logits is not None:
-        def write_npy(p):
-            with open(p, "wb") as f:
-                np.save(f, logits.astype(np.float32))
-        _atomic_write(pathlib.Path(dump_logits), write_npy)
+        pathlib.Path(dump_logits).parent.mkdir(parents=True, exist_ok=True)
+        with atomic_open(dump_logits, "wb") as f:
+            np.save(f, logits.astype(np.float32))
     return tokens, logits, runner

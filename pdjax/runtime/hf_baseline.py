@@ -32,8 +32,8 @@ class MissingExtraError(ValueError):
 def require_hf() -> None:
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
-        raise MissingExtraError(f"--backend=hf needs {' and '.join(missing)} (the optional extra 'hf'): "
-                                "pip install -e \".[hf]\"")
+        raise MissingExtraError(f"--backend=hf needs the optional extra 'hf' (torch and transformers; not installed: "
+                                f"{', '.join(missing)}): pip install -e \".[hf]\"")
 
 
 def hf_generate(checkpoint_dir: str, prompts: Sequence[Sequence[int]], output_len: int, threads: int) -> Dict:

@@ -192,7 +192,7 @@ def initialize(settings: DistributedSettings) -> None:
         jax.distributed.initialize(settings.coordinator_address, num_processes=settings.num_processes,
                                    process_id=settings.process_id, initialization_timeout=timeout + 2,
                                    heartbeat_timeout_seconds=2 * timeout + 10, shutdown_timeout_seconds=timeout)
-    except Exception as e:   # noqa: BLE001  (XlaRuntimeError and friends)
+    except Exception as e:   # XlaRuntimeError and friends
         raise DistributedError(f"{message}: {str(e).splitlines()[0][:300]}") from e
     finally:
         watchdog.cancel()
@@ -594,12 +594,12 @@ class DistributedCoordinator(Coordinator):
         if self.process_id == source:
             try:
                 self.client.key_value_set(key, json.dumps(value))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 raise self._fail(f"broadcast {key}", e) from e
             return value
         try:
             text = self.client.blocking_key_value_get(key, self.timeout_ms)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise self._fail(f"waiting for process {source}'s value {key}", e) from e
         return json.loads(text)
 
@@ -618,7 +618,7 @@ class DistributedCoordinator(Coordinator):
         try:
             self.client.key_value_set(f"{base}/{self.process_id}/flat", text)
             self.client.key_value_set(f"{base}/{self.process_id}/digest", digest)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise self._fail("publishing the config", e) from e
         me = f"process {self.process_id} of {self.num_processes}"
         for peer in (p for p in range(self.num_processes) if p != self.process_id):
@@ -626,7 +626,7 @@ class DistributedCoordinator(Coordinator):
                 if self.client.blocking_key_value_get(f"{base}/{peer}/digest", self.timeout_ms) == digest:
                     continue
                 theirs = json.loads(self.client.blocking_key_value_get(f"{base}/{peer}/flat", self.timeout_ms))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 raise self._fail(f"waiting for process {peer}'s config", e) from e
             raise ConfigMismatchError(_config_mismatch_message(me, peer, json.loads(text), theirs))
 
@@ -635,7 +635,7 @@ class DistributedCoordinator(Coordinator):
         self._barriers[name] = n + 1
         try:
             self.client.wait_at_barrier(f"{self.prefix}/barrier/{name}/{n}", self.timeout_ms)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise self._fail(f"barrier {name!r}", e) from e
 
 

@@ -52,9 +52,11 @@ Search (each evaluation is one whole simulation, pdjax.sim.run's build -> simula
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
+import os
 import sys
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -63,11 +65,15 @@ from pdjax.config.model_specs import get_model_spec
 from pdjax.config.serving import serve_config_from_dict
 from pdjax.config.validate import check_max_model_len
 from pdjax.metrics.latency import SLOs, slo_attainment
+from pdjax.metrics.plots import _figure
+from pdjax.metrics.report import _save_png
 from pdjax.metrics.slowdown import SPLITWISE_SLO_FACTORS, splitwise_slo_check
-from pdjax.sim.build import build_pending_requests, build_setup
+from pdjax.procs import process_pool, stop_pool
+from pdjax.sim.build import build_pending_requests, build_setup, group_step_time
 from pdjax.sim.machines import MachineSpec, get_machine
 from pdjax.sim.reference import SPLITWISE_REFERENCE, ReferenceMachine, UnloadedRuns
 from pdjax.sim.run import energy_info, simulate_setup
+from pdjax.workload.traces import load_trace
 
 COLOCATED_POLICIES = ("sarathi", "vllm_v0")
 MIXED_SETTINGS = ("off", "on")
@@ -269,7 +275,6 @@ def trace_workload(path: str, num_requests: int, trace_start: int = 0, seed: int
 @functools.lru_cache(maxsize=16)
 def replay_rate(path: str, trace_start: int, num_requests: int) -> float:
     """The trace's own rate over the rows replayed: (n - 1) / (last - first arrival), req/s."""
-    from pdjax.workload.traces import load_trace   # noqa: PLC0415
     rows = load_trace(path).rows[trace_start:trace_start + num_requests]
     if len(rows) < 2 or rows[0].arrival_time is None:
         raise ValueError(f"trace {path!r}: rows {trace_start}..+{num_requests} give no arrival rate (expected >= 2 "
@@ -369,7 +374,6 @@ def cap_instances(setup, machines: Mapping[str, MachineSpec]) -> Optional[Callab
     roles = [r for r, m in machines.items() if m.compute_scale < 1 and r in setup.groups]
     if not roles:
         return None
-    from pdjax.sim.build import group_step_time  # noqa: PLC0415
     capped_setup = capped(setup, machines)
     if any(setup.groups[r].pp != 1 or setup.groups[r].stack is not None for r in roles):
         raise ValueError("a power-capped machine is modelled for pdjax-stack instances with pp=1 only")
@@ -644,8 +648,6 @@ def _map_local(fn, items: Sequence, workers: int, done: Callable[[int, Any], Non
             out.append(fn(item))
             done(i, out[-1])
         return out
-    import concurrent.futures  # noqa: PLC0415
-    from pdjax.procs import process_pool, stop_pool   # noqa: PLC0415
     pool = process_pool(min(workers, len(items)), "spawn" if "jax" in sys.modules else "fork")
     aborted = True
     try:
@@ -672,7 +674,7 @@ def _map_ray(fn, items: Sequence, workers: int, address: str, done: Callable[[in
         import ray  # noqa: PLC0415 (optional cluster extra)
     except ImportError:
         raise ValueError("executor='ray' needs the ray package (pip install 'ray[default]')") from None
-    from pdjax.experiment.sweep import check_ray_address   # noqa: PLC0415
+    from pdjax.experiment.sweep import check_ray_address   # noqa: PLC0415 (pdjax.experiment is a layer up: Ray path only)
     if address:
         check_ray_address(address)
     started = not ray.is_initialized()
@@ -808,9 +810,6 @@ PLOTS = {   # question -> (file, y label, what each bar is)
 
 def plot_questions(result: Mapping[str, Any], outdir: str) -> List[str]:
     """One bar chart per question answered (PLOTS), each bar a system labelled with its cluster; returns paths."""
-    import os  # noqa: PLC0415
-    from pdjax.metrics.plots import _figure  # noqa: PLC0415
-    from pdjax.metrics.report import _save_png  # noqa: PLC0415
     systems = result["systems"]
     rate = result["problem"]["target_rate"]
     paths = []

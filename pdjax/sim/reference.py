@@ -25,6 +25,11 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pdjax.config.model_specs import ModelSpec
 from pdjax.scheduler.output import SchedulerOutput
+from pdjax.sim.build import group_hardware, group_step_time
+from pdjax.sim.hardware import get_hardware_spec
+from pdjax.sim.profile import profile_for
+from pdjax.sim.stack import FittedStepTime, load_stack
+from pdjax.sim.step_cost import make_step_time
 
 Latencies = Tuple[float, Optional[float], float]     # (TTFT, mean TBT or None, E2E), seconds
 
@@ -88,12 +93,8 @@ class UnloadedRuns:
     def on(cls, model: ModelSpec, reference: ReferenceMachine = SPLITWISE_REFERENCE) -> "UnloadedRuns":
         """The unloaded runs of `model` on `reference` (its step-time function built as the simulator builds a
         group's: pdjax.sim.build.group_step_time's rule, deterministic)."""
-        from pdjax.sim.hardware import get_hardware_spec   # noqa: PLC0415 (keep this module's imports light)
-        from pdjax.sim.profile import profile_for          # noqa: PLC0415
-        from pdjax.sim.step_cost import make_step_time     # noqa: PLC0415
         hw = get_hardware_spec(reference.hardware)
         if reference.stack != "pdjax":
-            from pdjax.sim.stack import FittedStepTime, load_stack   # noqa: PLC0415
             stack = load_stack(reference.stack)
             step_time = FittedStepTime(stack, stack.fit_for(model.name, hw.name, reference.tp))
         else:
@@ -108,7 +109,6 @@ class UnloadedRuns:
         (default: 'colocated', or 'prefill' for a disaggregated deployment: the request runs whole on a prefill
         machine), its step time without noise, its prefill chunked by its token budget when its policy chunks.
         What a run's own results compare against (pdjax.sim.run.sim_info)."""
-        from pdjax.sim.build import group_hardware, group_step_time   # noqa: PLC0415
         role = role or ("colocated" if setup.kind == "colocated" else "prefill")
         g = setup.groups[role]
         chunk = g.scheduler_config.token_budget if g.scheduler_config.chunking else 0

@@ -40,14 +40,18 @@ No JAX.
 """
 from __future__ import annotations
 
+import csv
 import dataclasses
 import io
+import json
 import math
 import os
 import re
 import sys
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
 
 from pdjax.config.deployment import STACKS
 from pdjax.config.serving import serve_config_from_dict
@@ -575,7 +579,6 @@ def _fmt(value: Any) -> str:
 
 def csv_text(rows: Sequence[Mapping[str, Any]]) -> str:
     """One line per point, CSV_COLUMNS (a policy not in the grid leaves its column empty); floats to 6 digits."""
-    import csv   # noqa: PLC0415 (only here)
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(CSV_COLUMNS)
@@ -608,9 +611,8 @@ def heatmap_png(grid: RegimeGrid, rows: Sequence[Mapping[str, Any]]) -> bytes:
     """PNG: one heatmap per KV link (workload across, SLO scale up), colour log2(disaggregated / colocated
     per-GPU goodput) on a diverging scale (red: disaggregation wins), each cell its ratio and the winner
     (D / C / = / none); grey: undefined ratio (colocated goodput 0)."""
-    import numpy as np   # noqa: PLC0415
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 (1 s; only when plotting)
-    from matplotlib.figure import Figure  # noqa: PLC0415
+    from matplotlib.figure import Figure  # noqa: PLC0415 (matplotlib only when plotting)
     nw, ns, nk = len(grid.workloads), len(grid.slo_scales), len(grid.links)
     fig = Figure(figsize=(1.6 + (0.95 * nw + 0.6) * nk, 2.2 + 0.55 * ns), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
@@ -651,7 +653,6 @@ def heatmap_png(grid: RegimeGrid, rows: Sequence[Mapping[str, Any]]) -> bytes:
 
 def write_outputs(grid: RegimeGrid, result: Mapping[str, Any], out_dir: str) -> Dict[str, str]:
     """regime_map.csv, regime_map.png and regime_map.json under `out_dir`, each written atomically."""
-    import json   # noqa: PLC0415
     os.makedirs(out_dir, exist_ok=True)
     paths = {ext: os.path.join(out_dir, f"regime_map.{ext}") for ext in ("csv", "png", "json")}
     atomic_write_text(paths["csv"], csv_text(result["rows"]))

@@ -77,7 +77,7 @@ from typing import Callable, List, Optional, Sequence
 from pdjax.metrics import IterationRecord, RequestRecord, request_record
 from pdjax.scheduler.base import PLACEHOLDER_TOKEN
 from pdjax.scheduler.routing import InstanceRouter
-from pdjax.sim.pipeline import StagePipeline, StageTimer, StepContext, pipeline_summary  # noqa: F401 (re-export)
+from pdjax.sim.pipeline import StagePipeline, StageTimer, StepContext, pipeline_summary  # also re-exported
 
 
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from pdjax.config.deployment import STACKS
 from pdjax.config.files import REPO_ROOT
+from pdjax.metrics.report import atomic_open
 
 SHARED_PROFILING_DIR = os.path.normpath(os.path.join(REPO_ROOT, os.pardir, "shared", "data", "profiling"))
 
@@ -215,10 +216,8 @@ def save_stack(stack: StepFitStack, path: str) -> None:
                                                "decoding_large_small_bs_threshold": fit.large_batch_threshold}
     data = {"name": stack.name, "hardware": stack.hardware, "source": stack.source,
             "step_floor_s": stack.step_floor_s, "per_context_token_s": stack.per_context_token_s, "fits": fits}
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
+    with atomic_open(path, "w") as f:
         json.dump(data, f, indent=1)
-    os.replace(tmp, path)
 
 
 def load_stack_file(path: str) -> StepFitStack:
