@@ -30,6 +30,10 @@ setup(
         # bench_throughput --backend=hf (PyTorch eager baseline, CPU); tested with torch 2.13.0+cpu and
         # transformers 5.24. Never installed by CI.
         "hf": ["torch>=2.2", "transformers>=4.45,<6"],
+        # Ahead-of-time compilation for TPUs on any host (python -m experiments.aot_compile): libtpu, the real XLA
+        # and Mosaic compilers, from the registry; pinned to the jax it was tested with (0.10.2). CPU runs keep
+        # working with it installed (pdjax tells libtpu there is no TPU on a host without one).
+        "tpu": ["jax[tpu]==0.10.2"],
         # The OpenAI-compatible HTTP server (python -m experiments.api_server) and its test's clients; tested with
         # fastapi 0.165, uvicorn 0.54, prometheus-client 0.26, openai 3.57, httpx 0.28.
         "serve": ["fastapi>=0.110,<1", "uvicorn>=0.29,<1", "prometheus-client>=0.20,<1", "openai>=1.40,<4",

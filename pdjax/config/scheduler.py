@@ -40,8 +40,10 @@ class SchedulerConfig:
 
     policy: one of POLICIES. token_budget: max tokens in one iteration (vLLM max_num_batched_tokens).
     max_num_seqs: max requests running (and so per iteration). max_model_len: max prompt + output tokens.
-    page_size: tokens per KV page. num_pages: device KV pages. enable_prefix_caching: share full pages by
-    a hash chained over the prefix. enable_chunking: split prompts into chunks (chunking policies only).
+    page_size: tokens per KV page. num_pages: device KV pages (0: as many as fit `engine.kv_memory_utilization` of
+    the device's memory, measured from the compiled step: the real engine on a GPU/TPU). enable_prefix_caching:
+    share full pages by a hash chained over the prefix. enable_chunking: split prompts into chunks (chunking
+    policies only).
     preemption_mode: 'recompute' (drop KV, recompute prompt + output so far) or 'swap' (copy pages to
     `num_host_pages` host slots; falls back to recompute when host slots run short).
     ordering: 'fcfs' (arrival order) or 'priority' (lower `Request.priority` value first, then arrival).
@@ -72,7 +74,7 @@ class SchedulerConfig:
     max_num_seqs: int = positive_int(128)
     max_model_len: int = positive_int(2048)
     page_size: int = positive_int(16)
-    num_pages: int = positive_int(4096)
+    num_pages: int = nonneg_int(4096, note="(0 = as many as fit the device's memory: the real engine on a GPU/TPU)")
     enable_prefix_caching: bool = flag(False)
     enable_chunking: bool = flag(True)
     preemption_mode: str = one_of("recompute", PREEMPTION_MODES)
@@ -143,7 +145,7 @@ class SchedulerConfig:
         if self.min_prefill_tokens and self.policy not in ("sarathi", "vllm_v1"):
             raise ValueError(f"min_prefill_tokens={self.min_prefill_tokens} is used by 'sarathi' and 'vllm_v1' "
                              f"only, got policy={self.policy!r}")
-        if self.num_pages - self.watermark_pages < self.pages_per_max_request:
+        if self.num_pages and self.num_pages - self.watermark_pages < self.pages_per_max_request:
             raise ValueError(f"num_pages={self.num_pages} (watermark {self.watermark_pages} pages) cannot hold one "
                              f"max-length request: max_model_len={self.max_model_len} needs "
                              f"{self.pages_per_max_request} pages of page_size={self.page_size}")

@@ -44,7 +44,9 @@ class EngineConfig:
     progress: progress bars (warm-up, serving) when stderr is a terminal.
     fail_on_compile: raise at the first XLA compile after warm-up instead of flagging the iteration.
     compilation_cache / compilation_cache_dir: JAX's persistent compilation cache ('' = ~/.cache/pdjax/xla, or
-    $XDG_CACHE_HOME/pdjax/xla), so a rerun with the same shapes loads its executables instead of compiling."""
+    $XDG_CACHE_HOME/pdjax/xla), so a rerun with the same shapes loads its executables instead of compiling.
+    kv_memory_utilization: with num_pages = 0, the fraction of each device's memory the weights, the step's
+    temporaries and the KV cache may fill (vLLM's gpu_memory_utilization); the KV cache gets what is left."""
     mode: str = one_of("online", MODES)
     token_buckets: Tuple[int, ...] = ()
     seq_buckets: Tuple[int, ...] = ()
@@ -56,6 +58,7 @@ class EngineConfig:
     fail_on_compile: bool = False
     compilation_cache: bool = True
     compilation_cache_dir: str = ""
+    kv_memory_utilization: float = number(0.9, low=0.0, high=1.0, low_open=True)
 
     def __post_init__(self):
         check_fields(self, "engine")

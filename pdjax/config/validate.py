@@ -56,6 +56,15 @@ _DEVICE_KIND_MARKERS = {"host": ("cpu",), "a100": ("a100",), "h100": ("h100",), 
                         "v6e": ("tpu v6 lite", "tpu v6e")}
 
 
+def hardware_name_of(device_kind: str) -> Optional[str]:
+    """The pdjax.sim.hardware name (or alias) of a jax device kind ('TPU v5 lite' -> 'v5e'), None when unknown.
+    'TPU v5' alone is a v5p (the v5e says 'lite')."""
+    kind = device_kind.lower()
+    if kind == "tpu v5":
+        return "v5p"
+    return next((name for name, markers in _DEVICE_KIND_MARKERS.items() if any(m in kind for m in markers)), None)
+
+
 def hardware_runs_on(hardware: str, device_kind: str) -> Optional[bool]:
     """Whether a device of `device_kind` is the hardware named `hardware` (a pdjax.sim.hardware name or alias);
     None when the name is not one this rule knows (the caller says so)."""
@@ -63,8 +72,7 @@ def hardware_runs_on(hardware: str, device_kind: str) -> Optional[bool]:
     markers = _DEVICE_KIND_MARKERS.get(name) or _DEVICE_KIND_MARKERS.get(name.split("-")[0])
     if markers is None:
         return None
-    kind = device_kind.lower()
-    return any(m in kind for m in markers)
+    return hardware_name_of(device_kind) == name or any(m in device_kind.lower() for m in markers)
 
 
 def check_group_hardware(dep, device_kind: str) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import os
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -41,9 +40,6 @@ from pdjax.runtime.pipeline import make_stage_fn, split_params
 from pdjax.runtime.runner import make_mesh_step
 
 Bucket = Tuple[int, int, int]
-# libtpu looks for a TPU VM's metadata at start-up; a compile-only topology needs none of it.
-_TPU_QUIET_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-1", "TPU_WORKER_HOSTNAMES": "localhost",
-                  "TPU_WORKER_ID": "0", "TF_CPP_MIN_LOG_LEVEL": "3"}
 
 
 def topology_devices(topology: str) -> list:
@@ -51,11 +47,9 @@ def topology_devices(topology: str) -> list:
     topology's device order. Needs libtpu (the 'tpu' extra); a bad name raises ValueError naming it."""
     from jax.experimental import topologies   # noqa: PLC0415 -- loads libtpu: only on the ahead-of-time path
 
-    for key, value in _TPU_QUIET_ENV.items():
-        os.environ.setdefault(key, value)
     try:
         return list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
-    except Exception as e:  # noqa: BLE001 -- libtpu missing or the name unknown: one line naming the topology
+    except Exception as e:   # libtpu missing or the name unknown: re-raised as one line naming the topology
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"topology={topology!r} gives no TPU devices ({type(e).__name__}: {first[:200]}); "
                          f"expected a TPU topology such as 'v5e:2x2', 'v5p:2x2x2' or 'v6e:2x4', with libtpu "
@@ -112,6 +106,8 @@ class CompiledStep:
     kv_bytes: int
     temp_bytes: int = 0
     code_bytes: int = 0
+    argument_bytes: int = 0
+    alias_bytes: int = 0
     total_bytes: int = 0
     flops: Optional[float] = None
     bytes_accessed: Optional[float] = None
@@ -172,7 +168,9 @@ def compile_step(spec: ModelSpec, attention_impl: str, mesh: Mesh, bucket: Bucke
     total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
              + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
     return CompiledStep(bucket, stage, True, seconds, weights, kv, temp_bytes=int(mem.temp_size_in_bytes),
-                        code_bytes=int(mem.generated_code_size_in_bytes), total_bytes=int(total),
+                        code_bytes=int(mem.generated_code_size_in_bytes),
+                        argument_bytes=int(mem.argument_size_in_bytes), alias_bytes=int(mem.alias_size_in_bytes),
+                        total_bytes=int(total),
                         flops=cost.get("flops"), bytes_accessed=cost.get("bytes accessed"),
                         optimal_seconds=cost.get("optimal_seconds"))
 
@@ -211,6 +209,59 @@ def max_num_pages(steps: Sequence[CompiledStep], *, num_pages: int, page_bytes: 
     return max(0, min(fits))
 
 
+def stage_bytes(spec: ModelSpec, mesh: Mesh, dtype, page_size: int) -> List[Tuple[int, int]]:
+    """Per pipeline stage of `mesh`: (weights bytes, one KV page's bytes) per device."""
+    pp, tp = int(mesh.shape["stage"]), int(mesh.shape["tensor"])
+    out = []
+    for s, (lo, hi) in enumerate(stage_layer_ranges(spec.num_layers, pp)):
+        weights = shard_bytes(abstract_stage_params(spec, mesh_lib.stage_mesh(mesh, s), dtype, stage=s, pp=pp))
+        out.append((weights, kv_page_bytes(spec, tp=tp, num_layers=hi - lo, page_size=page_size, dtype=dtype)))
+    return out
+
+
+def fit_error(spec: ModelSpec, where: str, per_stage: Sequence[Tuple[int, int]], num_pages: int,
+              budget_bytes: float, pages_label: str) -> Optional[str]:
+    """One line when the weights plus `num_pages` KV pages of some stage exceed `budget_bytes` per device (before
+    any compile: the step's temporaries come on top), else None. per_stage: `stage_bytes`."""
+    for weights, page in per_stage:
+        if weights + num_pages * page > budget_bytes:
+            return (f"model {spec.name!r} does not fit {where}: needs {(weights + num_pages * page) / 2**30:.2f} GiB "
+                    f"per device (weights {weights / 2**30:.2f} GiB + KV {num_pages * page / 2**30:.2f} GiB for "
+                    f"{pages_label}), {budget_bytes / 2**30:.2f} GiB available")
+    return None
+
+
+def plan_num_pages(spec: ModelSpec, attention_impl: str, mesh: Mesh, buckets, *, page_size: int, max_model_len: int,
+                   dtype, utilization: float, hbm_bytes: Optional[float] = None, where: str = "this instance") -> int:
+    """The most KV pages the instance on `mesh` fits in `utilization` of each device's memory (`hbm_bytes`, default:
+    what the devices report), from its largest bucket compiled at the smallest cache that holds one max-length
+    request (`max_num_pages`). ValueError (one line naming the model, `where` and the bytes) when not even that
+    fits, or when the devices report no memory size (CPU)."""
+    hbm = hbm_bytes if hbm_bytes is not None else device_memory_bytes(list(mesh.devices.flat))
+    if hbm is None:
+        raise ValueError(f"num_pages=0 sizes the KV cache from device memory, and the devices of {where} "
+                         f"({mesh.devices.flat[0].device_kind!r}) report none: set scheduler.num_pages")
+    min_pages = -(-max_model_len // page_size)
+    per_stage = stage_bytes(spec, mesh, dtype, page_size)
+    error = fit_error(spec, where, per_stage, min_pages, utilization * hbm, "one max-length request")
+    if error:
+        raise ValueError(error)
+    probe = compile_instance(spec, attention_impl, mesh, [buckets.all_shapes()[-1]], num_pages=min_pages,
+                             page_size=page_size, dtype=dtype, max_seqs=buckets.max_seqs)
+    failed = [p.error for p in probe if not p.compiled]
+    if failed:
+        raise ValueError(f"sizing the KV cache of {where}: the step of bucket {buckets.all_shapes()[-1]} did not "
+                         f"compile: {failed[0]}")
+    pages = max_num_pages(probe, num_pages=min_pages, page_bytes={s: p for s, (_, p) in enumerate(per_stage)},
+                          hbm_bytes=hbm, utilization=utilization)
+    if pages < min_pages:
+        need = max(p.total_bytes - p.kv_bytes for p in probe) + min_pages * max(p for _, p in per_stage)
+        raise ValueError(f"model {spec.name!r} does not fit {where}: its step needs {need / 2**30:.2f} GiB per "
+                         f"device with one max-length request's KV, {utilization:.2f} x {hbm / 2**30:.2f} GiB "
+                         f"available")
+    return pages
+
+
 def device_memory_bytes(devices: Sequence) -> Optional[int]:
     """The smallest memory limit of `devices` as the runtime reports it (`memory_stats()['bytes_limit']`), None
     where a device reports none (CPU, compile-only devices)."""
@@ -227,5 +278,5 @@ def device_memory_bytes(devices: Sequence) -> Optional[int]:
 
 
 __all__ = ["Bucket", "CompiledStep", "abstract_kv_cache", "abstract_stage_params", "compile_instance",
-           "compile_step", "device_memory_bytes", "kv_page_bytes", "max_num_pages", "one_line", "shard_bytes",
-           "topology_devices"]
+           "compile_step", "device_memory_bytes", "fit_error", "kv_page_bytes", "max_num_pages", "one_line",
+           "plan_num_pages", "shard_bytes", "stage_bytes", "topology_devices"]

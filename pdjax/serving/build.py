@@ -29,6 +29,7 @@ from pdjax.config.serving import ServeConfig
 from pdjax.config.validate import check_against_model, check_group_hardware
 from pdjax.errors import user_errors
 from pdjax.models.checkpoint import load_model
+from pdjax.runtime import aot
 from pdjax.runtime.mesh import make_mesh
 from pdjax.runtime.pipeline import PipelineRunner
 from pdjax.runtime.runner import ModelRunner
@@ -95,6 +96,26 @@ def build_runner(cfg: ServeConfig, *, seed: Optional[int] = None, spec=None, par
                attention_impl=cfg.model.attention_impl, max_model_len=sc.max_model_len, mesh=mesh)
 
 
+def fit_kv_cache(cfg: ServeConfig, spec, mesh, dtype, *, where: str) -> ServeConfig:
+    """cfg with its KV cache sized for `mesh`'s devices, before anything of the run compiles: scheduler.num_pages = 0
+    becomes the most pages that fit engine.kv_memory_utilization of the devices' memory (pdjax.runtime.aot
+    .plan_num_pages: one compile of the largest bucket at a small cache); a given num_pages is checked against the
+    devices' memory (weights + KV). ValueError (one line: model, group, bytes needed and available) when it cannot
+    fit. Devices that report no memory size (CPU) check nothing, and refuse num_pages = 0."""
+    sc = cfg.scheduler
+    if sc.num_pages:
+        hbm = aot.device_memory_bytes(list(mesh.devices.flat))
+        error = hbm and aot.fit_error(spec, where, aot.stage_bytes(spec, mesh, dtype, sc.page_size), sc.num_pages,
+                                      hbm, f"num_pages={sc.num_pages}")
+        if error:
+            raise ValueError(error)
+        return cfg
+    pages = aot.plan_num_pages(spec, cfg.model.attention_impl, mesh, default_buckets(cfg), page_size=sc.page_size,
+                               max_model_len=sc.max_model_len, dtype=dtype,
+                               utilization=cfg.engine.kv_memory_utilization, where=where)
+    return dataclasses.replace(cfg, scheduler=dataclasses.replace(sc, num_pages=pages))
+
+
 def build_instances(cfg: ServeConfig, *, devices: Optional[Sequence] = None, params=None, spec=None
                     ) -> List[Instance]:
     """Every instance of cfg.deployment (colocated replicas, or prefill, decode, then mixed instances), in name order:
@@ -125,6 +146,7 @@ def build_instances(cfg: ServeConfig, *, devices: Optional[Sequence] = None, par
                 raise ValueError(f"{name}: assigned devices {ids}, expected pp x tp = {group.pp} x {group.tp} = "
                                  f"{group.pp * group.tp} (every device must run a stage's TP shard)")
             mesh = make_mesh([devices[d] for d in ids], dp=1, pp=group.pp, tp=group.tp)
+            inst_cfg = fit_kv_cache(inst_cfg, spec, mesh, params.embed.dtype, where=f"deployment.{role}")
             runner = build_runner(inst_cfg, spec=spec, params=params, mesh=mesh)
             instances.append(Instance(name, role, runner, make_sched(role, inst_cfg.scheduler)))
     return instances

@@ -147,6 +147,10 @@ def _group_pages(cfg, group, sched_cfg, model, hw) -> Tuple[int, Optional[int]]:
     if cfg.sim.num_pages > 0:
         return cfg.sim.num_pages, None
     if hw.kind == "cpu":
+        if not cfg.scheduler.num_pages:
+            raise ValueError(f"scheduler.num_pages=0 sizes the KV cache from a GPU/TPU's memory; hardware "
+                             f"{hw.name!r} has no such rule: set scheduler.num_pages, sim.num_pages or "
+                             f"deployment.<group>.num_pages")
         return cfg.scheduler.num_pages, None
     capacity = kv_cache_capacity_tokens(model, hw, group.tp, group.pp, cfg.sim.gpu_memory_utilization,
                                         max_num_batched_tokens=sched_cfg.token_budget,

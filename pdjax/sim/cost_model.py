@@ -738,6 +738,26 @@ def stage_times(batch: BatchComposition, model: ModelSpec, hw: HardwareSpec, tp:
 
 
 # --------------------------------------------------------------------------------------------------- memory
+def step_counts(model: ModelSpec, tp: int, *, tokens: int, seqs: int, keys: int, layers: Optional[int] = None,
+                lm_head: bool = True) -> dict[str, float]:
+    """Exact per-device FLOPs and bytes of one step's matrix work, no tiles or efficiencies: for `layers` layers
+    (default all) the four GEMMs at `tokens` rows and attention of every token over `keys` keys (each of `seqs`
+    sequences' K/V read once), plus the LM head at `seqs` rows. With keys = a bucket's page-table width it counts
+    what the Pallas kernels declare to XLA (pdjax.kernels.ragged_blocks.bucket_cost), so XLA's totals of a compiled
+    step compare with it (pdjax.experiment.aot); element-wise work (norms, RoPE, softmax, sampling) is left out."""
+    s = sharded_shapes(model, tp)
+    layers = model.num_layers if layers is None else layers
+    b = s.dtype_bytes
+    flops = layers * (sum(2 * tokens * k * m for k, m in s.gemms) + 4 * tokens * s.heads * s.head_dim * keys)
+    moved = layers * (sum((k * m + tokens * (k + m)) * b for k, m in s.gemms)
+                      + (2 * seqs * keys * s.kv_heads + 2 * tokens * s.heads) * s.head_dim * b)
+    if lm_head:
+        h, v = s.lm_head
+        flops += 2 * seqs * h * v
+        moved += (h * v + seqs * (h + v)) * b
+    return {"flops": float(flops), "bytes": float(moved)}
+
+
 def kv_bytes(model: ModelSpec, tokens: int, dtype_bytes: Optional[int] = None) -> int:
     """Bytes of K and V for `tokens` tokens of one request over all layers (all devices together)."""
     if tokens < 0:
