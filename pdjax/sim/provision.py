@@ -62,6 +62,7 @@ import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pdjax.config.model_specs import get_model_spec
+from pdjax.config.registry import BASELINE_POLICIES, POLICIES, disaggregated_base
 from pdjax.config.serving import serve_config_from_dict
 from pdjax.config.validate import check_max_model_len
 from pdjax.metrics.latency import SLOs, slo_attainment
@@ -75,7 +76,7 @@ from pdjax.sim.reference import SPLITWISE_REFERENCE, ReferenceMachine, UnloadedR
 from pdjax.sim.run import energy_info, simulate_setup
 from pdjax.workload.traces import load_trace
 
-COLOCATED_POLICIES = ("sarathi", "vllm_v0")
+COLOCATED_POLICIES = BASELINE_POLICIES    # the policy table's colocated baselines (live): ('sarathi', 'vllm_v0')
 MIXED_SETTINGS = ("off", "on")
 SLO_KINDS = ("splitwise", "pdjax")
 QUESTIONS = ("cheapest", "least_power", "fewest_machines", "iso_cost", "iso_power")
@@ -303,9 +304,9 @@ def serve_config(problem: ProvisionProblem, cluster: Cluster, rate: float) -> Di
     """The serve config (plain dict, configs/serve.py's layout) simulating `cluster` at `rate` req/s: one TP
     instance per machine, the prompt SKU's hardware as sim.hardware, the token pool's as deployment.decode's."""
     d, s = cluster.design, cluster.system
-    policy = s.policy if d.kind == "colocated" else "sarathi"
+    policy = s.policy if d.kind == "colocated" else disaggregated_base()
     budget = problem.token_budget
-    if policy == "vllm_v0":        # never chunks: its budget must hold a max-length prompt
+    if not POLICIES[policy].chunking:      # never chunks (vllm_v0): its budget must hold a max-length prompt
         budget = max(budget, problem.max_model_len)
     workload = {k: v for k, v in workload_at(problem.workload, rate).items() if k not in ("max_model_len",)}
     if d.kind == "colocated":
