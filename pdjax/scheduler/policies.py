@@ -492,9 +492,9 @@ def register_policy(cls: Type[Scheduler], *, replace: bool = False, **traits) ->
     decode_batches, min_prefill_tokens). Config validation, make_scheduler, the decode runs and the placement /
     provision / regime searches all read that table, so this call is all a new policy needs besides its class.
     A built-in row (declared in pdjax.config.registry) takes its class with no traits given."""
-    name = cls.name
     if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
         raise TypeError(f"register_policy({cls!r}): expected a Scheduler subclass")
+    name = cls.name
     if name in POLICIES and POLICIES[name].cls is None and not traits:
         info = POLICIES[name]                     # a built-in row declared in pdjax.config.registry
     else:
