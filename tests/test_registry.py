@@ -113,3 +113,57 @@ def test_a_toy_router_is_one_function_and_one_registration():
         ROUTERS.remove("toy_last")
     with pytest.raises(ValueError, match="router"):
         DeploymentConfig(router="toy_last")
+
+
+# ------------------------------------------------------------------------------------------------ a toy stack
+def test_every_stack_row_has_its_factory_and_makes_step_times():
+    from pdjax.sim.build import build_setup, group_step_time
+    from pdjax.sim.step_time import StepTime
+    for name in STACKS:
+        assert STACKS[name].factory is not None, name
+    setup = build_setup(serve_config_from_dict(SIM_CONFIG))
+    step = group_step_time(setup, "colocated")
+    assert isinstance(step, StepTime) and step.pp == 1 and step.takes_context
+
+
+def test_a_toy_step_cost_source_is_one_class_and_one_registration():
+    from pdjax.sim.run import simulate_config
+    from pdjax.sim.step_time import StepTimeBase, register_stack
+
+    class FlatStack(StepTimeBase):
+        """A toy step-cost source: 1 ms per step plus 1 us per scheduled token; it is its own stack too."""
+        name = "toy_flat"
+
+        def __call__(self, out, ctx=None):
+            return 1e-3 + 1e-6 * (out.num_prefill_tokens + out.num_decode_tokens)
+
+        def check(self, model, hardware, tp):
+            if tp != 1:
+                raise ValueError("toy_flat times tp=1 only")
+
+        def step_time(self, group):
+            return self
+
+        def describe(self):
+            return {"stack": self.name}
+
+    register_stack("toy_flat", FlatStack)
+    try:
+        d = {**SIM_CONFIG, "deployment": {"colocated": {"stack": "toy_flat"}}}
+        result, setup = simulate_config(serve_config_from_dict(d))
+        assert setup.groups["colocated"].stack.describe() == {"stack": "toy_flat"}
+        assert len(result.requests) == 12
+        for it in result.iterations:          # every step took the toy's time
+            tokens = it.num_prefill_tokens + it.num_decode_tokens
+            assert it.end_time - it.start_time == pytest.approx(1e-3 + 1e-6 * tokens)
+        with pytest.raises(ValueError, match="deployment.colocated.stack: toy_flat times tp=1 only"):
+            from pdjax.sim.build import build_setup
+            build_setup(serve_config_from_dict({**d, "deployment": {"colocated": {"stack": "toy_flat", "tp": 2}}}))
+        # the placement search asks the stack which layouts it times
+        from pdjax.sim import placement as pl
+        prob = pl.PlacementProblem(model="opt-13b", node=pl.NodeType("a100-80gb-sxm", gpus_per_node=2),
+                                   gpu_budget=2, workload=SIM_CONFIG["workload"], ttft_s=0.5, tpot_s=0.1,
+                                   max_model_len=1024, colocated_stack="toy_flat")
+        assert prob.fits_stack("colocated", pl.Layout(1, 1)) and not prob.fits_stack("colocated", pl.Layout(2, 1))
+    finally:
+        STACKS.remove("toy_flat")

@@ -66,7 +66,7 @@ from pdjax.procs import process_pool
 from pdjax.sim.cost_model import kv_cache_capacity_tokens
 from pdjax.sim.disagg import kv_link
 from pdjax.sim.run import simulate_config
-from pdjax.sim.stack import load_stack
+from pdjax.sim.step_time import get_stack
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 
 AFFINITIES = ("high", "low")
@@ -149,12 +149,10 @@ class PlacementProblem:
         return getattr(self, f"{role}_stack")
 
     def fits_stack(self, role: str, layout: "Layout") -> bool:
-        """A step-fit stack times only the TP degrees it was measured at (pdjax.sim.stack)."""
-        name = self.stack(role)
-        if name == "pdjax":
-            return True
+        """Whether the role's stack times this layout (`Stack.check`: a step-fit stack times only the TP degrees
+        it was measured at, pdjax.sim.stack; the cost model, every layout)."""
         try:
-            load_stack(name).fit_for(self.model, get_hardware_spec(self.node.hardware).name, layout.tp)
+            get_stack(self.stack(role)).check(self.model, get_hardware_spec(self.node.hardware).name, layout.tp)
         except ValueError:
             return False
         return True

@@ -74,6 +74,7 @@ from pdjax.sim.build import build_pending_requests, build_setup, group_step_time
 from pdjax.sim.machines import MachineSpec, get_machine
 from pdjax.sim.reference import SPLITWISE_REFERENCE, ReferenceMachine, UnloadedRuns
 from pdjax.sim.run import energy_info, simulate_setup
+from pdjax.sim.step_time import StepTimeBase
 from pdjax.workload.traces import load_trace
 
 COLOCATED_POLICIES = BASELINE_POLICIES    # the policy table's colocated baselines (live): ('sarathi', 'vllm_v0')
@@ -354,13 +355,12 @@ def capped(setup, machines: Mapping[str, MachineSpec]):
     return dataclasses.replace(setup, groups=groups)
 
 
-class PhaseCappedStepTime:
+class PhaseCappedStepTime(StepTimeBase):
     """A power-capped machine's step time (pdjax.sim.machines): a step carrying prefill tokens draws above the cap
     and runs at the capped compute rate (`capped`), a decode-only step draws less than the cap (token_w <
     prompt_w = the cap) and runs at full speed (`full`)."""
 
     takes_context = True
-    pp = 1
 
     def __init__(self, full: Callable, capped_fn: Callable):
         self.full, self.capped = full, capped_fn
@@ -376,7 +376,7 @@ def cap_instances(setup, machines: Mapping[str, MachineSpec]) -> Optional[Callab
     if not roles:
         return None
     capped_setup = capped(setup, machines)
-    if any(setup.groups[r].pp != 1 or setup.groups[r].stack is not None for r in roles):
+    if any(setup.groups[r].pp != 1 or setup.groups[r].stack.name != "pdjax" for r in roles):
         raise ValueError("a power-capped machine is modelled for pdjax-stack instances with pp=1 only")
 
     def adjust(instances: dict) -> None:
