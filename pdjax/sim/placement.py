@@ -61,6 +61,7 @@ from pdjax.config.model_specs import ModelSpec, get_model_spec
 from pdjax.config.registry import BASELINE_POLICIES, POLICIES, STACKS, disaggregated_base, is_stack
 from pdjax.config.serving import serve_config_from_dict
 from pdjax.config.validate import check_max_model_len
+from pdjax.metrics.capacity import bisect_rate, bracket_rate
 from pdjax.metrics.latency import SLO_RULES, SLOs, distserve_slo_check, slo_attainment
 from pdjax.procs import process_pool
 from pdjax.sim.cost_model import kv_cache_capacity_tokens
@@ -447,32 +448,8 @@ def rate_search(ok: Callable[[float], Tuple[bool, float]], num_gpus: int, rel_to
         probes.append((rate, a))
         return passes
 
-    rate = 0.5 * num_gpus
-    good, bad = 0.0, math.inf
-    if test(rate):
-        good = rate
-        while len(probes) < max_probes // 2:
-            rate *= 2
-            if test(rate):
-                good = rate
-            else:
-                bad = rate
-                break
-    else:
-        bad = rate
-        while len(probes) < max_probes // 2:
-            rate /= 2
-            if test(rate):
-                good = rate
-                break
-            bad = rate
-    if good > 0 and math.isfinite(bad):
-        while bad - good > rel_tol * good and len(probes) < max_probes:
-            mid = 0.5 * (good + bad)
-            if test(mid):
-                good = mid
-            else:
-                bad = mid
+    good, bad = bracket_rate(test, 0.5 * num_gpus, more=lambda: len(probes) < max_probes // 2)
+    good, _ = bisect_rate(test, good, bad, rel_tol=rel_tol, more=lambda: len(probes) < max_probes)
     return good, tuple(probes)
 
 

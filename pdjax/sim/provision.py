@@ -65,6 +65,7 @@ from pdjax.config.model_specs import get_model_spec
 from pdjax.config.registry import BASELINE_POLICIES, POLICIES, disaggregated_base
 from pdjax.config.serving import serve_config_from_dict
 from pdjax.config.validate import check_max_model_len
+from pdjax.metrics.capacity import bisect_rate, bracket_rate
 from pdjax.metrics.latency import SLOs, slo_attainment
 from pdjax.metrics.plots import _figure
 from pdjax.metrics.report import _save_png
@@ -554,35 +555,18 @@ def budget_clusters(problem: ProvisionProblem, system: System, question: str) ->
 def highest_rate(problem: ProvisionProblem, cluster: Cluster, prober: _Prober, beat: float = 0.0) -> float:
     """The highest rate (to rel_tol) at which `cluster` meets the SLOs, 0 if none was found; with beat > 0, 0 at
     once unless it passes at beat x (1 + rel_tol)."""
-    tol, budget = problem.rel_tol, problem.max_probes
-    ok = functools.partial(prober.ok, cluster)
-    start = beat * (1 + tol) if beat > 0 else problem.target_rate
-    n = 1
-    if ok(start):
-        good, bad = start, math.inf
-        while math.isinf(bad) and n < budget:
-            n += 1
-            if ok(2 * good):
-                good *= 2
-            else:
-                bad = 2 * good
-    else:
-        if beat > 0:
-            return 0.0
-        good, bad = 0.0, start
-        while good == 0 and n < budget:
-            n += 1
-            if ok(bad / 2):
-                good = bad / 2
-            else:
-                bad /= 2
-    while good > 0 and not math.isinf(bad) and bad - good > tol * good and n < budget:
-        n += 1
-        mid = 0.5 * (good + bad)
-        if ok(mid):
-            good = mid
-        else:
-            bad = mid
+    probes: List[float] = []
+
+    def ok(rate: float) -> bool:
+        probes.append(rate)
+        return prober.ok(cluster, rate)
+
+    def more() -> bool:
+        return len(probes) < problem.max_probes
+
+    start = beat * (1 + problem.rel_tol) if beat > 0 else problem.target_rate
+    good, bad = bracket_rate(ok, start, more=more, halve=beat <= 0)    # beating `beat` or nothing: no halving
+    good, _ = bisect_rate(ok, good, bad, rel_tol=problem.rel_tol, more=more)
     return good
 
 
