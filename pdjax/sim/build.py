@@ -62,7 +62,6 @@ from pdjax.sim.disagg import DisaggSimInstance, kv_link_between, make_transfer_t
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 from pdjax.sim.simulator import PendingRequest, SimInstance
 from pdjax.sim.profile import Profile, profile_for
-from pdjax.sim import stack as _step_fit_stacks  # noqa: F401 (registers the shipped step-fit stacks)
 from pdjax.sim.step_cost import EnginePadding, StepNoise, padding_from_profile
 from pdjax.sim.step_time import GroupTiming, Stack, StepTime, check_stacks, get_stack
 from pdjax.workload import make_workload

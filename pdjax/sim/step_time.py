@@ -129,8 +129,14 @@ def register_stack(name: str, factory: Callable[[], Stack], *, replace: bool = F
         STACKS.add(name, StackInfo(name, factory), replace=replace)
 
 
+def _register_shipped() -> None:
+    """Import the modules whose shipped stacks register themselves (they import this module: not at its top)."""
+    from pdjax.sim import stack, step_cost  # noqa: F401, PLC0415 (they import this module; importing registers)
+
+
 def get_stack(name: str) -> Stack:
     """The stack `name` (its factory's), or the stack file `name` (*.json, pdjax.sim.stack.load_stack_file)."""
+    _register_shipped()
     if name.endswith(".json"):
         from pdjax.sim.stack import load_stack_file   # noqa: PLC0415 (pdjax.sim.stack imports this module)
         return load_stack_file(name)
@@ -141,6 +147,7 @@ def get_stack(name: str) -> Stack:
 
 
 def check_stacks() -> None:
-    """Every row of the stack table has its factory (run at import once the shipped stacks registered)."""
+    """Every row of the stack table has its factory (pdjax.sim.build runs this at import)."""
+    _register_shipped()
     STACKS.check_complete("factory", {n: STACKS[n].factory for n in STACKS if STACKS[n].factory is not None},
                           "the registered stack factories")
