@@ -63,10 +63,11 @@ from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 from pdjax.sim.simulator import PendingRequest, SimInstance
 from pdjax.sim.profile import Profile, profile_for
 from pdjax.sim.step_cost import EnginePadding, StepNoise, padding_from_profile
-from pdjax.sim.step_time import GroupTiming, Stack, StepTime, check_stacks, get_stack
+from pdjax.sim.stack import get_stack
+from pdjax.sim.step_time import GroupTiming, Stack, StepTime, check_stacks
 from pdjax.workload import make_workload
 
-check_stacks()      # every row of the stack table has its factory (pdjax.sim.step_time)
+check_stacks()      # every row of the stack table has its factory (step_cost and stack registered theirs)
 
 # --------------------------------------------------------------------------------------------------- setup
 @dataclasses.dataclass(frozen=True)

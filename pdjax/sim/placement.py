@@ -67,7 +67,7 @@ from pdjax.procs import process_pool
 from pdjax.sim.cost_model import kv_cache_capacity_tokens
 from pdjax.sim.disagg import kv_link
 from pdjax.sim.run import simulate_config
-from pdjax.sim.step_time import get_stack
+from pdjax.sim.stack import get_stack
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 
 AFFINITIES = ("high", "low")

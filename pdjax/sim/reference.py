@@ -28,7 +28,8 @@ from pdjax.scheduler.output import SchedulerOutput
 from pdjax.sim.build import group_hardware, group_step_time
 from pdjax.sim.hardware import get_hardware_spec
 from pdjax.sim.profile import profile_for
-from pdjax.sim.step_time import GroupTiming, get_stack
+from pdjax.sim.stack import get_stack
+from pdjax.sim.step_time import GroupTiming
 
 Latencies = Tuple[float, Optional[float], float]     # (TTFT, mean TBT or None, E2E), seconds
 

@@ -35,7 +35,7 @@ import numpy as np
 from pdjax.config.files import REPO_ROOT
 from pdjax.config.registry import STACKS
 from pdjax.metrics.report import atomic_open
-from pdjax.sim.step_time import GroupTiming, StepTimeBase, register_stack
+from pdjax.sim.step_time import GroupTiming, Stack, StepTimeBase, register_stack
 
 SHARED_PROFILING_DIR = os.path.normpath(os.path.join(REPO_ROOT, os.pardir, "shared", "data", "profiling"))
 
@@ -216,6 +216,17 @@ class FittedStepTime(StepTimeBase):
 
 for _name in STEP_FIT_STACKS:
     register_stack(_name, functools.partial(load_stack, _name))
+
+
+def get_stack(name: str) -> Stack:
+    """The stack `name` (its registered factory's, pdjax.sim.step_time.register_stack), or the stack file `name`
+    (*.json, `load_stack_file`)."""
+    if name.endswith(".json"):
+        return load_stack_file(name)
+    if name not in STACKS or STACKS[name].factory is None:
+        raise ValueError(f"stack={name!r}, expected one of {STACKS} or a stack file (.json; 'pdjax' is the cost "
+                         "model itself)")
+    return STACKS[name].factory()
 
 
 # ------------------------------------------------------------------------------------------ stack files, fitting

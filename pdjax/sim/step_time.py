@@ -22,8 +22,8 @@ A serving stack (`deployment.<group>.stack`, DESIGN.md §3 "What a step costs") 
 group's instances: `register_stack(name, factory)` adds its name to the stack table (pdjax.config.registry.STACKS,
 which the config's `stack` keys are checked against) and its factory, `() -> Stack`. The shipped ones: 'pdjax'
 (the cost model, pdjax.sim.step_cost.CostModelStack) and the step-fit stacks (pdjax.sim.stack: 'distserve',
-'distserve-vllm'; a stack file `*.json` is read by pdjax.sim.stack.load_stack_file). pdjax.sim.build checks at
-import that every row of the table has its factory.
+'distserve-vllm'); pdjax.sim.stack.get_stack gives a stack by name or reads a stack file (`*.json`).
+pdjax.sim.build checks at import that every row of the table has its factory.
 """
 from __future__ import annotations
 
@@ -129,25 +129,8 @@ def register_stack(name: str, factory: Callable[[], Stack], *, replace: bool = F
         STACKS.add(name, StackInfo(name, factory), replace=replace)
 
 
-def _register_shipped() -> None:
-    """Import the modules whose shipped stacks register themselves (they import this module: not at its top)."""
-    from pdjax.sim import stack, step_cost  # noqa: F401, PLC0415 (they import this module; importing registers)
-
-
-def get_stack(name: str) -> Stack:
-    """The stack `name` (its factory's), or the stack file `name` (*.json, pdjax.sim.stack.load_stack_file)."""
-    _register_shipped()
-    if name.endswith(".json"):
-        from pdjax.sim.stack import load_stack_file   # noqa: PLC0415 (pdjax.sim.stack imports this module)
-        return load_stack_file(name)
-    if name not in STACKS or STACKS[name].factory is None:
-        raise ValueError(f"stack={name!r}, expected one of {STACKS} or a stack file (.json; 'pdjax' is the cost "
-                         "model itself)")
-    return STACKS[name].factory()
-
-
 def check_stacks() -> None:
-    """Every row of the stack table has its factory (pdjax.sim.build runs this at import)."""
-    _register_shipped()
+    """Every row of the stack table has its factory (pdjax.sim.build runs this at import, after importing the
+    modules whose shipped stacks register themselves: pdjax.sim.step_cost, pdjax.sim.stack)."""
     STACKS.check_complete("factory", {n: STACKS[n].factory for n in STACKS if STACKS[n].factory is not None},
                           "the registered stack factories")
