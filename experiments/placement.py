@@ -92,8 +92,8 @@ _names_among("affinity", AFFINITIES)
 _names_among("colocated", COLOCATED_POLICIES)
 
 
-def trace_workload(path: str, max_model_len: int, num_requests: int, seed: int,
-                   length_sampling: str = "joint") -> dict:
+def trace_length_workload(path: str, max_model_len: int, num_requests: int, seed: int,
+                          length_sampling: str = "joint") -> dict:
     """Empirical length distributions of the trace rows with prompt + output <= max_model_len (DistServe's
     filtering), as a WorkloadConfig dict. Raises ValueError (OSError for an unreadable file) naming the trace."""
     rows = [r for r in load_trace(path).rows if r.prompt_len + r.output_len <= max_model_len]
@@ -158,8 +158,8 @@ def main(argv):
         raise cli.UserError(f"--output={FLAGS.output!r}: its directory does not exist")
     try:     # a bad trace, model, hardware, profile, preset or budget: one line naming it
         if FLAGS.trace:
-            workload = trace_workload(FLAGS.trace, FLAGS.max_model_len, FLAGS.num_requests, FLAGS.seed,
-                                      FLAGS.length_sampling)
+            workload = trace_length_workload(FLAGS.trace, FLAGS.max_model_len, FLAGS.num_requests, FLAGS.seed,
+                                             FLAGS.length_sampling)
         else:
             workload = {"preset": FLAGS.preset, "num_requests": FLAGS.num_requests, "seed": FLAGS.seed,
                         "max_model_len": FLAGS.max_model_len}

@@ -11,10 +11,10 @@ import pytest
 
 pytest.importorskip("libtpu", reason="the 'tpu' extra (libtpu) compiles for TPUs ahead of time")
 
-from pdjax.config.model_specs import get_model_spec  # noqa: E402 -- after the skip
-from pdjax.runtime import aot  # noqa: E402
-from pdjax.runtime import mesh as mesh_lib  # noqa: E402
-from pdjax.runtime.batch import empty_batch  # noqa: E402
+from pdjax.config.model_specs import get_model_spec
+from pdjax.runtime import aot
+from pdjax.runtime import mesh as mesh_lib
+from pdjax.runtime.batch import empty_batch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TOPOLOGIES = {}

@@ -349,3 +349,24 @@ def test_the_two_rules_disagree_where_the_paper_says_they_do():
     late = summarize_run(ok_ones + rejected, slos=slos)["slo_rules"]["distserve"]
     assert late["ttft_p90_s"] is None and not late["ttft_ok"] and not late["passes"]
     json.dumps(late)   # no inf/NaN in results.json
+
+
+def test_one_rate_search_brackets_then_bisects():
+    from pdjax.metrics.capacity import bisect_rate, bracket_rate
+    seen = []
+
+    def ok(rate):
+        seen.append(rate)
+        return rate <= 3.3
+
+    good, bad = bracket_rate(ok, 1.0, more=lambda: True)
+    assert (good, bad) == (2.0, 4.0) and seen == [1.0, 2.0, 4.0]
+    good, bad = bisect_rate(ok, good, bad, rel_tol=0.01, more=lambda: True)
+    assert good <= 3.3 < bad and bad - good <= 0.01 * good
+    assert bracket_rate(ok, 8.0, more=lambda: True, halve=False) == (0.0, 8.0)      # no halving: nothing held
+    assert bisect_rate(ok, 0.0, 8.0, rel_tol=0.01, more=lambda: True) == (0.0, 8.0)  # nothing to bisect
+    # a round of three rates at once divides the bracket by four
+    rounds = []
+    g, b = bisect_rate(lambda rates: (rounds.append(rates), [r <= 3.3 for r in rates])[1], 2.0, 6.0, rel_tol=0.5,
+                       more=lambda: len(rounds) < 1, split=lambda g, b: [g + (b - g) * i / 4 for i in (1, 2, 3)])
+    assert rounds == [[3.0, 4.0, 5.0]] and (g, b) == (3.0, 4.0)

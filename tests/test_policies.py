@@ -6,12 +6,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdjax.config import SamplingParams
-from pdjax.config.scheduler import CHUNKING_POLICIES, STALL_FREE_POLICIES, SchedulerConfig
+from pdjax.config.registry import POLICIES
+from pdjax.config.scheduler import SchedulerConfig
 from pdjax.scheduler import Request, make_scheduler
 from pdjax.scheduler.fake_runner import drive, fake_token
 
-COLOCATED = ["vllm_v0", "orca", "decode_first", "sarathi", "chunked_only", "chunked_prefill_first", "vllm_v1",
-             "prefill_only"]
+# Every policy a fresh request can run under alone (the policy table's rows but the decode role's, which takes
+# handed-off requests): the built-ins are vllm_v0, orca, decode_first, sarathi, chunked_only, chunked_prefill_first,
+# vllm_v1 and prefill_only.
+COLOCATED = [name for name in POLICIES if POLICIES[name].role != "decode"]
 FINISH_REASONS = {"length", "stop", "handoff", "rejected"}
 
 
@@ -180,12 +183,12 @@ def check_final(sched, reqs, vocab=32000):
 @st.composite
 def scenario(draw):
     policy = draw(st.sampled_from(COLOCATED))
-    chunking = policy in CHUNKING_POLICIES
+    chunking = POLICIES[policy].chunking
     page_size = draw(st.sampled_from([1, 4, 8, 16]))
     max_model_len = draw(st.integers(8, 96))
     max_num_seqs = draw(st.integers(1, 8))
     if chunking:
-        budget = draw(st.integers(max(1, max_num_seqs if policy in STALL_FREE_POLICIES else 1), 128))
+        budget = draw(st.integers(max(1, max_num_seqs if POLICIES[policy].stall_free else 1), 128))
     else:
         budget = draw(st.integers(max_model_len, max_model_len + 64))
     per_req = -(-max_model_len // page_size)
@@ -274,7 +277,7 @@ def test_prefill_starvation_guard(policy):
 @pytest.mark.parametrize("policy", COLOCATED)
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_memory_pressure_forces_preemption_and_loses_nothing(policy, mode, max_in_flight):
-    chunk = policy in CHUNKING_POLICIES
+    chunk = POLICIES[policy].chunking
     cfg = SchedulerConfig(policy=policy, token_budget=64 if chunk else 128, max_num_seqs=8, max_model_len=128,
                           page_size=4, num_pages=40, watermark=0.0, preemption_mode=mode,
                           num_host_pages=64 if mode == "swap" else 0)

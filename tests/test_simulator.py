@@ -11,7 +11,7 @@ from pdjax.config.model_specs import get_model_spec
 from pdjax.config.sampling import SamplingParams
 from pdjax.config.scheduler import SchedulerConfig
 from pdjax.metrics import summarize_run
-from pdjax.scheduler import POLICY_CLASSES, Request, make_scheduler
+from pdjax.scheduler import Request, make_scheduler, policy_class
 from pdjax.serving.engine import ColocatedEngine
 from pdjax.sim.cost_model import BatchComposition, CostParams, iteration_time
 from pdjax.sim.hardware import get_hardware_spec
@@ -130,7 +130,7 @@ SCHED_CONFIGS = {
 def test_simulator_reproduces_engine_schedule(name, async_scheduling):
     cfg = SchedulerConfig(max_model_len=512, page_size=16, **{"num_pages": 256, **SCHED_CONFIGS[name]})
     engine_sched, sim_sched = make_scheduler(cfg), make_scheduler(cfg)
-    assert type(engine_sched) is type(sim_sched) is POLICY_CLASSES[cfg.policy]
+    assert type(engine_sched) is type(sim_sched) is policy_class(cfg.policy)
 
     engine_log, sim_log = [], []
     clock = FakeClock()

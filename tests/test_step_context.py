@@ -16,6 +16,7 @@ from pdjax.sim.hardware import get_hardware_spec
 from pdjax.sim.profile import Profile, load_profile, save_profile
 from pdjax.sim.simulator import SimInstance, StepContext, simulate
 from pdjax.sim.step_cost import EnginePadding, make_step_time, padded_composition
+from pdjax.sim.step_time import StepTimeBase
 
 SPEC, HW = get_model_spec("tiny-byte"), get_hardware_spec("a100-80gb-sxm")
 BUCKETS = Buckets(tokens=(16, 64, 256), seqs=(8, 32), pages=(64,))
@@ -76,10 +77,10 @@ def test_step_time_adds_switch_only_on_a_new_padded_shape():
 
 
 # ------------------------------------------------------------------------------------------------ simulator
-class RecordingStepTime:
-    """A step time in whole ticks that records the StepContext it is given; + 1 tick after an idle gap."""
+class RecordingStepTime(StepTimeBase):
+    """A step time in whole ticks that records the StepContext it is given; + 1 tick after an idle gap (a
+    StepTime: StepTimeBase gives the members it does not set)."""
     takes_context = True
-    pp = 1
 
     def __init__(self, tick=1 / 1024):
         self.tick, self.calls = tick, []

@@ -56,20 +56,19 @@ from typing import Dict, List, Tuple
 from pdjax.config.parse import (FieldError, check_fields, dataclass_from_dict, nonneg_int, number, one_of,
                                positive_int, text)
 from pdjax.config.pipeline import check_pipeline_parallel
-
-STACKS = ("pdjax", "distserve", "distserve-vllm")   # pdjax.sim.stack implements every name but 'pdjax'
+from pdjax.config.registry import ROUTERS, STACKS, disaggregated_base, is_stack, role_policy
 
 DEPLOYMENT_KINDS = ("colocated", "disaggregated")
-ROUTERS = ("round_robin", "least_loaded")      # = pdjax.scheduler.routing.ROUTER_POLICIES
 ROLES = ("colocated", "prefill", "decode", "mixed")
 ROLES_OF_KIND = {"colocated": ("colocated",), "disaggregated": ("prefill", "decode")}   # + 'mixed' when it has any
-ROLE_POLICIES = {"prefill": "prefill_only", "decode": "decode_only"}   # colocated: the scheduler block's policy
+# The disaggregated roles' policies (the policy table's `role` trait); colocated: the scheduler block's policy.
+ROLE_POLICIES = {role: role_policy(role) for role in ("prefill", "decode")}
 # deployment.mixed_pool: 'dedicated' (the deployment.mixed group) or 'borrow' (Splitwise's preset: prefill and decode
 # machines move into the mixed pool and back; pdjax.scheduler.mixed).
 MIXED_POOL_MODES = ("dedicated", "borrow")
 # A mixed instance runs pdjax.scheduler.mixed.MixedScheduler (prefill_only or decode_only behaviour by phase; both
 # are Sarathi-style), built from the scheduler block with this policy recorded in its SchedulerConfig.
-MIXED_BASE_POLICY = "sarathi"
+MIXED_BASE_POLICY = disaggregated_base()     # 'sarathi'
 _NAME_PREFIX = {"colocated": "replica", "prefill": "prefill", "decode": "decode", "mixed": "mixed"}
 # Keys a group no longer has -> what replaces them (deployment_from_dict names it).
 REMOVED_GROUP_KEYS = {"dp": "num_instances"}
@@ -114,7 +113,7 @@ class InstanceGroupConfig:
 
     def __post_init__(self):
         check_fields(self)
-        if self.stack not in STACKS and not self.stack.endswith(".json"):
+        if not is_stack(self.stack):
             raise FieldError("stack", self.stack, f"one of {STACKS} or a stack file (.json, written by "
                              "pdjax.sim.stack.save_stack)")
         devices = tuple(self.devices)

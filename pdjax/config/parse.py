@@ -15,6 +15,8 @@ import numbers
 import typing
 from typing import Any, Mapping, Optional, Tuple
 
+from pdjax.config.registry import Registry
+
 CHECK = "pdjax_check"     # the field-metadata key holding a field's Check
 
 
@@ -120,8 +122,10 @@ def number(default: Any = dataclasses.MISSING, *, low: Optional[float] = None, h
 
 
 def one_of(default: Any, choices, *, expected: str = "") -> Any:
-    """A field whose value is one of `choices`."""
-    return checked(default, Check("choice", choices=tuple(choices), expected=expected))
+    """A field whose value is one of `choices` (a pdjax.config.registry.Registry stays live: a name registered later
+    is accepted, and the error lists the names registered by then)."""
+    return checked(default, Check("choice", choices=choices if isinstance(choices, Registry) else tuple(choices),
+                                  expected=expected))
 
 
 def flag(default: bool) -> Any:

@@ -21,12 +21,8 @@ import dataclasses
 from typing import Optional
 
 from pdjax.config.parse import check_fields, flag, nonneg_int, number, one_of, positive_int
+from pdjax.config.registry import POLICIES     # the one policy table: names and traits (chunking, stall_free, ...)
 
-POLICIES = ("vllm_v0", "orca", "decode_first", "sarathi", "chunked_only", "chunked_prefill_first", "vllm_v1",
-            "prefill_only", "decode_only")
-CHUNKING_POLICIES = frozenset({"sarathi", "chunked_only", "chunked_prefill_first", "vllm_v1", "prefill_only",
-                               "decode_only"})
-STALL_FREE_POLICIES = frozenset({"sarathi", "vllm_v1", "decode_only"})
 DEFAULT_WATERMARK = 0.01            # every policy but vllm_v1, when `watermark` is None
 VLLM_V1_DEFAULT_WATERMARK = 0.0     # vLLM's SchedulerConfig.watermark default
 PREEMPTION_MODES = ("recompute", "swap")
@@ -38,7 +34,8 @@ OFF = "(0 = off)"
 class SchedulerConfig:
     """Knobs of one scheduler instance. Sizes in tokens or pages; `watermark` is a fraction of `num_pages`.
 
-    policy: one of POLICIES. token_budget: max tokens in one iteration (vLLM max_num_batched_tokens).
+    policy: a name in POLICIES (pdjax.config.registry). token_budget: max tokens in one iteration (vLLM
+    max_num_batched_tokens).
     max_num_seqs: max requests running (and so per iteration). max_model_len: max prompt + output tokens.
     page_size: tokens per KV page. num_pages: device KV pages (0: as many as fit `engine.kv_memory_utilization` of
     the device's memory, measured from the compiled step: the real engine on a GPU/TPU). enable_prefix_caching:
@@ -101,14 +98,16 @@ class SchedulerConfig:
         if not self.scheduler_reserve_full_isl and self.policy != "vllm_v1":
             raise ValueError(f"scheduler_reserve_full_isl=False is read by policy 'vllm_v1' only, got "
                              f"policy={self.policy!r} (which admits on its first chunk's pages); leave it True")
-        if self.decode_batches > 1 and self.policy not in ("sarathi", "prefill_only", "decode_only"):
+        info = POLICIES[self.policy]
+        if self.decode_batches > 1 and not info.decode_batches:
             raise ValueError(f"decode_batches={self.decode_batches} is read by the Sarathi-based policies only "
-                             f"(sarathi, prefill_only, decode_only), got policy={self.policy!r}; leave it 1")
+                             f"({', '.join(POLICIES.names(decode_batches=True))}), got policy={self.policy!r}; "
+                             "leave it 1")
         if self.preemption_mode == "swap" and self.num_host_pages < 1:
             raise ValueError(f"preemption_mode='swap' needs num_host_pages >= 1, got {self.num_host_pages}")
         if not self.chunking:
             if self.token_budget < self.max_model_len:
-                why = ("policy never chunks" if self.policy not in CHUNKING_POLICIES else "enable_chunking=False")
+                why = ("policy never chunks" if not info.chunking else "enable_chunking=False")
                 raise ValueError(f"token_budget={self.token_budget} < max_model_len={self.max_model_len} with "
                                  f"no chunking ({why}, policy={self.policy!r}): a max-length prompt could never "
                                  f"be scheduled; raise token_budget or enable chunking")
@@ -119,7 +118,7 @@ class SchedulerConfig:
             if self.dynamic_chunking:
                 raise ValueError(f"dynamic_chunking=True needs chunking, which is off for policy={self.policy!r} "
                                  f"enable_chunking={self.enable_chunking}")
-        if self.policy in STALL_FREE_POLICIES and self.token_budget < self.max_num_seqs:
+        if info.stall_free and self.token_budget < self.max_num_seqs:
             raise ValueError(f"token_budget={self.token_budget} < max_num_seqs={self.max_num_seqs} under the "
                              f"stall-free policy {self.policy!r}: the running decodes alone could exceed the budget")
         if self.tile_size > self.token_budget:
@@ -142,9 +141,10 @@ class SchedulerConfig:
         if self.min_prefill_tokens >= self.token_budget:
             raise ValueError(f"min_prefill_tokens={self.min_prefill_tokens}, expected < token_budget="
                              f"{self.token_budget}")
-        if self.min_prefill_tokens and self.policy not in ("sarathi", "vllm_v1"):
-            raise ValueError(f"min_prefill_tokens={self.min_prefill_tokens} is used by 'sarathi' and 'vllm_v1' "
-                             f"only, got policy={self.policy!r}")
+        if self.min_prefill_tokens and not info.min_prefill_tokens:
+            raise ValueError(f"min_prefill_tokens={self.min_prefill_tokens} is used by "
+                             f"{' and '.join(map(repr, POLICIES.names(min_prefill_tokens=True)))} only, got "
+                             f"policy={self.policy!r}")
         if self.num_pages and self.num_pages - self.watermark_pages < self.pages_per_max_request:
             raise ValueError(f"num_pages={self.num_pages} (watermark {self.watermark_pages} pages) cannot hold one "
                              f"max-length request: max_model_len={self.max_model_len} needs "
@@ -153,7 +153,7 @@ class SchedulerConfig:
     @property
     def chunking(self) -> bool:
         """Whether prompts may be split into chunks under this policy."""
-        return self.enable_chunking and self.policy in CHUNKING_POLICIES
+        return self.enable_chunking and POLICIES[self.policy].chunking
 
     @property
     def pages_per_max_request(self) -> int:

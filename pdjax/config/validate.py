@@ -29,15 +29,11 @@ import json
 import pathlib
 from typing import Dict, Optional, Tuple
 
-from pdjax.config.deployment import (ROLE_POLICIES, check_group_against_model, instance_scheduler_config,
-                                     validate_deployment)
+from pdjax.config.deployment import check_group_against_model, instance_scheduler_config, validate_deployment
 from pdjax.config.files import REPO_ROOT
 from pdjax.config.model_specs import MODEL_SPECS, ModelSpec, RopeScaling, get_model_spec
 from pdjax.config.parse import FieldError
-
-# The scheduler-block policies a disaggregated deployment accepts (its roles run prefill_only / decode_only and
-# its mixed instances a Sarathi-style MixedScheduler, all derived from the block).
-DISAGG_BASE_POLICIES = ("sarathi", "prefill_only", "decode_only")
+from pdjax.config.registry import POLICIES
 
 
 def check_max_model_len(max_model_len: int, spec, key: str = "scheduler.max_model_len") -> None:
@@ -88,10 +84,12 @@ def check_group_hardware(dep, device_kind: str) -> None:
 def check_cross_block(cfg) -> None:
     """The cross-block rules of the module docstring for a ServeConfig; ValueError naming the keys and values."""
     dep, engine, policy = cfg.deployment, cfg.engine, cfg.scheduler.policy
-    if dep.kind == "colocated" and policy in ROLE_POLICIES.values():
+    if dep.kind == "colocated" and not POLICIES[policy].colocated:
         raise ValueError(f"scheduler.policy={policy!r} with deployment.kind='colocated': it is the policy of a "
                          "disaggregated deployment's role; expected a colocated policy (e.g. 'sarathi')")
-    if dep.kind == "disaggregated" and policy not in DISAGG_BASE_POLICIES:
+    # A disaggregated deployment's roles run prefill_only / decode_only and its mixed instances a Sarathi-style
+    # MixedScheduler, all derived from the scheduler block's policy: one with the `role_base` trait.
+    if dep.kind == "disaggregated" and not POLICIES[policy].role_base:
         raise ValueError(f"scheduler.policy={policy!r} with deployment.kind='disaggregated': instances run "
                          "'prefill_only' / 'decode_only' (Sarathi-style chunking per role); expected 'sarathi' (the "
                          "base the roles' policies are derived from)")

@@ -4,11 +4,18 @@
 `{metric path: max value}` (default: P99 TBT <= tbt_p99_s when given) and, always, median scheduling delay
 <= max_sched_delay_p50_s (2 s), and slo_attainment >= min_slo_attainment when that is given. A summary with a
 missing statistic (no completed request) does not hold. Bisection assumes holding is monotone in the rate.
+
+The one rate search of the package: `bracket_rate` (double or halve from a start until the rate where holding
+turns False is bracketed) and `bisect_rate` (shrink the bracket to a relative tolerance, one midpoint or a round of
+rates at a time). capacity_search here, pdjax.sim.capacity's parallel search, the placement search
+(pdjax.sim.placement.rate_search) and the provisioning search (pdjax.sim.provision.highest_rate) are all made of
+these two.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+import math
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pdjax.metrics.latency import metric_value
 
@@ -33,6 +40,50 @@ def holds(summary: Mapping[str, Any], limits: Mapping[str, float], max_sched_del
         if attained is None or attained < min_slo_attainment:
             return False
     return True
+
+
+def bracket_rate(ok: Callable[[float], bool], start: float, *, more: Callable[[], bool],
+                 halve: bool = True) -> Tuple[float, float]:
+    """(good, bad): the highest rate seen to hold (0.0: none) and the lowest seen to fail (inf: none). Probe
+    `start`; while it holds, double until a rate fails; else halve until one holds (halve=False: stop at once);
+    each further probe only while more() (the caller's probe budget)."""
+    if ok(start):
+        good, bad = start, math.inf
+        while math.isinf(bad) and more():
+            if ok(2 * good):
+                good *= 2
+            else:
+                bad = 2 * good
+    else:
+        good, bad = 0.0, start
+        while halve and good == 0 and more():
+            if ok(bad / 2):
+                good = bad / 2
+            else:
+                bad /= 2
+    return good, bad
+
+
+def bisect_rate(ok: Callable, good: float, bad: float, *, rel_tol: float, more: Callable[[], bool],
+                split: Optional[Callable[[float, float], Sequence[float]]] = None) -> Tuple[float, float]:
+    """Shrink the bracket (good holds, bad fails) until bad - good <= rel_tol * good or more() says stop; a
+    bracket with good == 0 or bad == inf is left as is. Returns (good, bad). One probe at a time: ok(rate) -> bool
+    on the midpoint. A round at a time: `split(good, bad)` -> the rates of one round (increasing, inside the
+    bracket), ok(rates) -> their bools; the bracket becomes the highest holding rate below the lowest failing
+    one (a round of k rates divides it by k + 1)."""
+    while good > 0 and math.isfinite(bad) and bad - good > rel_tol * good and more():
+        if split is None:
+            mid = 0.5 * (good + bad)
+            if ok(mid):
+                good = mid
+            else:
+                bad = mid
+        else:
+            rates = split(good, bad)
+            oks = ok(rates)
+            bad = min([bad] + [r for r, held in zip(rates, oks) if not held])
+            good = max([good] + [r for r, held in zip(rates, oks) if held and r < bad])
+    return good, bad
 
 
 def capacity_search(run_fn: Callable[[float], Mapping[str, Any]], lo: float, hi: float, *,
@@ -65,11 +116,5 @@ def capacity_search(run_fn: Callable[[float], Mapping[str, Any]], lo: float, hi:
         return CapacityResult(None, probes)
     if probe(hi):
         return CapacityResult(hi, probes)
-    good, bad = lo, hi
-    while bad - good > rel_tol * good and len(probes) < max_probes:
-        mid = 0.5 * (good + bad)
-        if probe(mid):
-            good = mid
-        else:
-            bad = mid
+    good, _ = bisect_rate(probe, lo, hi, rel_tol=rel_tol, more=lambda: len(probes) < max_probes)
     return CapacityResult(good, probes)

@@ -9,8 +9,8 @@ from pdjax.scheduler.base import Scheduler
 from pdjax.scheduler.batch_queue import BatchQueue
 from pdjax.scheduler.block_manager import BlockManager
 from pdjax.scheduler.output import SchedulerOutput
-from pdjax.scheduler.policies import POLICY_CLASSES, make_scheduler
+from pdjax.scheduler.policies import POLICIES, make_scheduler, policy_class, register_policy
 from pdjax.scheduler.request import Request, RequestStatus, request_from_workload
 
-__all__ = ["BatchQueue", "BlockManager", "POLICY_CLASSES", "Request", "RequestStatus", "Scheduler", "SchedulerConfig",
-           "SchedulerOutput", "make_scheduler", "request_from_workload"]
+__all__ = ["BatchQueue", "BlockManager", "POLICIES", "Request", "RequestStatus", "Scheduler", "SchedulerConfig",
+           "SchedulerOutput", "make_scheduler", "policy_class", "register_policy", "request_from_workload"]

@@ -15,6 +15,7 @@ instances of a role: pdjax.scheduler.routing.
 from __future__ import annotations
 
 from pdjax.config.deployment import ROLE_POLICIES, ROLES, check_role, instance_name
+from pdjax.config.registry import POLICIES
 from pdjax.scheduler.mixed import MixedScheduler
 from pdjax.scheduler.policies import make_scheduler
 
@@ -47,7 +48,7 @@ def check_instance(name: str, role: str, scheduler) -> None:
     want = ROLE_POLICIES.get(role)
     if want is not None and policy != want:
         raise ValueError(f"instance {name!r} ({role}) needs a {want!r} scheduler, got {policy!r}")
-    if want is None and policy in ROLE_POLICIES.values():
+    if want is None and policy in POLICIES and not POLICIES[policy].colocated:
         raise ValueError(f"instance {name!r} ({role}) needs a colocated policy, got {policy!r} (the policy of a "
                          f"disaggregated deployment's role)")
 

@@ -47,8 +47,9 @@ the requests that are not in an in-flight batch (the shared passes of base.py sk
 """
 from __future__ import annotations
 
-from typing import Dict, Type
+from typing import Type
 
+from pdjax.config.registry import POLICIES, PolicyInfo, add_policy
 from pdjax.config.scheduler import SchedulerConfig
 from pdjax.scheduler.base import FINISHED, RUNNING, WAITING_FOR_KV, Scheduler
 from pdjax.scheduler.output import SchedulerOutput
@@ -484,23 +485,55 @@ class DecodeOnlyScheduler(SarathiScheduler):
         return budget
 
 
-POLICY_CLASSES: Dict[str, Type[Scheduler]] = {
-    cls.name: cls for cls in (VllmV0Scheduler, OrcaScheduler, DecodeFirstScheduler, SarathiScheduler,
-                              ChunkedOnlyScheduler, ChunkedPrefillFirstScheduler, VllmV1Scheduler,
-                              PrefillOnlyScheduler, DecodeOnlyScheduler)
-}
+# ----------------------------------------------------------------------------------------------- the registry
+def register_policy(cls: Type[Scheduler], *, replace: bool = False, **traits) -> Type[Scheduler]:
+    """Add a batching policy: its Scheduler class (named by `cls.name`) and its row of traits in the one policy
+    table (pdjax.config.registry.POLICIES: chunking, stall_free, decode_run, colocated, baseline, role_base, role,
+    decode_batches, min_prefill_tokens). Config validation, make_scheduler, the decode runs and the placement /
+    provision / regime searches all read that table, so this call is all a new policy needs besides its class.
+    A built-in row (declared in pdjax.config.registry) takes its class with no traits given."""
+    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
+        raise TypeError(f"register_policy({cls!r}): expected a Scheduler subclass")
+    name = cls.name
+    if name in POLICIES and POLICIES[name].cls is None and not traits:
+        info = POLICIES[name]                     # a built-in row declared in pdjax.config.registry
+    else:
+        info = add_policy(PolicyInfo(name, **traits), replace=replace)
+    info.cls = cls
+    Scheduler.DECODE_RUN_CLASSES = frozenset(POLICIES[n].cls for n in POLICIES.names(decode_run=True)
+                                             if POLICIES[n].cls is not None)
+    return cls
 
 
-# Policies whose steady decode steps Scheduler.decode_run may apply in bulk (exact classes, see there). A
-# decode_only scheduler qualifies while no KV has landed unadmitted (decode_run checks `_kv_ready`): its schedule()
-# is then Sarathi's; the disaggregated simulator bounds a run by the next KV landing.
-Scheduler.DECODE_RUN_CLASSES = frozenset((VllmV0Scheduler, OrcaScheduler, DecodeFirstScheduler, SarathiScheduler,
-                                          ChunkedOnlyScheduler, ChunkedPrefillFirstScheduler, VllmV1Scheduler,
-                                          DecodeOnlyScheduler))
+def unregister_policy(name: str) -> None:
+    """Drop a policy registered with register_policy (tests clean up their toy policies with it)."""
+    POLICIES.remove(name)
+    Scheduler.DECODE_RUN_CLASSES = frozenset(POLICIES[n].cls for n in POLICIES.names(decode_run=True))
+
+
+# The built-in rows are declared in pdjax.config.registry (config validation reads them without this module); each
+# takes the class of this module with its name, and the check below fails at import when a row has no class here
+# or a class here has no row.
+_DEFINED = {c.name: c for c in list(globals().values())
+            if isinstance(c, type) and issubclass(c, Scheduler) and c is not Scheduler and c.__module__ == __name__}
+for _cls in _DEFINED.values():
+    if _cls.name in POLICIES:
+        register_policy(_cls)
+POLICIES.check_complete("cls", _DEFINED, "the Scheduler classes of pdjax.scheduler.policies")
+for _info in POLICIES.values():     # the traits that the classes themselves show
+    assert not _info.role or issubclass(_info.cls, SarathiScheduler), _info.name     # derived from the role base
+    assert _info.decode_batches == issubclass(_info.cls, SarathiScheduler), _info.name
+
+
+def policy_class(name: str) -> Type[Scheduler]:
+    """The Scheduler class of policy `name`."""
+    if name not in POLICIES:
+        raise ValueError(f"policy={name!r}, expected one of {POLICIES}")
+    return POLICIES[name].cls
 
 
 def make_scheduler(config: SchedulerConfig) -> Scheduler:
     """The scheduler of `config.policy`."""
     if not isinstance(config, SchedulerConfig):
         raise TypeError(f"make_scheduler({config!r}): expected a SchedulerConfig")
-    return POLICY_CLASSES[config.policy](config)
+    return POLICIES[config.policy].cls(config)

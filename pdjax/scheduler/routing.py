@@ -12,6 +12,8 @@ An instance is anything with `.scheduler` (a pdjax Scheduler) and, unless the ro
                already computed (a recompute preemption adds its lost tokens back). This is the work queued on the
                replica, which sets when a new request's prefill completes.
   Loads are recomputed at each pick (O(requests held) per pick).
+Each router is a row of the router table (pdjax.config.registry.ROUTERS, which `deployment.router` is checked
+against) with its pick function, `(InstanceRouter) -> instance`: `register_router(name, pick)` adds one.
 A router is callable as `router(request, instances)` too, the simulator's routing protocol (the request does not
 change the pick).
 A router serves one of the roles 'colocated', 'prefill', 'decode'. Mixed-pool instances (role 'mixed', Splitwise)
@@ -23,9 +25,10 @@ from __future__ import annotations
 import itertools
 from typing import Optional, Sequence
 
-from pdjax.config.deployment import ROLES, ROUTERS as ROUTER_POLICIES
+from pdjax.config.deployment import ROLES
+from pdjax.config.registry import ROUTERS, RouterInfo
 
-__all__ = ["ROUTER_POLICIES", "InstanceRouter"]
+__all__ = ["ROUTERS", "InstanceRouter", "register_router"]
 
 
 def _remaining_tokens(req) -> int:
@@ -36,8 +39,8 @@ class InstanceRouter:
     """Picks an instance of one role for a new request (colocated, prefill) or a handed-off one (decode)."""
 
     def __init__(self, policy: str, instances: Sequence, role: Optional[str] = None):
-        if policy not in ROUTER_POLICIES:
-            raise ValueError(f"router={policy!r}, expected one of {ROUTER_POLICIES}")
+        if policy not in ROUTERS:
+            raise ValueError(f"router={policy!r}, expected one of {ROUTERS}")
         if not instances:
             raise ValueError("a router needs at least one instance")
         roles = {role} if role is not None else {getattr(inst, "role", None) for inst in instances}
@@ -47,6 +50,7 @@ class InstanceRouter:
                              f"{routed} (pass role= for instances without a .role; mixed-pool instances are "
                              "routed by pdjax.scheduler.mixed.MixedPool)")
         self.policy = policy
+        self._pick = ROUTERS[policy].pick
         self.role = roles.pop()
         self.instances = list(instances)
         self._cycle = itertools.cycle(self.instances)
@@ -73,12 +77,35 @@ class InstanceRouter:
         return self._load(inst)
 
     def pick(self):
-        if self.policy == "round_robin" or len(self.instances) == 1:
-            return next(self._cycle)
-        return min(self.instances, key=self._load)   # min keeps the first of equals: deterministic
+        return self._pick(self)
 
     def __call__(self, request=None, instances=None):
         return self.pick()
+
+
+def _round_robin(router: InstanceRouter):
+    return next(router._cycle)
+
+
+def _least_loaded(router: InstanceRouter):
+    if len(router.instances) == 1:
+        return next(router._cycle)
+    return min(router.instances, key=router._load)   # min keeps the first of equals: deterministic
+
+
+def register_router(name: str, pick, *, replace: bool = False) -> None:
+    """Add router `name` (a valid deployment.router from now on): `pick(router) -> instance`, given the
+    InstanceRouter (its `instances`, `role` and `load(inst)`). A built-in row takes its pick function alone."""
+    if name in ROUTERS and ROUTERS[name].pick is None:
+        ROUTERS[name].pick = pick
+    else:
+        ROUTERS.add(name, RouterInfo(name, pick), replace=replace)
+
+
+register_router("round_robin", _round_robin)
+register_router("least_loaded", _least_loaded)
+ROUTERS.check_complete("pick", {"round_robin": _round_robin, "least_loaded": _least_loaded},
+                       "pdjax.scheduler.routing's pick functions")
 
 
 class RoundRobinRouter:

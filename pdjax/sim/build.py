@@ -30,10 +30,11 @@ Rules (each chosen so a simulated run answers "what would the real engine do wit
   the cost model's KV capacity at the group's tp/pp (`kv_cache_capacity_tokens` with gpu_memory_utilization,
   activations for its token_budget and max_num_seqs) in pages; else (host-cpu) `scheduler.num_pages` as given,
   which is what the CPU engine allocates.
-- Step time: the group's serving stack (`deployment.<group>.stack`): 'pdjax' is `make_step_time(model,
-  hardware, tp, pp, params, padding, noise)` (noise: the profile's StepNoise, seeded by the run's seed and the
-  role, when sim.step_noise); a fitted stack (pdjax.sim.stack: DistServe's engine or its vLLM) is its step fit
-  for (model, hardware, tp), refused at build time for any other.
+- Step time: the group's serving stack (`deployment.<group>.stack`, a registered pdjax.sim.step_time.Stack or a
+  stack file) makes it from the group's GroupTiming: 'pdjax' is `make_step_time(model, hardware, tp, pp, params,
+  padding, noise)` (noise: the profile's StepNoise, seeded by the run's seed and the role, when sim.step_noise); a
+  fitted stack (pdjax.sim.stack: DistServe's engine or its vLLM) is its step fit for (model, hardware, tp), which
+  `Stack.check` refuses at build time for any other.
 - Disaggregated KV links: from the instances' devices (pdjax.sim.disagg.kv_link), mixed instances' included;
   transfers on one link are serialized. `disaggregated_kwargs(setup, instances)`: the keyword arguments of
   simulate_disaggregated for a built setup (kv_bytes_of, router, serialize_transfers, the mixed pool).
@@ -61,9 +62,12 @@ from pdjax.sim.disagg import DisaggSimInstance, kv_link_between, make_transfer_t
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 from pdjax.sim.simulator import PendingRequest, SimInstance
 from pdjax.sim.profile import Profile, profile_for
-from pdjax.sim.stack import FittedStepTime, StepFit, StepFitStack, load_stack
-from pdjax.sim.step_cost import EnginePadding, StepNoise, make_step_time, padding_from_profile
+from pdjax.sim.step_cost import EnginePadding, StepNoise, padding_from_profile
+from pdjax.sim.stack import get_stack
+from pdjax.sim.step_time import GroupTiming, Stack, StepTime, check_stacks
 from pdjax.workload import make_workload
+
+check_stacks()      # every row of the stack table has its factory (step_cost and stack registered theirs)
 
 # --------------------------------------------------------------------------------------------------- setup
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +82,10 @@ class GroupSetup:
     devices: Tuple[Tuple[int, ...], ...]
     names: Tuple[str, ...]
     padding: Optional[EnginePadding] = None
-    stack: Optional[StepFitStack] = None       # a fitted serving stack; None: the pdjax stack (the cost model)
-    stack_fit: Optional[StepFit] = None        # its fit for this group's (model, GPU, tp)
+    stack: Optional[Stack] = None              # its serving stack (pdjax.sim.step_time; 'pdjax': the cost model)
     hardware: Optional[HardwareSpec] = None    # the group's own hardware (deployment.<group>.hardware), else None
     params: Optional[CostParams] = None        # its cost parameters (the shipped profile of that hardware)
+    gpu: str = ""                              # its hardware's registry name (a stack's fits are keyed by it)
 
     @property
     def num_instances(self) -> int:
@@ -167,6 +171,12 @@ def _padding(cfg, profile: Optional[Profile], sched_cfg) -> Optional[EnginePaddi
     return padding_from_profile(profile.padding, buckets, s.page_size)   # dense flag and attention impl
 
 
+def _gpu(cfg, group) -> str:
+    """The registry name of a group's hardware (the GPU, not a node-type variant; 'host-cpu' is not measured)."""
+    name = group.hardware or cfg.sim.hardware
+    return name if name.strip().lower() in ("host-cpu", "cpu") else get_hardware_spec(name).name
+
+
 def build_setup(cfg, hardware: Optional[HardwareSpec] = None) -> SimSetup:
     """Resolve model, hardware, cost parameters and every group of the deployment (module docstring).
     `hardware`: a HardwareSpec replacing the resolved one (the placement search's node types with their own
@@ -207,17 +217,14 @@ def build_setup(cfg, hardware: Optional[HardwareSpec] = None) -> SimSetup:
         if pages != sched_cfg.num_pages:
             sched_cfg = dataclasses.replace(sched_cfg, num_pages=pages)
         names = tuple(dep.instance_names(role))
-        stack = stack_fit = None
-        if group.stack != "pdjax":
-            stack = load_stack(group.stack)
-            gpu = get_hardware_spec(group.hardware or cfg.sim.hardware).name   # the GPU, not a node-type variant
-            try:
-                stack_fit = stack.fit_for(model.name, gpu, group.tp)
-            except ValueError as e:
-                raise ValueError(f"deployment.{role}.stack: {e}") from None
+        stack = get_stack(group.stack)
+        gpu = _gpu(cfg, group)
+        try:
+            stack.check(model.name, gpu, group.tp)
+        except ValueError as e:
+            raise ValueError(f"deployment.{role}.stack: {e}") from None
         groups[role] = GroupSetup(role, sched_cfg, group.tp, group.pp, capacity, tuple(assignment[n] for n in names),
-                                  names, _padding(cfg, group_profile, sched_cfg), stack, stack_fit, group_hw,
-                                  group_params)
+                                  names, _padding(cfg, group_profile, sched_cfg), stack, group_hw, group_params, gpu)
     return SimSetup(model=model, hardware=hw, params=params, profile=profile_name, kind=dep.kind,
                     router=dep.router, groups=groups, async_scheduling=bool(cfg.engine.async_scheduling),
                     mixed_prefill_queue_tokens=dep.mixed_prefill_queue_tokens,
@@ -228,17 +235,16 @@ def build_setup(cfg, hardware: Optional[HardwareSpec] = None) -> SimSetup:
 
 
 # --------------------------------------------------------------------------------------------------- parts
-def group_step_time(setup: SimSetup, role: str, noise: bool = True) -> Callable[[Any], float]:
-    """The step time of `role`'s instances; with the setup's step noise (seeded by the run's seed and the role)
-    unless noise=False (the deterministic model, e.g. to compare with measured steps)."""
+def group_step_time(setup: SimSetup, role: str, noise: bool = True) -> StepTime:
+    """The step time of `role`'s instances, made by the group's stack; with the setup's step noise (seeded by the
+    run's seed and the role) unless noise=False (the deterministic model, e.g. to compare with measured steps)."""
     g = setup.groups[role]
-    hw = group_hardware(setup, role)
-    if g.stack is not None:
-        return FittedStepTime(g.stack, g.stack_fit, g.pp)
     step_noise = None
     if noise and setup.step_noise and g.hardware is None:   # the noise was measured on the default hardware
         step_noise = StepNoise(setup.step_noise, seed=zlib.crc32(f"{setup.seed}/{role}".encode()))
-    return make_step_time(setup.model, hw, g.tp, g.pp, group_params(setup, role), g.padding, step_noise)
+    timing = GroupTiming(setup.model, group_hardware(setup, role), g.gpu, g.tp, g.pp, group_params(setup, role),
+                         g.padding, step_noise)
+    return g.stack.step_time(timing)
 
 
 def group_hardware(setup: SimSetup, role: str) -> HardwareSpec:

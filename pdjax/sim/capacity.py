@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pdjax.config.serving import serve_config_from_dict
 from pdjax.metrics import holds, summarize_run
+from pdjax.metrics.capacity import bisect_rate
 from pdjax.procs import process_pool, stop_pool
 from pdjax.sim.run import sim_info, simulate_config
 
@@ -63,6 +64,7 @@ def parallel_capacity_search(run_fn: Callable[[float], Mapping[str, Any]], lo: f
     if not rel_tol > 0:
         raise ValueError(f"rel_tol={rel_tol!r}, expected > 0")
     probes: List[Tuple[float, bool, Dict[str, Any]]] = []
+    rounds = 0
     pool = None
     if map_fn is None:
         # fork is fast and the simulator holds no threads; but a parent that loaded JAX (multithreaded) could
@@ -71,6 +73,8 @@ def parallel_capacity_search(run_fn: Callable[[float], Mapping[str, Any]], lo: f
         map_fn = pool.map
     try:
         def run_round(rates: Sequence[float]) -> List[bool]:
+            nonlocal rounds
+            rounds += 1
             summaries = list(map_fn(run_fn, list(rates)))
             oks = []
             for rate, summary in zip(rates, summaries):
@@ -80,18 +84,12 @@ def parallel_capacity_search(run_fn: Callable[[float], Mapping[str, Any]], lo: f
             return oks
 
         ok_lo, ok_hi = run_round([lo, hi])
-        rounds = 1
         if not ok_lo:
             return ParallelCapacityResult(None, (0.0, lo), probes, rounds)
         if ok_hi:
             return ParallelCapacityResult(hi, (hi, float("inf")), probes, rounds)
-        good, bad = lo, hi
-        while bad - good > rel_tol * good and rounds < max_rounds:
-            rates = _probe_rates(good, bad, parallel)
-            oks = run_round(rates)
-            rounds += 1
-            bad = min([bad] + [r for r, ok in zip(rates, oks) if not ok])
-            good = max([good] + [r for r, ok in zip(rates, oks) if ok and r < bad])
+        good, bad = bisect_rate(run_round, lo, hi, rel_tol=rel_tol, more=lambda: rounds < max_rounds,
+                                split=lambda g, b: _probe_rates(g, b, parallel))
         return ParallelCapacityResult(good, (good, bad), probes, rounds)
     except BaseException:       # an error, Ctrl-C or SystemExit: stop the probes in flight, do not wait for them
         if pool is not None:

@@ -289,7 +289,7 @@ class _Cluster:
                  and mixed_pool == "dedicated")
         self.decode_runs = [plain and inst.role == "decode" and inst.max_in_flight == 1
                             and inst.timer.stage_times is None
-                            and bool(getattr(inst.step_time, "decode_only_exact", False))
+                            and inst.timer.decode_only_exact
                             for inst in self.instances]
 
     # ------------------------------------------------------------------------------------------- events
@@ -430,7 +430,7 @@ class _Cluster:
         run = sched.decode_run(self.max_iterations - len(self.iterations))
         if run is None or run.prefills:
             return t
-        starts, ends, seconds, end = plan_decode_clock(run, inst.step_time.decode_fn(run.count), t,
+        starts, ends, seconds, end = plan_decode_clock(run, inst.timer.step_time.decode_fn(run.count), t,
                                                        self.next_event_time(), ends_before=True)
         if not starts:
             return t

@@ -19,9 +19,11 @@ total stage time over the active seconds (1 - sum(busy) / (pp x active_s)); the 
 (sum over batches of collect - dispatch, over active_s). `pipeline_summary` sums instances: SimResult.pipeline.
 
 `StageTimer`: how long a batch takes on each stage, shared by both simulators' instances: `step_time(out)` (one
-stage) or `stage_times(out)` (pp stages; taken from `step_time.stage_times` when the step-time function has
-`.pp` > 1, pdjax.sim.step_cost.PipelineStepTime), called with a `StepContext` when the function declares
-`takes_context` (its previous batch and its device's idle gap: costs such as a shape switch or an idle wake).
+stage) or `stage_times(out)` (pp stages; the step-time source's own `stage_times` when its `pp` > 1,
+pdjax.sim.step_cost.PipelineStepTime), called with a `StepContext` when the source `takes_context` (its previous
+batch and its device's idle gap: costs such as a shape switch or an idle wake). The source is a
+pdjax.sim.step_time.StepTime (`as_step_time`: a plain function is one stage without context); an explicit
+`stage_times=` function is a plain `(out) -> (stages, sends)` one.
 
 Users: the colocated simulator (pdjax.sim.simulator: one StagePipeline per SimInstance, `SimInstance.pipeline`;
 its step context's idle gap is dispatch time minus `device_free`) and pdjax.sim.disagg (each prefill / decode /
@@ -33,6 +35,7 @@ import dataclasses
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 from pdjax.scheduler.batch_queue import BatchQueue
+from pdjax.sim.step_time import as_step_time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,15 +53,21 @@ class StageTimer:
     """(per-stage seconds, per-boundary send seconds) of a batch on one instance; see the module docstring."""
 
     def __init__(self, step_time: Optional[Callable] = None, stage_times: Optional[Callable] = None):
-        self.step_time = step_time
-        self.pp = int(getattr(step_time, "pp", 1)) if step_time is not None else 1
-        if stage_times is None and self.pp > 1:
-            stage_times = step_time.stage_times
+        source = self.step_time = as_step_time(step_time) if step_time is not None else None
+        self.pp = source.pp if source is not None else 1
+        explicit = stage_times is not None         # a plain (out) -> (stages, sends) function: no context
+        if not explicit and self.pp > 1:
+            stage_times = source.stage_times
         self.stage_times = stage_times
-        timer = step_time if stage_times is None else stage_times
-        self.takes_context = bool(getattr(timer, "takes_context", False) or
-                                  getattr(getattr(timer, "__self__", None), "takes_context", False))
+        self.takes_context = bool(source is not None and not explicit and source.takes_context)
         self.last_out = None           # the batch dispatched last (the next step's StepContext.previous)
+
+    @property
+    def decode_only_exact(self) -> bool:
+        """One stage, and the source's `decode_fn` is exact for decode-only steps: the decode runs
+        (pdjax.sim.simulator) cost whole runs by it. Read when a simulation starts (a hook may have swapped the
+        source, pdjax.sim.provision.cap_instances)."""
+        return self.stage_times is None and bool(self.step_time.decode_only_exact)
 
     def context(self, out, device_free: float, t: float) -> Optional[StepContext]:
         """The StepContext of `out` dispatched at t on a device free from `device_free` (None when the step-time

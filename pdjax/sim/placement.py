@@ -58,19 +58,20 @@ import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pdjax.config.model_specs import ModelSpec, get_model_spec
-from pdjax.config.deployment import STACKS
+from pdjax.config.registry import BASELINE_POLICIES, POLICIES, STACKS, disaggregated_base, is_stack
 from pdjax.config.serving import serve_config_from_dict
 from pdjax.config.validate import check_max_model_len
+from pdjax.metrics.capacity import bisect_rate, bracket_rate
 from pdjax.metrics.latency import SLO_RULES, SLOs, distserve_slo_check, slo_attainment
 from pdjax.procs import process_pool
 from pdjax.sim.cost_model import kv_cache_capacity_tokens
 from pdjax.sim.disagg import kv_link
 from pdjax.sim.run import simulate_config
-from pdjax.sim.stack import load_stack
+from pdjax.sim.stack import get_stack
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 
 AFFINITIES = ("high", "low")
-COLOCATED_POLICIES = ("sarathi", "vllm_v0")
+COLOCATED_POLICIES = BASELINE_POLICIES    # the policy table's colocated baselines (live): ('sarathi', 'vllm_v0')
 
 
 # --------------------------------------------------------------------------------------------------- problem
@@ -140,7 +141,7 @@ class PlacementProblem:
             raise ValueError(f"ttft_s={self.ttft_s!r}, tpot_s={self.tpot_s!r}: expected seconds > 0")
         check_max_model_len(self.max_model_len, get_model_spec(self.model), key="max_model_len")
         for key in ("colocated_stack", "prefill_stack", "decode_stack"):
-            if getattr(self, key) not in STACKS and not getattr(self, key).endswith(".json"):
+            if not is_stack(getattr(self, key)):
                 raise ValueError(f"{key}={getattr(self, key)!r}, expected one of {STACKS} or a stack file (.json)")
         if self.slo_rule not in SLO_RULES:
             raise ValueError(f"slo_rule={self.slo_rule!r}, expected one of {SLO_RULES}")
@@ -149,12 +150,10 @@ class PlacementProblem:
         return getattr(self, f"{role}_stack")
 
     def fits_stack(self, role: str, layout: "Layout") -> bool:
-        """A step-fit stack times only the TP degrees it was measured at (pdjax.sim.stack)."""
-        name = self.stack(role)
-        if name == "pdjax":
-            return True
+        """Whether the role's stack times this layout (`Stack.check`: a step-fit stack times only the TP degrees
+        it was measured at, pdjax.sim.stack; the cost model, every layout)."""
         try:
-            load_stack(name).fit_for(self.model, get_hardware_spec(self.node.hardware).name, layout.tp)
+            get_stack(self.stack(role)).check(self.model, get_hardware_spec(self.node.hardware).name, layout.tp)
         except ValueError:
             return False
         return True
@@ -348,13 +347,13 @@ def enumerate_placements(problem: PlacementProblem, affinities: Sequence[str] = 
 # --------------------------------------------------------------------------------------------------- simulation
 def role_budgets(problem: PlacementProblem, role: str, policy: str) -> Tuple[int, int]:
     """(token_budget, max_num_seqs) of an instance: prefill: DistServe's prefill token limit; decode: room for
-    every running sequence; colocated sarathi: its chunk budget; colocated vllm_v0: whole prompts (the max model
-    length). Every role runs up to decode_max_num_seqs sequences."""
+    every running sequence; a colocated chunking policy (sarathi): its chunk budget; a colocated policy that never
+    chunks (vllm_v0): whole prompts (the max model length). Every role runs up to decode_max_num_seqs sequences."""
     if role == "prefill":
         budget = problem.prefill_token_budget
     elif role == "decode":
         budget = max(problem.decode_max_num_seqs, problem.prefill_token_budget)
-    elif policy == "sarathi":
+    elif POLICIES[policy].chunking:
         budget = problem.sarathi_token_budget
     else:
         budget = max(problem.max_model_len, problem.prefill_token_budget)
@@ -368,7 +367,7 @@ def serve_config(problem: PlacementProblem, placement: Placement, rate: float) -
     utilization. `simulate_placement` simulates exactly this through the `--config.backend=sim` path
     (pdjax.sim.run.simulate_config); only a NodeType that overrides its hardware's figures is passed as a
     hardware override (a serve config names a registry spec)."""
-    base_policy = placement.policy if placement.kind == "colocated" else "sarathi"   # the roles' base
+    base_policy = placement.policy if placement.kind == "colocated" else disaggregated_base()   # the roles' base
     budget, max_seqs = role_budgets(problem, "colocated", base_policy)
     workload = {k: v for k, v in problem.workload.items() if k not in ("max_model_len", "seed")}
     workload["rate"] = float(rate)
@@ -449,32 +448,8 @@ def rate_search(ok: Callable[[float], Tuple[bool, float]], num_gpus: int, rel_to
         probes.append((rate, a))
         return passes
 
-    rate = 0.5 * num_gpus
-    good, bad = 0.0, math.inf
-    if test(rate):
-        good = rate
-        while len(probes) < max_probes // 2:
-            rate *= 2
-            if test(rate):
-                good = rate
-            else:
-                bad = rate
-                break
-    else:
-        bad = rate
-        while len(probes) < max_probes // 2:
-            rate /= 2
-            if test(rate):
-                good = rate
-                break
-            bad = rate
-    if good > 0 and math.isfinite(bad):
-        while bad - good > rel_tol * good and len(probes) < max_probes:
-            mid = 0.5 * (good + bad)
-            if test(mid):
-                good = mid
-            else:
-                bad = mid
+    good, bad = bracket_rate(test, 0.5 * num_gpus, more=lambda: len(probes) < max_probes // 2)
+    good, _ = bisect_rate(test, good, bad, rel_tol=rel_tol, more=lambda: len(probes) < max_probes)
     return good, tuple(probes)
 
 

@@ -62,8 +62,10 @@ import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pdjax.config.model_specs import get_model_spec
+from pdjax.config.registry import BASELINE_POLICIES, POLICIES, disaggregated_base
 from pdjax.config.serving import serve_config_from_dict
 from pdjax.config.validate import check_max_model_len
+from pdjax.metrics.capacity import bisect_rate, bracket_rate
 from pdjax.metrics.latency import SLOs, slo_attainment
 from pdjax.metrics.plots import _figure
 from pdjax.metrics.report import _save_png
@@ -73,9 +75,10 @@ from pdjax.sim.build import build_pending_requests, build_setup, group_step_time
 from pdjax.sim.machines import MachineSpec, get_machine
 from pdjax.sim.reference import SPLITWISE_REFERENCE, ReferenceMachine, UnloadedRuns
 from pdjax.sim.run import energy_info, simulate_setup
+from pdjax.sim.step_time import StepTimeBase
 from pdjax.workload.traces import load_trace
 
-COLOCATED_POLICIES = ("sarathi", "vllm_v0")
+COLOCATED_POLICIES = BASELINE_POLICIES    # the policy table's colocated baselines (live): ('sarathi', 'vllm_v0')
 MIXED_SETTINGS = ("off", "on")
 SLO_KINDS = ("splitwise", "pdjax")
 QUESTIONS = ("cheapest", "least_power", "fewest_machines", "iso_cost", "iso_power")
@@ -303,9 +306,9 @@ def serve_config(problem: ProvisionProblem, cluster: Cluster, rate: float) -> Di
     """The serve config (plain dict, configs/serve.py's layout) simulating `cluster` at `rate` req/s: one TP
     instance per machine, the prompt SKU's hardware as sim.hardware, the token pool's as deployment.decode's."""
     d, s = cluster.design, cluster.system
-    policy = s.policy if d.kind == "colocated" else "sarathi"
+    policy = s.policy if d.kind == "colocated" else disaggregated_base()
     budget = problem.token_budget
-    if policy == "vllm_v0":        # never chunks: its budget must hold a max-length prompt
+    if not POLICIES[policy].chunking:      # never chunks (vllm_v0): its budget must hold a max-length prompt
         budget = max(budget, problem.max_model_len)
     workload = {k: v for k, v in workload_at(problem.workload, rate).items() if k not in ("max_model_len",)}
     if d.kind == "colocated":
@@ -353,13 +356,12 @@ def capped(setup, machines: Mapping[str, MachineSpec]):
     return dataclasses.replace(setup, groups=groups)
 
 
-class PhaseCappedStepTime:
+class PhaseCappedStepTime(StepTimeBase):
     """A power-capped machine's step time (pdjax.sim.machines): a step carrying prefill tokens draws above the cap
     and runs at the capped compute rate (`capped`), a decode-only step draws less than the cap (token_w <
     prompt_w = the cap) and runs at full speed (`full`)."""
 
     takes_context = True
-    pp = 1
 
     def __init__(self, full: Callable, capped_fn: Callable):
         self.full, self.capped = full, capped_fn
@@ -375,7 +377,7 @@ def cap_instances(setup, machines: Mapping[str, MachineSpec]) -> Optional[Callab
     if not roles:
         return None
     capped_setup = capped(setup, machines)
-    if any(setup.groups[r].pp != 1 or setup.groups[r].stack is not None for r in roles):
+    if any(setup.groups[r].pp != 1 or setup.groups[r].stack.name != "pdjax" for r in roles):
         raise ValueError("a power-capped machine is modelled for pdjax-stack instances with pp=1 only")
 
     def adjust(instances: dict) -> None:
@@ -553,35 +555,18 @@ def budget_clusters(problem: ProvisionProblem, system: System, question: str) ->
 def highest_rate(problem: ProvisionProblem, cluster: Cluster, prober: _Prober, beat: float = 0.0) -> float:
     """The highest rate (to rel_tol) at which `cluster` meets the SLOs, 0 if none was found; with beat > 0, 0 at
     once unless it passes at beat x (1 + rel_tol)."""
-    tol, budget = problem.rel_tol, problem.max_probes
-    ok = functools.partial(prober.ok, cluster)
-    start = beat * (1 + tol) if beat > 0 else problem.target_rate
-    n = 1
-    if ok(start):
-        good, bad = start, math.inf
-        while math.isinf(bad) and n < budget:
-            n += 1
-            if ok(2 * good):
-                good *= 2
-            else:
-                bad = 2 * good
-    else:
-        if beat > 0:
-            return 0.0
-        good, bad = 0.0, start
-        while good == 0 and n < budget:
-            n += 1
-            if ok(bad / 2):
-                good = bad / 2
-            else:
-                bad /= 2
-    while good > 0 and not math.isinf(bad) and bad - good > tol * good and n < budget:
-        n += 1
-        mid = 0.5 * (good + bad)
-        if ok(mid):
-            good = mid
-        else:
-            bad = mid
+    probes: List[float] = []
+
+    def ok(rate: float) -> bool:
+        probes.append(rate)
+        return prober.ok(cluster, rate)
+
+    def more() -> bool:
+        return len(probes) < problem.max_probes
+
+    start = beat * (1 + problem.rel_tol) if beat > 0 else problem.target_rate
+    good, bad = bracket_rate(ok, start, more=more, halve=beat <= 0)    # beating `beat` or nothing: no halving
+    good, _ = bisect_rate(ok, good, bad, rel_tol=problem.rel_tol, more=more)
     return good
 
 

@@ -28,8 +28,8 @@ from pdjax.scheduler.output import SchedulerOutput
 from pdjax.sim.build import group_hardware, group_step_time
 from pdjax.sim.hardware import get_hardware_spec
 from pdjax.sim.profile import profile_for
-from pdjax.sim.stack import FittedStepTime, load_stack
-from pdjax.sim.step_cost import make_step_time
+from pdjax.sim.stack import get_stack
+from pdjax.sim.step_time import GroupTiming
 
 Latencies = Tuple[float, Optional[float], float]     # (TTFT, mean TBT or None, E2E), seconds
 
@@ -94,13 +94,11 @@ class UnloadedRuns:
         """The unloaded runs of `model` on `reference` (its step-time function built as the simulator builds a
         group's: pdjax.sim.build.group_step_time's rule, deterministic)."""
         hw = get_hardware_spec(reference.hardware)
-        if reference.stack != "pdjax":
-            stack = load_stack(reference.stack)
-            step_time = FittedStepTime(stack, stack.fit_for(model.name, hw.name, reference.tp))
-        else:
-            profile = profile_for(reference.profile, reference.hardware)
-            params = profile.params if profile is not None else None
-            step_time = make_step_time(model, hw, reference.tp, 1, params)
+        stack = get_stack(reference.stack)
+        stack.check(model.name, hw.name, reference.tp)
+        profile = profile_for(reference.profile, reference.hardware) if reference.stack == "pdjax" else None
+        params = profile.params if profile is not None else None
+        step_time = stack.step_time(GroupTiming(model, hw, hw.name, reference.tp, 1, params))
         return cls(step_time, reference.prefill_chunk, {**reference.describe(), "model": model.name})
 
     @classmethod
@@ -114,7 +112,7 @@ class UnloadedRuns:
         chunk = g.scheduler_config.token_budget if g.scheduler_config.chunking else 0
         return cls(group_step_time(setup, role, noise=False), chunk,
                    {"hardware": group_hardware(setup, role).name, "tp": g.tp, "pp": g.pp,
-                    "stack": g.stack.name if g.stack is not None else "pdjax", "prefill_chunk": chunk,
+                    "stack": g.stack.name, "prefill_chunk": chunk,
                     "model": setup.model.name, "of": f"this run's {role} instances"})
 
     def ttft(self, prompt_len: int) -> float:

@@ -53,7 +53,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from pdjax.config.deployment import STACKS
+from pdjax.config.registry import STACKS, is_stack
 from pdjax.config.serving import serve_config_from_dict
 from pdjax.metrics.latency import SLO_RULES
 from pdjax.metrics.report import atomic_write_bytes, atomic_write_text
@@ -145,7 +145,7 @@ class RegimeGrid:
     stack: str = "pdjax"
     colocated_stack: str = ""
     disagg_stack: str = ""
-    colocated: Tuple[str, ...] = COLOCATED_POLICIES
+    colocated: Tuple[str, ...] = dataclasses.field(default_factory=lambda: tuple(COLOCATED_POLICIES))
     profile: str = ""
     slo_rule: str = "pdjax"
     max_pp: int = 8
@@ -179,7 +179,7 @@ class RegimeGrid:
             raise ValueError(f"base SLOs ttft={self.base_ttft_s!r}, tpot={self.base_tpot_s!r}: expected seconds > 0")
         for key in ("stack", "colocated_stack", "disagg_stack"):
             name = getattr(self, key)
-            if (name or key == "stack") and name not in STACKS and not name.endswith(".json"):
+            if (name or key == "stack") and not is_stack(name):
                 raise ValueError(f"{key}={name!r}: expected one of {STACKS} or a stack file (.json)")
         if self.slo_rule not in SLO_RULES:
             raise ValueError(f"slo_rule={self.slo_rule!r}: expected one of {SLO_RULES}")

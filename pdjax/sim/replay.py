@@ -21,6 +21,7 @@ import numpy as np
 from pdjax.scheduler import SchedulerOutput
 from pdjax.sim.simulator import StepContext
 from pdjax.sim.step_cost import padded_shape
+from pdjax.sim.step_time import as_step_time
 
 IDLE_GAP_S = 1e-3   # an engine wait longer than this before a step is an idle wait, shorter ones its host work
 
@@ -89,7 +90,8 @@ def replay_steps(batches: Sequence[tuple], iterations, step_time: Callable, padd
     outs = [composition_output(b) for b in batches]
     gaps = np.r_[starts[0], starts[1:] - ends[:-1]]
     idle = np.r_[True, gaps[1:] > idle_gap_s]
-    if getattr(step_time, "takes_context", False):
+    step_time = as_step_time(step_time)
+    if step_time.takes_context:
         predicted = np.array([step_time(o, StepContext(outs[i - 1] if i else None,
                                                        float(gaps[i]) if idle[i] else 0.0))
                               for i, o in enumerate(outs)])

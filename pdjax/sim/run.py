@@ -143,7 +143,7 @@ def sim_info(result: SimResult, setup: SimSetup, cfg=None) -> dict:
                           "token_budget": g.scheduler_config.token_budget,
                           "max_num_seqs": g.scheduler_config.max_num_seqs,
                           "padding": dataclasses.asdict(g.padding) if g.padding else None,
-                          "stack": g.stack.describe() if g.stack is not None else {"stack": "pdjax"},
+                          "stack": g.stack.describe(),
                           "hardware": group_hardware(setup, role).name}
                    for role, g in setup.groups.items()},
         "iterations_per_instance": iterations_per_instance(result, setup),

@@ -283,7 +283,7 @@ class _Replicas:
         plain = (decode_runs and not async_scheduling and on_schedule is None and self.observe_step is None
                  and sample is placeholder_sample)
         self.decode_runs = [plain and inst.max_in_flight == 1 and inst.timer.stage_times is None
-                            and bool(getattr(inst.step_time, "decode_only_exact", False))
+                            and inst.timer.decode_only_exact
                             for inst in self.instances]
 
     # ------------------------------------------------------------------------------------------- events
@@ -421,7 +421,7 @@ class _Replicas:
         if self.completions and self.completions[0][0] < bound:
             bound = self.completions[0][0]
         count, total = run.count, run.total
-        step_time = inst.step_time
+        step_time = inst.timer.step_time
         decode = step_time.decode_fn(count)
         starts, ends, seconds = [], [], []
         start = t

@@ -5,7 +5,8 @@ pdjax.sim.cost_model). A *step-fit stack* instead reproduces another engine's me
 simulator (simdistserve) carries such fits for DistServe's own engine and for the vLLM it compared against
 (OPT-13B TP 1/2/4 and OPT-66B TP 2/3/4/8 on A100-80GB; ../shared/data/profiling/distserve/, see its SOURCES.md).
 A fit is valid only for the (model, hardware, tp) it was measured on: `StepFitStack.fit_for` refuses any
-other with the combinations it holds.
+other with the combinations it holds. Each shipped stack is registered by name (pdjax.sim.step_time.register_stack:
+a StepFitStack is a pdjax.sim.step_time.Stack, its FittedStepTime a StepTime).
 
 Step time of one pipeline stage (seconds), for prefill chunks (n_i new tokens at offset o_i) and decodes
 (context c_j including the new token), with the file's coefficients in milliseconds:
@@ -24,15 +25,17 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import json
 import os
 from typing import Dict, Iterable, Mapping, Sequence, Tuple
 
 import numpy as np
 
-from pdjax.config.deployment import STACKS
 from pdjax.config.files import REPO_ROOT
+from pdjax.config.registry import STACKS
 from pdjax.metrics.report import atomic_open
+from pdjax.sim.step_time import GroupTiming, Stack, StepTimeBase, register_stack
 
 SHARED_PROFILING_DIR = os.path.normpath(os.path.join(REPO_ROOT, os.pardir, "shared", "data", "profiling"))
 
@@ -86,6 +89,14 @@ class StepFitStack:
                              f"hardware={hardware!r}: it was fitted on {self.hardware!r} for {held} "
                              "(a step-fit stack does not extrapolate to other models, TP degrees or hardware)")
         return fit
+
+    def check(self, model: str, hardware: str, tp: int) -> None:
+        """ValueError unless the stack holds a fit for (model, hardware, tp) (pdjax.sim.step_time.Stack)."""
+        self.fit_for(model, hardware, tp)
+
+    def step_time(self, group: GroupTiming) -> "FittedStepTime":
+        """The step time of a group's instances: its fit, no step noise (the fits are the measurement)."""
+        return FittedStepTime(self, self.fit_for(group.model.name, group.gpu, group.tp), group.pp)
 
     def stage_time_s(self, fit: StepFit, chunks: Sequence[Tuple[int, int]], contexts: Sequence[int],
                      pp: int = 1, first_stage: bool = True) -> float:
@@ -153,7 +164,6 @@ STEP_FIT_STACKS = {
     "distserve-vllm": ("distserve/profiler-a100-80g.vllm.json",
                        "the vLLM DistServe compared against (simdistserve fits)"),
 }
-assert set(STEP_FIT_STACKS) == set(STACKS) - {"pdjax"}, "pdjax.config.deployment.STACKS names every stack"
 
 
 def load_stack(name: str, profiling_dir: str = SHARED_PROFILING_DIR) -> StepFitStack:
@@ -170,13 +180,11 @@ def load_stack(name: str, profiling_dir: str = SHARED_PROFILING_DIR) -> StepFitS
                         source=f"{what}: {rel}", **_SIMDISTSERVE_OVERHEAD)
 
 
-class FittedStepTime:
+class FittedStepTime(StepTimeBase):
     """The simulator's step time (`(SchedulerOutput) -> seconds`) of one instance on a step-fit stack: a
     prefill chunk is a scheduled prompt part (`is_prefill`: n new tokens at offset num_computed_tokens), a
     decode one token whose context is num_computed_tokens + 1. pp > 1: `stage_times` gives every stage the
     fit / pp (the overhead on stage 0, no separate send time: the fits include it), as simdistserve divides."""
-
-    takes_context = False
 
     def __init__(self, stack: StepFitStack, fit: StepFit, pp: int = 1, noise=None):
         self.stack, self.fit, self.pp, self.noise = stack, fit, pp, noise
@@ -192,7 +200,7 @@ class FittedStepTime:
                 contexts.append(c + n)
         return chunks, contexts
 
-    def stage_times(self, out) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
+    def stage_times(self, out, ctx=None) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
         chunks, contexts = self.batch(out)
         first = self.stack.stage_time_s(self.fit, chunks, contexts, self.pp, first_stage=True)
         rest = self.stack.stage_time_s(self.fit, chunks, contexts, self.pp, first_stage=False)
@@ -202,8 +210,23 @@ class FittedStepTime:
             stages = tuple(f * t for t in stages)
         return stages, (0.0,) * (self.pp - 1)
 
-    def __call__(self, out) -> float:
+    def __call__(self, out, ctx=None) -> float:
         return sum(self.stage_times(out)[0])
+
+
+for _name in STEP_FIT_STACKS:
+    register_stack(_name, functools.partial(load_stack, _name))
+
+
+def get_stack(name: str) -> Stack:
+    """The stack `name` (its registered factory's, pdjax.sim.step_time.register_stack), or the stack file `name`
+    (*.json, `load_stack_file`)."""
+    if name.endswith(".json"):
+        return load_stack_file(name)
+    if name not in STACKS or STACKS[name].factory is None:
+        raise ValueError(f"stack={name!r}, expected one of {STACKS} or a stack file (.json; 'pdjax' is the cost "
+                         "model itself)")
+    return STACKS[name].factory()
 
 
 # ------------------------------------------------------------------------------------------ stack files, fitting

@@ -41,6 +41,10 @@ i.i.d. from that distribution (`StepNoise`, seeded by the run's seed, so a run i
 deterministic model has the right median but no tail, and the P99 TBT of a CPU engine is its step-time tail.
 GPU profiles carry none.
 
+The step-time sources here are pdjax.sim.step_time.StepTime implementations (StepTimeBase subclasses):
+`CostModelStepTime` (one stage) and `PipelineStepTime` (pp stages); `CostModelStack` is the 'pdjax' serving stack
+that makes them (registered with pdjax.sim.step_time.register_stack).
+
 Pipeline parallelism (pp > 1): `make_step_time` returns a `PipelineStepTime`, whose `stage_times(out)` gives the
 seconds of each stage (its layers only, `cost_model.stage_times`) and of each activation send; the simulator
 runs the stages as resources with up to pp batches in flight, so bubbles come out of the schedule (the old
@@ -55,13 +59,14 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 from pdjax.config.buckets import Buckets
 from pdjax.config.model_specs import ModelSpec
 from pdjax.sim import cost_model as cm
 from pdjax.sim.cost_model import BatchComposition, CostParams, _plan
 from pdjax.sim.hardware import HardwareSpec
+from pdjax.sim.step_time import GroupTiming, StepTime, StepTimeBase, register_stack
 
 
 ATTENTION_IMPLS = ("reference", "blocked", "pallas")
@@ -464,7 +469,7 @@ def check_step_noise(quantiles: Sequence[float]) -> None:
         raise ValueError("step_noise quantiles must be non-decreasing (values at increasing probabilities)")
 
 
-class PipelineStepTime:
+class PipelineStepTime(StepTimeBase):
     """The step time of a pp-stage instance (module docstring): `stage_times(out, ctx=None) -> (per-stage
     seconds, per-boundary send seconds)` for the simulator's stage resources; calling it returns one batch's
     latency alone through the pipeline. `pp` tells the simulator how many batches it may keep in flight. The
@@ -503,12 +508,11 @@ class PipelineStepTime:
         return sum(stages) + sum(sends)
 
 
-class StepTime:
+class CostModelStepTime(StepTimeBase):
     """`step_time(out, ctx=None) -> seconds` of a one-stage instance (make_step_time). `takes_context`
     tells the simulator to pass a StepContext (pdjax.sim.simulator): the previous step and the idle gap."""
 
     takes_context = True
-    pp = 1
 
     def __init__(self, model: ModelSpec, hw: HardwareSpec, tp: int, params: CostParams,
                  padding: Optional[EnginePadding], noise: Optional[StepNoise] = None):
@@ -568,8 +572,8 @@ class StepTime:
 
 def make_step_time(model: ModelSpec, hw: HardwareSpec, tp: int = 1, pp: int = 1,
                    params: Optional[CostParams] = None, padding: Optional[EnginePadding] = None,
-                   noise: Optional[StepNoise] = None) -> Callable[[Any], float]:
-    """A `(SchedulerOutput, ctx=None) -> seconds` function (the simulator's step_time): the cost model on the
+                   noise: Optional[StepNoise] = None) -> StepTime:
+    """A `(SchedulerOutput, ctx=None) -> seconds` StepTime (the simulator's step_time): the cost model on the
     output's composition, padded as the engine pads it when `padding` is given, plus the step-context cost
     (`cost_model.context_time`: shape switch, idle wake) when a StepContext `ctx` is given (the simulator passes
     one: it has `takes_context`). pp > 1: a `PipelineStepTime` (per-stage times; the simulator pipelines batches,
@@ -579,7 +583,25 @@ def make_step_time(model: ModelSpec, hw: HardwareSpec, tp: int = 1, pp: int = 1,
     _plan(model, hw, tp, pp)   # validate the layout now, not at the first step
     if pp > 1:
         return PipelineStepTime(model, hw, tp, pp, params, padding, noise)
-    return StepTime(model, hw, tp, params, padding, noise)
+    return CostModelStepTime(model, hw, tp, params, padding, noise)
+
+
+class CostModelStack:
+    """The 'pdjax' serving stack: the cost model alone (make_step_time, with the group's padding and noise)."""
+    name = "pdjax"
+
+    def check(self, model: str, hardware: str, tp: int) -> None:
+        """Times every (model, hardware, tp) whose layout fits (make_step_time checks that)."""
+
+    def step_time(self, group: GroupTiming) -> StepTime:
+        return make_step_time(group.model, group.hardware, group.tp, group.pp, group.params, group.padding,
+                              group.noise)
+
+    def describe(self) -> dict:
+        return {"stack": "pdjax"}
+
+
+register_stack("pdjax", CostModelStack)
 
 
 # --------------------------------------------------------------------------------------------------- padding entry
