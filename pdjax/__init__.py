@@ -12,9 +12,10 @@ IMPORT_TIME = _time.time()   # when pdjax was first imported: the start of a run
 
 # libtpu (the 'tpu' extra: ahead-of-time compilation for TPUs on any host) looks for a TPU VM's metadata when JAX
 # starts and prints half a page of errors where there is none. On a host without TPU chips, say there is none; JAX
-# then starts its CPU (or GPU) backend as without libtpu, and compile-only TPU topologies still work.
+# then starts its CPU (or GPU) backend as without libtpu, and compile-only TPU topologies still work, in several
+# processes at once (libtpu otherwise locks /tmp/libtpu_lockfile for the first process that loads it).
 TPU_ABSENT_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-1", "TPU_WORKER_HOSTNAMES": "localhost",
-                  "TPU_WORKER_ID": "0"}
+                  "TPU_WORKER_ID": "0", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
 def _host_has_tpu() -> bool:

@@ -45,9 +45,10 @@ def test_pallas_step_compiles_under_tp_with_the_kv_cache_split(topo, tp):
     assert step.compiled, step.error
     full_kv = 2 * spec.num_layers * spec.num_kv_heads * num_pages * 16 * spec.head_dim * 2
     assert step.kv_bytes == full_kv // tp
-    assert step.argument_bytes == step.weights_bytes + step.kv_bytes + batch_bytes(bucket, 8)
+    # the batch's few small int arrays, in the TPU's padded tiles: far below one layer's KV, which a gather would add
+    assert 0 <= step.argument_bytes - step.weights_bytes - step.kv_bytes - batch_bytes(bucket, 8) < 32 * 1024
     assert step.alias_bytes == step.kv_bytes
-    assert step.flops > 0 and step.optimal_seconds > 0
+    assert step.flops > 0
 
 
 def test_pipeline_stages_compile_on_their_own_meshes():
@@ -64,20 +65,25 @@ def test_pipeline_stages_compile_on_their_own_meshes():
     assert steps[0].kv_bytes == 64 * table[0][1]
 
 
-def test_kv_bytes_are_linear_in_num_pages_and_the_plan_fills_the_budget():
-    """The planning rule's premise (nothing but the KV cache grows with num_pages) checked on the compiled binary,
-    and max_num_pages filling exactly what a budget leaves."""
+def test_kv_bytes_are_linear_in_num_pages_and_the_plan_fits_its_budget():
+    """The KV cache's per-device bytes grow exactly by one page's bytes per page; the planned num_pages, compiled,
+    fits utilization x HBM, and fills it up to the compiler's own slack."""
+    from pdjax.config.buckets import Buckets
     spec, bucket = get_model_spec("tiny-llama"), (64, 8, 8)
     mesh = mesh_lib.make_mesh(topology("v5e:2x2")[:2], tp=2)
     small, large = (aot.compile_step(spec, "pallas", mesh, bucket, num_pages=n, page_size=16, dtype=jnp.bfloat16,
                                      max_seqs=8) for n in (128, 384))
     page = aot.kv_page_bytes(spec, tp=2, num_layers=spec.num_layers, page_size=16, dtype=jnp.bfloat16)
-    assert large.total_bytes - small.total_bytes == 256 * page
-    assert large.kv_bytes - small.kv_bytes == 256 * page
-    budget = small.total_bytes + 1000 * page + page // 2
-    assert aot.max_num_pages([small], num_pages=128, page_bytes={0: page}, hbm_bytes=budget, utilization=1.0) == 1128
-    assert aot.max_num_pages([small], num_pages=128, page_bytes={0: page}, hbm_bytes=2 * budget,
-                             utilization=0.5) == 1128
+    assert large.kv_bytes - small.kv_bytes == 256 * page == large.alias_bytes - small.alias_bytes
+    hbm, utilization = 64 * 2 ** 20, 0.5
+    pages = aot.plan_num_pages(spec, "pallas", mesh, Buckets((64,), (8,), (8,)), page_size=16, max_model_len=128,
+                               dtype=jnp.bfloat16, utilization=utilization, hbm_bytes=hbm)
+    planned = aot.compile_step(spec, "pallas", mesh, bucket, num_pages=pages, page_size=16, dtype=jnp.bfloat16,
+                               max_seqs=8)
+    assert planned.total_bytes <= utilization * hbm < planned.total_bytes + 0.05 * hbm
+    with pytest.raises(ValueError, match="'tiny-llama' does not fit this instance"):
+        aot.plan_num_pages(spec, "pallas", mesh, Buckets((64,), (8,), (8,)), page_size=16, max_model_len=128,
+                           dtype=jnp.bfloat16, utilization=utilization, hbm_bytes=2 * 2 ** 20)
 
 
 def test_a_failure_is_a_row_not_an_exception():
@@ -116,7 +122,7 @@ def test_aot_compile_disaggregated_plans_pages_and_writes_json(tmp_path):
     assert (prefill["role"], prefill["tp"], decode["role"], decode["instances"]) == ("prefill", 2, "decode", 2)
     assert prefill["devices"] == [0, 1] and decode["devices"] == [2]    # the engine's own placement order
     for group in (prefill, decode):
-        assert group["num_pages_source"] == "planned" and group["num_pages"] == group["max_num_pages"] > 1000
+        assert group["num_pages_source"] == "planned" and group["num_pages"] > 1000
         assert len(group["steps"]) == len(group["buckets"]) and all(s["compiled"] and s["fits"]
                                                                     for s in group["steps"])
         assert all(s["flops_ratio"] is not None for s in group["steps"])

@@ -105,13 +105,14 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
     slot_mapping: int32[T], slot = page * page_size + offset, negative for padding tokens (written nowhere).
     Returns the updated (k_pages, v_pages); under a donating jit the update is in place.
     """
-    num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
-    num_slots = num_pages * page_size
-    idx = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range -> dropped
+    _, num_pages, page_size, _ = k_pages.shape
+    page = jnp.where(slot_mapping < 0, num_pages, slot_mapping // page_size)  # out of range -> dropped
+    offset = slot_mapping % page_size
 
     def scatter(pages, new):
-        flat = pages.reshape(num_kv_heads, num_slots, head_dim)
-        flat = flat.at[:, idx].set(jnp.swapaxes(new, 0, 1).astype(pages.dtype), mode="drop")
-        return flat.reshape(pages.shape)
+        # Indexed on (page, offset) of the 4-D cache, not on a [heads, pages * page_size, D] view: on a TPU that
+        # reshape of a tiled layout is a copy of the whole layer (HBM traffic and a temporary that grows with the
+        # cache).
+        return pages.at[:, page, offset].set(jnp.swapaxes(new, 0, 1).astype(pages.dtype), mode="drop")
 
     return scatter(k_pages, k), scatter(v_pages, v)

@@ -234,8 +234,9 @@ def fit_error(spec: ModelSpec, where: str, per_stage: Sequence[Tuple[int, int]],
 def plan_num_pages(spec: ModelSpec, attention_impl: str, mesh: Mesh, buckets, *, page_size: int, max_model_len: int,
                    dtype, utilization: float, hbm_bytes: Optional[float] = None, where: str = "this instance") -> int:
     """The most KV pages the instance on `mesh` fits in `utilization` of each device's memory (`hbm_bytes`, default:
-    what the devices report), from its largest bucket compiled at the smallest cache that holds one max-length
-    request (`max_num_pages`). ValueError (one line naming the model, `where` and the bytes) when not even that
+    what the devices report): its largest bucket compiled at the smallest cache that holds one max-length request
+    gives the plan (`max_num_pages`), which is compiled again and corrected (at most twice) until the compiled step
+    fits. ValueError (one line naming the model, `where` and the bytes) when not even that
     fits, or when the devices report no memory size (CPU)."""
     hbm = hbm_bytes if hbm_bytes is not None else device_memory_bytes(list(mesh.devices.flat))
     if hbm is None:
@@ -246,20 +247,39 @@ def plan_num_pages(spec: ModelSpec, attention_impl: str, mesh: Mesh, buckets, *,
     error = fit_error(spec, where, per_stage, min_pages, utilization * hbm, "one max-length request")
     if error:
         raise ValueError(error)
-    probe = compile_instance(spec, attention_impl, mesh, [buckets.all_shapes()[-1]], num_pages=min_pages,
-                             page_size=page_size, dtype=dtype, max_seqs=buckets.max_seqs)
-    failed = [p.error for p in probe if not p.compiled]
-    if failed:
-        raise ValueError(f"sizing the KV cache of {where}: the step of bucket {buckets.all_shapes()[-1]} did not "
-                         f"compile: {failed[0]}")
-    pages = max_num_pages(probe, num_pages=min_pages, page_bytes={s: p for s, (_, p) in enumerate(per_stage)},
-                          hbm_bytes=hbm, utilization=utilization)
-    if pages < min_pages:
-        need = max(p.total_bytes - p.kv_bytes for p in probe) + min_pages * max(p for _, p in per_stage)
-        raise ValueError(f"model {spec.name!r} does not fit {where}: its step needs {need / 2**30:.2f} GiB per "
+    page_bytes = {s: p for s, (_, p) in enumerate(per_stage)}
+    budget = utilization * hbm
+
+    def compiled_total(pages: int):
+        """(the largest per-device total of the stages, or None, first error) of the largest bucket at `pages`."""
+        probe = compile_instance(spec, attention_impl, mesh, [buckets.all_shapes()[-1]], num_pages=pages,
+                                 page_size=page_size, dtype=dtype, max_seqs=buckets.max_seqs)
+        failed = [p.error for p in probe if not p.compiled]
+        return (None, failed[0]) if failed else (max(p.total_bytes for p in probe), "")
+
+    # A secant on the compiled bytes: the KV cache grows them by page_bytes per page, and a compiler that copies
+    # the cache (TPU relayouts of head_dim < 128) by more; two compiles measure the real slope, the next ones check.
+    low, (low_total, error) = min_pages, compiled_total(min_pages)
+    if error:
+        raise ValueError(f"sizing the KV cache of {where}: the step of bucket {buckets.all_shapes()[-1]} at "
+                         f"num_pages={min_pages} did not compile: {error}")
+    if low_total > budget:
+        raise ValueError(f"model {spec.name!r} does not fit {where}: its step needs {low_total / 2**30:.2f} GiB per "
                          f"device with one max-length request's KV, {utilization:.2f} x {hbm / 2**30:.2f} GiB "
                          f"available")
-    return pages
+    slope, target = max(page_bytes.values()), 0.995 * budget   # aim just under: compiled bytes move in steps
+    for _ in range(4):
+        guess = low + int((target - low_total) // slope)
+        if guess <= low:
+            break
+        total, _ = compiled_total(guess)    # a failure here is the guess running out of memory: aim lower
+        if total is not None and total <= budget:
+            low, low_total = guess, total
+        elif total is not None:
+            slope = max(slope, (total - low_total) / (guess - low))
+        else:
+            slope *= 4
+    return low
 
 
 def device_memory_bytes(devices: Sequence) -> Optional[int]:
