@@ -138,3 +138,16 @@ def test_aot_compile_refuses_a_model_that_cannot_fit_in_one_line():
     line = next(ln for ln in proc.stdout.splitlines() if "error:" in ln)
     assert "'llama-3.1-8b' does not fit deployment.colocated (pp=1, tp=1" in line and "GiB per device" in line
     assert "0 step(s) compiled" in proc.stdout
+
+
+def test_tpu_pod_launch_stops_when_the_config_does_not_fit():
+    """launch/tpu_pod.sh compiles a serving config for TOPOLOGY first and launches nothing when it cannot fit."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DRY_RUN")}
+    env.update(TOPOLOGY="v5e:2x2", PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
+    proc = subprocess.run(["bash", os.path.join(REPO, "launch", "tpu_pod.sh"), "my-tpu", "us-west4-a", "python3", "-m",
+                           "experiments.serve", "--config=configs/serve.py",
+                           "--config.model.checkpoint=llama-3.1-8b", "--config.model.dtype=bfloat16"],
+                          env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "does not fit deployment.colocated" in proc.stdout and "not launching" in proc.stderr

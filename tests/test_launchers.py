@@ -146,13 +146,25 @@ def test_sigterm_stops_a_two_process_run_at_once_in_one_line_each():
 
 
 def test_tpu_pod_dry_run():
-    env = {**CLEAN_ENV, "DRY_RUN": "1", "PROJECT": "my-project"}
-    out = subprocess.run(["bash", str(REPO / "launch" / "tpu_pod.sh"), "my-tpu", "us-west4-a", "python3", "-m",
-                          "experiments.serve", "--workdir=/tmp/a b"], env=env, capture_output=True, text=True,
-                         check=True)
-    assert shlex.split(out.stdout) == [
+    env = {**CLEAN_ENV, "DRY_RUN": "1", "PROJECT": "my-project", "TOPOLOGY": "v5e:4x4"}
+    serve = ["python3", "-m", "experiments.serve", "--config=configs/serve.py", "--config.deployment.colocated.tp=4",
+             "--workdir=/tmp/a b"]
+    out = subprocess.run(["bash", str(REPO / "launch" / "tpu_pod.sh"), "my-tpu", "us-west4-a", *serve], env=env,
+                         capture_output=True, text=True, check=True)
+    check, launch = out.stdout.splitlines()
+    assert shlex.split(check) == ["python3", "-m", "experiments.aot_compile", "--topology=v5e:4x4",
+                                  "--config=configs/serve.py", "--config.deployment.colocated.tp=4"]
+    assert shlex.split(launch) == [
         "gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-tpu", "--zone=us-west4-a", "--worker=all",
-        "--command=cd pdjax && python3 -m experiments.serve --workdir=/tmp/a\\ b", "--project=my-project"]
+        "--command=cd pdjax && python3 -m experiments.serve --config=configs/serve.py "
+        "--config.deployment.colocated.tp=4 --workdir=/tmp/a\\ b", "--project=my-project"]
+    del env["TOPOLOGY"]
+    refused = subprocess.run(["bash", str(REPO / "launch" / "tpu_pod.sh"), "my-tpu", "us-west4-a", *serve], env=env,
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and "set TOPOLOGY" in refused.stderr and not refused.stdout
+    skipped = subprocess.run(["bash", str(REPO / "launch" / "tpu_pod.sh"), "my-tpu", "us-west4-a", *serve],
+                             env={**env, "SKIP_AOT": "1"}, capture_output=True, text=True, check=True)
+    assert len(skipped.stdout.splitlines()) == 1 and skipped.stdout.startswith("gcloud")
     bad = subprocess.run(["bash", str(REPO / "launch" / "tpu_pod.sh"), "my-tpu"], env=env, capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "usage:" in bad.stderr
@@ -175,6 +187,10 @@ def test_slurm_dry_run():
     assert words[1:3] == ["--ntasks=8", "--ntasks-per-node=4"]
     assert words[4] == "--export=ALL,JAX_COORDINATOR_ADDRESS=node5:7000,JAX_NUM_PROCESSES=8"
     assert words[7] == 'export JAX_PROCESS_ID=$SLURM_PROCID; export CUDA_VISIBLE_DEVICES=$SLURM_LOCALID; exec "$@"'
+    checked = subprocess.run(["bash", sbatch, "python3", "-m", "experiments.serve", "--config.model.dtype=bfloat16"],
+                             env={**env, "TOPOLOGY": "v6e:2x4"}, capture_output=True, text=True, check=True)
+    assert shlex.split(checked.stdout.splitlines()[0]) == ["python3", "-m", "experiments.aot_compile",
+                                                           "--topology=v6e:2x4", "--config.model.dtype=bfloat16"]
     del env["SLURM_JOB_NODELIST"]
     bad = subprocess.run(["bash", sbatch, "true"], env=env, capture_output=True, text=True)
     assert bad.returncode != 0 and "not inside a SLURM allocation" in bad.stderr
