@@ -42,18 +42,51 @@ from pdjax.runtime.runner import make_mesh_step
 Bucket = Tuple[int, int, int]
 
 
-def topology_devices(topology: str) -> list:
-    """The compile-only TPU devices of `topology` ('v5e:2x2', 'v5p:2x2x2', 'v6e:2x4', 'v4:2x2x1', ...), in the
-    topology's device order. Needs libtpu (the 'tpu' extra); a bad name raises ValueError naming it."""
-    from jax.experimental import topologies   # noqa: PLC0415 -- loads libtpu: only on the ahead-of-time path
+# NVIDIA GPUs XLA can compile for without one (a GpuTargetConfigProto: what the CUDA runtime would report), from
+# the datasheets and CUDA's per-compute-capability limits: (device kind as jax names it, compute capability,
+# SMs, FP32 lanes per SM, shared memory per SM / per block opt-in, L2 bytes, boost GHz, HBM bytes, HBM bytes/s).
+GPU_TARGETS = {
+    "a100": ("NVIDIA A100-SXM4-80GB", (8, 0), 108, 64, 167936, 166912, 40 * 2**20, 1.41, 80 * 2**30, 2.039e12),
+    "h100": ("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 233472, 232448, 50 * 2**20, 1.98, 80 * 2**30, 3.35e12),
+    "h200": ("NVIDIA H200", (9, 0), 132, 128, 233472, 232448, 50 * 2**20, 1.98, 141 * 10**9, 4.8e12),
+}
 
+
+def gpu_target_config(name: str) -> str:
+    """The GpuTargetConfigProto (text) of GPU_TARGETS[name]: what XLA:GPU compiles against instead of a device."""
+    kind, (major, minor), sms, lanes, smem_sm, smem_block, l2, ghz, memory, bandwidth = GPU_TARGETS[name]
+    return (f"gpu_device_info {{ threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152 "
+            f"shared_memory_per_core: {smem_sm} threads_per_core_limit: 2048 core_count: {sms} fpus_per_core: {lanes} "
+            f"block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535 "
+            f"memory_bandwidth: {int(bandwidth)} l2_cache_size: {l2} clock_rate_ghz: {ghz} "
+            f"device_memory_size: {memory} shared_memory_per_block_optin: {smem_block} "
+            f"cuda_compute_capability {{ major: {major} minor: {minor} }} registers_per_core_limit: 65536 "
+            f"registers_per_block_limit: 65536 }} platform_name: \"CUDA\" dnn_version_info {{ major: 9 minor: 8 }} "
+            f"runtime_version {{ major: 12 minor: 8 }} device_description_str: \"{kind}\"")
+
+
+def topology_devices(topology: str) -> list:
+    """The compile-only devices of `topology`, in the topology's device order: a TPU slice ('v5e:2x2', 'v5p:2x2x2',
+    'v6e:2x4', 'v4:2x2x1', ...; needs libtpu, the 'tpu' extra) or NVIDIA GPUs as '<gpu>:<devices>' or
+    '<gpu>:<hosts>x<devices per host>' with <gpu> in GPU_TARGETS ('h100:8', 'a100:2x8'; needs the CUDA plugin and
+    ptxas, the 'gpu-aot' extra). A bad name raises ValueError naming it."""
+    from jax.experimental import topologies   # noqa: PLC0415 -- loads libtpu / the CUDA plugin: ahead-of-time only
+
+    gpu, _, shape = topology.lower().partition(":")
     try:
+        if gpu in GPU_TARGETS:
+            dims = [int(d) for d in shape.split("x")] if shape else [1]
+            if len(dims) > 2 or min(dims) < 1:
+                raise ValueError(f"shape {shape!r}: expected <devices> or <hosts>x<devices per host>")
+            hosts, per_host = dims if len(dims) == 2 else (1, dims[0])
+            return list(topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(gpu),
+                                                     topology=f"1x{hosts}x{per_host}").devices)
         return list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
-    except Exception as e:   # libtpu missing or the name unknown: re-raised as one line naming the topology
+    except Exception as e:   # the plugin missing or the name unknown: re-raised as one line naming the topology
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"topology={topology!r} gives no TPU devices ({type(e).__name__}: {first[:200]}); "
-                         f"expected a TPU topology such as 'v5e:2x2', 'v5p:2x2x2' or 'v6e:2x4', with libtpu "
-                         f"installed (pip install -e \".[tpu]\")") from e
+        raise ValueError(f"topology={topology!r} gives no devices ({type(e).__name__}: {first[:200]}); expected a "
+                         f"TPU topology such as 'v5e:2x2', 'v5p:2x2x2' or 'v6e:2x4' (pip install -e \".[tpu]\") or "
+                         f"a GPU one such as 'h100:8' or 'a100:2x8' (pip install -e \".[gpu-aot]\")") from e
 
 
 def shard_bytes(abstract) -> int:
