@@ -35,7 +35,8 @@ setup(
         # working with it installed (pdjax tells libtpu there is no TPU on a host without one).
         "tpu": ["jax[tpu]==0.10.2"],
         # Ahead-of-time compilation for NVIDIA GPUs on any host (--topology=h100:8): the CUDA PJRT plugin and ptxas,
-        # 1.2 GB, without the CUDA libraries a GPU host needs to run (jax[cuda12], 5.5 GB).
+        # 1.2 GB, without the CUDA libraries a GPU host needs to run (jax[cuda12], 5.5 GB). On a host without an
+        # NVIDIA driver every JAX process then logs two "Could not find cuda drivers" lines: keep it in its own venv.
         "gpu-aot": ["jax-cuda12-plugin==0.10.2", "jax-cuda12-pjrt==0.10.2", "nvidia-cuda-nvcc-cu12>=12.6,<13"],
         # The OpenAI-compatible HTTP server (python -m experiments.api_server) and its test's clients; tested with
         # fastapi 0.165, uvicorn 0.54, prometheus-client 0.26, openai 3.57, httpx 0.28.

@@ -32,7 +32,7 @@ def _sample_random(logits, greedy_ids, is_random, positions, temperature, top_k,
     vocab = logits.shape[-1]
     scaled = logits / jnp.where(is_random, temperature, 1.0)[:, None]
 
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    sorted_desc = jnp.sort(scaled, axis=-1, stable=False, descending=True)   # stable: 2x the TPU compile time
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     kth_value = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
     rank = jnp.arange(vocab)[None, :]
