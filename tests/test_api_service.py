@@ -7,10 +7,10 @@ import json
 import pytest
 
 pytest.importorskip("fastapi")
-from pdjax.serving.api import protocol  # noqa: E402
-from pdjax.serving.api.app import ApiError, CompletionService, Reply, create_app  # noqa: E402
-from pdjax.serving.api.bridge import EngineBridge  # noqa: E402
-from pdjax.workload import byte_tokenizer  # noqa: E402
+from pdjax.serving.api import protocol
+from pdjax.serving.api.app import ApiError, CompletionService, Reply, create_app
+from pdjax.serving.api.bridge import EngineBridge
+from pdjax.workload import byte_tokenizer
 
 
 def _service(vocab_size=byte_tokenizer.VOCAB_SIZE, max_model_len=32, ready=True, eos=-1):
