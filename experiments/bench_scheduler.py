@@ -1,190 +1,39 @@
-"""Scheduler overhead benchmark: drive one policy with a fake runner until all requests finish.
+"""Scheduler overhead benchmark (pdjax.experiment.scheduler_bench): drive one policy with a fake runner until all
+requests finish; JSON to stdout.
 
     python -m experiments.bench_scheduler --policy=sarathi --requests=256 --prompt_len=512 --output_len=128 \
         --token_budget=2048 --max_num_seqs=64 [--page_size=16] [--num_pages=N] [--prefix_caching] [--repeat=5]
-
-The fake runner samples one token (id 1) for every entry with do_sample (a completed prefill or a decode) and
-nothing for a partial chunk. Only schedule() and update() are timed; request construction is not. All
-requests arrive at t=0. prefill_only releases each handed-off request at once; decode_only starts from
-handed-off requests (prompt computed elsewhere, first token sampled) whose KV has all arrived.
-
-Prints JSON: steps, total_s (minimum over repeats), mean_us_per_step, p99_us_per_step, preemptions,
-generated_tokens, us_per_scheduled_request (time per request-in-a-batch per step), and the yardsticks:
-the machine's bare Python loop rate (`python_loop_ns_per_item`: one attribute read + one list append per
-item, what any per-request Python loop costs at least), the vLLM V1 scheduler's ~17 us per running request
-per step, and a ~5 ms GPU decode step of an 8B model on an H100.
 """
 from __future__ import annotations
 
-import argparse
-import gc
 import json
-import platform
-import sys
-import time
 
-from pdjax.config import SamplingParams, SchedulerConfig
+from absl import flags
+
 from pdjax.config.scheduler import POLICIES
-from pdjax.scheduler import Request, RequestStatus, make_scheduler
+from pdjax.experiment import cli
+from pdjax.experiment.scheduler_bench import run
 
-VLLM_V1_US_PER_RUNNING_REQUEST = 17.0
-GPU_STEP_S = 5e-3
-
-
-def python_loop_ns_per_item(n: int = 200_000, repeat: int = 5) -> float:
-    """Machine ceiling for per-request Python work: ns per item of a loop reading an attribute and appending."""
-    class Item:
-        __slots__ = ("x",)
-
-        def __init__(self, x):
-            self.x = x
-    items = [Item(i) for i in range(n)]
-    best = float("inf")
-    for _ in range(repeat):
-        out = []
-        append = out.append
-        t0 = time.perf_counter()
-        for it in items:
-            append(it.x)
-        best = min(best, time.perf_counter() - t0)
-    return best / n * 1e9
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("policy", "sarathi", list(POLICIES), "Scheduler policy.")
+flags.DEFINE_integer("requests", 256, "Requests, all arriving at t=0.", lower_bound=1)
+flags.DEFINE_integer("prompt_len", 512, "Prompt tokens per request.", lower_bound=1)
+flags.DEFINE_integer("output_len", 128, "Output tokens per request.", lower_bound=1)
+flags.DEFINE_integer("token_budget", 2048, "Scheduler token budget.", lower_bound=1)
+flags.DEFINE_integer("max_num_seqs", 64, "Scheduler max sequences per step.", lower_bound=1)
+flags.DEFINE_integer("page_size", 16, "KV page size.", lower_bound=1)
+flags.DEFINE_integer("num_pages", 0, "KV pages (0: enough for max_num_seqs full requests).", lower_bound=0)
+flags.DEFINE_bool("prefix_caching", False, "Enable prefix caching.")
+flags.DEFINE_integer("repeat", 5, "Runs; the fastest is reported.", lower_bound=1)
 
 
-def build_requests(policy: str, num: int, prompt_len: int, output_len: int):
-    reqs = []
-    for i in range(num):
-        prompt = [(i * 31 + j) % 30000 + 2 for j in range(prompt_len)]
-        r = Request(f"r{i}", prompt, SamplingParams(max_tokens=output_len), 0.0)
-        if policy == "decode_only":     # as a prefill_only instance hands it over
-            r.num_computed_tokens = prompt_len
-            r.output_token_ids.append(1)
-            r.all_token_ids.append(1)
-            r.token_times.append(0.0)
-            r.first_token_time = 0.0
-            r.status = RequestStatus.FINISHED
-            r.finish_reason = "handoff"
-        reqs.append(r)
-    return reqs
-
-
-def run_once(cfg: SchedulerConfig, args):
-    sched = make_scheduler(cfg)
-    reqs = build_requests(cfg.policy, args.requests, args.prompt_len, args.output_len)
-    for r in reqs:
-        if cfg.policy == "decode_only":
-            sched.add_handoff(r, 0.0)
-            sched.mark_kv_arrived(r.request_id)
-        else:
-            sched.add_request(r)
-    step_s = []
-    seqs = 0
-    perf = time.perf_counter
-    gc.collect()
-    now = 0.0
-    while sched.has_unfinished():
-        t0 = perf()
-        out = sched.schedule(now)
-        t1 = perf()
-        sampled = [1 if s else -1 for s in out.do_sample]
-        t2 = perf()
-        finished = sched.update(out, sampled, now)
-        t3 = perf()
-        if cfg.policy == "prefill_only":
-            for r in finished:
-                if r.finish_reason == "handoff":
-                    sched.release(r.request_id)
-        step_s.append((t1 - t0) + (t3 - t2))
-        seqs += out.num_seqs
-        now += GPU_STEP_S
-        if len(step_s) > 10_000_000:
-            raise RuntimeError("no progress")
-    generated = sum(r.num_output_tokens for r in reqs)
-    if cfg.policy == "decode_only":
-        generated -= len(reqs)      # the first token came from the prefill instance
-    return step_s, seqs, sched.num_preemptions, generated
-
-
-def int_at_least(low: int):
-    """argparse type: an int >= low; a bad value fails parsing with one line naming the flag and the value."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer (expected >= {low})") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} is out of range, expected an integer >= {low}")
-        return value
-    parse.__name__ = f"int >= {low}"
-    return parse
-
-
-class OneLineErrors(argparse.ArgumentParser):
-    """A bad flag is one `error: ...` line with status 2, as in every other entry point (no 12-line usage first;
-    --help still shows it)."""
-
-    def error(self, message):
-        print(f"error: {' '.join(message.split())}", file=sys.stderr)
-        sys.exit(2)
-
-
-def main(argv=None):
-    p = OneLineErrors(prog="python -m experiments.bench_scheduler", description=__doc__.split("\n")[0])
-    p.add_argument("--policy", default="sarathi", choices=POLICIES)
-    p.add_argument("--requests", type=int_at_least(1), default=256)
-    p.add_argument("--prompt_len", type=int_at_least(1), default=512)
-    p.add_argument("--output_len", type=int_at_least(1), default=128)
-    p.add_argument("--token_budget", type=int_at_least(1), default=2048)
-    p.add_argument("--max_num_seqs", type=int_at_least(1), default=64)
-    p.add_argument("--page_size", type=int_at_least(1), default=16)
-    p.add_argument("--num_pages", type=int_at_least(0), default=0, help="0: enough for max_num_seqs full requests")
-    p.add_argument("--prefix_caching", action="store_true")
-    p.add_argument("--repeat", type=int_at_least(1), default=5)
-    args = p.parse_args(argv)
-
-    max_len = args.prompt_len + args.output_len
-    per_req = -(-max_len // args.page_size)
-    num_pages = args.num_pages or int(args.max_num_seqs * per_req / 0.99) + 2
-    try:      # combinations the flags cannot check one by one (e.g. a policy's own rules)
-        cfg = SchedulerConfig(policy=args.policy, token_budget=args.token_budget, max_num_seqs=args.max_num_seqs,
-                              max_model_len=max_len, page_size=args.page_size, num_pages=num_pages,
-                              enable_prefix_caching=args.prefix_caching)
-    except ValueError as e:
-        p.error(str(e))
-    best = None
-    for _ in range(args.repeat):
-        res = run_once(cfg, args)
-        if best is None or sum(res[0]) < sum(best[0]):
-            best = res
-    step_s, seqs, preemptions, generated = best
-    total = sum(step_s)
-    srt = sorted(step_s)
-    p99 = srt[min(len(srt) - 1, int(0.99 * len(srt)))]
-    us_per_req = total / max(seqs, 1) * 1e6
-    loop_ns = python_loop_ns_per_item()
-    result = {
-        "policy": args.policy, "requests": args.requests, "prompt_len": args.prompt_len,
-        "output_len": args.output_len, "token_budget": args.token_budget, "max_num_seqs": args.max_num_seqs,
-        "page_size": args.page_size, "num_pages": num_pages, "prefix_caching": args.prefix_caching,
-        "repeat": args.repeat,
-        "steps": len(step_s),
-        "total_s": round(total, 6),
-        "mean_us_per_step": round(total / len(step_s) * 1e6, 2),
-        "p99_us_per_step": round(p99 * 1e6, 2),
-        "preemptions": preemptions,
-        "generated_tokens": generated,
-        "mean_seqs_per_step": round(seqs / len(step_s), 2),
-        "us_per_scheduled_request": round(us_per_req, 3),
-        "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine(),
-                    "python_loop_ns_per_item": round(loop_ns, 2)},
-        "ratios": {
-            "scheduled_request_cost_in_python_loop_items": round(us_per_req * 1e3 / loop_ns, 1),
-            "speedup_vs_vllm_v1_17us_per_request": round(VLLM_V1_US_PER_RUNNING_REQUEST / us_per_req, 2),
-            "mean_step_over_5ms_gpu_step": round(total / len(step_s) / GPU_STEP_S, 4),
-        },
-    }
-    print(json.dumps(result))
-    return result
+def main(argv):
+    if len(argv) > 1:
+        raise cli.UserError(f"unexpected arguments {argv[1:]}")
+    print(json.dumps(run(FLAGS.policy, FLAGS.requests, FLAGS.prompt_len, FLAGS.output_len, FLAGS.token_budget,
+                         FLAGS.max_num_seqs, FLAGS.page_size, FLAGS.num_pages, FLAGS.prefix_caching,
+                         FLAGS.repeat)))
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -2,7 +2,7 @@
 per regime as JSON (pdjax.sim.calibration.fit_operator_profile says what is fitted on what).
 
 python -m experiments.fit_profile --hardware=h100 [--profiling_dir=../shared/data/profiling] [--out=PATH]
-python -m experiments.fit_profile --hardware=a100          (what experiments.fit_a100 runs)
+python -m experiments.fit_profile --hardware=a100          (writes pdjax/sim/profiles/a100.json)
 python -m experiments.fit_profile --hardware=h100 --evaluate_only   (errors of the shipped profiles, no writes)
 python -m experiments.fit_profile --stack_steps=STEPS.csv --hardware=a100-80gb-sxm --model=opt-13b --tp=2 \
     --out=my_stack.json [--stack_floor_s=0.002 --stack_per_context_token_s=1e-7]

@@ -1,280 +1,33 @@
-"""Simulator fidelity on this machine: calibrate on the CPU engine, run one online workload for real and in
-simulation, compare the latency metrics; three seeds by default, and the median over them.
+"""Simulator fidelity on this machine (pdjax.experiment.fidelity: calibrate on the CPU engine, run one online
+workload for real and in simulation, compare the latency metrics); three seeds by default, and the median.
 
     python -m experiments.sim_fidelity                                   # configs/sim/fidelity_cpu.py, seeds 0,1,2
     python -m experiments.sim_fidelity --seeds=0                         # one seed
     python -m experiments.sim_fidelity --profile=pdjax/sim/profiles/host-cpu.json   # skip calibration
 
-Per seed (`run_fidelity`): build the real engine's runner for the config (the same `build_runner` run_real uses)
-and compile its buckets; unless --profile is given, time the calibration grid (pdjax.runtime.probe) on that
-runner; serve the workload (the config with that seed) on the real engine (ColocatedEngine, as run_real does) into
-<workdir>/seed<N>/real; unless --profile, time the grid again and fit the profile on each point's mean of the two
-medians (bracketing: on a shared machine other jobs change step times over minutes, and the real run sits between
-the two timings); simulate the same config, seed and workload with the profile into <workdir>/seed<N>/sim.
-The calibration never sees the served workload (it times synthetic batch compositions), so each seed's run is a
-validation, not a fit. The step-context terms (shape switch, idle wake: pdjax.sim.cost_model.context_time) are
-measured directly (pdjax.runtime.probe.profile_step_context), before and after the real run as well; each seed
-is also simulated with the same profile and those terms at 0 (<workdir>/seed<N>/sim_no_step_context, the
-report's "without_step_context", the table's "no ctx" line), which is what they buy in the same load conditions.
-
-Step noise: the calibration also serves its own probe workload on the engine loop before and after the real run
-(pdjax.experiment.calibrate.probe_engine_loop); the measured / predicted ratios of its steady decode steps become the
-profile's step noise, which the simulator samples per step (the table's "no noise" line: the same profile
-without it).
-
-Step replay (the report's "step_replay"): every batch the real engine ran is re-costed with the simulator's step
-time and compared with what the engine measured for it (from its start to the next iteration's start: the
-scheduler, batch building, the device step, collecting and updating), split by what came before it: a step whose
-padded (T, S) shape differs from the previous step's (the CPU runtime switches executables: caches and thread
-pool go cold), a step after the engine sat idle (> 1 ms waiting for an arrival: XLA's worker threads park), and
-steady steps. It separates the cost model's error from the divergence of two trajectories. Each step is costed with
-the StepContext the simulator would give it (the previous batch; the engine's wait before it when > 1 ms).
-
 Prints, per seed and as the median over seeds, the P50/P99 TTFT and P50/P99 TBT errors, the target line
-"median P99 TBT error <= 10%" with PASS/FAIL, then the JSON summary (per seed: every metric real vs simulated
-and the relative error, the simulator's speed, the load drift (after / before ratio of the grid), the step
-replay).
+"median P99 TBT error <= 10%" with PASS/FAIL, then the JSON summary.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import statistics
 import sys
-import time
-from typing import Any, Dict, Optional, Sequence
 
-import numpy as np
 from absl import flags
 
 from pdjax.config.serving import serve_config_from_dict
 from pdjax.experiment import cli
-from pdjax.experiment.calibrate import fit_and_save, probe_engine_loop
+from pdjax.experiment.fidelity import format_table, run_seeds
 from pdjax.experiment.run import to_plain_dict
-from pdjax.metrics import write_run_outputs
-from pdjax.runtime.probe import context_outputs, engine_grid, profile_engine, profile_step_context
-from pdjax.scheduler import make_scheduler, request_from_workload
-from pdjax.serving.build import build_runner
-from pdjax.serving.engine import ColocatedEngine
-from pdjax.sim.build import build_setup, group_step_time
-from pdjax.sim.calibration import median_decode_step_s, merge_step_context
-from pdjax.sim.profile import load_profile
-from pdjax.sim.replay import ScheduleRecorder, replay_steps
-from pdjax.sim.run import run_sim
-from pdjax.workload import make_workload
 
 FLAGS = flags.FLAGS
-
-
-def define_flags() -> None:
-    """The flags, defined only when this is the main module (tests import its functions beside other CLIs')."""
-    cli.define_config_file("config", "configs/sim/fidelity_cpu.py", "Serve config of the workload.")
-    flags.DEFINE_string("workdir", "/tmp/pdjax_sim_fidelity", "Outputs: seed<N>/{real,sim,profile.json}.")
-    flags.DEFINE_string("profile", "", "Use this sim profile instead of calibrating now.")
-    flags.DEFINE_list("seeds", ["0", "1", "2"], "Workload seeds (config.seed); one run per seed, then the median.")
-    flags.DEFINE_integer("repeats", 5, "Calibration: timed runs per grid point.")
-    flags.DEFINE_bool("quick", False, "Calibration: the smaller grid.")
-
-METRICS = ("ttft.p50", "ttft.p90", "ttft.p99", "tbt.p50", "tbt.p90", "tbt.p99", "tpot.p50", "e2e.p50",
-           "sched_delay.p50", "iterations.step_time.p50", "duration_s")
-MUST_HOLD = ("ttft.p50", "tbt.p50", "tbt.p99")     # within 25% (issue 6)
-HEADLINE = ("ttft.p50", "ttft.p99", "tbt.p50", "tbt.p99")   # printed per seed and as the median
-TARGET_METRIC, TARGET = "tbt.p99", 0.10            # issue 12: median over seeds of the P99 TBT error <= 10%
-STEP_CONTEXT_KEYS = ("shape_switch_s", "idle_wake_s", "idle_wake_fixed_s")   # zeroed: the model without them
-
-
-def _value(summary: Dict[str, Any], path: str) -> Optional[float]:
-    node: Any = summary
-    for part in path.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
-
-
-def compare(real: Dict[str, Any], sim: Dict[str, Any]) -> Dict[str, Dict[str, Optional[float]]]:
-    out = {}
-    for path in METRICS:
-        r, s = _value(real, path), _value(sim, path)
-        err = abs(s - r) / r if r and s is not None else None
-        out[path] = {"real": r, "sim": s, "rel_error": err}
-    return out
-
-
-def step_replay(batches: Sequence[tuple], iterations, step_time, padding) -> Optional[Dict[str, Any]]:
-    """The simulator's step time on every batch the real engine ran vs the engine's own time for it
-    (pdjax.sim.replay.replay_steps: measurement, step context and classes). Relative errors (sim - real) / real,
-    overall and per class ('shape_switch', 'after_idle', 'steady'). None when the counts disagree."""
-    try:
-        r = replay_steps(batches, iterations, step_time, padding)
-    except ValueError:
-        return None
-    err = (r.predicted - r.measured) / r.measured
-
-    def summary(mask):
-        e = err[mask]
-        if e.size == 0:
-            return {"num_steps": 0}
-        return {"num_steps": int(e.size), "median_error": float(np.median(e)),
-                "median_abs_error": float(np.median(np.abs(e))), "p10_error": float(np.percentile(e, 10)),
-                "p90_error": float(np.percentile(e, 90)),
-                "real_median_s": float(np.median(r.measured[mask])),
-                "sim_median_s": float(np.median(r.predicted[mask]))}
-    return {"all": summary(np.ones_like(r.steady)), "steady": summary(r.steady),
-            "shape_switch": summary(r.shape_switch), "after_idle": summary(r.after_idle),
-            "real_step_s_p99": float(np.percentile(r.measured, 99)),
-            "sim_step_s_p99": float(np.percentile(r.predicted, 99))}
-
-
-def run_fidelity(config_dict: Dict[str, Any], workdir: str, *, profile: str = "", repeats: int = 5,
-                 quick: bool = False, log=None) -> Dict[str, Any]:
-    """One seed's check (module docstring; the seed is config_dict's); returns the report dict."""
-    os.makedirs(workdir, exist_ok=True)
-    config_dict = json.loads(json.dumps(config_dict))
-    config_dict["backend"] = "real"
-    cfg = serve_config_from_dict(config_dict)
-    runner = build_runner(cfg)
-    t = time.perf_counter()
-    runner.warmup()
-    compile_s = time.perf_counter() - t
-    calibration = None
-    before = None
-    if not profile:
-        grid = engine_grid(cfg, runner, quick)
-        before = profile_engine(runner, grid, page_size=runner.page_size, repeats=repeats, log=log)
-        ctx_outputs = context_outputs(cfg, runner)
-        ctx_rounds = 5 if quick else 9
-        ctx_before = profile_step_context(runner, ctx_outputs, rounds=ctx_rounds, log=log)
-        probe_before = probe_engine_loop(cfg, runner, median_decode_step_s(before))
-
-    workload = make_workload(cfg.workload, seed=cfg.seed)
-    offline = cfg.engine.mode == "offline"
-    requests = [request_from_workload(w, eos_token_id=cfg.model.eos_token_id, offline=offline, seed=cfg.seed)
-                for w in workload]
-    sched_cfg = cfg.scheduler
-    if not sched_cfg.vocab_size:   # as run_real
-        sched_cfg = dataclasses.replace(sched_cfg, vocab_size=runner.spec.vocab_size)
-    scheduler = make_scheduler(sched_cfg)
-    recorder = ScheduleRecorder(scheduler)
-    engine = ColocatedEngine(runner, scheduler, async_scheduling=cfg.engine.async_scheduling)
-    compiles_before = runner.compile_count
-    result = engine.run(requests)
-    real = write_run_outputs(os.path.join(workdir, "real"), config_dict, result.requests, result.iterations,
-                             cfg.slo.as_dict(), plots=False,
-                             extra={"engine": {"backend": "real", "compiles_during_run":
-                                               runner.compile_count - compiles_before}})
-
-    drift = None
-    if before is not None:
-        # Bracketing calibration: the grid is timed again after the real run and each point's two medians are
-        # averaged, so a load change on a shared machine during the real run is seen half-way, not missed.
-        after = profile_engine(runner, grid, page_size=runner.page_size, repeats=repeats, log=log)
-        ctx_after = profile_step_context(runner, ctx_outputs, rounds=ctx_rounds, log=log)
-        probe_after = probe_engine_loop(cfg, runner, median_decode_step_s(after))
-        measured = [(kind, out, 0.5 * (a + b)) for (kind, out, a), (_, _, b) in zip(before, after)]
-        profile = os.path.join(workdir, "profile.json")
-        calibration = fit_and_save(cfg, runner, measured, repeats=2 * repeats, out_path=profile,
-                                   note=" (before and after the real run)",
-                                   command="python -m experiments.sim_fidelity " + " ".join(sys.argv[1:]),
-                                   context=merge_step_context(ctx_before, ctx_after),
-                                   probe=[probe_before, probe_after])
-        ratios = sorted(b / a for (_, _, a), (_, _, b) in zip(before, after))
-        drift = {"median_ratio_after_vs_before": ratios[len(ratios) // 2], "min_ratio": ratios[0],
-                 "max_ratio": ratios[-1]}
-
-    def simulate(profile_path, name, noise=True):
-        sim_dict = json.loads(json.dumps(config_dict))
-        sim_dict["backend"] = "sim"
-        sim_dict.setdefault("sim", {})
-        sim_dict["sim"].update(profile=profile_path, hardware="host-cpu", step_noise=noise)
-        sim_cfg = serve_config_from_dict(sim_dict)
-        summary = run_sim(sim_cfg, sim_dict, os.path.join(workdir, name), plots=False)
-        setup = build_setup(sim_cfg)
-        return summary, step_replay(recorder.batches, result.iterations,
-                                    group_step_time(setup, "colocated", noise=False), setup.padding)
-
-    sim, replay = simulate(profile, "sim")
-    metrics = compare(real, sim)
-    # The same profile without its step noise (the deterministic model): what the noise buys.
-    no_noise = None
-    if profile and load_profile(profile).step_noise:
-        sim_nn, _ = simulate(profile, "sim_no_step_noise", noise=False)
-        no_noise = {"metrics": compare(real, sim_nn)}
-    # The same profile with the step-context terms at 0 (no shape-switch / idle-wake cost): what they buy.
-    no_context = None
-    data = json.loads(open(profile).read()) if profile and os.path.isfile(profile) else None
-    if data is not None and any(data["cost_params"].get(k, 0.0) for k in STEP_CONTEXT_KEYS):
-        data["cost_params"].update({k: 0.0 for k in STEP_CONTEXT_KEYS})
-        zeroed = os.path.join(workdir, "profile_no_step_context.json")
-        with open(zeroed, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-        sim0, replay0 = simulate(zeroed, "sim_no_step_context")
-        no_context = {"metrics": compare(real, sim0), "step_replay": replay0}
-    return {
-        "seed": cfg.seed,
-        "metrics": metrics,
-        "must_hold_within_25pct": all(metrics[m]["rel_error"] is not None and metrics[m]["rel_error"] <= 0.25
-                                      for m in MUST_HOLD),
-        "max_must_hold_error": max(metrics[m]["rel_error"] or 0.0 for m in MUST_HOLD),
-        "num_requests": real["num_requests"],
-        "real_iterations": real["iterations"]["num_iterations"],
-        "sim_iterations": sim["iterations"]["num_iterations"],
-        "sim_iterations_per_s": sim["sim"]["iterations_per_s"],
-        "real_compiles_during_run": real["engine"]["compiles_during_run"],
-        "compile_s": compile_s,
-        "profile": profile,
-        "calibration_fit": calibration["fit"] if calibration else None,
-        "load_drift": drift,
-        "step_replay": replay,
-        "without_step_context": no_context,
-        "without_step_noise": no_noise,
-        "workdir": workdir,
-    }
-
-
-def summarize(reports: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
-    """Median over seeds of every metric's relative error, and the issue-12 target."""
-    median = {}
-    for path in METRICS:
-        errs = [r["metrics"][path]["rel_error"] for r in reports if r["metrics"][path]["rel_error"] is not None]
-        median[path] = statistics.median(errs) if errs else None
-    target_err = median[TARGET_METRIC]
-    return {"seeds": [r["seed"] for r in reports], "median_rel_error": median,
-            "target": {"metric": TARGET_METRIC, "bound": TARGET, "median_rel_error": target_err,
-                       "pass": target_err is not None and target_err <= TARGET},
-            "must_hold_within_25pct_median": all(median[m] is not None and median[m] <= 0.25 for m in MUST_HOLD)}
-
-
-def run_seeds(config_dict: Dict[str, Any], workdir: str, seeds: Sequence[int], **kwargs) -> Dict[str, Any]:
-    """run_fidelity for each seed (workdir/seed<N>), then `summarize`."""
-    reports = []
-    for seed in seeds:
-        cfg = json.loads(json.dumps(config_dict))
-        cfg["seed"] = int(seed)
-        reports.append(run_fidelity(cfg, os.path.join(workdir, f"seed{seed}"), **kwargs))
-    return {"summary": summarize(reports), "runs": reports}
-
-
-def format_table(result: Dict[str, Any]) -> str:
-    def pct(x):
-        return "   n/a" if x is None else f"{100 * x:5.1f}%"
-    lines = ["seed    " + "  ".join(f"{m + ' err':>13}" for m in HEADLINE) + "   (real -> sim, ms)"]
-    for r in result["runs"]:
-        m = r["metrics"]
-        cells = "  ".join(f"{pct(m[k]['rel_error']):>13}" for k in HEADLINE)
-        vals = ", ".join(f"{k} {1e3 * m[k]['real']:.2f}->{1e3 * m[k]['sim']:.2f}" for k in HEADLINE)
-        lines.append(f"{r['seed']:<6}  {cells}   {vals}")
-        for key, label, what in (("without_step_noise", "  no noise", "same profile, no step noise"),
-                                 ("without_step_context", "  no ctx", "same profile, step-context terms at 0")):
-            if r.get(key):
-                m0 = r[key]["metrics"]
-                cells0 = "  ".join(f"{pct(m0[k]['rel_error']):>13}" for k in HEADLINE)
-                lines.append(f"{label:<6}  {cells0}   ({what})")
-    med = result["summary"]["median_rel_error"]
-    lines.append("median  " + "  ".join(f"{pct(med[k]):>13}" for k in HEADLINE))
-    t = result["summary"]["target"]
-    lines.append(f"target: median P99 TBT error <= {100 * t['bound']:.0f}%: {'PASS' if t['pass'] else 'FAIL'} "
-                 f"({pct(t['median_rel_error']).strip()})")
-    return "\n".join(lines)
+cli.define_config_file("config", "configs/sim/fidelity_cpu.py", "Serve config of the workload.")
+flags.DEFINE_string("workdir", "/tmp/pdjax_sim_fidelity", "Outputs: seed<N>/{real,sim,profile.json}.")
+flags.DEFINE_string("profile", "", "Use this sim profile instead of calibrating now.")
+flags.DEFINE_list("seeds", ["0", "1", "2"], "Workload seeds (config.seed); one run per seed, then the median.")
+flags.DEFINE_integer("repeats", 5, "Calibration: timed runs per grid point.")
+flags.DEFINE_bool("quick", False, "Calibration: the smaller grid.")
 
 
 def main(argv):
@@ -301,5 +54,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    define_flags()
     cli.run(main)

@@ -1,15 +1,26 @@
-"""experiments.bench_sim end to end at a tiny size: every case runs in its own process and reports its speed,
-memory and the digest of its records (keys and invariants, not timings)."""
+"""experiments.bench_sim (pdjax.experiment.sim_bench) end to end at a tiny size: every case runs in its own process
+and reports its speed, memory and the digest of its records (keys and invariants, not timings)."""
 import json
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
-from experiments import bench_sim
+from pdjax.experiment import sim_bench as bench_sim
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_bench_sim_smoke(capsys, shared_data):
-    out = bench_sim.main(["--num_requests=3"])
-    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(out))
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "experiments.bench_sim", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_bench_sim_smoke(shared_data):
+    proc = _cli("--num_requests=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
     assert sorted(out["cases"]) == sorted(bench_sim.CASES)
     for case in out["cases"].values():
         assert case["num_requests"] == 3 and case["num_iterations"] > 0
@@ -20,10 +31,10 @@ def test_bench_sim_smoke(capsys, shared_data):
     assert len(out["load_average_before"]) == 3 and out["cpus"] >= 1
 
 
-def test_bench_sim_rejects_bad_flags(capsys):
-    with pytest.raises(SystemExit):
-        bench_sim.main(["--cases=chat10k,nope"])
-    assert "expected a comma-separated list" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        bench_sim.main(["--repeat=0"])
-    assert "expected an integer >= 1" in capsys.readouterr().err
+def test_bench_sim_rejects_bad_flags():
+    proc = _cli("--cases=chat10k,nope")
+    assert proc.returncode == 2
+    assert "expected a comma-separated list" in proc.stderr
+    proc = _cli("--repeat=0")
+    assert proc.returncode == 2
+    assert "expected an integer >= 1" in proc.stderr

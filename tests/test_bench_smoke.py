@@ -1,7 +1,7 @@
 """Smoke tests of the benchmark and experiment entry points at their smallest sizes: each runs its main path end to
 end (`python -m experiments.X`, as a user does) and checks the JSON's keys and invariants, never its timings.
 (bench_throughput, bench_scheduler and sim_fidelity have theirs in test_bench_throughput.py,
-test_cli_validation.py and test_fidelity.py; fit_profile, fit_a100 and calibrate in test_profile_fit.py and
+test_cli_validation.py and test_fidelity.py; fit_profile and calibrate in test_profile_fit.py and
 test_calibration.py.) Subprocesses: the entry points define absl flags of the same names, which one process
 cannot import side by side."""
 import json

@@ -1,11 +1,12 @@
-"""experiments/bench_throughput on a tiny setting: the JSON's counts agree with its definitions (module docstring)."""
+"""experiments/bench_throughput (pdjax.experiment.throughput) on a tiny setting: the JSON's counts agree with its
+definitions (module docstring)."""
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
-from experiments import bench_throughput
+from pdjax.experiment import throughput as bench_throughput
 
 CEILINGS = {"matmul_flops": 1e11, "copy_bandwidth_Bps": 1e10}  # fixed, so the test skips measuring them
 
@@ -42,8 +43,8 @@ def test_cli_rejects_bad_flag_in_one_line():
                           capture_output=True, text=True, timeout=120,
                           cwd=pathlib.Path(__file__).resolve().parents[1])
     assert proc.returncode == 2 and proc.stdout == ""
-    errors = [line for line in proc.stderr.splitlines() if "bench_throughput" in line]
-    assert errors == ["bench_throughput: --output_len=0: expected an integer >= 1"]
+    errors = [line for line in proc.stderr.splitlines() if "output_len" in line]   # cli.run's one-line error
+    assert errors == ["error: --output_len=0: expected an integer >= 1"]
 
 
 def test_side_by_side_with_hf_gives_the_same_greedy_tokens():

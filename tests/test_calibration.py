@@ -118,8 +118,8 @@ def test_sanity_points_from_sources_md(vidur):
 
 
 def test_refit_from_scratch_matches_the_shipped_profile(shared_data):
-    """The fit itself (not just the shipped numbers) reproduces the measurements, and `experiments.fit_a100`'s
-    output is what is shipped (the fit is deterministic)."""
+    """The fit itself (not just the shipped numbers) reproduces the measurements, and `experiments.fit_profile
+    --hardware=a100`'s output is what is shipped (the fit is deterministic)."""
     params, report = cal.fit_vidur_a100(shared_data / "profiling")
     assert report["overall"]["median_rel_error"] < 0.10
     shipped = load_profile("a100").params

@@ -1,6 +1,7 @@
 """Command-line tools reject bad values up front with one line naming the flag (generate, bench_scheduler, cost),
 and launch/sweep.sh resolves relative paths against the caller's directory."""
 import csv
+import json
 import os
 import pathlib
 import subprocess
@@ -37,31 +38,36 @@ def test_generate_rejects_bad_flags_before_loading(tmp_path, flags, expected):
 
 # ------------------------------------------------------------------------------------------------ bench_scheduler
 @pytest.mark.parametrize("flag,expected", [
-    ("--requests=0", "argument --requests: 0 is out of range, expected an integer >= 1"),
-    ("--repeat=0", "argument --repeat: 0 is out of range, expected an integer >= 1"),
-    ("--prompt_len=0", "argument --prompt_len: 0 is out of range, expected an integer >= 1"),
-    ("--output_len=0", "argument --output_len: 0 is out of range, expected an integer >= 1"),
-    ("--token_budget=0", "argument --token_budget: 0 is out of range, expected an integer >= 1"),
-    ("--max_num_seqs=-2", "argument --max_num_seqs: -2 is out of range, expected an integer >= 1"),
-    ("--page_size=0", "argument --page_size: 0 is out of range, expected an integer >= 1"),
-    ("--num_pages=-1", "argument --num_pages: -1 is out of range, expected an integer >= 0"),
-    ("--requests=ten", "argument --requests: 'ten' is not an integer"),
-    ("--policy=fifo", "argument --policy: invalid choice: 'fifo'"),
+    ("--requests=0", "flag --requests=0: 0 is not a positive integer"),
+    ("--repeat=0", "flag --repeat=0: 0 is not a positive integer"),
+    ("--prompt_len=0", "flag --prompt_len=0: 0 is not a positive integer"),
+    ("--output_len=0", "flag --output_len=0: 0 is not a positive integer"),
+    ("--token_budget=0", "flag --token_budget=0: 0 is not a positive integer"),
+    ("--max_num_seqs=-2", "flag --max_num_seqs=-2: -2 is not a positive integer"),
+    ("--page_size=0", "flag --page_size=0: 0 is not a positive integer"),
+    ("--num_pages=-1", "flag --num_pages=-1: -1 is not a non-negative integer"),
+    ("--requests=ten", "flag --requests=ten: expected an integer, got 'ten'"),
+    ("--policy=fifo", "flag --policy=fifo: value should be one of"),
     ("--num_pages=1", "num_pages=1"),      # too few pages for one request: the config's own check, one line
 ])
-def test_bench_scheduler_rejects_bad_flags(capsys, flag, expected):
-    from experiments import bench_scheduler
-    with pytest.raises(SystemExit) as info:
-        bench_scheduler.main(["--requests=2", "--prompt_len=64", "--output_len=2", "--repeat=1", flag])
-    assert info.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
+def test_bench_scheduler_rejects_bad_flags(flag, expected):
+    out = _run(["experiments.bench_scheduler", "--requests=2", "--prompt_len=64", "--output_len=2", "--repeat=1",
+                flag])
+    assert out.returncode == 2
+    err = out.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0]   # no usage text before it
 
 
 def test_bench_scheduler_still_runs():
-    from experiments import bench_scheduler
-    result = bench_scheduler.main(["--requests=3", "--prompt_len=8", "--output_len=2", "--repeat=1"])
+    from pdjax.experiment import scheduler_bench
+    result = scheduler_bench.run(requests=3, prompt_len=8, output_len=2, repeat=1)
     assert result["steps"] > 0 and result["generated_tokens"] == 6
+
+
+def test_bench_scheduler_cli_prints_the_json():
+    out = _run(["experiments.bench_scheduler", "--requests=3", "--prompt_len=8", "--output_len=2", "--repeat=1"])
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["generated_tokens"] == 6
 
 
 # ------------------------------------------------------------------------------------------------ cost
@@ -69,7 +75,7 @@ def test_bench_scheduler_still_runs():
                                       ("prefill:4000@96", True), ("prefill:4000@97", False),
                                       ("prefill:16@0,decode:2@9000", False)])
 def test_cost_refuses_a_context_beyond_the_model_maximum(batch, ok):
-    from experiments import cost
+    from pdjax.experiment import cost
     if ok:
         assert cost.run("llama-2-7b", "a100-80gb-sxm", 1, 1, [batch])["batches"][0]["time_s"] > 0
         return

@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("jax")
 
-from experiments.sim_fidelity import MUST_HOLD, format_table, run_fidelity, run_seeds, summarize
+from pdjax.experiment.fidelity import MUST_HOLD, format_table, run_fidelity, run_seeds, summarize
 from pdjax.config.files import config_file
 from pdjax.experiment.run import to_plain_dict
 

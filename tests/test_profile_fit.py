@@ -138,10 +138,12 @@ def test_fit_profile_entry_point_writes_what_is_shipped(tmp_path, shared_data):
         assert getattr(fitted.params, name) == pytest.approx(value, rel=1e-6, abs=1e-15), name
 
 
-def test_fit_a100_entry_point_evaluates_and_rejects_bad_hardware(shared_data):
+def test_fit_profile_a100_entry_point_evaluates_and_rejects_bad_hardware(shared_data):
+    """The A100 profile through `python -m experiments.fit_profile --hardware=a100` (experiments.fit_a100, its
+    subset, is gone)."""
     import json
-    out = _entry_point("experiments.fit_a100", "--evaluate_only")
+    out = _entry_point("experiments.fit_profile", "--hardware=a100", "--evaluate_only")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["hardware"] == "a100-80gb-sxm"
-    bad = _entry_point("experiments.fit_a100", "--hardware=b300")
+    bad = _entry_point("experiments.fit_profile", "--hardware=b300")
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --hardware='b300', expected one of ['a100', 'h100']"

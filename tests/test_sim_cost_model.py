@@ -311,7 +311,7 @@ def test_cost_params_json_round_trip_and_validation():
 # ------------------------------------------------------------------------------------------------ layering, CLI
 def test_importing_pdjax_sim_does_not_import_jax():
     code = ("import sys; import pdjax.sim, pdjax.sim.cost_model, pdjax.sim.hardware, pdjax.sim.calibration; "
-            "import experiments.cost; print('jax' in sys.modules, 'flax' in sys.modules)")
+            "import pdjax.experiment.cost; print('jax' in sys.modules, 'flax' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
 

@@ -130,15 +130,8 @@ def compile_group(cfg: ServeConfig, role: str, devices: Sequence, *, utilization
     impl = attention_impl or cfg.model.attention_impl
     where = f"deployment.{role} (pp={group.pp}, tp={group.tp}, {device_kind})"
     try:
-        if sc.num_pages:
-            num_pages, source = sc.num_pages, "config"
-            error = hbm and aot.fit_error(spec, where, per_stage, num_pages, hbm, f"num_pages={num_pages}")
-            if error:
-                raise ValueError(error)
-        else:
-            num_pages, source = aot.plan_num_pages(spec, impl, mesh, buckets, page_size=sc.page_size,
-                                                   max_model_len=sc.max_model_len, dtype=dtype,
-                                                   utilization=utilization, hbm_bytes=hbm, where=where), "planned"
+        num_pages, source = _num_pages(spec, sc, impl, mesh, buckets, dtype=dtype, per_stage=per_stage, hbm=hbm,
+                                       utilization=utilization, where=where)
     except ValueError as e:
         report["error"] = str(e)
         return report
@@ -162,15 +155,32 @@ def compile_group(cfg: ServeConfig, role: str, devices: Sequence, *, utilization
         report["max_num_pages"] = aot.max_num_pages(steps, num_pages=num_pages, page_bytes=page_bytes,
                                                     hbm_bytes=hbm, utilization=utilization)
     if hardware is not None:   # the simulator's own estimate of the same cache, for comparison
-        try:
-            tokens = cost_model.kv_cache_capacity_tokens(spec.replace(dtype=str(dtype)), hardware, tp=group.tp,
-                                                         pp=group.pp, mem_util=utilization,
-                                                         max_num_batched_tokens=buckets.max_tokens,
-                                                         max_num_seqs=buckets.max_seqs)
-            report["sim_num_pages"] = tokens // sc.page_size
-        except ValueError:
-            report["sim_num_pages"] = 0
+        report["sim_num_pages"] = _sim_num_pages(spec, dtype, hardware, group, buckets, sc.page_size, utilization)
     return report
+
+
+def _num_pages(spec, sc, impl: str, mesh, buckets, *, dtype, per_stage, hbm, utilization: float, where: str):
+    """(num_pages, 'config') when the scheduler config sets it (ValueError when it does not fit `hbm`), else
+    (the planned count, 'planned')."""
+    if sc.num_pages:
+        error = hbm and aot.fit_error(spec, where, per_stage, sc.num_pages, hbm, f"num_pages={sc.num_pages}")
+        if error:
+            raise ValueError(error)
+        return sc.num_pages, "config"
+    return aot.plan_num_pages(spec, impl, mesh, buckets, page_size=sc.page_size, max_model_len=sc.max_model_len,
+                              dtype=dtype, utilization=utilization, hbm_bytes=hbm, where=where), "planned"
+
+
+def _sim_num_pages(spec, dtype, hardware, group, buckets, page_size: int, utilization: float) -> int:
+    """The simulator's KV pages for the same group (0 when its cost model finds no room)."""
+    try:
+        tokens = cost_model.kv_cache_capacity_tokens(spec.replace(dtype=str(dtype)), hardware, tp=group.tp,
+                                                     pp=group.pp, mem_util=utilization,
+                                                     max_num_batched_tokens=buckets.max_tokens,
+                                                     max_num_seqs=buckets.max_seqs)
+    except ValueError:
+        return 0
+    return tokens // page_size
 
 
 def compile_deployment(cfg: ServeConfig, devices_by_role: Dict[str, Sequence], *, utilization: float = 0.9,

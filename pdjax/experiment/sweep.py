@@ -390,16 +390,7 @@ def _run_ray(todo: Sequence[Tuple[str, Dict[str, Any]]], workdir: str, run_fn, l
     already or `address` names a cluster to join."""
     import ray  # noqa: PLC0415 (optional cluster extra; run_sweep checked it is installed)
 
-    started = not ray.is_initialized()
-    if started:
-        t0 = time.perf_counter()
-        kwargs = {"address": address} if address else {"num_cpus": num_cpus, "include_dashboard": False}
-        try:
-            ray.init(logging_level="WARNING", **kwargs)
-        except ConnectionError as e:    # e.g. 'auto' with no cluster running here
-            raise ValueError(f"ray_address={address!r}: {_first_line(e)}") from None
-        log(f"sweep: Ray {'cluster ' + address + ' joined' if address else 'local cluster started'} in "
-            f"{time.perf_counter() - t0:.1f} s")
+    started = _ray_start(ray, address, num_cpus, log)
     pending: Dict[Any, Tuple[str, Dict[str, Any], Dict[str, Any], int]] = {}
     try:
         nodes = [n for n in ray.nodes() if n.get("Alive", True)]
@@ -425,21 +416,12 @@ def _run_ray(todo: Sequence[Tuple[str, Dict[str, Any]]], workdir: str, run_fn, l
             try:
                 status, error = ray.get(ref)
             except ray.exceptions.RayError as e:
-                kind = type(e).__name__
-                errors.setdefault(name, []).append(f"attempt {attempt + 1}: {kind}: {str(e).strip()}")
-                died = kind in _WORKER_DIED
-                if died and attempt < max_retries:
-                    log(f"sweep: the worker of {name} died ({kind}: {_first_line(e)}); retry {attempt + 1} of "
-                        f"{max_retries}")
+                failure = _ray_failure(e, name, cfg, attempt, errors, workdir=workdir, max_retries=max_retries,
+                                       log=log)
+                if failure is None:
                     submit(name, cfg, opts, attempt + 1)
                     continue
-                for leftover in _partial_dirs(workdir, name):
-                    shutil.rmtree(leftover, ignore_errors=True)
-                what = (f"the point's worker process died on all {attempt + 1} attempts (killed, or out of memory?)"
-                        if died else "the point's Ray task failed")
-                _record_failure(os.path.join(workdir, name), cfg,
-                                f"{what}:\n" + "\n".join(errors[name]) + f"\n{kind}: {what}\n")
-                status, error = "failed", f"{kind}: {what}"
+                status, error = failure
             _log_point(log, name, status, error)
     except BaseException:   # an error, Ctrl-C or SystemExit (SIGTERM): stop the points still running
         for ref in pending:
@@ -451,6 +433,41 @@ def _run_ray(todo: Sequence[Tuple[str, Dict[str, Any]]], workdir: str, run_fn, l
     finally:
         if started:
             ray.shutdown()
+
+
+def _ray_start(ray, address: Optional[str], num_cpus: Optional[int], log: Callable[[str], None]) -> bool:
+    """Join the cluster at `address` or start a local one, unless Ray is initialized already; True if this call
+    did (the caller shuts it down)."""
+    if ray.is_initialized():
+        return False
+    t0 = time.perf_counter()
+    kwargs = {"address": address} if address else {"num_cpus": num_cpus, "include_dashboard": False}
+    try:
+        ray.init(logging_level="WARNING", **kwargs)
+    except ConnectionError as e:    # e.g. 'auto' with no cluster running here
+        raise ValueError(f"ray_address={address!r}: {_first_line(e)}") from None
+    log(f"sweep: Ray {'cluster ' + address + ' joined' if address else 'local cluster started'} in "
+        f"{time.perf_counter() - t0:.1f} s")
+    return True
+
+
+def _ray_failure(e: BaseException, name: str, cfg: Dict[str, Any], attempt: int, errors: Dict[str, List[str]], *,
+                 workdir: str, max_retries: int, log: Callable[[str], None]) -> Optional[Tuple[str, str]]:
+    """A point's Ray task raised `e`: None when its worker died and a retry is left (the caller resubmits),
+    else the point is recorded as failed (error.txt) and this returns ('failed', error line)."""
+    kind = type(e).__name__
+    errors.setdefault(name, []).append(f"attempt {attempt + 1}: {kind}: {str(e).strip()}")
+    died = kind in _WORKER_DIED
+    if died and attempt < max_retries:
+        log(f"sweep: the worker of {name} died ({kind}: {_first_line(e)}); retry {attempt + 1} of "
+            f"{max_retries}")
+        return None
+    for leftover in _partial_dirs(workdir, name):
+        shutil.rmtree(leftover, ignore_errors=True)
+    what = (f"the point's worker process died on all {attempt + 1} attempts (killed, or out of memory?)"
+            if died else "the point's Ray task failed")
+    _record_failure(os.path.join(workdir, name), cfg, f"{what}:\n" + "\n".join(errors[name]) + f"\n{kind}: {what}\n")
+    return "failed", f"{kind}: {what}"
 
 
 def _first_line(error: BaseException) -> str:
@@ -526,8 +543,29 @@ def run_sweep(sweep: Mapping[str, Any], workdir: str, run_fn: Callable[[Dict[str
     (with `ray_num_cpus` CPUs, default all) and stopped at the end. A point whose worker dies is resubmitted up
     to `max_retries` times, then recorded as failed. run_fn must be picklable by Ray (a module-level function of
     an installed module). For a cluster of several machines `workdir` must be on a disk they all share.
+
+    Steps: `plan_sweep` (checks, the points to run), execute (`_run_ray`, `_run_parallel` or in this process),
+    `summarize_sweep` (summary.csv).
     """
     points = expand_grid(sweep)
+    _check_options(parallel, executor, max_retries, platform, ray_address)
+    todo = plan_sweep(points, workdir, validate=validate, rerun_changed=rerun_changed, log=log)
+    if executor == "ray" and todo:
+        _run_ray(todo, workdir, run_fn, log, address=ray_address, max_retries=max_retries, platform=platform,
+                 num_cpus=ray_num_cpus)
+    elif parallel > 1 and len(todo) > 1:
+        _run_parallel(todo, workdir, run_fn, parallel, log)
+    else:
+        for name, cfg in todo:
+            status, error = _run_point(run_fn, cfg, os.path.join(workdir, name))
+            _log_point(log, name, status, error)
+    return summarize_sweep(sweep, points, workdir)
+
+
+def _check_options(parallel: int, executor: str, max_retries: int, platform: str,
+                   ray_address: Optional[str]) -> None:
+    """run_sweep's options (ValueError naming the bad one); with executor='ray', that Ray is installed and
+    `ray_address` reachable."""
     if not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1:
         raise ValueError(f"parallel={parallel!r}, expected an int >= 1")
     if executor not in EXECUTORS:
@@ -543,6 +581,14 @@ def run_sweep(sweep: Mapping[str, Any], workdir: str, run_fn: Callable[[Dict[str
             raise ValueError("executor 'ray' needs Ray: pip install -e '.[cluster]'") from None
         if ray_address and not ray.is_initialized():
             check_ray_address(ray_address)
+
+
+def plan_sweep(points: Sequence[Tuple[str, Dict[str, Any], Dict[str, Any]]], workdir: str, *,
+               validate: Optional[Callable[[Dict[str, Any]], Any]] = None, rerun_changed: bool = False,
+               log: Callable[[str], None] = print) -> List[Tuple[str, Dict[str, Any]]]:
+    """The (name, config) of the points of `expand_grid` still to run, after validating every point and readying
+    `workdir` (run_sweep's rules: SweepConfigChanged for a changed finished point unless `rerun_changed`; the
+    partial directories of a killed run are removed)."""
     if validate is not None:
         for name, _, cfg in points:
             try:
@@ -571,15 +617,13 @@ def run_sweep(sweep: Mapping[str, Any], workdir: str, run_fn: Callable[[Dict[str
         log(f"sweep: rerunning {name}: config changed ({_short(diff)})")
     log(f"sweep: {len(points)} points, {len(points) - len(todo)} already done, {len(todo)} to run"
         + (f" ({retried} failed before, retried)" if retried else ""))
-    if executor == "ray" and todo:
-        _run_ray(todo, workdir, run_fn, log, address=ray_address, max_retries=max_retries, platform=platform,
-                 num_cpus=ray_num_cpus)
-    elif parallel > 1 and len(todo) > 1:
-        _run_parallel(todo, workdir, run_fn, parallel, log)
-    else:
-        for name, cfg in todo:
-            status, error = _run_point(run_fn, cfg, os.path.join(workdir, name))
-            _log_point(log, name, status, error)
+    return todo
+
+
+def summarize_sweep(sweep: Mapping[str, Any], points: Sequence[Tuple[str, Dict[str, Any], Dict[str, Any]]],
+                    workdir: str) -> List[Dict[str, Any]]:
+    """One row per point (its results, or status 'failed' and its error line) into workdir/summary.csv; raises
+    SweepFailed after writing it when a point failed, else returns the rows."""
     rows, failed = [], []
     for name, values, _ in points:
         point_dir = os.path.join(workdir, name)

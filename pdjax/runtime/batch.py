@@ -62,20 +62,10 @@ def empty_batch(shape: Tuple[int, int, int]) -> RaggedBatch:
         seed=np.zeros(s, np.uint32), token_src=np.full(t, -1, np.int32))
 
 
-def build_ragged_batch(token_ids: Sequence[Sequence[int]], num_computed_tokens: Sequence[int],
-                       page_tables: Sequence[Sequence[int]], do_sample: Sequence[bool],
-                       sampling: Sequence[Optional[SamplingParams]], *, page_size: int, buckets: Buckets,
-                       max_model_len: Optional[int] = None, num_pages: Optional[int] = None,
-                       vocab_size: Optional[int] = None) -> RaggedBatch:
-    """Pad one iteration's sequences into a RaggedBatch (numpy arrays).
-
-    Sequence i feeds token_ids[i] at positions num_computed_tokens[i] + j; its kv_len is
-    num_computed_tokens[i] + len(token_ids[i]); the slot of position p is
-    page_tables[i][p // page_size] * page_size + p % page_size. `sampling[i]` None means greedy.
-    Raises ValueError naming the sequence and the bad value on: length mismatches, empty token lists, a kv_len
-    beyond max_model_len, a page table too short for kv_len, page ids outside [0, num_pages), token ids outside
-    [0, vocab_size), or sizes beyond the largest bucket.
-    """
+def _lengths(token_ids, num_computed_tokens, page_tables, do_sample, sampling, page_size: int,
+             max_model_len: Optional[int]):
+    """build_ragged_batch's length checks (ValueError naming the sequence); returns (q_lens, starts, kv_lens,
+    pages_needed) per sequence (int64 arrays)."""
     n = len(token_ids)
     for name, lst in (("num_computed_tokens", num_computed_tokens), ("page_tables", page_tables),
                       ("do_sample", do_sample), ("sampling", sampling)):
@@ -99,6 +89,36 @@ def build_ragged_batch(token_ids: Sequence[Sequence[int]], num_computed_tokens: 
         if len(page_tables[i]) < pages_needed[i]:
             raise ValueError(f"sequence {i}: page table has {len(page_tables[i])} pages, needs "
                              f"{pages_needed[i]} for {kv_lens[i]} tokens at page_size={page_size}")
+    return q_lens, starts, kv_lens, pages_needed
+
+
+def _fill_sampling(batch: RaggedBatch, sampling: Sequence[Optional[SamplingParams]]) -> None:
+    """Each sequence's sampling parameters (None: greedy) into the batch's per-sequence arrays."""
+    n = len(sampling)
+    params = [sp or _GREEDY for sp in sampling]
+    batch.temperature[:n] = [sp.temperature for sp in params]
+    batch.top_k[:n] = [sp.top_k for sp in params]
+    batch.top_p[:n] = [sp.top_p for sp in params]
+    batch.seed[:n] = [sp.seed % (2 ** 32) for sp in params]
+
+
+def build_ragged_batch(token_ids: Sequence[Sequence[int]], num_computed_tokens: Sequence[int],
+                       page_tables: Sequence[Sequence[int]], do_sample: Sequence[bool],
+                       sampling: Sequence[Optional[SamplingParams]], *, page_size: int, buckets: Buckets,
+                       max_model_len: Optional[int] = None, num_pages: Optional[int] = None,
+                       vocab_size: Optional[int] = None) -> RaggedBatch:
+    """Pad one iteration's sequences into a RaggedBatch (numpy arrays).
+
+    Sequence i feeds token_ids[i] at positions num_computed_tokens[i] + j; its kv_len is
+    num_computed_tokens[i] + len(token_ids[i]); the slot of position p is
+    page_tables[i][p // page_size] * page_size + p % page_size. `sampling[i]` None means greedy.
+    Raises ValueError naming the sequence and the bad value on: length mismatches, empty token lists, a kv_len
+    beyond max_model_len, a page table too short for kv_len, page ids outside [0, num_pages), token ids outside
+    [0, vocab_size), or sizes beyond the largest bucket.
+    """
+    n = len(token_ids)
+    q_lens, starts, kv_lens, pages_needed = _lengths(token_ids, num_computed_tokens, page_tables, do_sample,
+                                                     sampling, page_size, max_model_len)
     total = int(q_lens.sum())
     max_pages = int(pages_needed.max()) if n else 1
     t_pad, s_pad, p_pad = buckets.pick(total, n, max_pages)
@@ -127,11 +147,7 @@ def build_ragged_batch(token_ids: Sequence[Sequence[int]], num_computed_tokens: 
     pos = starts[seq_of_token] + np.arange(total) - cu[seq_of_token]
     batch.positions[:total] = pos
     batch.slot_mapping[:total] = batch.page_indices[seq_of_token, pos // page_size] * page_size + pos % page_size
-    params = [sp or _GREEDY for sp in sampling]
-    batch.temperature[:n] = [sp.temperature for sp in params]
-    batch.top_k[:n] = [sp.top_k for sp in params]
-    batch.top_p[:n] = [sp.top_p for sp in params]
-    batch.seed[:n] = [sp.seed % (2 ** 32) for sp in params]
+    _fill_sampling(batch, sampling)
     batch.cu_q_lens[:] = cu
     batch.kv_lens[:n] = kv_lens
     batch.sample_indices[:n] = cu[1:n + 1] - 1

@@ -71,6 +71,61 @@ def generation_buckets(prompts: Sequence[Sequence[int]], max_new_tokens: int, pa
     return Buckets.powers_of_two(token_budget, len(prompts), max_pages, min_tokens=16, min_seqs=4, min_pages=4)
 
 
+def _check_generate(runner, prompts: Sequence[Sequence[int]], max_new_tokens: int, chunk_size: int,
+                    token_budget: Optional[int]) -> int:
+    """generate's argument checks (ValueError); returns the token budget."""
+    spec = runner.spec
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size}, expected >= 1")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens}, expected >= 0")
+    budget = token_budget or max(chunk_size, min(len(prompts) * chunk_size, 512))
+    if budget < chunk_size:
+        raise ValueError(f"token_budget={budget} is smaller than chunk_size={chunk_size}")
+    for i, prompt in enumerate(prompts):
+        bad = [t for t in prompt if not 0 <= t < spec.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token id {bad[0]} outside [0, {spec.vocab_size})")
+        if len(prompt) + max_new_tokens > runner.max_model_len:
+            raise ValueError(f"prompt {i}: {len(prompt)} tokens + max_new_tokens={max_new_tokens} exceeds "
+                             f"max_model_len={runner.max_model_len}")
+    return budget
+
+
+def _plan_step(step: int, prompts, computed: List[int], outputs: List[List[int]], tables, finished, budget: int,
+               chunk_size: int) -> SchedulerOutput:
+    """generate's batch of `step`: every running decode (one token), then prefill chunks of at most chunk_size,
+    until `budget` tokens."""
+    n = len(prompts)
+    out = SchedulerOutput(step=step)
+    left = budget
+    decodes = [i for i in range(n) if not finished(i) and computed[i] >= len(prompts[i])]
+    prefills = [i for i in range(n) if computed[i] < len(prompts[i])]
+    for i in decodes + prefills:
+        if left == 0:
+            break
+        is_prefill = computed[i] < len(prompts[i])
+        if is_prefill:
+            take = min(chunk_size, len(prompts[i]) - computed[i], left)
+            tokens = list(prompts[i][computed[i]:computed[i] + take])
+            sample = computed[i] + take == len(prompts[i])
+        else:
+            tokens, sample = [outputs[i][-1]], True
+        out.req_ids.append(str(i))
+        out.token_ids.append(tokens)
+        out.num_computed_tokens.append(computed[i])
+        out.num_new_tokens.append(len(tokens))
+        out.page_tables.append(tables[i])
+        out.do_sample.append(sample)
+        out.is_prefill.append(is_prefill)
+        if is_prefill:
+            out.num_prefill_tokens += len(tokens)
+        else:
+            out.num_decode_tokens += len(tokens)
+        left -= len(tokens)
+    return out
+
+
 def generate(runner, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, chunk_size: int = 64,
              token_budget: Optional[int] = None, return_logits: bool = False
              ) -> Tuple[List[List[int]], Optional[np.ndarray]]:
@@ -81,21 +136,8 @@ def generate(runner, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, c
     chunk_size). The runner's buckets must cover it.
     """
     spec = runner.spec
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size}, expected >= 1")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens}, expected >= 0")
     n = len(prompts)
-    budget = token_budget or max(chunk_size, min(n * chunk_size, 512))
-    if budget < chunk_size:
-        raise ValueError(f"token_budget={budget} is smaller than chunk_size={chunk_size}")
-    for i, prompt in enumerate(prompts):
-        bad = [t for t in prompt if not 0 <= t < spec.vocab_size]
-        if bad:
-            raise ValueError(f"prompt {i} has token id {bad[0]} outside [0, {spec.vocab_size})")
-        if len(prompt) + max_new_tokens > runner.max_model_len:
-            raise ValueError(f"prompt {i}: {len(prompt)} tokens + max_new_tokens={max_new_tokens} exceeds "
-                             f"max_model_len={runner.max_model_len}")
+    budget = _check_generate(runner, prompts, max_new_tokens, chunk_size, token_budget)
     allocator = PageAllocator(runner.num_pages)
     tables = [allocator.allocate(-(-(len(p) + max_new_tokens) // runner.page_size)) for p in prompts]
     computed = [0] * n
@@ -107,32 +149,7 @@ def generate(runner, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, c
 
     step = 0
     while not all(finished(i) for i in range(n)):
-        out = SchedulerOutput(step=step)
-        left = budget
-        decodes = [i for i in range(n) if not finished(i) and computed[i] >= len(prompts[i])]
-        prefills = [i for i in range(n) if computed[i] < len(prompts[i])]
-        for i in decodes + prefills:
-            if left == 0:
-                break
-            is_prefill = computed[i] < len(prompts[i])
-            if is_prefill:
-                take = min(chunk_size, len(prompts[i]) - computed[i], left)
-                tokens = list(prompts[i][computed[i]:computed[i] + take])
-                sample = computed[i] + take == len(prompts[i])
-            else:
-                tokens, sample = [outputs[i][-1]], True
-            out.req_ids.append(str(i))
-            out.token_ids.append(tokens)
-            out.num_computed_tokens.append(computed[i])
-            out.num_new_tokens.append(len(tokens))
-            out.page_tables.append(tables[i])
-            out.do_sample.append(sample)
-            out.is_prefill.append(is_prefill)
-            if is_prefill:
-                out.num_prefill_tokens += len(tokens)
-            else:
-                out.num_decode_tokens += len(tokens)
-            left -= len(tokens)
+        out = _plan_step(step, prompts, computed, outputs, tables, finished, budget, chunk_size)
         if return_logits:
             logits = runner.execute_logits(out)
             sampled = np.where(np.isfinite(logits).all(axis=-1), np.argmax(logits, axis=-1), NONFINITE_LOGITS)

@@ -304,9 +304,13 @@ class PipelineRunner(ModelRunner):
         self._on_stage_outputs(outs)
         return out
 
+    stage_watch = None    # a hook: on_stage_outputs(outs) per step (pdjax.runtime.stage_watch.StageWatch)
+
     def _on_stage_outputs(self, outs) -> None:
-        """Called with every stage's (unfinished) output of a step just enqueued; a hook for instrumentation
-        (experiments/bench_pipeline.py times when each stage's output becomes ready)."""
+        """Called with every stage's (unfinished) output of a step just enqueued; hands them to the
+        `stage_watch` hook when one is set (experiments/bench_pipeline.py times when each becomes ready)."""
+        if self.stage_watch is not None:
+            self.stage_watch.on_stage_outputs(outs)
 
     def dispatch(self, sched_out: SchedulerOutput, *, prev=None):
         """Launch one iteration through all stages without waiting for the device; pass the handle to

@@ -379,96 +379,116 @@ class ClusterEngine:
     def run(self, requests: Sequence[Request], *, progress: Optional[Callable[[int], None]] = None,
             source=None) -> ClusterResult:
         """Serve `requests` (scheduler Requests, arrival times relative to the start) until all finish.
-        source: an online request source (pdjax.serving.online.OnlineSource; as ColocatedEngine.run)."""
+        source: an online request source (pdjax.serving.online.OnlineSource; as ColocatedEngine.run).
+        Steps: `_round` (module docstring's 1-4) until it reports the run over; `_fill`, `_idle` and
+        `_collect_step` are its parts."""
         arrivals = (ArrivalQueue(requests, self._route_arrival) if source is None
                     else source.arrivals(self._route_arrival, self.abort))
-        iterations: List[IterationRecord] = []
-        transfers: List[TransferRecord] = []
-        t0 = self._t0 = self.clock()
-        now = lambda: self.coordinator.now(self.clock() - t0)  # noqa: E731  (process 0's clock)
-        overlap_total = 0.0
+        self._iterations: List[IterationRecord] = []
+        self._transfers: List[TransferRecord] = []
+        self._t0 = self.clock()
+        self._overlap = 0.0
+        self._progress = progress
         self._staged.clear()
         self._in_flight = []
         for inst in self.instances:
             inst.num_steps = 0
-        queues = {inst.name: BatchQueue(self.instance_max_in_flight(inst)) for inst in self.instances}
+        self._queues = {inst.name: BatchQueue(self.instance_max_in_flight(inst)) for inst in self.instances}
         self.compiles.reset()
-
-        def done(n: int) -> None:
-            if n and progress is not None:
-                progress(n)
-
-        def admit(t: float) -> None:
-            done(arrivals.admit(t))   # rejected at the door: done at once
-
-        def wait_for_arrival() -> None:
-            done(arrivals.wait(now, self.sleep))
-
-        admit(now())
-        while True:
-            self._poll_transfers(now)
-            if self.pool is not None and self.pool.active:
-                self.pool.return_idle(self._local_time())   # idle mixed instances back to the mixed pool
-            busy = [inst for inst in self.instances if inst.scheduler.has_unfinished() or queues[inst.name]]
-            if not busy and not self._in_flight:
-                if arrivals.exhausted:
-                    break
-                wait_for_arrival()
-                continue
-            launched = []    # instances with a batch in flight: each collects its oldest this round
-            for inst in busy:
-                queue = queues[inst.name]
-                self._fill(inst, queue, now)
-                if queue:
-                    launched.append(inst)
-            if not launched:
-                if self._in_flight:
-                    self._await_landing(arrivals, now, wait_for_arrival)
-                    continue
-                if arrivals.exhausted:
-                    state = {i.name: (i.scheduler.num_waiting, i.scheduler.num_running) for i in busy}
-                    raise RuntimeError(f"no instance can make progress and no arrivals are left: (waiting, "
-                                       f"running) per instance {state}")
-                wait_for_arrival()
-                continue
-            if self.overlap:
-                host_start = now()
-                admit(host_start)     # overlapped with the device steps
-                overlap_total += now() - host_start
-            for inst in launched:
-                queue = queues[inst.name]
-                if not queue.full:
-                    # Batches in flight (max_in_flight > 1) and a free slot: work that came since the fill
-                    # (arrivals, handoffs, landings) gets a batch before the host blocks on the oldest one.
-                    self._poll_transfers(now)
-                    self._fill(inst, queue, now)
-                out, (start, handle) = queue.pop()     # the oldest batch: wait for it, apply it
-                sampled = self.coordinator.collect(inst.runner, handle if self.overlap else inst.runner.dispatch(out))
-                end = now()
-                sampled, aborted, pages = fail_nonfinite(inst.scheduler, out, sampled, end,
-                                                         f"{inst.name} step {inst.num_steps}")
-                finished = inst.scheduler.update(out, sampled, end)
-                iterations.append(IterationRecord(
-                    step=inst.num_steps, start_time=start, end_time=end, num_prefill_tokens=out.num_prefill_tokens,
-                    num_decode_tokens=out.num_decode_tokens, num_seqs=out.num_seqs, instance=inst.name,
-                    num_compiles=self.compiles.new(f"{inst.name} iteration {inst.num_steps}")))
-                inst.num_steps += 1
-                if pages:
-                    scrub_pages(inst.runner, inst.scheduler, pages, self.compiles)
-                if self.on_token is not None:
-                    for rid, tok in zip(out.req_ids, sampled):
-                        if tok >= 0:
-                            self.on_token(rid, int(tok), end)
-                n_done = len(aborted)
-                for req in finished:
-                    if req.finish_reason == "handoff":
-                        n_done += not self._handoff(inst, req, now, transfers)
-                    else:
-                        n_done += 1
-                done(n_done)
-            if not self.overlap:
-                admit(now())
+        self._admit(arrivals, self._now())
+        while self._round(arrivals):
+            pass
         return ClusterResult(
-            requests=[request_record(r) for r in arrivals.pending], iterations=iterations,
+            requests=[request_record(r) for r in arrivals.pending], iterations=self._iterations,
             output_tokens={r.request_id: list(r.output_token_ids) for r in arrivals.pending},
-            duration_s=now(), host_overlap_s=overlap_total, transfers=transfers)
+            duration_s=self._now(), host_overlap_s=self._overlap, transfers=self._transfers)
+
+    # ------------------------------------------------------------------------------------------------------
+    def _now(self) -> float:
+        """Seconds since the run started, on process 0's clock."""
+        return self.coordinator.now(self.clock() - self._t0)
+
+    def _done(self, n: int) -> None:
+        if n and self._progress is not None:
+            self._progress(n)
+
+    def _admit(self, arrivals: ArrivalQueue, t: float) -> None:
+        self._done(arrivals.admit(t))   # rejected at the door: done at once
+
+    def _wait_for_arrival(self, arrivals: ArrivalQueue) -> None:
+        self._done(arrivals.wait(self._now, self.sleep))
+
+    def _round(self, arrivals: ArrivalQueue) -> bool:
+        """One round of the loop (module docstring); False once every request finished and no arrival is left."""
+        self._poll_transfers(self._now)
+        if self.pool is not None and self.pool.active:
+            self.pool.return_idle(self._local_time())   # idle mixed instances back to the mixed pool
+        queues = self._queues
+        busy = [inst for inst in self.instances if inst.scheduler.has_unfinished() or queues[inst.name]]
+        if not busy and not self._in_flight:
+            if arrivals.exhausted:
+                return False
+            self._wait_for_arrival(arrivals)
+            return True
+        launched = []    # instances with a batch in flight: each collects its oldest this round
+        for inst in busy:
+            self._fill(inst, queues[inst.name], self._now)
+            if queues[inst.name]:
+                launched.append(inst)
+        if not launched:
+            self._idle(arrivals, busy)
+            return True
+        if self.overlap:
+            host_start = self._now()
+            self._admit(arrivals, host_start)     # overlapped with the device steps
+            self._overlap += self._now() - host_start
+        for inst in launched:
+            self._collect_step(inst, queues[inst.name])
+        if not self.overlap:
+            self._admit(arrivals, self._now())
+        return True
+
+    def _idle(self, arrivals: ArrivalQueue, busy: List[Instance]) -> None:
+        """No instance launched a batch: wait for a transfer to land or for the next arrival; raise if neither
+        can come."""
+        if self._in_flight:
+            self._await_landing(arrivals, self._now, lambda: self._wait_for_arrival(arrivals))
+            return
+        if arrivals.exhausted:
+            state = {i.name: (i.scheduler.num_waiting, i.scheduler.num_running) for i in busy}
+            raise RuntimeError(f"no instance can make progress and no arrivals are left: (waiting, "
+                               f"running) per instance {state}")
+        self._wait_for_arrival(arrivals)
+
+    def _collect_step(self, inst: Instance, queue: BatchQueue) -> None:
+        """Top `inst`'s queue up if it has a free slot, then collect and apply its oldest batch: records, tokens,
+        non-finite rows, handoffs of finished prefills."""
+        if not queue.full:
+            # Batches in flight (max_in_flight > 1) and a free slot: work that came since the fill
+            # (arrivals, handoffs, landings) gets a batch before the host blocks on the oldest one.
+            self._poll_transfers(self._now)
+            self._fill(inst, queue, self._now)
+        out, (start, handle) = queue.pop()     # the oldest batch: wait for it, apply it
+        sampled = self.coordinator.collect(inst.runner, handle if self.overlap else inst.runner.dispatch(out))
+        end = self._now()
+        sampled, aborted, pages = fail_nonfinite(inst.scheduler, out, sampled, end,
+                                                 f"{inst.name} step {inst.num_steps}")
+        finished = inst.scheduler.update(out, sampled, end)
+        self._iterations.append(IterationRecord(
+            step=inst.num_steps, start_time=start, end_time=end, num_prefill_tokens=out.num_prefill_tokens,
+            num_decode_tokens=out.num_decode_tokens, num_seqs=out.num_seqs, instance=inst.name,
+            num_compiles=self.compiles.new(f"{inst.name} iteration {inst.num_steps}")))
+        inst.num_steps += 1
+        if pages:
+            scrub_pages(inst.runner, inst.scheduler, pages, self.compiles)
+        if self.on_token is not None:
+            for rid, tok in zip(out.req_ids, sampled):
+                if tok >= 0:
+                    self.on_token(rid, int(tok), end)
+        n_done = len(aborted)
+        for req in finished:
+            if req.finish_reason == "handoff":
+                n_done += not self._handoff(inst, req, self._now, self._transfers)
+            else:
+                n_done += 1
+        self._done(n_done)

@@ -269,25 +269,12 @@ def _head_ranges(sharding, shape) -> dict:
     return out
 
 
-def _by_pieces(xs: Sequence[jax.Array], targets: Sequence[jax.sharding.Sharding]) -> List[jax.Array]:
-    """Every xs[i] onto targets[i] as head pieces (crossing_route 'pieces'), identically on every process: for
-    each destination device, the head ranges it owns are cut (on the source device, locally) from a source
-    device holding them (one on the destination's process if any, else the first); the pieces that cross
-    processes go in one batched device_put per (source device, destination device) pair (single device ->
-    single device, every process calls it, pairs in device id order), the others are copied by the process
-    holding both ends; the destination process concatenates each device's pieces on that device and every
-    process wraps the per-device arrays into the target sharding (no local data on a process without
-    destination devices).
-
-    Why per pair: on jax 0.10.2 (CPU, jax_cross_host_transfer_socket_address), ONE cross-process device_put of
-    several single-device arrays whose source or destination devices differ pairs the buffers up wrongly:
-    [dev0 -> dev4, dev1 -> dev4] lands dev1's data in the first result and dev0's in the second (silently,
-    when the shapes agree), [dev0 -> dev4, dev0 -> dev5] swaps them too, and after such a batch later transfers
-    may never land (the receiver blocks forever). Batches of one source and one destination device land
-    exactly (and so do identical-layout multi-device arrays, the 'device_put' route), in any sequence tried."""
-    me = jax.process_index()
-    plans = []            # per array: [(dst device, [(lo, hi, piece index)])]
-    pieces = []           # (source array index, src device, lo - src start, hi - src start, dst device)
+def _piece_plans(xs: Sequence[jax.Array], targets: Sequence[jax.sharding.Sharding]):
+    """_by_pieces' plan: (per array [(dst device, [(lo, hi, piece index)])], pieces as (source array index, src
+    device, lo - src start, hi - src start, dst device)); each destination range is cut from a source device
+    holding it, one on the destination's process if any, else the first in the source's device order."""
+    plans = []
+    pieces = []
     for i, (x, target) in enumerate(zip(xs, targets)):
         src_ranges = _head_ranges(x.sharding, x.shape)
         order = {d: n for n, d in enumerate(x.sharding._device_assignment)}
@@ -305,6 +292,27 @@ def _by_pieces(xs: Sequence[jax.Array], targets: Sequence[jax.sharding.Sharding]
                 pos = hi
             plan.append((dev, parts))
         plans.append(plan)
+    return plans, pieces
+
+
+def _by_pieces(xs: Sequence[jax.Array], targets: Sequence[jax.sharding.Sharding]) -> List[jax.Array]:
+    """Every xs[i] onto targets[i] as head pieces (crossing_route 'pieces'), identically on every process: for
+    each destination device, the head ranges it owns are cut (on the source device, locally) from a source
+    device holding them (one on the destination's process if any, else the first); the pieces that cross
+    processes go in one batched device_put per (source device, destination device) pair (single device ->
+    single device, every process calls it, pairs in device id order), the others are copied by the process
+    holding both ends; the destination process concatenates each device's pieces on that device and every
+    process wraps the per-device arrays into the target sharding (no local data on a process without
+    destination devices).
+
+    Why per pair: on jax 0.10.2 (CPU, jax_cross_host_transfer_socket_address), ONE cross-process device_put of
+    several single-device arrays whose source or destination devices differ pairs the buffers up wrongly:
+    [dev0 -> dev4, dev1 -> dev4] lands dev1's data in the first result and dev0's in the second (silently,
+    when the shapes agree), [dev0 -> dev4, dev0 -> dev5] swaps them too, and after such a batch later transfers
+    may never land (the receiver blocks forever). Batches of one source and one destination device land
+    exactly (and so do identical-layout multi-device arrays, the 'device_put' route), in any sequence tried."""
+    me = jax.process_index()
+    plans, pieces = _piece_plans(xs, targets)
 
     def cut(i, src_dev, lo, hi):   # the piece on its source device: a real array on its process, else a placeholder
         x = xs[i]

@@ -89,20 +89,23 @@ def _request_fingerprint(requests) -> str:
 
 
 def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str, *, workload: Optional[Sequence] = None,
-             extra: Optional[Dict[str, Any]] = None, coordinator=None, online=None) -> Dict[str, Any]:
+             extra: Optional[Dict[str, Any]] = None, coordinator=None, online=None, hooks=None,
+             plots: bool = True) -> Dict[str, Any]:
     """Serve `workload` (WorkloadRequests; default cfg's) on the real engine and write the run outputs to
     `workdir` (see pdjax.experiment.run for the checks before); `extra` joins results.json. Returns the summary.
     coordinator: pdjax.serving.distributed's, for a multi-process run (module docstring); None: one process.
     online: a front end serving requests as they come (pdjax.serving.api.bridge.EngineBridge; one process): the
     run's requests are those of `online.source` (pdjax.serving.online.OnlineSource) instead of `workload`,
     `online.on_token` gets every token, and `online.attach(engine)` is called once warm-up is done; the run ends
-    when the source is closed and its requests finished, and `extra` is then read (the front end may fill it)."""
+    when the source is closed and its requests finished, and `extra` is then read (the front end may fill it).
+    hooks: an object with `after_warmup(engine)` (called once warm-up is done, outside the compile counts and the
+    timed run) and `after_serve(engine, result)` (the EngineResult, before anything is written), e.g.
+    pdjax.experiment.fidelity's calibration that brackets the run. plots: write the run's plots."""
     coordinator = coordinator if coordinator is not None else Coordinator()
     requests = build_requests(cfg, workload) if online is None else []
     coordinator.check_same("request list", _request_fingerprint(requests))
     if cfg.engine.compilation_cache:
         enable_compilation_cache(cfg.engine.compilation_cache_dir)
-    disaggregated = cfg.deployment.kind == "disaggregated"
     engine = build_engine(cfg, compile_counter=compiles.count,    # a UserError for anything cfg cannot build
                           on_token=online.on_token if online else None)
     if hasattr(engine, "check_requests"):
@@ -110,6 +113,9 @@ def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str, *, wor
     engine.coordinator = coordinator
     mark = compiles.count()
     compile_s = _warm_up(engine, cfg) if cfg.engine.warmup else 0.0
+    num_shapes = compiles.count() - mark
+    if hooks is not None:
+        hooks.after_warmup(engine)
     warm_mark = compiles.count()
     bar = progress_bar(cfg, len(requests), f"serve {cfg.scheduler.policy}", "req") if online is None else None
     startup_s = time.time() - pdjax.IMPORT_TIME
@@ -127,30 +133,42 @@ def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str, *, wor
     info = {
         "backend": "real", "deployment": cfg.deployment.kind, "policy": cfg.scheduler.policy,
         "mode": cfg.engine.mode, "async_scheduling": cfg.engine.async_scheduling, "compile_s": compile_s,
-        "startup_s": startup_s,
-        "num_compiled_shapes": warm_mark - mark, "compiles_during_run": len(during),
+        "startup_s": startup_s, "num_compiled_shapes": num_shapes, "compiles_during_run": len(during),
         "compiled_during_run": sorted({e.fun_name for e in during}),
         "wall_s": time.perf_counter() - start, "host_overlap_s": result.host_overlap_s,
-        "num_iterations": len(result.iterations)}
-    info["instances"] = {
+        "num_iterations": len(result.iterations), **_layout_info(cfg, engine, result, coordinator)}
+    if hooks is not None:
+        hooks.after_serve(engine, result)
+    return _write(cfg, config_dict, workdir, result, {**(extra or {}), "engine": info}, coordinator, plots)
+
+
+def _layout_info(cfg: ServeConfig, engine, result, coordinator) -> Dict[str, Any]:
+    """The engine block's instances, KV transfers, mixed pool and process count."""
+    info: Dict[str, Any] = {"instances": {
         name: {"role": role, "devices": [d.id for d in runner.mesh.devices.flat],
                "tp": int(runner.mesh.shape["tensor"]), "pp": int(runner.mesh.shape["stage"]),
                "num_pages": sched.config.num_pages, "token_budget": sched.config.token_budget,
                "num_iterations": len(result.iterations) if steps is None else steps}
-        for name, role, runner, sched, steps in _instances(engine)}
-    if disaggregated:
+        for name, role, runner, sched, steps in _instances(engine)}}
+    if cfg.deployment.kind == "disaggregated":
         info["kv_transfer"] = result.transfer_summary()
         pool = getattr(engine, "pool", None)
         if pool is not None and pool.active:     # the mixed pool's phase changes / pool moves (engine clock)
             info["mixed_pool"] = pool.summary()
     if coordinator.num_processes > 1:
         info["num_processes"] = coordinator.num_processes
+    return info
+
+
+def _write(cfg: ServeConfig, config_dict, workdir: str, result, extra: Dict[str, Any], coordinator,
+           plots: bool) -> Dict[str, Any]:
+    """Process 0 writes the outputs and returns the summary; the others return the same summary unwritten."""
     if not coordinator.is_main:    # only process 0 writes
         summary = summarize_run(result.requests, result.iterations, cfg.slo.as_dict())
-        summary.update({**(extra or {}), "engine": info})
+        summary.update(extra)
         return summary
     # Before results.json (written last, the "run is complete" marker): the generated token ids per request.
     os.makedirs(workdir, exist_ok=True)
     write_json(os.path.join(workdir, "outputs.json"), result.output_tokens)
     return write_run_outputs(workdir, config_dict, result.requests, result.iterations, cfg.slo.as_dict(),
-                             extra={**(extra or {}), "engine": info})
+                             plots=plots, extra=extra)

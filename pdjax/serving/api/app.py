@@ -13,6 +13,10 @@ aborts its request in the engine at once. Stop strings are matched on the decode
 back what could still become a stop string and never includes it (OpenAI's rule); usage counts the tokens up to
 the one that completed it. Byte-level models (vocab 259, pdjax.workload.byte_tokenizer) take and return text;
 other models take token-id prompts and return `token_ids` only (text is empty).
+
+Layout: `CompletionService` holds every check and the generation flow (tests call it without HTTP); the routers
+(`status_router`: /health and /metrics, `models_router`: /v1/models, `completions_router`: both completions) are
+thin async functions that find the service on `request.app.state.service`; `create_app` wires them.
 """
 from __future__ import annotations
 
@@ -21,16 +25,16 @@ import codecs
 import json
 import secrets
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Awaitable, Callable, List, Optional, Sequence, Tuple
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdjax.config.sampling import SamplingParams
 from pdjax.workload import byte_tokenizer
 from pdjax.serving.api import protocol
-from pdjax.serving.api.bridge import Busy, EngineBridge, Unavailable
+from pdjax.serving.api.bridge import Busy, EngineBridge, Unavailable, _Live
 
 OPENAI_FINISH = {"length": "length", "stop": "stop", "aborted": "abort"}
 DISCONNECT_POLL_S = 0.05    # a non-streaming request checks this often whether its client went away
@@ -96,80 +100,112 @@ class TextStream:
         return piece
 
 
-def create_app(bridge: EngineBridge, *, model_name: str, eos_token_id: int = -1) -> FastAPI:
-    app = FastAPI(title="pdjax OpenAI-compatible server")
-    metrics = bridge.metrics
-    created = int(time.time())
+class Reply:
+    """The OpenAI shape of one request's answer: completion or chat, with or without token ids."""
 
-    @app.exception_handler(RequestValidationError)
-    async def _bad_request(request: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
-        metrics.http_rejected.labels("400").inc()
-        return _error_response(400, message, param=param)
+    def __init__(self, request_id: str, model_name: str, *, chat: bool, want_ids: bool):
+        self.request_id, self.model_name, self.chat, self.want_ids = request_id, model_name, chat, want_ids
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError):
-        metrics.http_rejected.labels(str(exc.status)).inc()
-        return _error_response(exc.status, exc.message, exc.type_, exc.param)
+    def choice(self, text: str, token_ids: List[int], finish: Optional[str], stream: bool) -> dict:
+        if self.chat:
+            c = {"index": 0, ("delta" if stream else "message"): (
+                {"content": text} if stream else {"role": "assistant", "content": text}),
+                 "logprobs": None, "finish_reason": finish}
+        else:
+            c = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if self.want_ids:
+            c["token_ids"] = token_ids
+        return c
 
-    @app.get("/health")
-    async def health():
+    def chunk(self) -> dict:
+        """The fields every streamed chunk carries."""
+        return {"id": self.request_id, "object": self.object + ".chunk" if self.chat else self.object,
+                "created": self.created, "model": self.model_name}
+
+    def whole(self, text: str, tokens: List[int], finish: Optional[str], num_prompt: int) -> dict:
+        return {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model_name,
+                "choices": [self.choice(text, tokens, finish, False)],
+                "usage": protocol.usage(num_prompt, len(tokens))}
+
+
+def _sse(payload) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+class CompletionService:
+    """What the endpoints do, without HTTP: input checks (raising ApiError), submitting to the bridge, the event
+    stream of a request, its streamed or whole answer."""
+
+    def __init__(self, bridge: EngineBridge, *, model_name: str, eos_token_id: int = -1):
+        self.bridge, self.model_name, self.eos_token_id = bridge, model_name, eos_token_id
+        self.created = int(time.time())
+
+    # ---- status
+    def health(self) -> Tuple[int, dict]:
+        """(HTTP status, body) of /health."""
+        bridge = self.bridge
         if bridge.failed is not None:
-            return JSONResponse({"status": "failed", "error": bridge.failed}, status_code=503)
+            return 503, {"status": "failed", "error": bridge.failed}
         if not bridge.ready.is_set():
-            return JSONResponse({"status": "starting"}, status_code=503)
-        return {"status": "ok", "num_requests": bridge.num_live}
+            return 503, {"status": "starting"}
+        return 200, {"status": "ok", "num_requests": bridge.num_live}
 
-    @app.get("/v1/models")
-    async def models():
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "pdjax"}
-        if bridge.ready.is_set():
-            card["max_model_len"] = bridge.max_model_len
+    def models(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pdjax"}
+        if self.bridge.ready.is_set():
+            card["max_model_len"] = self.bridge.max_model_len
         return {"object": "list", "data": [card]}
 
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.render(), media_type=metrics.content_type)
+    # ---- input checks
+    def byte_level(self) -> bool:
+        return self.bridge.vocab_size == byte_tokenizer.VOCAB_SIZE
 
-    def byte_level() -> bool:
-        return bridge.vocab_size == byte_tokenizer.VOCAB_SIZE
-
-    def check_ready() -> None:
-        if bridge.failed is not None:
-            raise ApiError(503, f"the engine failed: {bridge.failed}", type_="service_unavailable")
-        if not bridge.ready.is_set():
+    def check_ready(self) -> None:
+        if self.bridge.failed is not None:
+            raise ApiError(503, f"the engine failed: {self.bridge.failed}", type_="service_unavailable")
+        if not self.bridge.ready.is_set():
             raise ApiError(503, "the engine is still warming up; retry when /health answers 200",
                            type_="service_unavailable")
 
-    def prompt_ids(prompt) -> List[int]:
-        check_ready()
+    def prompt_ids(self, prompt) -> List[int]:
+        self.check_ready()
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
                 raise ApiError(400, f"prompt: {len(prompt)} prompts in one request; send one prompt per request",
                                param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            if not byte_level():
+            if not self.byte_level():
                 raise ApiError(400, "prompt: this model has no tokenizer; send the prompt as token ids",
                                param="prompt")
             ids = byte_tokenizer.encode(prompt)
         else:
             ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < bridge.vocab_size]
+            vocab = self.bridge.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary [0, {bridge.vocab_size})",
+                raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})",
                                param="prompt")
         if not ids:
             raise ApiError(400, "prompt: empty prompt, expected at least one token", param="prompt")
         return ids
 
-    def sampling_params(body, ids: List[int], max_tokens: Optional[int]) -> Tuple[SamplingParams, List[str]]:
-        if body.model is not None and body.model != model_name:
-            raise ApiError(404, f"The model `{body.model}` does not exist (this server serves `{model_name}`)",
+    def chat_prompt_ids(self, body: protocol.ChatCompletionRequest) -> List[int]:
+        if not self.byte_level():
+            raise ApiError(400, "messages: this model has no tokenizer for chat; use /v1/completions with token ids",
+                           param="messages")
+        return self.prompt_ids(protocol.render_chat(body.messages))
+
+    def _check_lengths(self, body, ids: List[int], max_tokens: Optional[int]) -> int:
+        """The request's model, n and length checks; returns max_tokens (the rest of the context if not given)."""
+        if body.model is not None and body.model != self.model_name:
+            raise ApiError(404, f"The model `{body.model}` does not exist (this server serves `{self.model_name}`)",
                            type_="NotFoundError", param="model")
         if body.n != 1:
             raise ApiError(400, f"n: {body.n} choices; this server returns n=1 only", param="n")
-        limit = bridge.max_model_len
+        limit = self.bridge.max_model_len
         if max_tokens is None:
             max_tokens = limit - len(ids)
         elif max_tokens <= 0:
@@ -178,14 +214,18 @@ def create_app(bridge: EngineBridge, *, model_name: str, eos_token_id: int = -1)
             raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                            f"{len(ids) + max(max_tokens, 1)} tokens ({len(ids)} in the prompt, {max(max_tokens, 1)} "
                            "for the completion). Please reduce the prompt or max_tokens.", param="max_tokens")
+        return max_tokens
+
+    def sampling_params(self, body, ids: List[int], max_tokens: Optional[int]) -> Tuple[SamplingParams, List[str]]:
+        max_tokens = self._check_lengths(body, ids, max_tokens)
         stop_ids = list(body.stop_token_ids or ())
-        if eos_token_id >= 0 and not body.ignore_eos:
-            stop_ids.append(eos_token_id)
-        if stop_ids and bridge.async_scheduling:
+        if self.eos_token_id >= 0 and not body.ignore_eos:
+            stop_ids.append(self.eos_token_id)
+        if stop_ids and self.bridge.async_scheduling:
             raise ApiError(400, "stop_token_ids / EOS under engine.async_scheduling=True: requests must run to "
                            "max_tokens (send ignore_eos=true, no stop_token_ids)", param="stop_token_ids")
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
-        if stops and not byte_level():
+        if stops and not self.byte_level():
             raise ApiError(400, "stop: this model has no tokenizer; use stop_token_ids", param="stop")
         top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
         seed = body.seed if body.seed is not None else secrets.randbits(31)
@@ -198,29 +238,31 @@ def create_app(bridge: EngineBridge, *, model_name: str, eos_token_id: int = -1)
             raise ApiError(400, str(e)) from None
         return params, stops
 
-    def submit(ids, params, prefix):
+    # ---- generation
+    def submit(self, ids: List[int], params: SamplingParams, prefix: str) -> _Live:
         try:
-            return bridge.submit(ids, params, asyncio.get_running_loop(), prefix=prefix)
+            return self.bridge.submit(ids, params, asyncio.get_running_loop(), prefix=prefix)
         except Busy as e:
             raise ApiError(429, str(e), type_="rate_limit_error") from None
         except Unavailable as e:
             raise ApiError(503, str(e), type_="service_unavailable") from None
 
-    async def events(live, stops):
-        """(text piece, token id or None, openai finish reason or None) per event, ending at the finish."""
-        detok = TextStream(byte_level(), stops)
+    async def events(self, live: _Live, stops: Sequence[str]):
+        """(text piece, token id or None, openai finish reason or None, tokens so far) per event, ending at the
+        finish."""
+        detok = TextStream(self.byte_level(), stops)
         count = 0
         while True:
             kind, value, reason = await live.queue.get()
             if kind == "error":
-                raise ApiError(500 if bridge.failed else 400, value, type_="engine_error")
+                raise ApiError(500 if self.bridge.failed else 400, value, type_="engine_error")
             if kind == "finish":
                 yield detok.flush(), None, OPENAI_FINISH.get(value, value), count
                 return
             count += 1
             piece, hit = detok.add(value)
             if hit:
-                bridge.stop(live, count)
+                self.bridge.stop(live, count)
                 yield piece, value, "stop", count
                 return
             if reason is not None:
@@ -229,95 +271,133 @@ def create_app(bridge: EngineBridge, *, model_name: str, eos_token_id: int = -1)
             if reason is not None:
                 return
 
-    async def generate(raw: Request, body, ids: List[int], max_tokens: Optional[int], chat: bool):
-        params, stops = sampling_params(body, ids, max_tokens)
-        live = submit(ids, params, "chatcmpl" if chat else "cmpl")
-        rid, now = live.req.request_id, int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
-        want_ids = body.return_token_ids
+    async def collect(self, live: _Live, stops: Sequence[str]) -> Tuple[str, List[int], Optional[str]]:
+        """(text, token ids, finish reason) of the whole request."""
+        text, tokens, finish = [], [], None
+        async for piece, tok, finish, _ in self.events(live, stops):  # noqa: B007 (finish: the last one is returned)
+            text.append(piece)
+            if tok is not None:
+                tokens.append(tok)
+        return "".join(text), tokens, finish
 
-        def choice(text, token_ids, finish, stream):
-            if chat:
-                c = {"index": 0, ("delta" if stream else "message"): (
-                    {"content": text} if stream else {"role": "assistant", "content": text}),
-                     "logprobs": None, "finish_reason": finish}
-            else:
-                c = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            if want_ids:
-                c["token_ids"] = token_ids
-            return c
+    async def stream(self, live: _Live, stops: Sequence[str], reply: Reply, num_prompt: int, include_usage: bool):
+        """The SSE lines of a streamed request; a cancelled stream (the client went away) aborts it."""
+        chunk = reply.chunk()
+        over = False
+        count = 0
+        try:
+            if reply.chat:
+                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}
+                yield _sse({**chunk, "choices": [first]})
+            try:
+                async for piece, tok, finish, count in self.events(live, stops):  # noqa: B007 (count: read after)
+                    yield _sse({**chunk, "choices": [reply.choice(piece, [] if tok is None else [tok], finish, True)]})
+            except ApiError as e:
+                over = True
+                yield _sse(protocol.error_body(e.message, type_=e.type_, code=e.status))
+                yield "data: [DONE]\n\n"
+                return
+            over = True
+            if include_usage:
+                yield _sse({**chunk, "choices": [], "usage": protocol.usage(num_prompt, count)})
+            yield "data: [DONE]\n\n"
+        finally:
+            if not over:          # cancelled: the client went away
+                self.bridge.abort(live)
 
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-            def sse(payload) -> str:
-                return f"data: {json.dumps(payload)}\n\n"
-
-            async def stream():
-                chunk = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": now, "model": model_name}
-                over = False
-                count = 0
-                try:
-                    if chat:
-                        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}
-                        yield sse({**chunk, "choices": [first]})
-                    try:
-                        async for piece, tok, finish, count in events(live, stops):  # noqa: B007 (count: read after)
-                            yield sse({**chunk, "choices": [choice(piece, [] if tok is None else [tok], finish,
-                                                                   True)]})
-                    except ApiError as e:
-                        over = True
-                        yield sse(protocol.error_body(e.message, type_=e.type_, code=e.status))
-                        yield "data: [DONE]\n\n"
-                        return
-                    over = True
-                    if include_usage:
-                        yield sse({**chunk, "choices": [], "usage": protocol.usage(len(ids), count)})
-                    yield "data: [DONE]\n\n"
-                finally:
-                    if not over:          # cancelled: the client went away
-                        bridge.abort(live)
-
-            return StreamingResponse(stream(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-        async def collect():
-            text, tokens, finish = [], [], None
-            async for piece, tok, finish, _ in events(live, stops):  # noqa: B007 (finish: the last one is returned)
-                text.append(piece)
-                if tok is not None:
-                    tokens.append(tok)
-            return "".join(text), tokens, finish
-
-        task = asyncio.ensure_future(collect())
+    async def whole(self, live: _Live, stops: Sequence[str], reply: Reply, num_prompt: int,
+                    is_disconnected: Callable[[], Awaitable[bool]]):
+        """The whole answer of a non-streamed request, or a 499 once `is_disconnected()` (the request is
+        aborted then)."""
+        task = asyncio.ensure_future(self.collect(live, stops))
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
                 if done:
                     break
-                if await raw.is_disconnected():
+                if await is_disconnected():
                     task.cancel()
-                    bridge.abort(live)
+                    self.bridge.abort(live)
                     return Response(status_code=499)
         except asyncio.CancelledError:
             task.cancel()
-            bridge.abort(live)
+            self.bridge.abort(live)
             raise
         text, tokens, finish = task.result()
-        return {"id": rid, "object": obj, "created": now, "model": model_name,
-                "choices": [choice(text, tokens, finish, False)], "usage": protocol.usage(len(ids), len(tokens))}
+        return reply.whole(text, tokens, finish, num_prompt)
 
-    @app.post("/v1/completions")
-    async def completions(body: protocol.CompletionRequest, raw: Request):
-        return await generate(raw, body, prompt_ids(body.prompt), body.max_tokens, chat=False)
+    async def generate(self, body, ids: List[int], max_tokens: Optional[int], *, chat: bool,
+                       is_disconnected: Callable[[], Awaitable[bool]]):
+        """Check, submit and answer one request: a StreamingResponse (`body.stream`) or the whole answer."""
+        params, stops = self.sampling_params(body, ids, max_tokens)
+        live = self.submit(ids, params, "chatcmpl" if chat else "cmpl")
+        reply = Reply(live.req.request_id, self.model_name, chat=chat, want_ids=body.return_token_ids)
+        if not body.stream:
+            return await self.whole(live, stops, reply, len(ids), is_disconnected)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(self.stream(live, stops, reply, len(ids), include_usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: protocol.ChatCompletionRequest, raw: Request):
-        if not byte_level():
-            raise ApiError(400, "messages: this model has no tokenizer for chat; use /v1/completions with token ids",
-                           param="messages")
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await generate(raw, body, prompt_ids(protocol.render_chat(body.messages)), max_tokens, chat=True)
 
+def _service(request: Request) -> CompletionService:
+    return request.app.state.service
+
+
+status_router = APIRouter()
+models_router = APIRouter()
+completions_router = APIRouter()
+
+
+@status_router.get("/health")
+async def health(request: Request):
+    status, body = _service(request).health()
+    return body if status == 200 else JSONResponse(body, status_code=status)
+
+
+@status_router.get("/metrics")
+async def prometheus(request: Request):
+    metrics = _service(request).bridge.metrics
+    return Response(metrics.render(), media_type=metrics.content_type)
+
+
+@models_router.get("/v1/models")
+async def models(request: Request):
+    return _service(request).models()
+
+
+@completions_router.post("/v1/completions")
+async def completions(body: protocol.CompletionRequest, raw: Request):
+    service = _service(raw)
+    return await service.generate(body, service.prompt_ids(body.prompt), body.max_tokens, chat=False,
+                                  is_disconnected=raw.is_disconnected)
+
+
+@completions_router.post("/v1/chat/completions")
+async def chat_completions(body: protocol.ChatCompletionRequest, raw: Request):
+    service = _service(raw)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return await service.generate(body, service.chat_prompt_ids(body), max_tokens, chat=True,
+                                  is_disconnected=raw.is_disconnected)
+
+
+async def _bad_request(request: Request, exc: RequestValidationError):
+    message, param = _validation_message(exc)
+    _service(request).bridge.metrics.http_rejected.labels("400").inc()
+    return _error_response(400, message, param=param)
+
+
+async def _api_error(request: Request, exc: ApiError):
+    _service(request).bridge.metrics.http_rejected.labels(str(exc.status)).inc()
+    return _error_response(exc.status, exc.message, exc.type_, exc.param)
+
+
+def create_app(bridge: EngineBridge, *, model_name: str, eos_token_id: int = -1) -> FastAPI:
+    app = FastAPI(title="pdjax OpenAI-compatible server")
+    app.state.service = CompletionService(bridge, model_name=model_name, eos_token_id=eos_token_id)
+    app.add_exception_handler(RequestValidationError, _bad_request)
+    app.add_exception_handler(ApiError, _api_error)
+    for router in (status_router, models_router, completions_router):
+        app.include_router(router)
     return app
