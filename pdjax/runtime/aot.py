@@ -70,7 +70,7 @@ def topology_devices(topology: str) -> list:
     'v6e:2x4', 'v4:2x2x1', ...; needs libtpu, the 'tpu' extra) or NVIDIA GPUs as '<gpu>:<devices>' or
     '<gpu>:<hosts>x<devices per host>' with <gpu> in GPU_TARGETS ('h100:8', 'a100:2x8'; needs the CUDA plugin and
     ptxas, the 'gpu-aot' extra). A bad name raises ValueError naming it."""
-    from jax.experimental import topologies   # noqa: PLC0415 -- loads libtpu / the CUDA plugin: ahead-of-time only
+    from jax.experimental import topologies   # noqa: PLC0415 (loads libtpu or the CUDA plugin: ahead of time only)
 
     gpu, _, shape = topology.lower().partition(":")
     try:
@@ -192,7 +192,7 @@ def compile_step(spec: ModelSpec, attention_impl: str, mesh: Mesh, bucket: Bucke
     start = time.perf_counter()
     try:
         compiled = fn.trace(*args).lower().compile()
-    except Exception as e:  # noqa: BLE001 -- any compiler failure is a row of the report, with its reason
+    except Exception as e:  # noqa: BLE001 (any compiler failure is a row of the report)
         return CompiledStep(bucket, stage, False, time.perf_counter() - start, weights, kv, error=one_line(e))
     seconds = time.perf_counter() - start
     mem = compiled.memory_analysis()
@@ -322,7 +322,7 @@ def device_memory_bytes(devices: Sequence) -> Optional[int]:
     for d in devices:
         try:
             stats = d.memory_stats()
-        except Exception:  # noqa: BLE001 -- platforms without the call (CPU) raise rather than return None
+        except Exception:  # noqa: BLE001 (CPU raises rather than return None)
             stats = None
         if not stats or "bytes_limit" not in stats:
             return None
