@@ -1,11 +1,13 @@
 """The jitted step: sampling on device, batch building, buckets and the compile counter."""
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pdjax.config.model_specs import get_model_spec
 from pdjax.config.sampling import SamplingParams
 from pdjax.models.llama import init_params
-from pdjax.runtime.batch import Buckets, build_ragged_batch
+from pdjax.runtime.batch import Buckets, build_ragged_batch, empty_batch
 from pdjax.runtime.runner import ModelRunner
 from pdjax.runtime.sampling import sample_tokens
 from test_model import sched
@@ -210,3 +212,22 @@ def test_warmup_precompiles_every_bucket(params):
     assert seconds > 0 and runner.compile_count == buckets.num_shapes
     runner.execute(sched([([1] * 15, 0, [0, 1, 2], True)]))
     assert runner.compile_count == buckets.num_shapes  # no new compile after warmup
+
+
+def test_the_step_is_named_like_the_code():
+    """jax.named_scope per layer part, so a device profile of the step reads like the model code."""
+    import re
+
+    from pdjax.runtime import aot
+    from pdjax.runtime import mesh as mesh_lib
+    from pdjax.runtime.runner import make_mesh_step
+    spec = get_model_spec("tiny-llama")
+    mesh = mesh_lib.make_mesh(jax.devices()[:1])
+    step = make_mesh_step(spec, "blocked", mesh, max_seqs=4)
+    params = aot.abstract_stage_params(spec, mesh, jnp.float32)
+    kv = aot.abstract_kv_cache(spec, mesh, num_pages=8, page_size=16, dtype=jnp.float32, num_layers=2)
+    text = step.trace(params, kv, empty_batch((16, 4, 4)), jnp.zeros(4, jnp.int32)).lower().as_text(debug_info=True)
+    scopes = set(re.findall(r'"jit\(traced\)/([a-z_0-9]+(?:/[a-z_0-9]+)?)/', text))
+    want = {f"layer{i}/{part}" for i in range(2) for part in ("qkv", "kv_write", "attention", "attn_out", "mlp")}
+    assert want <= scopes, sorted(scopes)
+    assert {"embed", "rope", "final_norm", "lm_head", "sampling"} <= {s.split("/")[0] for s in scopes}

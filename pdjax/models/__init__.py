@@ -1,8 +1,8 @@
 """pdjax.models: the Llama-family model (pure forward over pytree params) and its weights.
 
     llama.init_params(spec, seed, dtype) -> LlamaParams       llama.init_kv_cache(spec, num_pages, ...) -> KVCache
-    llama.forward_hidden(params, kv_cache, token_ids, positions, slot_mapping, kv_lens, page_indices,
-                         cu_q_lens, num_seqs, *, spec, attention_fn) -> (hidden [T, H], kv_cache)
+    llama.forward_hidden(params, kv_cache, batch, *, spec, attention_fn) -> (hidden [T, H], kv_cache)
+                                                             (batch: a pdjax.runtime.batch.RaggedBatch)
     checkpoint.load_model(checkpoint) -> (spec, params)       (HF dir | orbax dir | registry spec name)
     params.param_table(spec) -> LlamaParams of WeightInfo   (the one per-weight table: shape, logical axes,
                                                              dtype and init rule, pipeline placement)

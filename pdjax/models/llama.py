@@ -226,14 +226,19 @@ def attention_residual(layer: LayerParams, x, attn):
     return x + attn.reshape(num_tokens, num_heads * head_dim) @ layer.wo.reshape(num_heads * head_dim, -1)
 
 
-def _attention_block(layer: LayerParams, x, k_pages, v_pages, cos, sin, meta, spec: ModelSpec,
-                     attention_fn: Callable):
-    slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs = meta
-    q, k, v = project_qkv(layer, x, cos, sin, spec)
-    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, slot_mapping)
-    attn = attention_fn(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                        sm_scale=1.0 / math.sqrt(spec.head_dim), sliding_window=spec.sliding_window)
-    return attention_residual(layer, x, attn), k_pages, v_pages
+def attention_block(layer: LayerParams, x, k_pages, v_pages, cos, sin, batch, spec: ModelSpec,
+                    attention_fn: Callable):
+    """x [T, H] plus the attention half of a decoder layer, and the layer's pages with this step's K/V written
+    (batch: the step's ragged metadata, see `forward_hidden`)."""
+    with jax.named_scope("qkv"):
+        q, k, v = project_qkv(layer, x, cos, sin, spec)
+    with jax.named_scope("kv_write"):
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, batch.slot_mapping)
+    with jax.named_scope("attention"):
+        attn = attention_fn(q, k_pages, v_pages, batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.num_seqs,
+                            sm_scale=1.0 / math.sqrt(spec.head_dim), sliding_window=spec.sliding_window)
+    with jax.named_scope("attn_out"):
+        return attention_residual(layer, x, attn), k_pages, v_pages
 
 
 def mlp_block(layer: LayerParams, x, spec: ModelSpec):
@@ -249,23 +254,26 @@ def embed(params, token_ids: jax.Array) -> jax.Array:
     return params.embed[token_ids]
 
 
-def forward_layers(layers: Sequence[LayerParams], kv_cache: KVCache, x, positions, slot_mapping, kv_lens,
-                   page_indices, cu_q_lens, num_seqs, *, spec: ModelSpec, attention_fn: Callable):
+def forward_layers(layers: Sequence[LayerParams], kv_cache: KVCache, x, batch, *, spec: ModelSpec,
+                   attention_fn: Callable):
     """Run a contiguous range of decoder layers on the residual stream x [T, H].
 
     `kv_cache` holds exactly those layers' pages (kv_cache.k[i] belongs to layers[i]), so a pipeline stage
     passes its own layers and its own cache slice. Returns (x after the last layer, KVCache of the same layers
-    with this step's K/V written). Batch fields as in `forward_hidden`.
+    with this step's K/V written). batch as in `forward_hidden`. Each layer is a named scope ('layer3/mlp', ...),
+    so a device profile reads like this code.
     """
     if len(layers) != len(kv_cache.k):
         raise ValueError(f"forward_layers got {len(layers)} layers but a KV cache of {len(kv_cache.k)} layers")
-    cos, sin = rope_cos_sin(positions, spec)
-    meta = (slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs)
+    with jax.named_scope("rope"):
+        cos, sin = rope_cos_sin(batch.positions, spec)
     new_k, new_v = [], []
     for li, layer in enumerate(layers):
-        x, k_pages, v_pages = _attention_block(layer, x, kv_cache.k[li], kv_cache.v[li], cos, sin, meta,
-                                               spec, attention_fn)
-        x = mlp_block(layer, x, spec)
+        with jax.named_scope(f"layer{li}"):
+            x, k_pages, v_pages = attention_block(layer, x, kv_cache.k[li], kv_cache.v[li], cos, sin, batch, spec,
+                                                  attention_fn)
+            with jax.named_scope("mlp"):
+                x = mlp_block(layer, x, spec)
         new_k.append(k_pages)
         new_v.append(v_pages)
     return x, KVCache(k=tuple(new_k), v=tuple(new_v))
@@ -281,18 +289,21 @@ def final_logits(params, x: jax.Array, spec: ModelSpec) -> jax.Array:
     return logits_from_hidden(params, final_norm(params, x, spec))
 
 
-def forward_hidden(params: LlamaParams, kv_cache: KVCache, token_ids, positions, slot_mapping, kv_lens,
-                   page_indices, cu_q_lens, num_seqs, *, spec: ModelSpec, attention_fn: Callable):
+def forward_hidden(params: LlamaParams, kv_cache: KVCache, batch, *, spec: ModelSpec, attention_fn: Callable,
+                   token_ids=None):
     """Final-normed hidden states [T, H] of a ragged batch, and the KV cache with this step's K/V written.
 
-    token_ids, positions, slot_mapping: int32[T]; kv_lens int32[S]; page_indices int32[S, P];
-    cu_q_lens int32[S+1]; num_seqs int32[] (see pdjax/kernels/reference.py for the ragged layout).
+    batch: a `pdjax.runtime.batch.RaggedBatch` (or anything with its fields): token_ids, positions, slot_mapping
+    int32[T]; kv_lens int32[S]; page_indices int32[S, P]; cu_q_lens int32[S+1]; num_seqs int32[] (see
+    pdjax/kernels/reference.py for the ragged layout). token_ids: the ids to feed instead of batch.token_ids (the
+    step's, with the previous step's samples taken on the device).
     The composition embed -> forward_layers (all layers) -> final_norm; a pipeline stage runs a slice of it.
     """
-    x = embed(params, token_ids)
-    x, kv_cache = forward_layers(params.layers, kv_cache, x, positions, slot_mapping, kv_lens, page_indices,
-                                 cu_q_lens, num_seqs, spec=spec, attention_fn=attention_fn)
-    return final_norm(params, x, spec), kv_cache
+    with jax.named_scope("embed"):
+        x = embed(params, batch.token_ids if token_ids is None else token_ids)
+    x, kv_cache = forward_layers(params.layers, kv_cache, x, batch, spec=spec, attention_fn=attention_fn)
+    with jax.named_scope("final_norm"):
+        return final_norm(params, x, spec), kv_cache
 
 
 def logits_from_hidden(params: LlamaParams, hidden: jax.Array) -> jax.Array:

@@ -129,13 +129,16 @@ def stage_forward(params: StageParams, kv_cache: KVCache, hidden, batch: RaggedB
     Output: (hidden [T, H], kv_cache) for stages before the last; for the last stage (float32 logits [S, V] at
     batch.sample_indices, kv_cache) when output == 'logits', else (sampled ids int32[max_seqs] (rows past S are
     0, NONFINITE_LOGITS for non-finite logits: pdjax.runtime.step.sampled_ids), kv_cache)."""
-    x = embed(params, fed_token_ids(batch, prev_ids)) if first else hidden
-    x, kv_cache = forward_layers(params.layers, kv_cache, x, batch.positions, batch.slot_mapping, batch.kv_lens,
-                                 batch.page_indices, batch.cu_q_lens, batch.num_seqs, spec=spec,
-                                 attention_fn=attention_fn)
+    if first:
+        with jax.named_scope("embed"):
+            x = embed(params, fed_token_ids(batch, prev_ids))
+    else:
+        x = hidden
+    x, kv_cache = forward_layers(params.layers, kv_cache, x, batch, spec=spec, attention_fn=attention_fn)
     if not last:
         return x, kv_cache
-    logits = final_logits(params, x[batch.sample_indices], spec)
+    with jax.named_scope("lm_head"):
+        logits = final_logits(params, x[batch.sample_indices], spec)
     if output == "logits":
         return logits, kv_cache
     return sampled_ids(logits, batch, max_seqs), kv_cache

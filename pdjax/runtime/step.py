@@ -34,16 +34,17 @@ def fed_token_ids(batch: RaggedBatch, prev_ids):
 def forward_logits(params: LlamaParams, kv_cache: KVCache, batch: RaggedBatch, prev_ids, *, spec: ModelSpec,
                    attention_fn: Callable):
     """(float32 logits [S, V] at batch.sample_indices, updated kv_cache)."""
-    hidden, kv_cache = forward_hidden(
-        params, kv_cache, fed_token_ids(batch, prev_ids), batch.positions, batch.slot_mapping, batch.kv_lens,
-        batch.page_indices, batch.cu_q_lens, batch.num_seqs, spec=spec, attention_fn=attention_fn)
-    return logits_from_hidden(params, hidden[batch.sample_indices]), kv_cache
+    hidden, kv_cache = forward_hidden(params, kv_cache, batch, spec=spec, attention_fn=attention_fn,
+                                      token_ids=fed_token_ids(batch, prev_ids))
+    with jax.named_scope("lm_head"):
+        return logits_from_hidden(params, hidden[batch.sample_indices]), kv_cache
 
 
 def sampled_ids(logits, batch: RaggedBatch, max_seqs: int):
     """int32[max_seqs]: the token sampled from each row of float32 logits [S, V] (rows past S are 0), or
     NONFINITE_LOGITS for a row holding a NaN or an inf."""
-    ids = sample_tokens(logits, batch.kv_lens, batch.temperature, batch.top_k, batch.top_p, batch.seed)
+    with jax.named_scope("sampling"):
+        ids = sample_tokens(logits, batch.kv_lens, batch.temperature, batch.top_k, batch.top_p, batch.seed)
     # max |logit| is NaN or inf exactly when a logit is (XLA's max propagates NaN). Not isfinite(...).all(): with
     # vocab-split logits that is an all-reduce of booleans, which XLA:TPU's cost analysis prices at -1 s.
     finite = jnp.isfinite(jnp.abs(logits).max(axis=-1))
