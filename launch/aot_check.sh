@@ -4,7 +4,7 @@
 # compile or fit. TOPOLOGY names the slice (e.g. v5e:4x4, v6e:2x4); SKIP_AOT=1 skips the check. With DRY_RUN the
 # check's command is printed (one line, before the launch's).
 # aot_check REQUIRED COMMAND...: REQUIRED=1 refuses to launch a serving command without TOPOLOGY (a TPU pod: the
-# check can always run); 0 runs the check only when TOPOLOGY is set (a GPU cluster: no GPU target compiles here).
+# check can always run); 0 runs it only when TOPOLOGY is set (a GPU cluster: TOPOLOGY=h100:2x8, the gpu-aot extra).
 aot_check() {
   local required=$1; shift
   local serving=0 arg
