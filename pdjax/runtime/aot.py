@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import multiprocessing
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -80,40 +79,14 @@ def topology_devices(topology: str) -> list:
             if len(dims) > 2 or min(dims) < 1:
                 raise ValueError(f"shape {shape!r}: expected <devices> or <hosts>x<devices per host>")
             hosts, per_host = dims if len(dims) == 2 else (1, dims[0])
-            devices = list(topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(gpu),
-                                                        topology=f"1x{hosts}x{per_host}").devices)
-        else:
-            devices = list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
+            return list(topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(gpu),
+                                                     topology=f"1x{hosts}x{per_host}").devices)
+        return list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
     except Exception as e:   # the plugin missing or the name unknown: re-raised as one line naming the topology
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"topology={topology!r} gives no devices ({type(e).__name__}: {first[:200]}); expected a "
                          f"TPU topology such as 'v5e:2x2', 'v5p:2x2x2' or 'v6e:2x4' (pip install -e \".[tpu]\") or "
                          f"a GPU one such as 'h100:8' or 'a100:2x8' (pip install -e \".[gpu-aot]\")") from e
-    _TOPOLOGY_OF.update({id(d): (topology, i, d) for i, d in enumerate(devices)})
-    return devices
-
-
-# id(device) -> (topology name, index, the device: kept, so the id is never reused) of the devices topology_devices
-# made: a worker process rebuilds a mesh of compile-only devices from these (devices do not cross processes).
-_TOPOLOGY_OF: Dict[int, tuple] = {}
-_WORKER_DEVICES: Dict[str, list] = {}
-
-
-def _mesh_recipe(mesh: Mesh):
-    """(topology, device indices, pp, tp) of a mesh of topology_devices' devices, else None."""
-    places = [_TOPOLOGY_OF.get(id(d)) for d in mesh.devices.flat]
-    if any(p is None for p in places) or len({p[0] for p in places}) != 1:
-        return None
-    return places[0][0], [p[1] for p in places], int(mesh.shape["stage"]), int(mesh.shape["tensor"])
-
-
-def _compile_in_worker(recipe, spec, attention_impl, bucket, stage, kwargs) -> "CompiledStep":
-    topology, indices, pp, tp = recipe
-    if topology not in _WORKER_DEVICES:
-        _WORKER_DEVICES[topology] = topology_devices(topology)
-    devices = _WORKER_DEVICES[topology]
-    mesh = mesh_lib.make_mesh([devices[i] for i in indices], pp=pp, tp=tp)
-    return compile_step(spec, attention_impl, mesh, bucket, stage=stage, **kwargs)
 
 
 def shard_bytes(abstract) -> int:
@@ -238,29 +211,22 @@ def compile_step(spec: ModelSpec, attention_impl: str, mesh: Mesh, bucket: Bucke
 def compile_instance(spec: ModelSpec, attention_impl: str, mesh: Mesh, buckets: Sequence[Bucket], *, num_pages: int,
                      page_size: int, dtype, max_seqs: int, jobs: int = 1,
                      on_done: Optional[Callable[[CompiledStep], None]] = None) -> List[CompiledStep]:
-    """`compile_step` of every bucket and pipeline stage of one instance; results in (bucket, stage) order.
-
-    jobs > 1 compiles that many at once in worker processes, for a mesh of `topology_devices` (each worker makes
-    the topology once). Not threads: two XLA:TPU compiles in threads of one process did not overlap."""
+    """`compile_step` of every bucket and pipeline stage of one instance, `jobs` compiles at a time (XLA compiles
+    in C++ outside the GIL, so threads use the host's cores); results in (bucket, stage) order."""
     pp = int(mesh.shape["stage"])
     work = [(tuple(b), s) for b in buckets for s in range(pp)]
-    kwargs = dict(num_pages=num_pages, page_size=page_size, dtype=jnp.dtype(dtype), max_seqs=max_seqs)
-    recipe = _mesh_recipe(mesh) if jobs > 1 and len(work) > 1 else None
-    if recipe is None:
-        out = []
-        for bucket, stage in work:
-            out.append(compile_step(spec, attention_impl, mesh, bucket, stage=stage, **kwargs))
-            if on_done is not None:
-                on_done(out[-1])
+
+    def run(item):
+        out = compile_step(spec, attention_impl, mesh, item[0], num_pages=num_pages, page_size=page_size,
+                           dtype=dtype, max_seqs=max_seqs, stage=item[1])
+        if on_done is not None:
+            on_done(out)
         return out
-    context = multiprocessing.get_context("spawn")   # a forked JAX process is not safe
-    with concurrent.futures.ProcessPoolExecutor(max_workers=min(jobs, len(work)), mp_context=context) as pool:
-        futures = [pool.submit(_compile_in_worker, recipe, spec, attention_impl, bucket, stage, kwargs)
-                   for bucket, stage in work]
-        for future in concurrent.futures.as_completed(futures):
-            if on_done is not None:
-                on_done(future.result())
-        return [f.result() for f in futures]
+
+    if jobs <= 1:
+        return [run(item) for item in work]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(run, work))
 
 
 def max_num_pages(steps: Sequence[CompiledStep], *, num_pages: int, page_bytes: Dict[int, int], hbm_bytes: float,
