@@ -36,9 +36,8 @@ _ROLE_TOPOLOGY = {role: flags.DEFINE_string(f"{role}_topology", "", f"TPU topolo
                                             "(default: --topology).") for role in ("prefill", "decode", "mixed")}
 _UTILIZATION = flags.DEFINE_float("utilization", None, "Fraction of HBM the weights, temporaries and KV cache may "
                                   "fill when planning num_pages (default: the config's engine.kv_memory_utilization).")
-_JOBS = flags.DEFINE_integer("jobs", 1, "Steps compiled at once, in threads (for small models: two 8B compiles in one "
-                             "process ran for minutes where one alone takes 20 s).",
-                             lower_bound=1)
+_JOBS = flags.DEFINE_integer("jobs", 1, "Steps compiled at once, in threads (small models only: large compiles did not "
+                             "overlap on a host).", lower_bound=1)
 _COMPARE_SIM = flags.DEFINE_bool("compare_sim", False, "Put XLA's FLOPs, bytes and optimal seconds next to the "
                                  "simulator cost model's for each bucket.")
 _OUT = flags.DEFINE_string("out", "", "Write the report as JSON to this file (atomically).")

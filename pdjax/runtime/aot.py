@@ -211,8 +211,8 @@ def compile_step(spec: ModelSpec, attention_impl: str, mesh: Mesh, bucket: Bucke
 def compile_instance(spec: ModelSpec, attention_impl: str, mesh: Mesh, buckets: Sequence[Bucket], *, num_pages: int,
                      page_size: int, dtype, max_seqs: int, jobs: int = 1,
                      on_done: Optional[Callable[[CompiledStep], None]] = None) -> List[CompiledStep]:
-    """`compile_step` of every bucket and pipeline stage of one instance, `jobs` compiles at a time (XLA compiles
-    in C++ outside the GIL, so threads use the host's cores); results in (bucket, stage) order."""
+    """`compile_step` of every bucket and pipeline stage of one instance, `jobs` at a time in threads (it helps small
+    models only: libtpu serialized two large compiles, in threads or processes); results in (bucket, stage) order."""
     pp = int(mesh.shape["stage"])
     work = [(tuple(b), s) for b in buckets for s in range(pp)]
 
