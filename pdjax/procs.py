@@ -220,15 +220,11 @@ class WorkerPool:
             futures = {self._pool.submit(fn, item): i for i, item in enumerate(items)}
             out: List[Any] = [None] * len(items)
             for future in concurrent.futures.as_completed(futures):
-                i = futures[future]
                 try:
-                    out[i] = future.result()
-                except Exception as e:
-                    if not return_exceptions:
-                        raise
-                    out[i] = e
-                if done is not None:
-                    done(i, out[i])
+                    result = future.result()
+                except Exception as e:  # noqa: BLE001  (raised, or returned, by _settle)
+                    result = e
+                _settle(out, futures[future], result, done, return_exceptions)
             return out
         except BaseException:   # an error, Ctrl-C or SystemExit: stop the tasks in flight, do not wait for them
             self.close(abort=True)
@@ -246,17 +242,24 @@ class WorkerPool:
         self.close(abort=exc_type is not None)
 
 
+def _settle(out: List[Any], i: int, result: Any, done: Optional[Done], return_exceptions: bool) -> None:
+    """Item i ended with `result` (an Exception when it failed): raise that unless return_exceptions, else keep
+    it as out[i] and tell `done`."""
+    if isinstance(result, Exception) and not return_exceptions:
+        raise result
+    out[i] = result
+    if done is not None:
+        done(i, result)
+
+
 def _map_here(fn: Callable, items: Sequence, done: Optional[Done], return_exceptions: bool) -> List[Any]:
-    out: List[Any] = []
+    out: List[Any] = [None] * len(items)
     for i, item in enumerate(items):
         try:
-            out.append(fn(item))
-        except Exception as e:
-            if not return_exceptions:
-                raise
-            out.append(e)
-        if done is not None:
-            done(i, out[-1])
+            result = fn(item)
+        except Exception as e:  # noqa: BLE001  (raised, or returned, by _settle)
+            result = e
+        _settle(out, i, result, done, return_exceptions)
     return out
 
 
@@ -388,18 +391,15 @@ def _map_ray(fn: Callable, items: Sequence, *, workers: int, address: str, done:
                 (ref,), _ = ray.wait(list(pending), num_returns=1)
                 i, attempt = pending.pop(ref)
                 try:
-                    out[i] = ray.get(ref)
+                    result = ray.get(ref)
                 except ray.exceptions.RayError as e:
                     if worker_died(e) and attempt < retries:
                         if on_retry is not None:
                             on_retry(i, e, attempt)
                         submit(i, attempt + 1)
                         continue
-                    if not return_exceptions:
-                        raise
-                    out[i] = e
-                if done is not None:
-                    done(i, out[i])
+                    result = e
+                _settle(out, i, result, done, return_exceptions)
             return out
         except BaseException:   # an error, Ctrl-C or SystemExit (SIGTERM): stop the tasks still running
             for ref in pending:
