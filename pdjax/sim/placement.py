@@ -37,8 +37,8 @@ What this module does with that (a GPU budget instead of a traffic rate, and who
   on both SLOs (TTFT s·ttft_s, TPOT s·tpot_s) each candidate still passes under the problem's rule. A run's
   records do not depend on the SLOs, so each candidate is simulated once (at the per-GPU rate x its GPUs) and s
   is read off its records in closed form (`tightest_slo_scale`), not bisected over simulations.
-- Parallelism: candidates are evaluated in a process pool (fork; each worker asks the kernel to kill it when the
-  parent dies, PR_SET_PDEATHSIG, and the pool is shut down with its queued work cancelled on any exit).
+- Parallelism: candidates are evaluated on `workers` processes (pdjax.procs.parallel_map: fork unless JAX is
+  loaded, workers that die with the parent, terminated on any error or interruption).
   Every evaluation is deterministic, so the ranking is the same serially and in parallel.
 - Each ranking row carries `deployment`: the placement as a serve config's deployment block (groups, layouts,
   devices, each group's token budget and sequence limit), to run it with `experiments.serve` on either backend.

@@ -46,9 +46,9 @@ Search (each evaluation is one whole simulation, pdjax.sim.run's build -> simula
   T = floor((B - P c_p) / c_t) >= 1: a cluster with spare budget is beaten by one with another machine). Each
   candidate's highest passing rate is found by doubling then bisection to `rel_tol`, after one probe at the best
   rate so far x (1 + rel_tol) that skips a candidate which cannot beat it.
-- Parallelism: the unit of work is one (question, system) search; units run in a process pool (`workers`) or as
-  Ray tasks (`ray_address`, or `executor='ray'` for a local cluster), results are put back in the units' order,
-  so the answer is the same serially and in parallel.
+- Parallelism: the unit of work is one (question, system) search; units run by pdjax.procs.parallel_map in a
+  process pool (`workers`) or as Ray tasks (`ray_address`, or `executor='ray'` for a local cluster), results
+  are put back in the units' order, so the answer is the same serially and in parallel.
 """
 from __future__ import annotations
 
