@@ -103,11 +103,11 @@ def test_request_record_from_scheduler_like_object():
 
 
 def test_slo_errors():
-    with pytest.raises(ValueError, match="slos.ttft_s=-1"):
+    with pytest.raises(ValueError, match="slo.ttft_s=-1"):
         SLOs(ttft_s=-1)
     with pytest.raises(ValueError, match="tbt_quantile=0"):
         SLOs(tbt_quantile=0)
-    with pytest.raises(ValueError, match="unknown key 'p99_tbt'"):
+    with pytest.raises(ValueError, match="unknown config key.*slo.p99_tbt"):
         SLOs.from_dict({"p99_tbt": 0.1})
 
 
@@ -370,3 +370,16 @@ def test_one_rate_search_brackets_then_bisects():
     g, b = bisect_rate(lambda rates: (rounds.append(rates), [r <= 3.3 for r in rates])[1], 2.0, 6.0, rel_tol=0.5,
                        more=lambda: len(rounds) < 1, split=lambda g, b: [g + (b - g) * i / 4 for i in (1, 2, 3)])
     assert rounds == [[3.0, 4.0, 5.0]] and (g, b) == (3.0, 4.0)
+
+
+def test_one_slo_type_with_one_alias_rule():
+    """Issue 28 item 5: metrics.SLOs is the serve config's SLOConfig; ttft_s/tbt_s/tpot_s are its aliases (0 or
+    None: no bound) wherever SLOs are given, and results.json's "slos" entry keeps the metrics' spelling."""
+    from pdjax.config.parse import dataclass_from_dict
+    from pdjax.config.serving import SLOConfig
+    assert SLOs is SLOConfig
+    assert SLOs(ttft_s=1.0, tbt_s=None) == SLOConfig(ttft=1.0) == dataclass_from_dict(SLOConfig, {"ttft_s": 1.0}, "slo")
+    assert SLOs(tpot=0.1).tpot_s == 0.1 and SLOs().ttft_s is None and SLOs().empty
+    assert SLOs(ttft=1.0).summary_dict() == {"ttft_s": 1.0, "tbt_s": None, "tpot_s": None, "tbt_quantile": 1.0}
+    with pytest.raises(ValueError, match="given twice"):
+        SLOs(ttft=1.0, ttft_s=2.0)

@@ -74,11 +74,12 @@ def test_process_helpers_are_defined_once_and_nothing_reaches_launch_through_sys
     """Regression (issue 17 item 7): tests/multiprocess_util.py and experiments/bench_kv_transfer.py imported
     launch/local.py through sys.path, and sim/placement.py (_die_with_parent) and serving/distributed.py
     (_free_port) kept copies of the shared helpers."""
-    helper = re.compile(r"^\s*def _?(free_port|die_with_parent|wait_processes|end_processes|stop_pool|process_pool)\(",
-                        re.M)
+    helper = re.compile(r"^\s*def _?(free_port|die_with_parent|wait_processes|end_processes|stop_pool|process_pool"
+                        r"|parallel_map|check_ray_address|ray_session|start_method)\(", re.M)
     defined = sorted((str(p.relative_to(REPO)), m) for p in _python_files() for m in helper.findall(p.read_text()))
     assert defined == [("pdjax/procs.py", name) for name in sorted(
-        ["die_with_parent", "end_processes", "free_port", "process_pool", "stop_pool", "wait_processes"])]
+        ["check_ray_address", "die_with_parent", "end_processes", "free_port", "parallel_map", "process_pool",
+         "ray_session", "start_method", "stop_pool", "wait_processes"])]
     reaching = [str(p.relative_to(REPO)) for p in _python_files()
                 if re.search(r"sys\.path\.insert\([^\n]*[\"']launch[\"']|^\s*from local import", p.read_text(), re.M)]
     assert reaching == []
@@ -88,3 +89,42 @@ def test_procs_imports_no_jax():
     out = subprocess.run([sys.executable, "-c", "import sys, pdjax.procs; print('jax' in sys.modules)"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+# ------------------------------------------------------------------------------------------------ parallel_map
+def _square_or_fail(x):
+    if x == 3:
+        raise ValueError("three")
+    time.sleep(0.05 * (5 - x))          # later items end first
+    return x * x
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_parallel_map_keeps_the_items_order_and_reports_each_end(workers):
+    ended = []
+    out = procs.parallel_map(_square_or_fail, [0, 1, 2, 4], workers=workers, done=lambda i, r: ended.append((i, r)))
+    assert out == [0, 1, 4, 16] and sorted(ended) == [(0, 0), (1, 1), (2, 4), (3, 16)]
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_parallel_map_raises_or_returns_the_errors(workers):
+    with pytest.raises(ValueError, match="three"):
+        procs.parallel_map(_square_or_fail, [1, 3, 4], workers=workers)
+    out = procs.parallel_map(_square_or_fail, [1, 3, 4], workers=workers, return_exceptions=True)
+    assert out[0] == 1 and out[2] == 16 and isinstance(out[1], ValueError)
+
+
+def test_parallel_map_checks_its_options():
+    with pytest.raises(ValueError, match="executor='dask'"):
+        procs.parallel_map(abs, [1], executor="dask")
+    with pytest.raises(ValueError, match="workers=0"):
+        procs.parallel_map(abs, [1], workers=0)
+
+
+def test_one_start_method_rule():
+    """fork unless JAX is loaded here or the work needs a fresh interpreter; written once (pdjax.procs)."""
+    assert procs.start_method(fresh=True) == "spawn"
+    assert procs.start_method() == ("spawn" if "jax" in sys.modules else "fork")
+    rule = re.compile(r"[\"']spawn[\"']")
+    assert [str(p.relative_to(REPO)) for p in _python_files()
+            if p.parts[-2] != "tests" and rule.search(p.read_text())] == ["pdjax/procs.py"]

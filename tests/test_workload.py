@@ -281,7 +281,7 @@ def test_config_errors_name_field_and_value(kwargs, match):
 
 
 def test_unknown_config_key():
-    with pytest.raises(ValueError, match=r"unknown keys \['rps'\]"):
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) workload\.rps;"):
         make_workload({"preset": "chat", "rps": 3})
 
 

@@ -174,8 +174,14 @@ def coerce(tp: Any, value: Any, where: str) -> Any:
 
 def dataclass_from_dict(cls, values: Optional[Mapping[str, Any]], where: str):
     """Build dataclass `cls` from a mapping; unknown keys, wrongly typed values and failed field checks fail
-    naming `where.key`; a failed cross-field rule fails naming the block `where`."""
+    naming `where.key`; a failed cross-field rule fails naming the block `where`. The one alias rule: a class's
+    `KEY_ALIASES` ({alias: field}) lets a key be spelled either way, not both ("given twice")."""
     values = dict(values or {})
+    for alias, name in getattr(cls, "KEY_ALIASES", {}).items():
+        if alias in values:
+            if name in values:
+                raise ValueError(f"{where}: {alias!r} given twice (as {name!r} and its alias {alias!r})")
+            values[name] = values.pop(alias)
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - fields)

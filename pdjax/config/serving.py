@@ -16,12 +16,12 @@ from pdjax.config.deployment import REMOVED_GROUP_KEYS, ROLES, DeploymentConfig,
 from pdjax.config.files import config_block
 from pdjax.config.parse import FieldError, check_fields, coerce, dataclass_from_dict, nonneg_int, number, one_of
 from pdjax.config.scheduler import SchedulerConfig
+from pdjax.config.slo import SLOConfig
 from pdjax.config.validate import check_cross_block
 from pdjax.workload import WorkloadConfig
 
 BACKENDS = ("real", "sim")
 MODES = ("online", "offline")
-NO_SLO = "(0 = no SLO)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,20 +62,6 @@ class EngineConfig:
 
     def __post_init__(self):
         check_fields(self, "engine")
-
-
-@dataclasses.dataclass(frozen=True)
-class SLOConfig:
-    """Latency SLOs in seconds; 0 means no SLO on that metric."""
-    ttft: float = number(0.0, low=0, note=NO_SLO)
-    tbt: float = number(0.0, low=0, note=NO_SLO)
-    tpot: float = number(0.0, low=0, note=NO_SLO)
-
-    def __post_init__(self):
-        check_fields(self, "slo")
-
-    def as_dict(self) -> dict:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v > 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +208,7 @@ def serve_config_from_dict(d: Mapping[str, Any]) -> ServeConfig:
         engine=dataclass_from_dict(EngineConfig, d.get("engine"), "engine"),
         scheduler=scheduler,
         workload=dataclass_from_dict(WorkloadConfig, workload, "workload"),
-        slo=dataclass_from_dict(SLOConfig, d.get("slo"), "slo"),
+        slo=SLOConfig.from_dict(d.get("slo")),
         sim=dataclass_from_dict(SimConfig, sim, "sim"),
         deployment=deployment_from_dict(d.get("deployment")),
         server=dataclass_from_dict(ServerConfig, d.get("server"), "server"),

@@ -30,8 +30,8 @@ to `max_retries` times, then recorded as failed with the error, and the sweep go
 """
 from __future__ import annotations
 
-import concurrent.futures
 import copy
+import functools
 import csv
 import io
 import itertools
@@ -40,7 +40,6 @@ import os
 import re
 import shutil
 import socket
-import time
 import traceback
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -49,7 +48,8 @@ from pdjax.experiment.cli import one_line
 from pdjax.experiment.run import prepare_experiment
 from pdjax.metrics import atomic_write_bytes, atomic_write_text
 from pdjax.metrics.report import ready_workdir, written_name
-from pdjax.procs import process_pool, stop_pool
+from pdjax.procs import (EXECUTORS, check_ray_address, first_line, format_error, import_ray, parallel_map,
+                         ray_session, worker_died)
 
 SUMMARY_COLUMNS = ("ttft_p50", "ttft_p90", "ttft_p99", "tbt_p50", "tbt_p99", "tpot_p50", "e2e_p50",
                    "sched_delay_p50", "throughput_tok_s", "slo_attainment", "goodput_rps")
@@ -246,30 +246,29 @@ def _run_point(run_fn: Callable[[Dict[str, Any], str], Any], cfg: Dict[str, Any]
     return "ok", None
 
 
+def _run_todo(run_fn, workdir: str, point: Tuple[str, Dict[str, Any]]) -> Tuple[str, Optional[str]]:
+    name, cfg = point
+    return _run_point(run_fn, cfg, os.path.join(workdir, name))
+
+
 def _run_parallel(todo: Sequence[Tuple[str, Dict[str, Any]]], workdir: str, run_fn, parallel: int,
                   log: Callable[[str], None]) -> None:
-    pool = process_pool(min(parallel, len(todo)), "spawn")   # JAX does not survive fork
-    try:
-        futures = {pool.submit(_run_point, run_fn, cfg, os.path.join(workdir, name)): (name, cfg)
-                   for name, cfg in todo}
-        for fut in concurrent.futures.as_completed(futures):
-            name, cfg = futures[fut]
-            try:
-                status, error = fut.result()
-            except Exception:   # noqa: BLE001  (the worker died, or the call could not be pickled)
-                text = traceback.format_exc()
-                _record_failure(os.path.join(workdir, name), cfg,
-                                "the point's worker process failed (killed, or out of memory?):\n" + text)
-                status, error = "failed", _error_line(text)
-            _log_point(log, name, status, error)
-    except BaseException:   # an error, Ctrl-C or SystemExit (SIGTERM): stop the workers, do not wait for them
-        stop_pool(pool, abort=True)
-        raise
-    stop_pool(pool, abort=False)
+    """The points on `parallel` spawned processes (pdjax.procs.parallel_map, fresh: JAX does not survive fork);
+    a point whose worker died (or whose call could not be pickled) is recorded as failed."""
+    def done(i: int, result: Any) -> None:
+        name, cfg = todo[i]
+        if isinstance(result, BaseException):
+            text = format_error(result)
+            _record_failure(os.path.join(workdir, name), cfg,
+                            "the point's worker process failed (killed, or out of memory?):\n" + text)
+            result = ("failed", _error_line(text))
+        _log_point(log, name, *result)
+
+    parallel_map(functools.partial(_run_todo, run_fn, workdir), todo, workers=parallel, fresh=True,
+                 return_exceptions=True, done=done)
 
 
 # ------------------------------------------------------------------------------------------------ Ray executor
-EXECUTORS = ("local", "ray")
 PLATFORMS = ("auto", "cpu", "gpu", "tpu")
 
 
@@ -359,121 +358,55 @@ def _check_feasible(todo_options: Sequence[Tuple[str, Mapping[str, Any]]], nodes
                              f"one node; no node of the Ray cluster ({where}) has that (nodes: {have})")
 
 
-RAY_CONNECT_TIMEOUT_S = 10.0
-
-
-def check_ray_address(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
-    """Fail at once on a Ray address that nothing listens at (ray.init retries an unreachable one forever, with a
-    warning every ~40 s): a TCP connection to HOST:PORT must open within `timeout_s`. 'auto' and 'local' (Ray
-    finds or starts the cluster itself) pass. Raises ValueError naming the address and the problem."""
-    if address in ("auto", "local"):
-        return
-    host, sep, port = address.split("://", 1)[-1].rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"ray_address={address!r}, expected HOST:PORT of a Ray cluster's head, 'auto', or none "
-                         "(a local cluster is started)")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-    except OSError as e:
-        raise ValueError(f"ray_address={address!r}: no Ray cluster answers there ({e.strerror or e}); expected the "
-                         "address of a running cluster's head (ray start --head prints it), or none (a local "
-                         "cluster is started)") from None
-
-
-_WORKER_DIED = ("WorkerCrashedError", "NodeDiedError", "OutOfMemoryError", "LocalRayletDiedError",
-                "ObjectLostError", "OwnerDiedError", "RaySystemError", "ActorDiedError")
-
-
 def _run_ray(todo: Sequence[Tuple[str, Dict[str, Any]]], workdir: str, run_fn, log: Callable[[str], None], *,
              address: Optional[str], max_retries: int, platform: str, num_cpus: Optional[int]) -> None:
-    """Run the points as Ray tasks; see run_sweep. Starts (and stops) a local cluster unless Ray is initialized
-    already or `address` names a cluster to join."""
-    import ray  # noqa: PLC0415 (optional cluster extra; run_sweep checked it is installed)
-
-    started = _ray_start(ray, address, num_cpus, log)
-    pending: Dict[Any, Tuple[str, Dict[str, Any], Dict[str, Any], int]] = {}
-    try:
+    """Run the points as Ray tasks (pdjax.procs.parallel_map on Ray); see run_sweep. Starts (and stops) a local
+    cluster unless Ray is initialized already or `address` names a cluster to join."""
+    with ray_session(address, num_cpus, lambda line: log(f"sweep: {line}")) as ray:
         nodes = [n for n in ray.nodes() if n.get("Alive", True)]
         platform = sweep_platform(platform, ray.cluster_resources())
         max_cpus = max((n.get("Resources", {}).get("CPU", 0) for n in nodes), default=0) or None
         options = [(name, _point_task_options(cfg, platform, max_cpus)) for name, cfg in todo]
         _check_feasible(options, nodes, address or ray.get_runtime_context().gcs_address)
-        remote = {False: ray.remote(_run_point), True: ray.remote(max_calls=1)(_run_point)}
-
-        def submit(name, cfg, opts, attempt):
-            for leftover in _partial_dirs(workdir, name):   # of an attempt whose worker died
-                shutil.rmtree(leftover, ignore_errors=True)
-            ref = remote[needs_fresh_worker(cfg)].options(max_retries=0, retry_exceptions=False, **opts).remote(
-                run_fn, cfg, os.path.join(workdir, name))
-            pending[ref] = (name, cfg, opts, attempt)
-
-        for (name, cfg), (_, opts) in zip(todo, options):
-            submit(name, cfg, opts, 0)
+        by_name = dict(options)
         errors: Dict[str, List[str]] = {}
-        while pending:
-            (ref,), _ = ray.wait(list(pending), num_returns=1)
-            name, cfg, opts, attempt = pending.pop(ref)
-            try:
-                status, error = ray.get(ref)
-            except ray.exceptions.RayError as e:
-                failure = _ray_failure(e, name, cfg, attempt, errors, workdir=workdir, max_retries=max_retries,
-                                       log=log)
-                if failure is None:
-                    submit(name, cfg, opts, attempt + 1)
-                    continue
-                status, error = failure
-            _log_point(log, name, status, error)
-    except BaseException:   # an error, Ctrl-C or SystemExit (SIGTERM): stop the points still running
-        for ref in pending:
-            try:
-                ray.cancel(ref, force=True)
-            except Exception:   # noqa: BLE001  (finished or gone meanwhile)
-                pass
-        raise
-    finally:
-        if started:
-            ray.shutdown()
+
+        def task_options(point: Tuple[str, Dict[str, Any]]) -> Dict[str, Any]:
+            name, cfg = point
+            return {**by_name[name], "max_calls": 1} if needs_fresh_worker(cfg) else by_name[name]
+
+        def on_retry(i: int, e: BaseException, attempt: int) -> None:
+            name = todo[i][0]
+            errors.setdefault(name, []).append(f"attempt {attempt + 1}: {type(e).__name__}: {str(e).strip()}")
+            log(f"sweep: the worker of {name} died ({type(e).__name__}: {first_line(e)}); retry {attempt + 1} of "
+                f"{max_retries}")
+            for leftover in _partial_dirs(workdir, name):   # of the attempt whose worker died
+                shutil.rmtree(leftover, ignore_errors=True)
+
+        def done(i: int, result: Any) -> None:
+            name, cfg = todo[i]
+            if isinstance(result, BaseException):
+                result = _ray_failure(result, name, cfg, errors, workdir=workdir)
+            _log_point(log, name, *result)
+
+        parallel_map(functools.partial(_run_todo, run_fn, workdir), todo, executor="ray", ray_address=address,
+                     return_exceptions=True, task_options=task_options, retries=max_retries, on_retry=on_retry,
+                     done=done)
 
 
-def _ray_start(ray, address: Optional[str], num_cpus: Optional[int], log: Callable[[str], None]) -> bool:
-    """Join the cluster at `address` or start a local one, unless Ray is initialized already; True if this call
-    did (the caller shuts it down)."""
-    if ray.is_initialized():
-        return False
-    t0 = time.perf_counter()
-    kwargs = {"address": address} if address else {"num_cpus": num_cpus, "include_dashboard": False}
-    try:
-        ray.init(logging_level="WARNING", **kwargs)
-    except ConnectionError as e:    # e.g. 'auto' with no cluster running here
-        raise ValueError(f"ray_address={address!r}: {_first_line(e)}") from None
-    log(f"sweep: Ray {'cluster ' + address + ' joined' if address else 'local cluster started'} in "
-        f"{time.perf_counter() - t0:.1f} s")
-    return True
-
-
-def _ray_failure(e: BaseException, name: str, cfg: Dict[str, Any], attempt: int, errors: Dict[str, List[str]], *,
-                 workdir: str, max_retries: int, log: Callable[[str], None]) -> Optional[Tuple[str, str]]:
-    """A point's Ray task raised `e`: None when its worker died and a retry is left (the caller resubmits),
-    else the point is recorded as failed (error.txt) and this returns ('failed', error line)."""
+def _ray_failure(e: BaseException, name: str, cfg: Dict[str, Any], errors: Dict[str, List[str]], *,
+                 workdir: str) -> Tuple[str, str]:
+    """A point's Ray task failed with `e` on its last attempt (its earlier ones: `errors[name]`): the point is
+    recorded as failed (error.txt naming every attempt's error) and this returns ('failed', error line)."""
     kind = type(e).__name__
-    errors.setdefault(name, []).append(f"attempt {attempt + 1}: {kind}: {str(e).strip()}")
-    died = kind in _WORKER_DIED
-    if died and attempt < max_retries:
-        log(f"sweep: the worker of {name} died ({kind}: {_first_line(e)}); retry {attempt + 1} of "
-            f"{max_retries}")
-        return None
+    attempts = errors.setdefault(name, [])
+    attempts.append(f"attempt {len(attempts) + 1}: {kind}: {str(e).strip()}")
     for leftover in _partial_dirs(workdir, name):
         shutil.rmtree(leftover, ignore_errors=True)
-    what = (f"the point's worker process died on all {attempt + 1} attempts (killed, or out of memory?)"
-            if died else "the point's Ray task failed")
-    _record_failure(os.path.join(workdir, name), cfg, f"{what}:\n" + "\n".join(errors[name]) + f"\n{kind}: {what}\n")
+    what = (f"the point's worker process died on all {len(attempts)} attempts (killed, or out of memory?)"
+            if worker_died(e) else "the point's Ray task failed")
+    _record_failure(os.path.join(workdir, name), cfg, f"{what}:\n" + "\n".join(attempts) + f"\n{kind}: {what}\n")
     return "failed", f"{kind}: {what}"
-
-
-def _first_line(error: BaseException) -> str:
-    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
-    line = lines[0] if lines else type(error).__name__
-    return line if len(line) <= 200 else line[:197] + "..."
 
 
 def _partial_dirs(workdir: str, name: str) -> List[str]:
@@ -575,10 +508,7 @@ def _check_options(parallel: int, executor: str, max_retries: int, platform: str
     if platform not in PLATFORMS:
         raise ValueError(f"platform={platform!r}, expected one of {PLATFORMS}")
     if executor == "ray":
-        try:
-            import ray  # noqa: PLC0415 (optional cluster extra: is it installed?)
-        except ImportError:
-            raise ValueError("executor 'ray' needs Ray: pip install -e '.[cluster]'") from None
+        ray = import_ray()
         if ray_address and not ray.is_initialized():
             check_ray_address(ray_address)
 

@@ -10,7 +10,8 @@ Per request (completed requests only, see records.py):
 Statistics: {'mean','p50','p90','p99'} with numpy's default (linear) percentile; all None when there are no
 values (JSON has no NaN).
 
-SLOs: a request meets them when it completed and each given bound holds:
+SLOs (`SLOs`, the one SLO type: pdjax.config.slo.SLOConfig): a request meets them when it completed and each given
+bound holds:
 - TTFT <= ttft_s;  TPOT <= tpot_s;
 - TBT: the request's `tbt_quantile` gap <= tbt_s. The default quantile 1.0 is the request's *max* gap: one
   generation stall breaks it, which is the failure stall-free batching removes. 0.99 gives its own P99 gap.
@@ -25,68 +26,19 @@ Throughput and goodput use the run duration: earliest arrival to the latest toke
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
 import numpy as np
 
+from pdjax.config.slo import SLOConfig
 from pdjax.metrics.records import IterationRecord, RequestRecord
 
 STAT_KEYS = ("mean", "p50", "p90", "p99")
 LATENCY_METRICS = ("ttft", "tbt", "tpot", "e2e", "sched_delay", "normalized_latency")
 
 
-@dataclasses.dataclass(frozen=True)
-class SLOs:
-    """Latency bounds in seconds (None = no bound) and which per-request TBT statistic is bounded."""
-    ttft_s: Optional[float] = None
-    tbt_s: Optional[float] = None
-    tpot_s: Optional[float] = None
-    tbt_quantile: float = 1.0
-
-    def __post_init__(self):
-        for name in ("ttft_s", "tbt_s", "tpot_s"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"slos.{name}={value!r}, expected None or a number of seconds > 0")
-        if not (isinstance(self.tbt_quantile, (int, float)) and 0 < self.tbt_quantile <= 1):
-            raise ValueError(f"slos.tbt_quantile={self.tbt_quantile!r}, expected 0 < q <= 1 (1 = max gap)")
-
-    @classmethod
-    def from_dict(cls, d: Any) -> "SLOs":
-        """From None, SLOs, a mapping, a ConfigDict or another dataclass (e.g. pdjax.config SLOConfig).
-
-        Keys `ttft`/`tbt`/`tpot` are accepted for `ttft_s`/`tbt_s`/`tpot_s`, and a bound of 0 means no bound
-        (the serve config's convention)."""
-        if d is None:
-            return cls()
-        if isinstance(d, cls):
-            return d
-        if dataclasses.is_dataclass(d) and not isinstance(d, type):
-            d = dataclasses.asdict(d)
-        elif hasattr(d, "to_dict"):
-            d = d.to_dict()
-        if not isinstance(d, Mapping):
-            raise TypeError(f"slos={d!r}: expected None, SLOs, a mapping or a dataclass")
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {}
-        for key, value in d.items():
-            name = key if key in names else f"{key}_s"
-            if name not in names:
-                raise ValueError(f"slos: unknown key {key!r}, expected some of {sorted(names)} "
-                                 "(or ttft/tbt/tpot)")
-            if name in kwargs:
-                raise ValueError(f"slos: {key!r} given twice (as {name!r} and its alias)")
-            kwargs[name] = None if (name.endswith("_s") and value == 0) else value
-        return cls(**kwargs)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @property
-    def empty(self) -> bool:
-        return self.ttft_s is None and self.tbt_s is None and self.tpot_s is None
+SLOs = SLOConfig     # the one SLO type (pdjax.config.slo): bounds in seconds, 0 = none; ttft_s ... its aliases
 
 
 def completed(records: Iterable[RequestRecord]) -> List[RequestRecord]:
@@ -275,7 +227,7 @@ def summarize_run(records: Sequence[RequestRecord], iterations: Sequence[Iterati
         "sched_delay": stats(sched_delays(done)),
         "normalized_latency": stats(normalized_latencies(done)),
         "tbt_max": max(tbts(done), default=None),
-        "slos": slos.to_dict(),
+        "slos": slos.summary_dict(),
         "slo_attainment": attainment,
         "goodput_rps": goodput_rps(records, slos, duration),
         "slo_rules": {"pdjax": {"attainment": attainment},

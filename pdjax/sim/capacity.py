@@ -9,19 +9,19 @@ arrival process is rescaled, the lengths are the same) and keeps only its summar
 
 Worker lifetime: pool workers die with the process that started them, even when it is killed with SIGKILL,
 and an interrupted search (Ctrl-C, SIGTERM turned into SystemExit, an error) terminates its workers instead of
-waiting for the probes in flight (pdjax.procs: `process_pool`, `stop_pool`, as pdjax.experiment.sweep uses them).
+waiting for the probes in flight (pdjax.procs.WorkerPool, the pool of pdjax.procs.parallel_map, kept across the
+rounds).
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pdjax.config.serving import serve_config_from_dict
 from pdjax.metrics import holds, summarize_run
 from pdjax.metrics.capacity import bisect_rate
-from pdjax.procs import process_pool, stop_pool
+from pdjax.procs import WorkerPool
 from pdjax.sim.run import sim_info, simulate_config
 
 
@@ -55,7 +55,8 @@ def parallel_capacity_search(run_fn: Callable[[float], Mapping[str, Any]], lo: f
                              min_slo_attainment: Optional[float] = None,
                              map_fn: Optional[Callable] = None) -> ParallelCapacityResult:
     """Search the capacity in [lo, hi] req/s. run_fn(rate) -> summary; `map_fn(fn, rates)` runs a round (default:
-    a process pool of `parallel` workers; pass the builtin `map` to run in-process). Stops when the bracket is
+    a pdjax.procs.WorkerPool of `parallel` processes, kept across the rounds; pass the builtin `map` to run
+    in-process). Stops when the bracket is
     within rel_tol of its low end or after max_rounds rounds (the first round probes lo and hi)."""
     if not 0 < lo < hi:
         raise ValueError(f"lo={lo!r}, hi={hi!r}: expected 0 < lo < hi (req/s)")
@@ -65,12 +66,8 @@ def parallel_capacity_search(run_fn: Callable[[float], Mapping[str, Any]], lo: f
         raise ValueError(f"rel_tol={rel_tol!r}, expected > 0")
     probes: List[Tuple[float, bool, Dict[str, Any]]] = []
     rounds = 0
-    pool = None
-    if map_fn is None:
-        # fork is fast and the simulator holds no threads; but a parent that loaded JAX (multithreaded) could
-        # deadlock a forked child, so spawn then.
-        pool = process_pool(parallel, "spawn" if "jax" in sys.modules else "fork")
-        map_fn = pool.map
+    pool = WorkerPool(parallel) if map_fn is None else None    # parallel=1: each round in this process
+    map_fn = map_fn or pool.map
     try:
         def run_round(rates: Sequence[float]) -> List[bool]:
             nonlocal rounds
@@ -93,12 +90,11 @@ def parallel_capacity_search(run_fn: Callable[[float], Mapping[str, Any]], lo: f
         return ParallelCapacityResult(good, (good, bad), probes, rounds)
     except BaseException:       # an error, Ctrl-C or SystemExit: stop the probes in flight, do not wait for them
         if pool is not None:
-            stop_pool(pool, abort=True)
-            pool = None
+            pool.close(abort=True)
         raise
     finally:
         if pool is not None:
-            stop_pool(pool, abort=False)
+            pool.close()
 
 
 class ConfigProbe:

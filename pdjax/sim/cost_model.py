@@ -61,9 +61,10 @@ import functools
 import json
 import math
 import re
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from pdjax.config.model_specs import ModelSpec
+from pdjax.config.parse import dataclass_from_dict
 from pdjax.config.pipeline import stage_layer_counts
 from pdjax.sim.hardware import HardwareSpec
 
@@ -160,16 +161,14 @@ class CostParams:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "CostParams":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"CostParams: unknown keys {unknown}; known keys: {sorted(known)}")
+    def from_dict(cls, values: Mapping[str, Any]) -> "CostParams":
+        """From a mapping (a profile's cost_params) by the one parser (pdjax.config.parse.dataclass_from_dict:
+        an unknown key fails naming it and the known keys); the tile sizes may be written as floats (16.0)."""
         values = dict(values)
         for name in ("gemm_token_tile", "attn_query_tile"):
             if name in values:
                 values[name] = int(values[name])
-        return cls(**values)
+        return dataclass_from_dict(cls, values, "CostParams")
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)

@@ -37,8 +37,8 @@ What this module does with that (a GPU budget instead of a traffic rate, and who
   on both SLOs (TTFT s·ttft_s, TPOT s·tpot_s) each candidate still passes under the problem's rule. A run's
   records do not depend on the SLOs, so each candidate is simulated once (at the per-GPU rate x its GPUs) and s
   is read off its records in closed form (`tightest_slo_scale`), not bisected over simulations.
-- Parallelism: candidates are evaluated in a process pool (fork; each worker asks the kernel to kill it when the
-  parent dies, PR_SET_PDEATHSIG, and the pool is shut down with its queued work cancelled on any exit).
+- Parallelism: candidates are evaluated on `workers` processes (pdjax.procs.parallel_map: fork unless JAX is
+  loaded, workers that die with the parent, terminated on any error or interruption).
   Every evaluation is deterministic, so the ranking is the same serially and in parallel.
 - Each ranking row carries `deployment`: the placement as a serve config's deployment block (groups, layouts,
   devices, each group's token budget and sequence limit), to run it with `experiments.serve` on either backend.
@@ -53,7 +53,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import sys
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -63,7 +62,7 @@ from pdjax.config.serving import serve_config_from_dict
 from pdjax.config.validate import check_max_model_len
 from pdjax.metrics.capacity import bisect_rate, bracket_rate
 from pdjax.metrics.latency import SLO_RULES, SLOs, distserve_slo_check, slo_attainment
-from pdjax.procs import process_pool
+from pdjax.procs import parallel_map
 from pdjax.sim.cost_model import kv_cache_capacity_tokens
 from pdjax.sim.disagg import kv_link
 from pdjax.sim.run import simulate_config
@@ -497,7 +496,7 @@ def search(problem: PlacementProblem, *, workers: int = 1, affinities: Sequence[
     "wall_s", "workers"}."""
     start = time.perf_counter()
     placements = _candidates(problem, affinities, colocated, placements)
-    ranked = rank(_map(_Evaluate(problem), placements, workers))
+    ranked = rank(parallel_map(_Evaluate(problem), placements, workers=workers))
     rows = [e.row(problem) for e in ranked]
     disagg = [r for r in rows if r["kind"] != "colocated"]
     coloc = [r for r in rows if r["kind"] == "colocated"]
@@ -606,16 +605,6 @@ def rank_by_scale(evaluations: Sequence[ScaleEvaluation]) -> List[ScaleEvaluatio
                                               e.placement.num_gpus, e.placement.name))
 
 
-def _map(fn, placements: Sequence[Placement], workers: int) -> list:
-    if workers <= 1:
-        return [fn(p) for p in placements]
-    pool = process_pool(workers, "spawn" if "jax" in sys.modules else "fork")
-    try:
-        return list(pool.map(fn, placements))
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
 def slo_scale_search(problem: PlacementProblem, per_gpu_rate: float, *, workers: int = 1,
                      affinities: Sequence[str] = AFFINITIES, colocated: Sequence[str] = COLOCATED_POLICIES,
                      placements: Optional[Sequence[Placement]] = None) -> Dict[str, Any]:
@@ -627,7 +616,8 @@ def slo_scale_search(problem: PlacementProblem, per_gpu_rate: float, *, workers:
     if not (per_gpu_rate > 0 and math.isfinite(per_gpu_rate)):
         raise ValueError(f"per_gpu_rate={per_gpu_rate!r}, expected req/s per GPU > 0")
     placements = _candidates(problem, affinities, colocated, placements)
-    rows = [e.row(problem) for e in rank_by_scale(_map(_EvaluateScale(problem, per_gpu_rate), placements, workers))]
+    evaluations = parallel_map(_EvaluateScale(problem, per_gpu_rate), placements, workers=workers)
+    rows = [e.row(problem) for e in rank_by_scale(evaluations)]
     held = [r for r in rows if r["tightest_slo_scale"] is not None]
     disagg = [r for r in held if r["kind"] != "colocated"]
     coloc = [r for r in held if r["kind"] == "colocated"]

@@ -34,6 +34,7 @@ import json
 import pathlib
 from typing import Any, Dict, Optional, Tuple
 
+from pdjax.config.parse import dataclass_from_dict
 from pdjax.metrics import atomic_write_text
 from pdjax.sim.cost_model import CostParams
 from pdjax.sim.hardware import HardwareSpec
@@ -97,11 +98,7 @@ class Profile:
                 raise ValueError(f"lacks {key!r}; keys: {sorted(data)}")
         spec = data.get("hardware_spec")
         if spec:
-            known = {f.name for f in dataclasses.fields(HardwareSpec)}
-            unknown = sorted(set(spec) - known)
-            if unknown:
-                raise ValueError(f"hardware_spec: unknown keys {unknown}; expected some of {sorted(known)}")
-            spec = HardwareSpec(**spec)
+            spec = dataclass_from_dict(HardwareSpec, spec, "hardware_spec")
         return cls(hardware=data["hardware"], params=CostParams.from_dict(data["cost_params"]),
                    fitted=tuple(data.get("fitted", ())), fit=data.get("fit", {}), source=data.get("source", ""),
                    command=data.get("command", ""), hardware_spec=spec or None, padding=data.get("padding"),

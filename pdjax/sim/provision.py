@@ -46,18 +46,16 @@ Search (each evaluation is one whole simulation, pdjax.sim.run's build -> simula
   T = floor((B - P c_p) / c_t) >= 1: a cluster with spare budget is beaten by one with another machine). Each
   candidate's highest passing rate is found by doubling then bisection to `rel_tol`, after one probe at the best
   rate so far x (1 + rel_tol) that skips a candidate which cannot beat it.
-- Parallelism: the unit of work is one (question, system) search; units run in a process pool (`workers`) or as
-  Ray tasks (`ray_address`, or `executor='ray'` for a local cluster), results are put back in the units' order,
-  so the answer is the same serially and in parallel.
+- Parallelism: the unit of work is one (question, system) search; units run by pdjax.procs.parallel_map in a
+  process pool (`workers`) or as Ray tasks (`ray_address`, or `executor='ray'` for a local cluster), results
+  are put back in the units' order, so the answer is the same serially and in parallel.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import math
 import os
-import sys
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -70,7 +68,7 @@ from pdjax.metrics.latency import SLOs, slo_attainment
 from pdjax.metrics.plots import _figure
 from pdjax.metrics.report import _save_png
 from pdjax.metrics.slowdown import SPLITWISE_SLO_FACTORS, splitwise_slo_check
-from pdjax.procs import process_pool, stop_pool
+from pdjax.procs import EXECUTORS, parallel_map
 from pdjax.sim.build import build_pending_requests, build_setup, group_step_time
 from pdjax.sim.machines import MachineSpec, get_machine
 from pdjax.sim.reference import SPLITWISE_REFERENCE, ReferenceMachine, UnloadedRuns
@@ -82,7 +80,6 @@ COLOCATED_POLICIES = BASELINE_POLICIES    # the policy table's colocated baselin
 MIXED_SETTINGS = ("off", "on")
 SLO_KINDS = ("splitwise", "pdjax")
 QUESTIONS = ("cheapest", "least_power", "fewest_machines", "iso_cost", "iso_power")
-EXECUTORS = ("local", "ray")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -625,63 +622,6 @@ class _RunUnit:
         return run_unit(self.problem, unit, self.probe_fn)
 
 
-def _map_local(fn, items: Sequence, workers: int, done: Callable[[int, Any], None]) -> List:
-    """fn over items on `workers` processes (1: here), results in the items' order; done(i, result) as each ends."""
-    if workers <= 1 or len(items) <= 1:
-        out = []
-        for i, item in enumerate(items):
-            out.append(fn(item))
-            done(i, out[-1])
-        return out
-    pool = process_pool(min(workers, len(items)), "spawn" if "jax" in sys.modules else "fork")
-    aborted = True
-    try:
-        futures = {pool.submit(fn, item): i for i, item in enumerate(items)}
-        out: List[Any] = [None] * len(items)
-        for future in concurrent.futures.as_completed(futures):
-            i = futures[future]
-            out[i] = future.result()
-            done(i, out[i])
-        aborted = False
-        return out
-    finally:
-        stop_pool(pool, abort=aborted)
-
-
-def _call(fn, item):
-    return fn(item)
-
-
-def _map_ray(fn, items: Sequence, workers: int, address: str, done: Callable[[int, Any], None]) -> List:
-    """Each item as a Ray task (a local cluster of `workers` CPUs unless `address` names one to join); results in
-    the items' order; done(i, result) as each ends."""
-    try:
-        import ray  # noqa: PLC0415 (optional cluster extra)
-    except ImportError:
-        raise ValueError("executor='ray' needs the ray package (pip install 'ray[default]')") from None
-    from pdjax.experiment.sweep import check_ray_address   # noqa: PLC0415 (pdjax.experiment is a layer up: Ray path only)
-    if address:
-        check_ray_address(address)
-    started = not ray.is_initialized()
-    if started:
-        kwargs = {"address": address} if address else {"num_cpus": max(1, workers), "include_dashboard": False}
-        ray.init(logging_level="WARNING", **kwargs)
-    try:
-        remote = ray.remote(num_cpus=1)(_call)
-        refs = {remote.remote(fn, item): i for i, item in enumerate(items)}
-        out: List[Any] = [None] * len(items)
-        pending = list(refs)
-        while pending:
-            (ref,), pending = ray.wait(pending, num_returns=1)
-            i = refs[ref]
-            out[i] = ray.get(ref)
-            done(i, out[i])
-        return out
-    finally:
-        if started:
-            ray.shutdown()
-
-
 # --------------------------------------------------------------------------------------------------- the search
 def provision(problem: ProvisionProblem, *, workers: int = 1, executor: str = "local", ray_address: str = "",
               probe_fn: Callable = probe, log: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
@@ -703,10 +643,7 @@ def provision(problem: ProvisionProblem, *, workers: int = 1, executor: str = "l
             log(f"provision: [{len(finished)}/{len(todo)}] {res['question']} {res['system']}: "
                 f"{len(res['probes'])} simulations, {res['wall_s']:.1f} s")
 
-    if executor == "ray" or ray_address:
-        results = _map_ray(fn, todo, workers, ray_address, done)
-    else:
-        results = _map_local(fn, todo, workers, done)
+    results = parallel_map(fn, todo, workers=workers, executor=executor, ray_address=ray_address, done=done)
     systems: Dict[str, Dict[str, Any]] = {s.name: {"design": s.design, "policy": s.policy, "mixed": s.mixed}
                                           for s in problem.systems}
     for unit, res in zip(todo, results):

@@ -47,7 +47,6 @@ import json
 import math
 import os
 import re
-import sys
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -57,7 +56,7 @@ from pdjax.config.registry import STACKS, is_stack
 from pdjax.config.serving import serve_config_from_dict
 from pdjax.metrics.latency import SLO_RULES
 from pdjax.metrics.report import atomic_write_bytes, atomic_write_text
-from pdjax.procs import process_pool
+from pdjax.procs import parallel_map
 from pdjax.scheduler.output import SchedulerOutput
 from pdjax.sim.build import build_setup, group_step_time
 from pdjax.sim.disagg import kv_link
@@ -457,21 +456,13 @@ def _tasks(grid: RegimeGrid, budgets: Mapping) -> List[Task]:
 
 def _map(fn, items: Sequence, workers: int, progress: Optional[Callable[[int, int], None]] = None) -> List[Any]:
     """[fn(x) for x in items] on `workers` processes (1: here), in order; progress(done, total) after each."""
-    out: List[Any] = []
+    finished = []
 
-    def collect(results) -> List[Any]:
-        for r in results:
-            out.append(r)
-            if progress is not None:
-                progress(len(out), len(items))
-        return out
-    if workers <= 1 or len(items) <= 1:
-        return collect(fn(x) for x in items)
-    pool = process_pool(min(workers, len(items)), "spawn" if "jax" in sys.modules else "fork")
-    try:
-        return collect(pool.map(fn, items, chunksize=1))
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+    def done(i: int, result: Any) -> None:
+        finished.append(i)
+        if progress is not None:
+            progress(len(finished), len(items))
+    return parallel_map(fn, items, workers=workers, done=done)
 
 
 def _evaluate_pair(pair: Tuple[PlacementProblem, Placement]) -> Tuple[float, int]:

@@ -1,15 +1,16 @@
 """WorkloadConfig: the frozen, validated description of a workload (what `make_workload` builds).
 
-Built from a dict or an ml_collections ConfigDict with `WorkloadConfig.from_dict`; unknown keys and bad values
-raise ValueError naming the field, the value and what was expected.
+Built from a dict or an ml_collections ConfigDict with `WorkloadConfig.from_dict` (the one parser,
+pdjax.config.parse.dataclass_from_dict); unknown keys and bad values raise ValueError naming the field, the value
+and what was expected.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Mapping, Optional, Tuple, Union
 
-from pdjax.config.parse import (FieldError, check_fields, flag, is_int, is_number, nonneg_int, number, one_of,
-                                positive_int, text)
+from pdjax.config.parse import (FieldError, check_fields, dataclass_from_dict, flag, is_int, is_number, nonneg_int,
+                                number, one_of, positive_int, text)
 from pdjax.workload.arrivals import ARRIVAL_KINDS
 from pdjax.workload.lengths import LengthDist, length_dist
 from pdjax.workload.presets import PRESETS
@@ -145,11 +146,7 @@ class WorkloadConfig:
             d = d.to_dict()
         if not isinstance(d, Mapping):
             raise TypeError(f"workload config {d!r}: expected a WorkloadConfig, a mapping or a ConfigDict")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"workload config: unknown keys {unknown}, expected some of {sorted(names)}")
-        return cls(**d)
+        return dataclass_from_dict(cls, d, "workload")
 
     def to_dict(self) -> dict:
         """Plain JSON-friendly dict (length distributions as dicts)."""
