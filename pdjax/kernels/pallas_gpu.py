@@ -115,6 +115,40 @@ def decode_num_splits(num_slots: int, num_kv_heads: int, max_key_blocks: int) ->
     return max(1, min(rb.next_power_of_2(want), MAX_SPLITS, rb.next_power_of_2(max_key_blocks)))
 
 
+def _launch(q, k_pages, v_pages, page_indices, work, table, q_blocks, *, group_pad, pages_per_block, num_splits,
+            sm_scale, soft_cap, sliding_window, interpret, num_warps, num_stages, declare_cost):
+    """The pallas_call of `paged_attention_blocks`: grid (work item, kv head, split); outputs [num_splits, W, Hkv,
+    R, D] (q.dtype without a split; float32 partials plus m and l [num_splits, W, Hkv, R] with one)."""
+    _, num_pages, page_size, head_dim = k_pages.shape
+    num_work, num_kv_heads, rows, _ = q_blocks.shape
+    kernel = functools.partial(_attention_kernel, group_pad=group_pad, pages_per_block=pages_per_block,
+                               num_splits=num_splits, sm_scale=sm_scale, soft_cap=soft_cap,
+                               sliding_window=sliding_window)
+    whole = lambda shape: pl.BlockSpec(shape, lambda w, h, k: (0,) * len(shape))  # noqa: E731
+    head_pages = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda w, h, k: (h, 0, 0, 0))
+    out_block = pl.BlockSpec((None, None, None, rows, head_dim), lambda w, h, k: (k, w, h, 0, 0))
+    out_shape = [jax.ShapeDtypeStruct((num_splits, num_work, num_kv_heads, rows, head_dim),
+                                      q.dtype if num_splits == 1 else jnp.float32)]
+    out_specs = [out_block]
+    if num_splits > 1:
+        vec = jax.ShapeDtypeStruct((num_splits, num_work, num_kv_heads, rows), jnp.float32)
+        out_shape += [vec, vec]
+        out_specs += [pl.BlockSpec((None, None, None, rows), lambda w, h, k: (k, w, h, 0))] * 2
+    return pl.pallas_call(
+        kernel,
+        grid=(num_work, num_kv_heads, num_splits),
+        in_specs=[whole((num_work,))] * 4 + [whole(table.shape),
+                  pl.BlockSpec((None, None, rows, head_dim), lambda w, h, k: (w, h, 0, 0)),
+                  head_pages, head_pages],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"pdjax_ragged_paged_attention_splits{num_splits}",
+        cost_estimate=pl.CostEstimate(**rb.bucket_cost(q, k_pages, page_indices)) if declare_cost else None,
+    )(work.seq, work.first_pos, work.key_start, work.key_end, table, q_blocks, k_pages, v_pages)
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q",
                                              "keys_per_block", "num_splits", "interpret", "num_warps",
                                              "num_stages", "q_len_range", "declare_cost"))
@@ -151,32 +185,10 @@ def paged_attention_blocks(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     q_blocks = rb.gather_query_blocks(q, work, num_kv_heads, block_q, group_pad)
     num_work, _, rows, _ = q_blocks.shape
 
-    kernel = functools.partial(_attention_kernel, group_pad=group_pad, pages_per_block=pages_per_block,
-                               num_splits=num_splits, sm_scale=sm_scale, soft_cap=soft_cap,
-                               sliding_window=sliding_window)
-    whole = lambda shape: pl.BlockSpec(shape, lambda w, h, k: (0,) * len(shape))  # noqa: E731
-    head_pages = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda w, h, k: (h, 0, 0, 0))
-    out_block = pl.BlockSpec((None, None, None, rows, head_dim), lambda w, h, k: (k, w, h, 0, 0))
-    out_shape = [jax.ShapeDtypeStruct((num_splits, num_work, num_kv_heads, rows, head_dim),
-                                      q.dtype if num_splits == 1 else jnp.float32)]
-    out_specs = [out_block]
-    if num_splits > 1:
-        vec = jax.ShapeDtypeStruct((num_splits, num_work, num_kv_heads, rows), jnp.float32)
-        out_shape += [vec, vec]
-        out_specs += [pl.BlockSpec((None, None, None, rows), lambda w, h, k: (k, w, h, 0))] * 2
-    outs = pl.pallas_call(
-        kernel,
-        grid=(num_work, num_kv_heads, num_splits),
-        in_specs=[whole((num_work,))] * 4 + [whole(table.shape),
-                  pl.BlockSpec((None, None, rows, head_dim), lambda w, h, k: (w, h, 0, 0)),
-                  head_pages, head_pages],
-        out_specs=out_specs,
-        out_shape=out_shape,
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"pdjax_ragged_paged_attention_splits{num_splits}",
-        cost_estimate=pl.CostEstimate(**rb.bucket_cost(q, k_pages, page_indices)) if declare_cost else None,
-    )(work.seq, work.first_pos, work.key_start, work.key_end, table, q_blocks, k_pages, v_pages)
+    outs = _launch(q, k_pages, v_pages, page_indices, work, table, q_blocks, group_pad=group_pad,
+                   pages_per_block=pages_per_block, num_splits=num_splits, sm_scale=sm_scale, soft_cap=soft_cap,
+                   sliding_window=sliding_window, interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+                   declare_cost=declare_cost)
     if num_splits == 1:
         out_blocks = outs[0][0]
     else:

@@ -89,12 +89,18 @@ def drive(sched: Scheduler, arrivals: Sequence[Tuple[float, Request]], *,
                 queue.push(out, end)
                 if not queue.full:
                     continue
-        out, end = queue.pop()    # the oldest batch: wait for it and apply it
-        if end > now:
-            now = end
-        for req in sched.update(out, fake_sample(out, vocab_size), now):
-            if req.finish_reason == "handoff":
-                sched.release(req.request_id)
-        if on_update is not None:
-            on_update(out, now)
+        now = _apply_oldest(sched, queue, now, vocab_size, on_update)
     raise RuntimeError(f"not finished after max_steps={max_steps}")
+
+
+def _apply_oldest(sched: Scheduler, queue: BatchQueue, now: float, vocab_size: int, on_update) -> float:
+    """Wait for the oldest batch in flight and apply it (handed-off requests released at once); the new clock."""
+    out, end = queue.pop()
+    if end > now:
+        now = end
+    for req in sched.update(out, fake_sample(out, vocab_size), now):
+        if req.finish_reason == "handoff":
+            sched.release(req.request_id)
+    if on_update is not None:
+        on_update(out, now)
+    return now

@@ -299,8 +299,12 @@ class VllmV1Scheduler(Scheduler):
             budget -= n
             if c >= req.prefill_end:
                 n_dec += 1
+        self._resume_and_admit(out, budget, now, decode_cap - n_dec if guard else None)
+
+    def _resume_and_admit(self, out: SchedulerOutput, budget: int, now: float, max_decodes) -> None:
+        """After the running pass: swapped requests back, then new ones, under the partial-prefill limits when
+        they are set (max_decodes: what the min_prefill_tokens guard leaves the decodes, None without it)."""
         cfg = self.config
-        max_decodes = decode_cap - n_dec if guard else None
         if not (cfg.max_num_partial_prefills or cfg.max_long_partial_prefills):
             budget -= self._resume_swapped(out, budget, now, max_decodes=max_decodes)
             self._admit_waiting(out, budget, now)

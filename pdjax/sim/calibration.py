@@ -768,6 +768,33 @@ def before_params() -> CostParams:
     return CostParams.from_dict(before) if before else profile.params
 
 
+def _fit_compute_for(hardware: str, profiling_dir, data, hw, before, held):
+    """(compute CostParams, fitted names, the profile's fit block, its source text) of `fit_operator_profile`'s
+    compute part: the vidur A100 fit, or the H100 fit on 3/4 of the token counts (`held`: the rest)."""
+    if hardware == "a100":
+        compute_params, a100_report = fit_vidur_a100(profiling_dir)
+        fitted = tuple(A100_FIT_PARAMS) + ("gemm_token_tile",)
+        fit_block = {**a100_report["overall"], "groups": a100_report["groups"], "network_hardware": "a100-80gb-pcie"}
+        source = ("microsoft/vidur@7d47513 A100 operator profiles: Llama-2-7B and Llama-3-8B per-layer GEMMs and "
+                  "element-wise ops (TP 1/2/4/8), attention prefill/decode subsets (TP1), NCCL all-reduce on 4x A100 "
+                  "80GB PCIe with pairwise NVLink (generic terms) and per link kind on it and on an 8x A100 DGX "
+                  "(NVSwitch, and groups across DGX nodes).")
+    else:
+        start = before.replace(**{n: getattr(before, n) for n in COMPUTE_FIT_PARAMS})
+        compute_params = fit_compute(data, hw, start, ~held)
+        fitted = COMPUTE_FIT_PARAMS + ("gemm_token_tile",)
+        fit_block = {"groups": {"gemm": compute_errors(data, compute_params, hw, ~held)["gemm"]["all"]["all"],
+                                "heldout_gemm": compute_errors(data, compute_params, hw, held)["gemm"]["all"]["all"],
+                                "heldout_layer": compute_errors(data, compute_params, hw, held)["layer"]["all"]["all"]},
+                     "holdout": f"every {HOLDOUT_EVERY}th distinct num_tokens (from the 2nd), all TPs"}
+        fit_block.update(fit_block["groups"]["heldout_layer"])
+        source = ("microsoft/vidur@7d47513 H100 operator profiles: Llama-2-7B per-layer GEMMs and element-wise ops "
+                  "(TP 1/2/4/8), fitted on 3/4 of the token counts. Attention factors carried over from the A100 "
+                  "fit; all-reduce terms per link kind fitted on the A100 network files (pairwise box and "
+                  "NVSwitch DGX), applied to the H100's own link rates.")
+    return compute_params, fitted, fit_block, source
+
+
 def fit_operator_profile(hardware: str, profiling_dir, out: str = "", evaluate_only: bool = False) -> Dict[str, Any]:
     """Fit the `hardware` ('a100' | 'h100') profile on the operator data in `profiling_dir` and write it to `out`
     (default pdjax/sim/profiles/<hardware>.json); evaluate_only: only the errors of the profile at `out`.
@@ -799,27 +826,7 @@ def fit_operator_profile(hardware: str, profiling_dir, out: str = "", evaluate_o
         report["after"] = errors(load_profile(out_path).params, False)
         return report
 
-    if hardware == "a100":
-        compute_params, a100_report = fit_vidur_a100(profiling_dir)
-        fitted = tuple(A100_FIT_PARAMS) + ("gemm_token_tile",)
-        fit_block = {**a100_report["overall"], "groups": a100_report["groups"], "network_hardware": "a100-80gb-pcie"}
-        source = ("microsoft/vidur@7d47513 A100 operator profiles: Llama-2-7B and Llama-3-8B per-layer GEMMs and "
-                  "element-wise ops (TP 1/2/4/8), attention prefill/decode subsets (TP1), NCCL all-reduce on 4x A100 "
-                  "80GB PCIe with pairwise NVLink (generic terms) and per link kind on it and on an 8x A100 DGX "
-                  "(NVSwitch, and groups across DGX nodes).")
-    else:
-        start = before.replace(**{n: getattr(before, n) for n in COMPUTE_FIT_PARAMS})
-        compute_params = fit_compute(data, hw, start, ~held)
-        fitted = COMPUTE_FIT_PARAMS + ("gemm_token_tile",)
-        fit_block = {"groups": {"gemm": compute_errors(data, compute_params, hw, ~held)["gemm"]["all"]["all"],
-                                "heldout_gemm": compute_errors(data, compute_params, hw, held)["gemm"]["all"]["all"],
-                                "heldout_layer": compute_errors(data, compute_params, hw, held)["layer"]["all"]["all"]},
-                     "holdout": f"every {HOLDOUT_EVERY}th distinct num_tokens (from the 2nd), all TPs"}
-        fit_block.update(fit_block["groups"]["heldout_layer"])
-        source = ("microsoft/vidur@7d47513 H100 operator profiles: Llama-2-7B per-layer GEMMs and element-wise ops "
-                  "(TP 1/2/4/8), fitted on 3/4 of the token counts. Attention factors carried over from the A100 "
-                  "fit; all-reduce terms per link kind fitted on the A100 network files (pairwise box and "
-                  "NVSwitch DGX), applied to the H100's own link rates.")
+    compute_params, fitted, fit_block, source = _fit_compute_for(hardware, profiling_dir, data, hw, before, held)
     params = fit_allreduce(ar, compute_params.replace(**HOST_PRIORS))
     comm_fitted = tuple(f.name for f in dataclasses.fields(params)
                         if f.name.startswith("comm_") and f.name.count("_") >= 3 and getattr(params, f.name) > 0)

@@ -475,6 +475,32 @@ def _link_gbps(placements: Sequence[Placement]) -> Optional[float]:
     return round(min(links) / 1e9, 3) if links else None
 
 
+def _grid_rows(grid: RegimeGrid, coloc, disagg, disagg_cands):
+    """(CSV rows, points) of `run_grid`: per point the best colocated placement (overall and per policy), the best
+    disaggregated one, and the winner by goodput per GPU."""
+    rows, points = [], []
+    for w, s, k in grid.points:
+        ttft, tpot = grid.slo(s)
+        by_policy = {pol: _best([e for e in coloc[(w, s)] if e["policy"] == pol]) for pol in grid.colocated}
+        best_c = _best([e for e in by_policy.values() if e])
+        best_d = _best(disagg[(w, s, k)])
+        c, d = best_c["per_gpu_goodput_rps"], best_d["per_gpu_goodput_rps"]
+        winner = "neither" if c == d == 0 else "tie" if c == d else "disaggregated" if d > c else "colocated"
+        row = {"link": k, "workload": w, "slo_scale": s, "ttft_s": ttft, "tpot_s": tpot,
+               "kv_link_gbps": _link_gbps(disagg_cands[k]),
+               "best_colocated": best_c["placement"], "colocated_per_gpu_rps": c,
+               "colocated_goodput_rps": best_c["goodput_rps"],
+               "sarathi_budget": (by_policy.get("sarathi") or {}).get("sarathi_budget"),
+               **{f"{pol}_per_gpu_rps": by_policy[pol]["per_gpu_goodput_rps"] for pol in grid.colocated},
+               "best_disaggregated": best_d["placement"], "disagg_per_gpu_rps": d,
+               "disagg_goodput_rps": best_d["goodput_rps"],
+               "ratio": d / c if c > 0 else None, "winner": winner}
+        rows.append(row)
+        points.append({"link": k, "workload": w, "slo_scale": s, "best_colocated_by_policy": by_policy,
+                       "best_disaggregated": best_d})
+    return rows, points
+
+
 def run_grid(grid: RegimeGrid, workers: int = 1, cache: bool = True,
              progress: Optional[Callable[[int, int], None]] = None) -> Dict[str, Any]:
     """Every point of the grid: {"rows": [CSV row per point, `grid.points` order], "points": [per point the best
@@ -525,26 +551,7 @@ def run_grid(grid: RegimeGrid, workers: int = 1, cache: bool = True,
             e = _entry(p, good, n, **budget_extra(key[1], key[2], p))
             (coloc.setdefault(key[1:], []) if key[0] == "c" else disagg.setdefault(key[1:], [])).append(e)
         stats["tasks"] = len(jobs)
-    rows, points = [], []
-    for w, s, k in grid.points:
-        ttft, tpot = grid.slo(s)
-        by_policy = {pol: _best([e for e in coloc[(w, s)] if e["policy"] == pol]) for pol in grid.colocated}
-        best_c = _best([e for e in by_policy.values() if e])
-        best_d = _best(disagg[(w, s, k)])
-        c, d = best_c["per_gpu_goodput_rps"], best_d["per_gpu_goodput_rps"]
-        winner = "neither" if c == d == 0 else "tie" if c == d else "disaggregated" if d > c else "colocated"
-        row = {"link": k, "workload": w, "slo_scale": s, "ttft_s": ttft, "tpot_s": tpot,
-               "kv_link_gbps": _link_gbps(disagg_cands[k]),
-               "best_colocated": best_c["placement"], "colocated_per_gpu_rps": c,
-               "colocated_goodput_rps": best_c["goodput_rps"],
-               "sarathi_budget": (by_policy.get("sarathi") or {}).get("sarathi_budget"),
-               **{f"{pol}_per_gpu_rps": by_policy[pol]["per_gpu_goodput_rps"] for pol in grid.colocated},
-               "best_disaggregated": best_d["placement"], "disagg_per_gpu_rps": d,
-               "disagg_goodput_rps": best_d["goodput_rps"],
-               "ratio": d / c if c > 0 else None, "winner": winner}
-        rows.append(row)
-        points.append({"link": k, "workload": w, "slo_scale": s, "best_colocated_by_policy": by_policy,
-                       "best_disaggregated": best_d})
+    rows, points = _grid_rows(grid, coloc, disagg, disagg_cands)
     stats["worker_cpu_s"] = round(stats["worker_cpu_s"], 2)
     timing = {"wall_s": round(time.perf_counter() - wall, 2), "main_cpu_s": round(time.process_time() - cpu, 2),
               "workers": workers, "cache": cache, "num_points": len(rows),
