@@ -130,8 +130,9 @@ def compile_group(cfg: ServeConfig, role: str, devices: Sequence, *, utilization
     impl = attention_impl or cfg.model.attention_impl
     where = f"deployment.{role} (pp={group.pp}, tp={group.tp}, {device_kind})"
     try:
-        num_pages, source = _num_pages(spec, sc, impl, mesh, buckets, dtype=dtype, per_stage=per_stage, hbm=hbm,
-                                       utilization=utilization, where=where)
+        num_pages, source = aot.kv_cache_pages(spec, impl, mesh, buckets, num_pages=sc.num_pages,
+                                               page_size=sc.page_size, max_model_len=sc.max_model_len, dtype=dtype,
+                                               utilization=utilization, hbm_bytes=hbm, where=where)
     except ValueError as e:
         report["error"] = str(e)
         return report
@@ -157,18 +158,6 @@ def compile_group(cfg: ServeConfig, role: str, devices: Sequence, *, utilization
     if hardware is not None:   # the simulator's own estimate of the same cache, for comparison
         report["sim_num_pages"] = _sim_num_pages(spec, dtype, hardware, group, buckets, sc.page_size, utilization)
     return report
-
-
-def _num_pages(spec, sc, impl: str, mesh, buckets, *, dtype, per_stage, hbm, utilization: float, where: str):
-    """(num_pages, 'config') when the scheduler config sets it (ValueError when it does not fit `hbm`), else
-    (the planned count, 'planned')."""
-    if sc.num_pages:
-        error = hbm and aot.fit_error(spec, where, per_stage, sc.num_pages, hbm, f"num_pages={sc.num_pages}")
-        if error:
-            raise ValueError(error)
-        return sc.num_pages, "config"
-    return aot.plan_num_pages(spec, impl, mesh, buckets, page_size=sc.page_size, max_model_len=sc.max_model_len,
-                              dtype=dtype, utilization=utilization, hbm_bytes=hbm, where=where), "planned"
 
 
 def _sim_num_pages(spec, dtype, hardware, group, buckets, page_size: int, utilization: float) -> int:

@@ -315,6 +315,23 @@ def plan_num_pages(spec: ModelSpec, attention_impl: str, mesh: Mesh, buckets, *,
     return low
 
 
+def kv_cache_pages(spec: ModelSpec, attention_impl: str, mesh: Mesh, buckets, *, num_pages: int, page_size: int,
+                   max_model_len: int, dtype, utilization: float, hbm_bytes: Optional[float] = None,
+                   where: str = "this instance") -> Tuple[int, str]:
+    """(KV pages, 'config' | 'planned') of the instance on `mesh`: `num_pages` when > 0, checked against the device
+    memory when it is known (`hbm_bytes`, else what the devices report), else `plan_num_pages`. ValueError (one line
+    naming the model, `where` and the bytes) when it cannot fit."""
+    if not num_pages:
+        return plan_num_pages(spec, attention_impl, mesh, buckets, page_size=page_size, max_model_len=max_model_len,
+                              dtype=dtype, utilization=utilization, hbm_bytes=hbm_bytes, where=where), "planned"
+    hbm = hbm_bytes if hbm_bytes is not None else device_memory_bytes(list(mesh.devices.flat))
+    error = hbm and fit_error(spec, where, stage_bytes(spec, mesh, dtype, page_size), num_pages, hbm,
+                              f"num_pages={num_pages}")
+    if error:
+        raise ValueError(error)
+    return num_pages, "config"
+
+
 def device_memory_bytes(devices: Sequence) -> Optional[int]:
     """The smallest memory limit of `devices` as the runtime reports it (`memory_stats()['bytes_limit']`), None
     where a device reports none (CPU, compile-only devices)."""
@@ -331,5 +348,5 @@ def device_memory_bytes(devices: Sequence) -> Optional[int]:
 
 
 __all__ = ["Bucket", "CompiledStep", "abstract_kv_cache", "abstract_stage_params", "compile_instance",
-           "compile_step", "device_memory_bytes", "fit_error", "kv_page_bytes", "max_num_pages", "one_line",
-           "plan_num_pages", "shard_bytes", "stage_bytes", "topology_devices"]
+           "compile_step", "device_memory_bytes", "fit_error", "kv_cache_pages", "kv_page_bytes", "max_num_pages",
+           "one_line", "plan_num_pages", "shard_bytes", "stage_bytes", "topology_devices"]

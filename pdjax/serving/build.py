@@ -99,20 +99,13 @@ def build_runner(cfg: ServeConfig, *, seed: Optional[int] = None, spec=None, par
 def fit_kv_cache(cfg: ServeConfig, spec, mesh, dtype, *, where: str) -> ServeConfig:
     """cfg with its KV cache sized for `mesh`'s devices, before anything of the run compiles: scheduler.num_pages = 0
     becomes the most pages that fit engine.kv_memory_utilization of the devices' memory (pdjax.runtime.aot
-    .plan_num_pages: one compile of the largest bucket at a small cache); a given num_pages is checked against the
-    devices' memory (weights + KV). ValueError (one line: model, group, bytes needed and available) when it cannot
+    .plan_num_pages: compiles of the largest bucket); a given num_pages is checked against the devices' memory
+    (weights + KV; `aot.kv_cache_pages`). ValueError (one line: model, group, bytes needed and available) when it cannot
     fit. Devices that report no memory size (CPU) check nothing, and refuse num_pages = 0."""
     sc = cfg.scheduler
-    if sc.num_pages:
-        hbm = aot.device_memory_bytes(list(mesh.devices.flat))
-        error = hbm and aot.fit_error(spec, where, aot.stage_bytes(spec, mesh, dtype, sc.page_size), sc.num_pages,
-                                      hbm, f"num_pages={sc.num_pages}")
-        if error:
-            raise ValueError(error)
-        return cfg
-    pages = aot.plan_num_pages(spec, cfg.model.attention_impl, mesh, default_buckets(cfg), page_size=sc.page_size,
-                               max_model_len=sc.max_model_len, dtype=dtype,
-                               utilization=cfg.engine.kv_memory_utilization, where=where)
+    pages, _ = aot.kv_cache_pages(spec, cfg.model.attention_impl, mesh, default_buckets(cfg), num_pages=sc.num_pages,
+                                  page_size=sc.page_size, max_model_len=sc.max_model_len, dtype=dtype,
+                                  utilization=cfg.engine.kv_memory_utilization, where=where)
     return dataclasses.replace(cfg, scheduler=dataclasses.replace(sc, num_pages=pages))
 
 
