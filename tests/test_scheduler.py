@@ -27,7 +27,7 @@ def step(s, now=0.0):
     (dict(token_budget=0), "token_budget=0"),
     (dict(max_num_seqs=-1), "max_num_seqs=-1"),
     (dict(page_size=0), "page_size=0"),
-    (dict(num_pages=0), "num_pages=0"),
+    (dict(num_pages=-1), "num_pages=-1"),
     (dict(max_model_len=1.5), "max_model_len=1.5"),
     (dict(policy="orca", token_budget=512, max_model_len=1024), "token_budget=512 < max_model_len=1024"),
     (dict(policy="sarathi", enable_chunking=False, token_budget=512, max_model_len=1024), "enable_chunking=False"),
@@ -53,6 +53,14 @@ def step(s, now=0.0):
 def test_bad_config_raises_naming_the_value(kw, match):
     with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):
         SchedulerConfig(**kw)
+
+
+def test_num_pages_zero_is_for_the_engine_to_resolve():
+    """scheduler.num_pages = 0 is valid config (the real engine sizes the cache from device memory) but no scheduler
+    runs on it: the engine resolves it first, and a scheduler given 0 pages refuses."""
+    config = SchedulerConfig(num_pages=0)
+    with pytest.raises(ValueError, match="num_pages=0"):
+        make_scheduler(config)
 
 
 def test_valid_configs_for_every_policy():
