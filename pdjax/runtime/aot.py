@@ -8,15 +8,18 @@ bytes (`memory_analysis`: arguments = weights + KV cache + batch, plus temporari
 that aliases the output) and its cost (`cost_analysis`: FLOPs, bytes accessed, optimal seconds). A bucket that
 does not compile is reported with its one-line reason, never raised: the caller sees every failure at once.
 
-The mesh may be made of real devices or of a TPU topology's compile-only devices (`topology_devices`: the
-registry's libtpu, `pip install -e ".[tpu]"`, runs the real XLA and Mosaic compilers on a CPU host); the Pallas
-kernels learn the TPU generation from the mesh (pdjax.kernels.shard_over_kv_heads).
+The mesh may be made of real devices or of a topology's compile-only devices (`topology_devices`): a TPU slice
+through the registry's libtpu (`pip install -e ".[tpu]"`: the real XLA and Mosaic compilers on a CPU host), or
+NVIDIA GPUs through the CUDA plugin and ptxas (`pip install -e ".[gpu-aot]"`), XLA:GPU compiling against a
+description of the GPU (`GPU_TARGETS`) instead of a device. The kernels learn the platform and the TPU generation
+from the mesh (pdjax.kernels.shard_over_kv_heads).
 
-HBM planning (`max_num_pages`): KV bytes grow linearly with num_pages and nothing else in a step does (the cache
-is donated and updated in place), so one compile at any page count gives the bytes that are not KV; the pages that
-fit are what is left of `utilization · HBM` divided by one page's per-device bytes (K and V of every layer the
-device holds, its share of the KV heads). vLLM sizes its cache the same way from a profiled forward
-(`gpu_memory_utilization`).
+KV sizing (`kv_cache_pages`): a given num_pages is checked against the device memory (weights + KV, `fit_error`);
+num_pages = 0 asks for the most pages that fit `utilization · HBM` next to the largest bucket's step
+(`plan_num_pages`), as vLLM sizes its cache from a profiled forward (`gpu_memory_utilization`). The KV cache grows
+the compiled bytes by one page's per-device bytes per page (K and V of every layer the device holds, its share of
+the KV heads) - and by more where the compiler copies the cache (a TPU relayout when head_dim < 128) - so the plan
+is a secant on compiled totals, each guess compiled and checked.
 """
 from __future__ import annotations
 
@@ -232,7 +235,8 @@ def compile_instance(spec: ModelSpec, attention_impl: str, mesh: Mesh, buckets: 
 def max_num_pages(steps: Sequence[CompiledStep], *, num_pages: int, page_bytes: Dict[int, int], hbm_bytes: float,
                   utilization: float) -> int:
     """The most KV pages every compiled step of an instance fits in `utilization · hbm_bytes` per device, from steps
-    compiled at `num_pages` (page_bytes: per-device bytes of one page, by stage). 0 when not even the non-KV bytes
+    compiled at `num_pages`, if nothing but the cache grows with it (page_bytes: per-device bytes of one page, by
+    stage). 0 when not even the non-KV bytes
     fit; raises ValueError when no step compiled (nothing to plan from)."""
     done = [s for s in steps if s.compiled]
     if not done:
