@@ -146,6 +146,18 @@ def test_a_context_beyond_the_model_is_refused_at_start_up(backend, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("backend", ["sim", "real"])
+@pytest.mark.parametrize("eos", [259, 100000, -7])
+def test_an_eos_token_outside_the_vocabulary_is_refused_at_start_up(backend, eos, tmp_path):
+    """An id the model can never sample would never stop a request (issue 27 item 7: it was accepted)."""
+    d = serve_dict(backend=backend, model={"eos_token_id": eos})
+    with pytest.raises(ValueError, match=rf"^model.eos_token_id={eos} is outside the vocabulary of model 'tiny-byte' "
+                                         r"\(ids 0..258\)"):
+        prepare_experiment(d, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+    prepare_experiment(serve_dict(backend=backend, model={"eos_token_id": 258}), str(tmp_path / "ok"))
+
+
 def test_the_simulator_build_refuses_a_context_beyond_the_model():
     from pdjax.sim.build import build_setup
     d = serve_dict(backend="sim", model={"checkpoint": "llama-2-7b"},

@@ -134,10 +134,19 @@ def check_buckets_hold(engine, sched, role: str) -> None:
                              f"deployment.{role}'s scheduler; expected one >= {needed} (or () for automatic buckets)")
 
 
+def check_eos_token_id(eos_token_id: int, spec) -> None:
+    """model.eos_token_id is -1 (none) or a token of the model's vocabulary: an id the model can never sample would
+    silently never stop a request."""
+    if eos_token_id != -1 and not 0 <= eos_token_id < spec.vocab_size:
+        raise ValueError(f"model.eos_token_id={eos_token_id} is outside the vocabulary of model {spec.name!r} "
+                         f"(ids 0..{spec.vocab_size - 1}); expected such an id, or -1 for no stop token")
+
+
 def check_against_model(cfg, spec, num_available: int) -> Dict[str, Tuple[int, ...]]:
     """The model rules for a ServeConfig and the model `spec` it runs, on a machine of `num_available` devices;
     returns the deployment's device assignment (validate_deployment). ValueError naming the key and both values."""
     check_max_model_len(cfg.scheduler.max_model_len, spec)
+    check_eos_token_id(cfg.model.eos_token_id, spec)
     return validate_deployment(cfg.deployment, spec, num_available)
 
 
@@ -190,5 +199,6 @@ def check_config_against_model(cfg) -> None:
     if spec is None:
         return
     check_max_model_len(cfg.scheduler.max_model_len, spec)
+    check_eos_token_id(cfg.model.eos_token_id, spec)
     for role in cfg.deployment.roles:
         check_group_against_model(role, cfg.deployment.group(role), spec)
