@@ -11,6 +11,7 @@ delay), and writes it to --out when given.
 from __future__ import annotations
 
 import json
+import sys
 
 from absl import flags
 
@@ -38,6 +39,11 @@ def main(argv):
         raise cli.UserError("no limit given: pass --slo_tbt_p99 and/or --slo_ttft_p99 (seconds)")
     if not 0 < _LO.value < _HI.value:
         raise cli.UserError(f"--lo={_LO.value} --hi={_HI.value}, expected 0 < lo < hi")
+    for flag, value in (("slo_tbt_p99", _TBT.value), ("slo_ttft_p99", _TTFT.value)):
+        if value is not None and not value > 0:
+            raise cli.UserError(f"--{flag}={value}, expected a limit in seconds > 0")
+    if not 0 < _REL_TOL.value < 1:
+        raise cli.UserError(f"--rel_tol={_REL_TOL.value}, expected a fraction in (0, 1)")
     config = to_plain_dict(_CONFIG.value)
     try:     # the config, and what the simulator builds from it (hardware, profile, deployment vs. the model)
         build_setup(resolve_config(config))
@@ -49,6 +55,8 @@ def main(argv):
     if _OUT.value:
         write_json(_OUT.value, report)
     print(json.dumps(report, indent=2))
+    if "note" in report:
+        print(f"warning: {report['note']}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """Capacity search in simulation: parallel bisection on the rate with DESIGN §4's rule."""
 from __future__ import annotations
 
+import os
 import pickle
 
 import pytest
 
-from pdjax.sim.capacity import ConfigProbe, parallel_capacity_search, simulate_summary
+from pdjax.sim.capacity import ConfigProbe, parallel_capacity_search, search_config_capacity, simulate_summary
 
 TRUE_CAPACITY = 3.3
 
@@ -64,3 +65,24 @@ def test_simulated_probes_in_processes():
                                    max_rounds=2)
     assert res.rounds == 2 and len(res.probes) == 4
     assert res.capacity_rps is not None and 0.5 <= res.capacity_rps < 50.0
+
+
+def test_an_open_bracket_is_not_reported_as_the_capacity():
+    """issue 27 item 6: when the top probe held, --hi was reported as the capacity; now null, with the bound."""
+    report = search_config_capacity(small_config(), tbt_p99=10.0, lo=0.05, hi=0.1, map_fn=map)
+    assert report["capacity_rps"] is None and report["capacity_at_least_rps"] == 0.1
+    assert report["bracket"] == [0.1, float("inf")] and "raise hi" in report["note"]
+    with pytest.raises(ValueError, match="tbt_p99=-1"):
+        search_config_capacity(small_config(), tbt_p99=-1, map_fn=map)
+
+
+@pytest.mark.parametrize("flag, message", [("--slo_tbt_p99=-1", "--slo_tbt_p99=-1.0, expected a limit in seconds > 0"),
+                                           ("--rel_tol=0", "--rel_tol=0.0, expected a fraction in (0, 1)")])
+def test_capacity_cli_refuses_bad_limits_in_one_line(flag, message):
+    import subprocess
+    import sys
+    args = [sys.executable, "-m", "experiments.capacity", "--config=configs/serve.py", "--config.backend=sim",
+            "--slo_tbt_p99=0.1", flag]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 2 and proc.stderr.strip() == f"error: {message}", proc.stderr

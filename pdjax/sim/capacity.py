@@ -121,14 +121,23 @@ def search_config_capacity(config_dict, *, tbt_p99, ttft_p99=None, lo=0.05, hi=1
     """Capacity of a serve config dict under P99 TBT (and optional P99 TTFT) limits: a JSON-ready report with
     capacity_rps, the final bracket and one row per probe."""
     limits = {}
-    if tbt_p99 is not None:
-        limits["tbt.p99"] = tbt_p99
-    if ttft_p99 is not None:
-        limits["ttft.p99"] = ttft_p99
+    for key, name, value in (("tbt.p99", "tbt_p99", tbt_p99), ("ttft.p99", "ttft_p99", ttft_p99)):
+        if value is not None:
+            if not value > 0:
+                raise ValueError(f"capacity: {name}={value!r}, expected a limit in seconds > 0")
+            limits[key] = value
     if not limits:
         raise ValueError("capacity: no limit given; expected tbt_p99 and/or ttft_p99 (seconds)")
     res = parallel_capacity_search(ConfigProbe(config_dict), lo, hi, limits=limits, parallel=parallel,
                                    rel_tol=rel_tol, max_rounds=max_rounds, map_fn=map_fn)
-    return {"capacity_rps": res.capacity_rps, "bracket": list(res.bracket), "rounds": res.rounds,
-            "limits": limits, "max_sched_delay_p50_s": 2.0,
-            "probes": [probe_row(r, ok, s) for r, ok, s in res.probes]}
+    low, high = res.bracket
+    open_above = high == float("inf")       # every probe up to hi held: hi is a lower bound, not the capacity
+    report = {"capacity_rps": None if open_above else res.capacity_rps, "bracket": [low, high],
+              "rounds": res.rounds, "limits": limits, "max_sched_delay_p50_s": 2.0,
+              "probes": [probe_row(r, ok, s) for r, ok, s in res.probes]}
+    if open_above:
+        report["capacity_at_least_rps"] = hi
+        report["note"] = f"the top probe (hi={hi} req/s) held: the capacity is above it; raise hi"
+    elif res.capacity_rps is None:
+        report["note"] = f"the bottom probe (lo={lo} req/s) failed: the capacity is below it; lower lo"
+    return report
