@@ -48,7 +48,25 @@ def test_an_earlier_runs_outputs_are_cleared(tmp_path):
     for name in RUN_FILES + ("results.json.tmp-123",):
         (tmp_path / name).write_text("stale")
     prepare_run_dir(str(tmp_path))
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path) == [".pdjax.lock"]     # the stale outputs are gone; the run holds the workdir
+
+
+def test_two_runs_never_share_a_workdir(tmp_path):
+    """issue 27 item 5: two runs in one workdir both reported success and one's results were lost. The first holds
+    the workdir for as long as it runs; the second refuses in one line naming the holder; after the first ends, the
+    workdir is free again."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pdjax.metrics import prepare_run_dir; "
+                               "prepare_run_dir(sys.argv[1]); print('held', flush=True); time.sleep(60)",
+                               str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ValueError, match=rf"is in use by another run \(pid {holder.pid}\)"):
+            prepare_run_dir(str(tmp_path))
+    finally:
+        holder.kill()
+        holder.wait()
+    prepare_run_dir(str(tmp_path))        # the lock went with the process
+    prepare_run_dir(str(tmp_path))        # and a process may run twice in its own workdir
 
 
 def test_a_sim_run_never_shows_a_stale_real_run_output(tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -186,20 +187,50 @@ def ready_workdir(workdir: str, owns: Callable[[str], bool], contents: str, reus
     return entries
 
 
+LOCK_FILE = ".pdjax.lock"   # held (flock) by the process running in a workdir, for as long as it lives
+_HELD_LOCKS: Dict[str, Any] = {}
+
+
 def is_run_file(entry: str) -> bool:
-    """Whether a workdir entry is one of a run's outputs (RUN_FILES), or a crash's temporary file of one."""
-    return written_name(entry) in RUN_FILES
+    """Whether a workdir entry is one of a run's outputs (RUN_FILES), a crash's temporary file of one, or the
+    run's lock."""
+    return entry == LOCK_FILE or written_name(entry) in RUN_FILES
+
+
+def lock_run_dir(workdir: str) -> None:
+    """Hold an exclusive lock on `workdir` for the rest of this process (flock on its LOCK_FILE; the OS releases it
+    when the process ends, however it ends), so two runs never write one workdir: the second refuses, naming the
+    holder. Re-entrant within a process (a test or a notebook may run twice in one workdir)."""
+    key = os.path.realpath(workdir)
+    if key in _HELD_LOCKS:
+        return
+    f = open(os.path.join(workdir, LOCK_FILE), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise ValueError(f"workdir={workdir!r} is in use by another run ({holder}); expected a workdir no running "
+                         f"pdjax run holds") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}")
+    f.flush()
+    _HELD_LOCKS[key] = f
 
 
 def prepare_run_dir(workdir: str) -> None:
     """Make `workdir` ready for a run before anything runs, so a bad path fails in the first second, not after
     the run (`ready_workdir`: a writable directory holding nothing but a run's outputs). A run owns its files: an
     earlier run's outputs there are removed (a stale outputs.json must never be read as this run's); any other
-    file makes it refuse. Raises ValueError naming the path and the problem."""
+    file makes it refuse, and so does a workdir another running process holds (`lock_run_dir`). Raises ValueError
+    naming the path and the problem."""
     ours = ready_workdir(workdir, is_run_file, "a pdjax run's outputs",
                          "one holding an earlier run's outputs (they are replaced)")
+    lock_run_dir(workdir)   # before anything is removed: a run in progress there keeps its files
     # results.json first: a crash in between leaves an unfinished run, never a finished stale one.
-    for name in sorted(ours, key=lambda e: e != "results.json"):
+    for name in sorted((e for e in ours if e != LOCK_FILE), key=lambda e: e != "results.json"):
         os.remove(os.path.join(workdir, name))
 
 
