@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pdjax.models.checkpoint import CheckpointCorruptError, load_model, save_hf_checkpoint
+from pdjax.models.checkpoint import CHECKSUM_FILE, CheckpointCorruptError, load_model, save_hf_checkpoint, save_params
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TINY = REPO / "checkpoints" / "tiny-byte"
@@ -61,6 +61,7 @@ def hf_source(tmp_path_factory):
     for shards in (1, 2):
         d = tmp_path_factory.mktemp(f"hf{shards}")
         save_hf_checkpoint(d, spec, params, num_shards=shards)
+        (d / CHECKSUM_FILE).unlink()   # these test the readers' own errors, as for a checkpoint made elsewhere
         out[shards] = d
     return out
 
@@ -118,3 +119,26 @@ def test_checkpoint_errors_are_user_errors(tmp_path):
     for bad in ("/nonexistent/ckpt", str(tmp_path)):      # not a directory; a directory with neither format
         with pytest.raises(UserError):
             load_model(bad)
+
+
+@pytest.mark.parametrize("fmt", ["orbax", "hf"])
+def test_a_flipped_bit_is_refused_naming_the_file(tmp_path, fmt):
+    """issue 27 item 7: a 1-bit flip in a checkpoint file was served (it still decodes). Saving records every file's
+    SHA-256 (CHECKSUM_FILE); loading checks them, naming the file; verify_checksums=False loads it anyway."""
+    spec, params = load_model(str(TINY))
+    ckpt = tmp_path / fmt
+    (save_params if fmt == "orbax" else save_hf_checkpoint)(ckpt, spec, params)
+    manifest = json.loads((ckpt / CHECKSUM_FILE).read_text())
+    assert manifest and all(len(digest) == 64 for digest in manifest.values())
+    load_model(str(ckpt))
+    target = _largest_data_file(ckpt) if fmt == "orbax" else ckpt / "model.safetensors"
+    data = bytearray(target.read_bytes())
+    data[len(data) - 9] ^= 0x01              # inside the tensor bytes: the file still reads
+    target.write_bytes(bytes(data))
+    name = str(target.relative_to(ckpt))
+    with pytest.raises(CheckpointCorruptError, match=rf"{name!r} does not match its SHA-256"):
+        load_model(str(ckpt))
+    load_model(str(ckpt), verify_checksums=False)
+    target.unlink()
+    with pytest.raises(CheckpointCorruptError, match=rf"lacks {name!r}"):
+        load_model(str(ckpt))

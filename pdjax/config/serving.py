@@ -33,6 +33,7 @@ class ModelConfig:
     attention_impl: str = "auto"
     dtype: str = "float32"
     eos_token_id: int = -1          # stop token for every request; -1: none (outputs run to max_tokens)
+    verify_checksums: bool = True   # check a checkpoint's files against the SHA-256s recorded when it was saved
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,7 @@ A file that reads back but holds NaN or inf weights (flipped bytes that still de
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -243,6 +244,43 @@ def params_to_hf_tensors(params: LlamaParams, spec: ModelSpec) -> Dict[str, np.n
     return out
 
 
+CHECKSUM_FILE = "pdjax_checksums.json"   # {relative path: sha256} of every file of a checkpoint, written last
+
+
+def _sha256(path: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_checksums(directory) -> None:
+    """Record the SHA-256 of every file under `directory` (its checkpoint) in CHECKSUM_FILE, atomically."""
+    directory = pathlib.Path(directory)
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != CHECKSUM_FILE)
+    atomic_write_text(directory / CHECKSUM_FILE, json.dumps(
+        {str(p.relative_to(directory)): _sha256(p) for p in files}, indent=1, sort_keys=True))
+
+
+def verify_checksums_of(directory) -> None:
+    """Check every file CHECKSUM_FILE lists against its SHA-256 (a checkpoint saved without one is not checked).
+    CheckpointCorruptError naming the first file that is missing or differs: a flipped bit may still decode."""
+    directory = pathlib.Path(directory)
+    manifest = directory / CHECKSUM_FILE
+    if not manifest.is_file():
+        return
+    for name, want in _read_json(directory, manifest).items():
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointCorruptError(f"checkpoint {str(directory)!r} lacks {name!r}, which its {CHECKSUM_FILE} "
+                                         f"lists")
+        if _sha256(path) != want:
+            raise CheckpointCorruptError(f"checkpoint {str(directory)!r}: {name!r} does not match its SHA-256 in "
+                                         f"{CHECKSUM_FILE} (the file changed since it was saved; "
+                                         f"model.verify_checksums=False loads it anyway)")
+
+
 def save_hf_checkpoint(directory, spec: ModelSpec, params: LlamaParams, *, num_shards: int = 1) -> None:
     """Write config.json + safetensors (sharded with an index when num_shards > 1)."""
     directory = pathlib.Path(directory)
@@ -251,6 +289,7 @@ def save_hf_checkpoint(directory, spec: ModelSpec, params: LlamaParams, *, num_s
     tensors = params_to_hf_tensors(params, spec)
     if num_shards == 1:
         save_file(tensors, str(directory / "model.safetensors"))
+        write_checksums(directory)
         return
     names = sorted(tensors)
     weight_map = {}
@@ -260,6 +299,7 @@ def save_hf_checkpoint(directory, spec: ModelSpec, params: LlamaParams, *, num_s
         save_file(part, str(directory / fname))
         weight_map.update({n: fname for n in part})
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    write_checksums(directory)
 
 
 def load_hf_checkpoint(directory, dtype=None) -> Tuple[ModelSpec, LlamaParams]:
@@ -345,6 +385,7 @@ def save_params(directory, spec: ModelSpec, params: LlamaParams) -> None:
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(directory / ORBAX_SUBDIR, params_to_dict(params), force=True)
     atomic_write_text(directory / SPEC_FILE, spec_to_json(spec))
+    write_checksums(directory)
 
 
 def restore_params(directory) -> Tuple[ModelSpec, LlamaParams]:
@@ -400,11 +441,15 @@ def check_finite(checkpoint, spec: ModelSpec, params: LlamaParams, *, hf: bool =
                                 f"inf) of {flat[path].size}{more}: the file is corrupt or the weights diverged")
 
 
-def load_model(checkpoint: str, *, dtype=None, seed: int = 0) -> Tuple[ModelSpec, LlamaParams]:
+def load_model(checkpoint: str, *, dtype=None, seed: int = 0, verify_checksums: bool = True
+               ) -> Tuple[ModelSpec, LlamaParams]:
     """(spec, params) from an orbax dir written by `save_params`, an HF directory, or a registry spec name
-    (random dummy weights with `seed`). A checkpoint's weights are checked to be finite (`check_finite`)."""
+    (random dummy weights with `seed`). A checkpoint's files are checked against the SHA-256s recorded at save
+    (`verify_checksums`; skipped with verify_checksums=False) and its weights to be finite (`check_finite`)."""
     path = pathlib.Path(checkpoint)
     if path.is_dir():
+        if verify_checksums:
+            verify_checksums_of(path)
         if (path / SPEC_FILE).is_file():
             spec, params = restore_params(path)
             check_finite(checkpoint, spec, params)

@@ -74,7 +74,8 @@ def build_requests(cfg: ServeConfig, workload: Optional[Sequence] = None) -> Lis
 
 def load_weights(cfg: ServeConfig):
     """(spec, params) of cfg.model: a checkpoint directory, or dummy weights for a registry spec name."""
-    return load_model(resolve_checkpoint(cfg.model.checkpoint), dtype=cfg.model.dtype, seed=cfg.seed)
+    return load_model(resolve_checkpoint(cfg.model.checkpoint), dtype=cfg.model.dtype, seed=cfg.seed,
+                      verify_checksums=cfg.model.verify_checksums)
 
 
 def _scheduler_config(cfg: ServeConfig, spec):
