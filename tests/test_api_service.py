@@ -103,3 +103,17 @@ def test_create_app_mounts_every_endpoint():
     paths = set(app.openapi()["paths"])
     assert {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"} <= paths
     assert app.state.service.model_name == "tiny"
+
+
+@pytest.mark.parametrize("field, value", [("logprobs", 5), ("echo", True), ("best_of", 3), ("presence_penalty", 0.5),
+                                          ("frequency_penalty", -1.0), ("logit_bias", {"5": 10}), ("top_logprobs", 2)])
+def test_openai_fields_this_server_does_not_implement_are_refused_by_name(field, value):
+    """issue 27 item 4: such fields were accepted, dropped, and answered 200 as if honoured."""
+    s = _service()
+    with pytest.raises(ApiError) as e:
+        s.sampling_params(protocol.CompletionRequest(prompt="hi", **{field: value}), [1, 2], None)
+    assert e.value.status == 400 and e.value.param == field and field in str(e.value)
+    # the values that ask for nothing, and unknown fields, still pass (as vLLM ignores unknown fields)
+    body = protocol.CompletionRequest(prompt="hi", logprobs=None, echo=False, best_of=1, presence_penalty=0.0,
+                                      frequency_penalty=0, logit_bias={}, unknown_field="x")
+    assert s.sampling_params(body, [1, 2], None)[0].max_tokens == 30

@@ -205,6 +205,9 @@ class CompletionService:
                            type_="NotFoundError", param="model")
         if body.n != 1:
             raise ApiError(400, f"n: {body.n} choices; this server returns n=1 only", param="n")
+        for name in protocol.unsupported_fields(body):
+            raise ApiError(400, f"{name}: {body.model_extra[name]!r} is not supported by this server; leave it unset",
+                           param=name)
         limit = self.bridge.max_model_len
         if max_tokens is None:
             max_tokens = limit - len(ids)

@@ -1,7 +1,9 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models), and the OpenAI error body.
 
 Requests accept the fields load generators send (OpenAI's, plus vLLM's `ignore_eos`, `top_k`, `stop_token_ids`,
-`return_token_ids`); unknown fields are ignored, as vLLM does. Types are strict (a string where a number belongs
+`return_token_ids`); unknown fields are ignored, as vLLM does, except OpenAI's and vLLM's own fields this server
+does not implement (UNSUPPORTED_FIELDS: logprobs, echo, best_of, penalties, ...), refused with a 400 naming the
+field unless their value asks for nothing. Types are strict (a string where a number belongs
 is a 400, not coerced), except that an int is accepted where a float belongs. Responses are plain dicts in the
 OpenAI shapes (`text_completion`, `chat.completion`, their stream chunks); choices carry `token_ids` when the
 request asked for `return_token_ids` (vLLM's field: exact ids, as a byte-level text may not round-trip).
@@ -23,7 +25,28 @@ class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
+# OpenAI / vLLM request fields this server does not implement -> the values that ask for nothing (a request that sends
+# one of these with another value gets a 400 naming it, never an answer that silently ignored it).
+UNSUPPORTED_FIELDS = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}), "suffix": (None, ""), "min_tokens": (None, 0), "tools": (None, []),
+    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "prompt_logprobs": (None, 0), "use_beam_search": (None, False),
+}
+
+
+def unsupported_fields(body: BaseModel) -> List[str]:
+    """The UNSUPPORTED_FIELDS a request sets to something other than a value that asks for nothing."""
+    extra = body.model_extra or {}
+    return [name for name, neutral in UNSUPPORTED_FIELDS.items()
+            if name in extra and not any(extra[name] == v and isinstance(extra[name], bool) == isinstance(v, bool)
+                                         for v in neutral)]
+
+
 class _SamplingFields(_Body):
+    model_config = ConfigDict(extra="allow", strict=True)   # to see UNSUPPORTED_FIELDS; other extras are ignored
     model: Optional[StrictStr] = None
     temperature: Optional[Number] = Field(default=None, ge=0.0, le=2.0)
     top_p: Optional[Number] = Field(default=None, gt=0.0, le=1.0)
