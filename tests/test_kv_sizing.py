@@ -65,3 +65,19 @@ def test_simulator_on_host_cpu_refuses_num_pages_zero():
                                   "scheduler": {"num_pages": 0}, "sim": {"hardware": "host-cpu"}})
     with pytest.raises(ValueError, match="scheduler.num_pages=0 sizes the KV cache from a GPU/TPU's memory"):
         build_setup(cfg)
+
+
+@pytest.mark.parametrize("where", [{"sim": {"hardware": "a100-80gb-sxm", "num_pages": 1024}},
+                                   {"sim": {"hardware": "a100-80gb-sxm"},
+                                    "deployment": {"colocated": {"num_pages": 1024}}}])
+def test_simulator_refuses_an_explicit_cache_that_cannot_fit(where):
+    """issue 27 item 1: Llama-2-70B on one A100-80GB at TP 1 with an explicit num_pages simulated with attainment 1."""
+    from pdjax.sim.build import build_setup
+    cfg = serve_config_from_dict({"backend": "sim", "model": {"checkpoint": "llama-2-70b"},
+                                  "workload": {"preset": "chat"}, **where})
+    with pytest.raises(ValueError, match=r"llama-2-70b does not fit a100-80gb-sxm with tp=1, pp=1 and num_pages=1024: "
+                                         r"128.5 GiB of weights"):
+        build_setup(cfg)
+    build_setup(serve_config_from_dict({"backend": "sim", "model": {"checkpoint": "llama-2-70b"},
+                                        "workload": {"preset": "chat"}, "sim": where["sim"],
+                                        "deployment": {"colocated": {"tp": 4, "num_pages": 1024}}}))

@@ -57,7 +57,7 @@ from pdjax.scheduler import make_scheduler, request_from_workload
 from pdjax.scheduler.instances import check_instance, make_role_scheduler
 from pdjax.scheduler.mixed import make_borrowing_scheduler
 from pdjax.scheduler.routing import InstanceRouter
-from pdjax.sim.cost_model import CostParams, kv_bytes, kv_cache_capacity_tokens
+from pdjax.sim.cost_model import CostParams, kv_bytes, kv_cache_capacity_tokens, param_count
 from pdjax.sim.disagg import DisaggSimInstance, kv_link_between, make_transfer_time
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 from pdjax.sim.simulator import PendingRequest, SimInstance
@@ -146,10 +146,11 @@ def resolve_profile(cfg) -> Tuple[Optional[Profile], str]:
 
 def _group_pages(cfg, group, sched_cfg, model, hw) -> Tuple[int, Optional[int]]:
     """(num_pages, KV capacity in tokens or None) of one instance of `group` (module docstring rule)."""
-    if group.num_pages > 0:
-        return group.num_pages, None
-    if cfg.sim.num_pages > 0:
-        return cfg.sim.num_pages, None
+    given = group.num_pages or cfg.sim.num_pages
+    if given > 0:
+        if hw.kind != "cpu":
+            _check_pages_fit(model, hw, group, given, sched_cfg.page_size)
+        return given, None
     if hw.kind == "cpu":
         if not cfg.scheduler.num_pages:
             raise ValueError(f"scheduler.num_pages=0 sizes the KV cache from a GPU/TPU's memory; hardware "
@@ -160,6 +161,18 @@ def _group_pages(cfg, group, sched_cfg, model, hw) -> Tuple[int, Optional[int]]:
                                         max_num_batched_tokens=sched_cfg.token_budget,
                                         max_num_seqs=sched_cfg.max_num_seqs)
     return capacity // sched_cfg.page_size, capacity
+
+
+def _check_pages_fit(model: ModelSpec, hw: HardwareSpec, group, num_pages: int, page_size: int) -> None:
+    """An explicit cache passes the same check as the automatic sizing: the weights of a device's stage and its share
+    of `num_pages` pages fit the device's memory (ValueError naming the model, the hardware and the bytes)."""
+    weights = param_count(model) * model.dtype_bytes / (group.tp * group.pp)
+    per_token = 2 * (-(-model.num_layers // group.pp)) * (-(-model.num_kv_heads // group.tp)) * model.head_dim
+    kv = num_pages * page_size * per_token * model.dtype_bytes
+    if weights + kv > hw.hbm_capacity:
+        raise ValueError(f"{model.name} does not fit {hw.name} with tp={group.tp}, pp={group.pp} and "
+                         f"num_pages={num_pages}: {weights / 2**30:.1f} GiB of weights + {kv / 2**30:.1f} GiB of KV "
+                         f"per device > {hw.hbm_capacity / 2**30:.1f} GiB")
 
 
 def _padding(cfg, profile: Optional[Profile], sched_cfg) -> Optional[EnginePadding]:
