@@ -297,3 +297,13 @@ def test_the_slo_scale_cli_prints_a_table_and_writes_the_json(tmp_path):
     bad = subprocess.run(base + ["--slo_scale_per_gpu_rate=-1"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(
         "error: flag --slo_scale_per_gpu_rate=-1.0")
+
+
+def test_a_stack_that_times_nothing_here_is_refused_up_front():
+    """issue 27 item 3: --colocated_stack=distserve on hardware it was not measured on dropped every colocated
+    candidate and ranked the disaggregated side the winner (best_colocated null)."""
+    from pdjax.sim.placement import NodeType, PlacementProblem
+    with pytest.raises(ValueError, match=r"colocated_stack='distserve' has no step times for model 'llama-2-7b' on "
+                                         r"hardware 'h100-sxm' at any tp <= 4"):
+        PlacementProblem(model="llama-2-7b", node=NodeType("h100-sxm"), gpu_budget=4, workload={"preset": "chat"},
+                         ttft_s=1.0, tpot_s=0.1, colocated_stack="distserve")

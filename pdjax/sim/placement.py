@@ -144,6 +144,12 @@ class PlacementProblem:
                 raise ValueError(f"{key}={getattr(self, key)!r}, expected one of {STACKS} or a stack file (.json)")
         if self.slo_rule not in SLO_RULES:
             raise ValueError(f"slo_rule={self.slo_rule!r}, expected one of {SLO_RULES}")
+        hardware = get_hardware_spec(self.node.hardware).name
+        for role in ("colocated", "prefill", "decode"):   # a side no candidate can use would vanish from the ranking
+            if not any(self.fits_stack(role, Layout(tp, 1)) for tp in range(1, self.gpu_budget + 1)):
+                raise ValueError(f"{role}_stack={self.stack(role)!r} has no step times for model {self.model!r} on "
+                                 f"hardware {hardware!r} at any tp <= {self.gpu_budget} (a fitted stack times only "
+                                 f"what it was measured on); expected 'pdjax' or a stack measured there")
 
     def stack(self, role: str) -> str:
         return getattr(self, f"{role}_stack")
