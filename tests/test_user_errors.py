@@ -201,3 +201,27 @@ def test_trace_start_beyond_the_trace_says_so(shared_data):
     message = str(info.value)
     assert message.startswith(f"workload.trace_start=100000 is beyond the end of {TRACE}, which has ")
     assert "-" not in message.split("expected")[-1]    # no negative bound
+
+
+def test_a_missing_config_file_is_one_line(tmp_path):
+    """issue 27: `serve --config=<missing file>` printed a 42-line double traceback."""
+    out = _run("experiments.serve", "--config=configs/no_such_config.py", f"--workdir={tmp_path / 'w'}")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == ("error: bad command-line flag: --config: [Errno 2] No such file or directory: "
+                                  "'configs/no_such_config.py'")
+
+
+def test_ctrl_c_mid_run_is_one_line(tmp_path):
+    """issue 27: SIGINT mid-run printed a 33-line KeyboardInterrupt traceback; now one line and status 130."""
+    import signal
+    import time
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.serve", "--config=configs/serve.py",
+                             f"--workdir={tmp_path / 'w'}"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(6)     # past start-up, into warm-up or serving
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "error: interrupted (SIGINT); this run's results are not written"
+    assert "Traceback" not in err
+    assert not (tmp_path / "w" / "results.json").exists()

@@ -12,8 +12,9 @@
   range: `parse_flags`) or a `UserError` (pdjax.errors; any layer raises it where it finds the mistake, and an
   entry point turns the ValueError of its config and build phase into one) raised by main prints `error: ...` on
   stderr and exits with status 2 at once (`fail`), never a traceback (nor absl's usage text, nor the "Event loop
-  is closed" noise of a failed orbax read: `ignore_closed_loop_callbacks`). Anything else is a bug and keeps its
-  traceback.
+  is closed" noise of a failed orbax read: `ignore_closed_loop_callbacks`); so is a --config file that cannot be
+  read. Ctrl-C (SIGINT) ends the run with one line and status 130 (EXIT_INTERRUPTED). Anything else is a bug and
+  keeps its traceback.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from pdjax import errors
 from pdjax.procs import exit_now
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130   # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
 
 
 # pdjax.errors.UserError: raised by any layer for a mistake in what the user asked for; printed as one line.
@@ -127,6 +129,13 @@ def run(main: Callable) -> None:
             return main(argv)
         except UserError as e:
             fail(e)
+        except OSError as e:
+            if "Failed loading config file" not in str(e):   # ml_collections reads --config when first used
+                raise
+            fail(f"bad command-line flag: --config: {str(e).strip().splitlines()[-1].strip()}")
+        except KeyboardInterrupt:
+            print("error: interrupted (SIGINT); this run's results are not written", file=sys.stderr)
+            exit_now(EXIT_INTERRUPTED)
 
     try:
         app.run(wrapped, flags_parser=parse_flags)
