@@ -87,3 +87,15 @@ def test_prompt_token_outside_vocab_and_too_long(tmp_path):
     path.write_text(json.dumps([[1] * 2040]))
     with pytest.raises(ValueError, match=r"2049 exceeds the model's max_position_embeddings=2048"):
         run("tiny-llama", str(path), 9, str(tmp_path / "o.json"))
+
+
+def test_a_short_prompt_is_no_slow_path(tmp_path, caplog):
+    """issue 27: a 3-token prompt warned 'page_size=16 exceeds max_model_len=7 (slow)' on a normal input."""
+    from pdjax.runtime import runner as runner_lib
+    runner_lib._warned.clear()
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[1, 2, 3]]))
+    with caplog.at_level("WARNING"):
+        _, _, runner = run("tiny-llama", str(prompts), 4, str(tmp_path / "out.json"), page_size=16,
+                           attention_impl="reference")
+    assert runner.max_model_len == 16 and not [r for r in caplog.records if "exceeds max_model_len" in r.message]

@@ -190,8 +190,10 @@ def run_generate(checkpoint: str, prompts_path, max_new_tokens: int, out_path, *
     if max_len > spec.max_position_embeddings:
         raise ValueError(f"longest prompt + max_new_tokens = {max_len} exceeds the model's "
                          f"max_position_embeddings={spec.max_position_embeddings}")
+    # The runner's limit in whole pages: a short input is no reason for the page-size-beyond-max_model_len warning.
+    runner_len = min(spec.max_position_embeddings, -(-max_len // page_size) * page_size)
     runner = ModelRunner(spec, params, num_pages=num_pages, page_size=page_size, buckets=buckets,
-                         attention_impl=attention_impl, max_model_len=max_len)
+                         attention_impl=attention_impl, max_model_len=runner_len)
     tokens, logits = generate(runner, prompts, max_new_tokens, chunk_size=chunk_size, token_budget=budget,
                               return_logits=dump_logits is not None)
     pathlib.Path(out_path).parent.mkdir(parents=True, exist_ok=True)
