@@ -197,3 +197,16 @@ def test_entry_points_say_so_in_one_line_before_anything_runs(tmp_path, entry, f
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().splitlines() == [f"error: {prefix}{TOO_LONG}"]
     assert not (tmp_path / "w").exists()
+
+
+def test_a_group_hardware_that_is_no_name_says_so():
+    """issue 27: deployment.prefill.hardware='cpu' was refused saying the devices are 'cpu' (the user's own word)."""
+    from pdjax.config.deployment import deployment_from_dict
+    from pdjax.config.validate import check_group_hardware
+    dep = deployment_from_dict({"kind": "disaggregated", "prefill": {"hardware": "cpu"}})
+    with pytest.raises(ValueError, match=r"^deployment.prefill.hardware='cpu' is not a hardware name"):
+        check_group_hardware(dep, "cpu")
+    check_group_hardware(deployment_from_dict({"kind": "disaggregated", "prefill": {"hardware": "host-cpu"}}), "cpu")
+    with pytest.raises(ValueError, match="the real engine runs on the devices it has"):
+        check_group_hardware(deployment_from_dict({"kind": "disaggregated", "prefill": {"hardware": "h100-sxm"}}),
+                             "cpu")

@@ -75,6 +75,10 @@ def check_group_hardware(dep, device_kind: str) -> None:
     """The real engine runs on the devices it has: a group naming another hardware is refused (one line)."""
     for role in dep.roles:
         hardware = dep.group(role).hardware
+        if hardware and hardware_runs_on(hardware, device_kind) is None:
+            raise ValueError(f"deployment.{role}.hardware={hardware!r} is not a hardware name; expected '' (the "
+                             f"devices the engine runs on) or a pdjax.sim.hardware name such as 'host-cpu', "
+                             f"'a100-80gb-sxm', 'h100-sxm', 'tpu-v5e'")
         if hardware and not hardware_runs_on(hardware, device_kind):
             raise ValueError(f"deployment.{role}.hardware={hardware!r}: the real engine runs on the devices it has "
                              f"({device_kind!r}); expected '' or that hardware (per-group hardware is a simulator "
