@@ -28,7 +28,7 @@ import sys
 from typing import Dict, List, Sequence
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))   # this checkout's pdjax, run as a script
-from pdjax.procs import (end_processes, forward_lines, free_port, local_process_env,
+from pdjax.procs import (end_processes, forward_lines, free_port, local_process_env, port_is_free,
                          start_local_processes, wait_processes)
 
 
@@ -110,6 +110,9 @@ def main(argv=None) -> int:
     if args.timeout <= 0:
         p.error(f"--timeout={args.timeout}, expected > 0")
     port = args.port or free_port()
+    if args.port and not args.dry_run and not port_is_free(port):
+        p.error(f"--port={port} is in use on 127.0.0.1 (the coordinator would fail to start its RPC server); "
+                f"give another, or --port=0 for a free one")
     if args.dry_run:
         print("\n".join(command_lines(command, args.num_processes, port, args.devices_per_process,
                                       dict(os.environ))))

@@ -44,6 +44,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a TCP server could bind `port` on `host` now."""
+    with socket.socket(socket.AF_INET) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def local_process_env(base: Dict[str, str], i: int, n: int, port: int, devices: int) -> Dict[str, str]:
     """The variables process i of n on this machine gets on top of `base` (only the changed ones): CPU platform,
     `devices` host devices (replacing any device count in base's XLA_FLAGS), the coordinator on 127.0.0.1:port."""

@@ -194,3 +194,15 @@ def test_slurm_dry_run():
     del env["SLURM_JOB_NODELIST"]
     bad = subprocess.run(["bash", sbatch, "true"], env=env, capture_output=True, text=True)
     assert bad.returncode != 0 and "not inside a SLURM allocation" in bad.stderr
+
+
+def test_local_launch_on_a_port_in_use_names_the_port():
+    """issue 27: on a port in use the launcher waited and said "Failed to start RPC server" without the port."""
+    import socket
+    with socket.socket(socket.AF_INET) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = subprocess.run([sys.executable, str(REPO / "launch" / "local.py"), "-n", "2", "--port", str(port), "--",
+                              sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and f"--port={port} is in use on 127.0.0.1" in out.stderr, out.stderr
