@@ -217,6 +217,11 @@ def test_bad_inputs_are_400s_and_leave_other_requests_untouched(server, referenc
         assert needle in err["message"] and err["type"] == "invalid_request_error", (body, err)
     assert ids == reference[PROMPTS[2]] and finish == "length" and usage.completion_tokens == NEW_TOKENS
     assert httpx.post(server.url + "/v1/completions", json={"model": "gpt-4", "prompt": "a"}).status_code == 404
+    # issue 27: a JSON body without its Content-Type was answered "(got ?)"
+    for headers, said in (({}, "no Content-Type"), ({"Content-Type": "text/plain"}, "Content-Type: text/plain")):
+        r = httpx.post(server.url + "/v1/completions", content='{"prompt": "a"}', headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["message"] == (
+            f"the body must be JSON sent with Content-Type: application/json (got {said})"), r.text
 
 
 async def _open_streams(server, n, max_tokens):

@@ -387,6 +387,10 @@ async def chat_completions(body: protocol.ChatCompletionRequest, raw: Request):
 
 async def _bad_request(request: Request, exc: RequestValidationError):
     message, param = _validation_message(exc)
+    content_type = request.headers.get("content-type", "")
+    if not content_type.startswith("application/json"):   # FastAPI then reads no JSON: say why, not "(got ?)"
+        message, param = (f"the body must be JSON sent with Content-Type: application/json (got "
+                          f"{'no Content-Type' if not content_type else 'Content-Type: ' + content_type})"), None
     _service(request).bridge.metrics.http_rejected.labels("400").inc()
     return _error_response(400, message, param=param)
 
