@@ -33,7 +33,7 @@ flags.DEFINE_string("model", "llama-2-70b-16k", "Model spec name (llama-2-70b-16
                     "Azure traces' long prompts, as Splitwise served them).")
 flags.DEFINE_string("trace", "conv", "'code', 'conv' (Azure LLM 2023), a trace CSV path, or '' (--preset, Poisson).")
 flags.DEFINE_string("preset", "chat", "Workload preset when --trace=''.")
-flags.DEFINE_integer("num_requests", 600, "Requests per simulation.")
+flags.DEFINE_integer("num_requests", 600, "Requests per simulation.", lower_bound=2)
 flags.DEFINE_integer("trace_start", 0, "First trace row replayed.")
 flags.DEFINE_enum("arrival", "trace", list(pv.TRACE_ARRIVALS), "With a trace: its own arrival times scaled to the "
                   "rate, or Poisson arrivals at the rate with the trace's lengths (splitwise-sim's rr_* traces).")
@@ -41,7 +41,7 @@ flags.DEFINE_float("rate", 6.0, "Target load of the iso-throughput questions (re
 flags.DEFINE_list("designs", list(pv.DESIGNS), f"Cluster designs (of {list(pv.DESIGNS)}).")
 flags.DEFINE_list("colocated", ["sarathi"], f"Scheduling of the colocated baselines (of {pv.COLOCATED_POLICIES}).")
 flags.DEFINE_list("mixed", ["off"], "Mixed pool of the Splitwise designs: off, on (deployment.mixed_pool='borrow'), "
-                  "or both.")
+                  "or both (= off,on).")
 flags.DEFINE_enum("slo", "splitwise", list(pv.SLO_KINDS), "Pass rule: Splitwise's slowdown SLOs, or pdjax's "
                   "absolute ones (--ttft/--tbt/--tpot, --attainment).")
 flags.DEFINE_float("ttft", 0.0, "Absolute TTFT SLO (s; 0 = none).")
@@ -52,7 +52,7 @@ flags.DEFINE_string("reference_hardware", "a100-80gb-sxm", "Slowdown reference m
 flags.DEFINE_integer("reference_tp", 8, "Slowdown reference machine's TP degree.")
 flags.DEFINE_integer("max_machines", 12, "Largest prompt / token pool (and colocated cluster) searched.")
 flags.DEFINE_integer("budget_machines", 0, "Iso budgets = this many --budget_machine machines (0: use "
-                     "--cost_budget / --power_budget_kw).")
+                     "--cost_budget / --power_budget_kw).", lower_bound=0)
 flags.DEFINE_enum("budget_machine", "dgx-h100", sorted(MACHINES), "Machine SKU of --budget_machines.")
 flags.DEFINE_float("cost_budget", 0.0, "Iso-cost budget (USD per hour; 0 = not asked).")
 flags.DEFINE_float("power_budget_kw", 0.0, "Iso-power budget (kW of provisioned power; 0 = not asked).")
@@ -86,7 +86,8 @@ def main(argv):
             model=FLAGS.model, target_rate=FLAGS.rate,
             workload=workload(FLAGS.trace, FLAGS.preset, FLAGS.num_requests, FLAGS.trace_start, FLAGS.seed,
                               FLAGS.arrival),
-            designs=tuple(FLAGS.designs), colocated_policies=tuple(FLAGS.colocated), mixed=tuple(FLAGS.mixed),
+            designs=tuple(FLAGS.designs), colocated_policies=tuple(FLAGS.colocated),
+            mixed=("off", "on") if FLAGS.mixed == ["both"] else tuple(FLAGS.mixed),
             slo=FLAGS.slo, ttft_s=FLAGS.ttft, tbt_s=FLAGS.tbt, tpot_s=FLAGS.tpot, attainment=FLAGS.attainment,
             reference=ReferenceMachine(FLAGS.reference_hardware, FLAGS.reference_tp),
             max_machines=FLAGS.max_machines, cost_budget=cost_budget, power_budget=power_budget,

@@ -272,3 +272,22 @@ def test_problem_is_a_plain_record():
     assert set(d["machines"]) == {"dgx-a100", "dgx-h100", "dgx-h100-pcap"}
     json.dumps(d)
     assert dataclasses.replace(small_problem(), target_rate=3.0).target_rate == 3.0
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--budget_machines=-1", "error: flag --budget_machines=-1: -1 is not a non-negative integer"),
+    ("--num_requests=0", "error: flag --num_requests=0: 0 is not integer >= 2")])
+def test_provision_flags_name_themselves(flag, message):
+    """issue 27: --budget_machines=-1 named a derived 'cost_budget'; --num_requests=0 spoke of trace rows."""
+    out = subprocess.run([sys.executable, "-m", "experiments.provision", flag], capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 2 and out.stderr.strip() == message, out.stderr
+
+
+def test_provision_mixed_both_is_off_and_on(shared_data):
+    """issue 27: --mixed=both was refused though the help offers it."""
+    out = subprocess.run([sys.executable, "-m", "experiments.provision", "--mixed=both", "--num_requests=20",
+                          "--max_machines=2", "--designs=Splitwise-HA"], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "4 simulations" in out.stdout       # the design with the mixed pool off and on
