@@ -91,7 +91,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from pdjax.metrics import IterationRecord, request_record
 from pdjax.scheduler import BatchQueue, Request
-from pdjax.scheduler.instances import ROLE_POLICIES, ROLES, check_instance
+from pdjax.scheduler.instances import ROLE_POLICIES, ROLES, TransferRecord
+from pdjax.scheduler.instances import Instance as BaseInstance
 from pdjax.scheduler.mixed import make_pool
 from pdjax.scheduler.routing import InstanceRouter
 from pdjax.serving.distributed import Coordinator
@@ -99,39 +100,18 @@ from pdjax.serving.engine import (ArrivalQueue, CompileTracker, EngineResult, To
                                   scrub_pages)
 from pdjax.serving.kv_transfer import StagedKV, scatter_kv_pages, transfer_kv
 
-@dataclasses.dataclass
-class Instance:
-    """One instance: a runner (ModelRunner or PipelineRunner, with a `mesh` and `kv_stages`) and a scheduler
-    ('prefill_only' for role 'prefill', 'decode_only' for 'decode', any colocated policy for 'colocated'; roles
-    and names as pdjax.scheduler.instances: 'replica0', 'prefill0', 'decode0', ...)."""
-    name: str
-    role: str            # 'colocated' | 'prefill' | 'decode' | 'mixed'
-    runner: Any
-    scheduler: Any
-    num_steps: int = 0
+class Instance(BaseInstance):
+    """One instance (pdjax.scheduler.instances.Instance, the engine's and the simulator's one instance type) with
+    a runner (ModelRunner or PipelineRunner, with a `mesh` and `kv_stages`): the scheduler is 'prefill_only' for
+    role 'prefill', 'decode_only' for 'decode', any colocated policy for 'colocated'; roles and names as
+    pdjax.scheduler.instances: 'replica0', 'prefill0', 'decode0', ..."""
 
-    def __post_init__(self):
-        check_instance(self.name, self.role, self.scheduler)
-        policy = getattr(self.scheduler, "name", self.scheduler)
-        if self.role == "colocated" and policy in ROLE_POLICIES.values():
-            raise ValueError(f"instance {self.name!r} (colocated) needs a colocated policy, got {policy!r}")
-
-
-@dataclasses.dataclass
-class TransferRecord:
-    """One request's KV transfer: source and destination instances, size, and wall time (seconds, on the
-    engine clock: start_time is relative to the run start)."""
-    request_id: str
-    src: str
-    dst: str
-    num_tokens: int
-    num_pages: int
-    kv_bytes: int
-    moved_bytes: int
-    start_time: float
-    seconds: float             # landed_time - start_time
-    landed_time: float = 0.0   # when the loop saw the KV on the decode devices (engine clock)
-    host_s: float = 0.0        # host time spent in the transfer call (sync: the whole copy; async: the dispatch)
+    def __init__(self, name: str, role: str, runner: Any, scheduler: Any):
+        super().__init__(name, role, scheduler)
+        self.runner = runner
+        policy = getattr(scheduler, "name", scheduler)
+        if role == "colocated" and policy in ROLE_POLICIES.values():
+            raise ValueError(f"instance {name!r} (colocated) needs a colocated policy, got {policy!r}")
 
 
 @dataclasses.dataclass
@@ -285,8 +265,8 @@ class ClusterEngine:
                                num_tokens=req.num_computed_tokens, wait=not self.async_transfer)
         record = TransferRecord(
             request_id=rid, src=src.name, dst=dst.name, num_tokens=staged.num_tokens, num_pages=staged.num_pages,
-            kv_bytes=staged.kv_bytes, moved_bytes=staged.moved_bytes, start_time=start, seconds=0.0,
-            host_s=now() - start)
+            kv_bytes=staged.kv_bytes, moved_bytes=staged.moved_bytes, ready_time=start, start_time=start,
+            end_time=start, host_s=now() - start)
         transfers.append(record)
         flight = _InFlightTransfer(src, dst, staged, record)
         if self.async_transfer:
@@ -303,8 +283,7 @@ class ClusterEngine:
         self._staged[rid] = flight.staged
         flight.dst.scheduler.mark_kv_arrived(rid)
         flight.src.scheduler.release(rid)
-        flight.record.landed_time = t
-        flight.record.seconds = t - flight.record.start_time
+        flight.record.end_time = t      # landed: record.seconds = t - start_time
 
     def _poll_transfers(self, now: Callable[[], float]) -> int:
         """Land every in-flight transfer whose arrays are ready (never blocks); returns how many landed."""
