@@ -83,81 +83,29 @@ No JAX.
 from __future__ import annotations
 
 import dataclasses
-import heapq
-import itertools
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from pdjax.metrics import IterationRecord, stats
-from pdjax.scheduler.instances import Instance
+from pdjax.metrics import stats
+from pdjax.scheduler.instances import TransferRecord
 from pdjax.scheduler.mixed import make_pool
 from pdjax.sim.cost_model import CostParams, kv_bytes, p2p_time
 from pdjax.sim.hardware import HardwareSpec
-from pdjax.sim.pipeline import StagePipeline, StageTimer, pipeline_summary
-from pdjax.sim.simulator import (SimResult, SimRequests, apply_run, gc_paused, placeholder_sample,
-                                 plan_decode_clock)
+from pdjax.sim.pipeline import pipeline_summary
+from pdjax.sim.simulator import SimInstance, SimResult, Simulation, decode_run_ready, placeholder_sample
 
 ROLES = ("prefill", "decode", "mixed")
 
 
 # --------------------------------------------------------------------------------------------------- state
-class DisaggSimInstance(Instance):
-    """One simulated prefill, decode or mixed-pool instance (pdjax.scheduler.instances.Instance): its scheduler
-    ('prefill_only' / 'decode_only' / a MixedScheduler) and step time (SchedulerOutput -> seconds).
-
-    Pipeline stages (as pdjax.sim.simulator.SimInstance): `stage_times(out) -> (per-stage seconds, per-boundary
-    send seconds)`, taken from `step_time.stage_times` when the step-time function has `.pp` > 1
-    (pdjax.sim.step_cost.PipelineStepTime); None: one stage of step_time(out). max_in_flight: batches in flight at
-    most (default: step_time's pp, else 1). `pipeline` (pdjax.sim.pipeline.StagePipeline) holds the batch queue
-    and the stage resources."""
-
-    def __init__(self, name: str, role: str, scheduler, step_time: Optional[Callable[[Any], float]] = None, *,
-                 stage_times: Optional[Callable] = None, max_in_flight: Optional[int] = None):
-        if role not in ROLES:
-            raise ValueError(f"instance {name!r}: role={role!r}, expected one of {ROLES}")
-        if step_time is None and stage_times is None:
-            raise ValueError(f"instance {name!r}: give step_time or stage_times")
-        super().__init__(name, role, scheduler)
-        self.step_time = step_time
-        self.timer = StageTimer(step_time, stage_times)
-        self.pipeline = StagePipeline(self.timer.pp if max_in_flight is None else max_in_flight)
-        self.in_flight: Optional[Tuple[Any, float]] = None   # (SchedulerOutput, start) of the batch being collected
-
-    @property
-    def max_in_flight(self) -> int:
-        return self.pipeline.max_in_flight
-
-    @property
-    def busy(self) -> bool:
-        """The instance's loop is blocked collecting its oldest batch in flight."""
-        return self.in_flight is not None
-
-    def stage_seconds(self, out, t: float) -> Tuple[Sequence[float], Sequence[float]]:
-        """(per-stage seconds, per-boundary send seconds) of batch `out` dispatched at t (pdjax.sim.pipeline
-        StageTimer: with its StepContext when the step-time function takes one)."""
-        return self.timer(out, self.pipeline.device_free, t)
-
-
-@dataclasses.dataclass
-class TransferRecord:
-    """One request's KV transfer (seconds on the simulated clock). ready_time: the handoff (prefill step end);
-    start_time: when the link took it (later than ready_time when the link was busy); end_time: KV arrived."""
-    request_id: str
-    src: str
-    dst: str
-    num_tokens: int
-    kv_bytes: int
-    ready_time: float
-    start_time: float
-    end_time: float
-
-    @property
-    def seconds(self) -> float:
-        return self.end_time - self.start_time
-
-    @property
-    def queue_s(self) -> float:
-        return self.start_time - self.ready_time
+def DisaggSimInstance(name: str, role: str, scheduler, step_time: Optional[Callable[[Any], float]] = None, *,
+                      stage_times: Optional[Callable] = None, max_in_flight: Optional[int] = None) -> SimInstance:
+    """A simulated prefill, decode or mixed-pool instance: the one simulated instance type
+    (pdjax.sim.simulator.SimInstance) in `role`, with its scheduler ('prefill_only' / 'decode_only' / a
+    MixedScheduler) and step time (SchedulerOutput -> seconds; pipeline stages as SimInstance's)."""
+    if role not in ROLES:
+        raise ValueError(f"instance {name!r}: role={role!r}, expected one of {ROLES}")
+    return SimInstance(name, scheduler, step_time, role=role, stage_times=stage_times, max_in_flight=max_in_flight)
 
 
 @dataclasses.dataclass
@@ -259,199 +207,6 @@ def _check_instances(prefill: List[DisaggSimInstance], decode: List[DisaggSimIns
         raise ValueError(f"all instances need the same page_size (pages move whole), got {sizes}")
 
 
-class _Cluster:
-    """The state of one disaggregated simulation and its steps (the module docstring's loop)."""
-
-    def __init__(self, requests, prefill, decode, transfer_time, kv_bytes_of, router, serialize_transfers,
-                 sample, on_schedule, max_iterations, mixed=(), mixed_prefill_queue_tokens=8192,
-                 mixed_decode_load=1.0, mixed_pool="dedicated", decode_runs=True):
-        self.instances = prefill + decode + list(mixed)
-        self.pool = make_pool(mixed_pool, router, prefill, decode, mixed,
-                              prefill_queue_tokens=mixed_prefill_queue_tokens, decode_load=mixed_decode_load)
-        self.index_of = {id(inst): i for i, inst in enumerate(self.instances)}
-        self.transfer_time, self.kv_bytes_of = transfer_time, kv_bytes_of
-        self.serialize_transfers, self.sample, self.on_schedule = serialize_transfers, sample, on_schedule
-        self.max_iterations = max_iterations
-        self.requests = SimRequests(requests)
-        self.pending = self.requests.pending      # in arrival order; entries before next_arrival have arrived
-        self.next_arrival = 0
-        self.iterations: List[IterationRecord] = []
-        self.transfers: List[TransferRecord] = []
-        self.completions: list = []        # heap of (end time, seq, instance index)
-        self.kv_arrivals: list = []        # heap of (end time, seq, TransferRecord, src index, dst index)
-        self.link_free: Dict[Tuple[int, int], float] = {}
-        self.seq = itertools.count()
-        self.waking = [False] * len(self.instances)
-        # Decode runs (decode_run): decode instances with one stage, one batch in flight and a step time exact for
-        # decode-only steps, when nobody watches single steps (no on_schedule, no mixed pool) and the tokens are
-        # the placeholder.
-        plain = (decode_runs and on_schedule is None and sample is placeholder_sample and not mixed
-                 and mixed_pool == "dedicated")
-        self.decode_runs = [plain and inst.role == "decode" and inst.max_in_flight == 1
-                            and inst.timer.stage_times is None
-                            and inst.timer.decode_only_exact
-                            for inst in self.instances]
-
-    # ------------------------------------------------------------------------------------------- events
-    def next_event_time(self) -> float:
-        inf = float("inf")
-        t_arrival = self.pending[self.next_arrival].arrival_time if self.next_arrival < len(self.pending) else inf
-        t_done = self.completions[0][0] if self.completions else inf
-        t_kv = self.kv_arrivals[0][0] if self.kv_arrivals else inf
-        return min(t_arrival, t_done, t_kv)
-
-    def _due(self, heap: list, t: float) -> bool:
-        return bool(heap) and heap[0][0] <= t
-
-    def step_or_transfer_due(self, t: float) -> bool:
-        return self._due(self.completions, t) or self._due(self.kv_arrivals, t)
-
-    # ------------------------------------------------------------------------------------------- steps
-    def finish_steps(self, t: float) -> None:
-        """Every step ending at t: update, record the iteration, hand off the prefills it finished."""
-        while self._due(self.completions, t):
-            _, _, idx = heapq.heappop(self.completions)
-            inst = self.instances[idx]
-            inst.in_flight = None
-            out, start, _ = inst.pipeline.collect(t)     # the oldest batch in flight, applied in dispatch order
-            finished = inst.scheduler.update(out, self.sample(out), t)
-            self.iterations.append(IterationRecord(
-                step=inst.num_steps, start_time=start, end_time=t, num_prefill_tokens=out.num_prefill_tokens,
-                num_decode_tokens=out.num_decode_tokens, num_seqs=len(out.req_ids), instance=inst.name))
-            inst.num_steps += 1
-            self.waking[idx] = True
-            if len(self.iterations) > self.max_iterations:
-                raise RuntimeError(f"simulation exceeded max_iterations={self.max_iterations}")
-            done = None
-            for req in finished:
-                if req.finish_reason == "handoff":
-                    self.handoff(idx, req, t)
-                else:
-                    done = done or []
-                    done.append(req)
-            if finished:
-                self.requests.finished(done or (), inst.scheduler)   # handed-off ones finish on the decode side
-
-    def handoff(self, src_idx: int, req, t: float) -> None:
-        """A finished prefill: the decode router (MixedPool / BorrowingPool.pick_decode) picks its instance; the
-        prefilling machine itself (borrowing mixed pool) keeps it (keep_local, no transfer); a rejection releases
-        it on the prefill side at once, else its KV transfer starts."""
-        src = self.instances[src_idx]
-        dst = self.pool.pick_decode(req, t, src)
-        if dst is src:
-            src.scheduler.keep_local(req.request_id, t)
-            self.waking[src_idx] = True
-            return
-        if not dst.scheduler.add_handoff(req, t):
-            self.instances[src_idx].scheduler.release(req.request_id)
-            self.waking[src_idx] = True
-            return
-        self.start_transfer(src_idx, self.index_of[id(dst)], req, t)
-
-    def start_transfer(self, src_idx: int, dst_idx: int, req, t: float) -> None:
-        """Queue req's KV on the (src, dst) link (FIFO when serialized) and schedule its arrival."""
-        src, dst = self.instances[src_idx], self.instances[dst_idx]
-        tokens = req.num_computed_tokens
-        link = (src_idx, dst_idx)
-        start = max(t, self.link_free.get(link, t)) if self.serialize_transfers else t
-        end = start + self.transfer_time(src, dst, tokens)
-        self.link_free[link] = end
-        record = TransferRecord(req.request_id, src.name, dst.name, tokens, self.kv_bytes_of(tokens), t, start, end)
-        self.transfers.append(record)
-        heapq.heappush(self.kv_arrivals, (end, next(self.seq), record, src_idx, dst_idx))
-
-    def land_transfer(self, t: float) -> None:
-        """The next KV arrival due at t: the decode side may admit it, the prefill side frees its pages."""
-        if not self._due(self.kv_arrivals, t):
-            return
-        _, _, record, src_idx, dst_idx = heapq.heappop(self.kv_arrivals)
-        self.instances[dst_idx].scheduler.mark_kv_arrived(record.request_id)
-        self.instances[src_idx].scheduler.release(record.request_id)
-        self.waking[src_idx] = self.waking[dst_idx] = True
-
-    def return_idle(self, t: float) -> None:
-        """Every mixed instance that is idle in a phase returns to the mixed pool (borrowing: every idle machine of
-        the mixed pool returns to its own pool)."""
-        if self.pool.active:
-            self.pool.return_idle(t)
-
-    def admit_arrivals(self, t: float) -> None:
-        """Every arrival at t goes to the prefill instance the router (MixedPool.pick_prefill) picks (a rejection
-        finishes it there)."""
-        while self.next_arrival < len(self.pending) and self.pending[self.next_arrival].arrival_time <= t:
-            req = self.requests.arrived(self.next_arrival)
-            self.next_arrival += 1
-            inst = self.pool.pick_prefill(req, t)
-            inst.scheduler.add_request(req)
-            self.waking[self.index_of[id(inst)]] = True
-
-    def start_steps(self, t: float) -> None:
-        """Every woken instance that is not blocked collecting runs the batch-queue loop: while fewer than
-        max_in_flight batches are in flight and the scheduler returns a non-empty batch (of requests not in
-        flight), dispatch it onto the stages (StagePipeline); then, with a batch in flight, block collecting the
-        oldest (its completion event at max(its end, t)). Nothing in flight and an empty batch: blocked until an
-        arrival, a KV arrival or a release wakes it. One stage: a non-empty output runs step_time(out) seconds."""
-        now = t
-        for idx, inst in enumerate(self.instances):
-            t = now
-            if not self.waking[idx]:
-                continue
-            self.waking[idx] = False
-            if inst.busy:
-                continue
-            pipe, sched = inst.pipeline, inst.scheduler
-            if self.decode_runs[idx] and not pipe and not any(
-                    w and not self.instances[j].busy for j, w in enumerate(self.waking) if j > idx):
-                t = self.decode_run(idx, t)   # the instance's loop goes on from the end of the run's last step
-            while not pipe.full and sched.has_unfinished():
-                out = sched.schedule(t)
-                if out.is_empty:
-                    break
-                if self.on_schedule is not None:
-                    self.on_schedule(inst, out, t)
-                stages, sends = inst.stage_seconds(out, t)
-                pipe.dispatch(out, t, stages, sends)
-            if pipe:
-                out, start, end = pipe.peek()
-                inst.in_flight = (out, start)
-                heapq.heappush(self.completions, (end if end > t else t, next(self.seq), idx))
-
-    def decode_run(self, idx: int, t: float) -> float:
-        """Run decode instance `idx`'s next steps at once while they are a decode run (pdjax.scheduler.runs) that
-        no other event interleaves with: every step, scheduled at the end of the one before, ends before the next
-        arrival, step completion or KV landing anywhere (none of which can then change what it does, or see its
-        state). The same scheduler state (DecodeRun.apply), step times (`decode_fn`, planned by
-        simulator.plan_decode_clock), pipeline accounting
-        (StagePipeline.run_serial), iteration and request records as the loop's one-by-one steps, in the same
-        order. Called from start_steps when no instance after this one still has to start a step at t. Returns
-        the end of the run's last step (t when no step qualifies): the instance's loop goes on from there."""
-        inst = self.instances[idx]
-        sched = inst.scheduler
-        run = sched.decode_run(self.max_iterations - len(self.iterations))
-        if run is None or run.prefills:
-            return t
-        starts, ends, seconds, end = plan_decode_clock(run, inst.timer.step_time.decode_fn(run.count), t,
-                                                       self.next_event_time(), ends_before=True)
-        if not starts:
-            return t
-        apply_run(run, inst.pipeline, self.requests, starts, ends, seconds)
-        k = len(starts)
-        first, count = inst.num_steps, run.count
-        self.iterations += map(IterationRecord, range(first, first + k), starts, ends, itertools.repeat(0, k),
-                               itertools.repeat(count, k), itertools.repeat(count, k),
-                               itertools.repeat(inst.name, k))
-        inst.num_steps += k
-        return end
-
-    def check_done(self, t: float) -> None:
-        stuck = {i.name: (i.scheduler.num_waiting, i.scheduler.num_running)
-                 for i in self.instances if i.scheduler.has_unfinished()}
-        if stuck:
-            raise RuntimeError(f"disaggregated simulation cannot make progress at t={t}: (waiting, running) per "
-                               f"instance {stuck}, no arrival or KV transfer left (a request larger than a decode "
-                               "instance's KV pages?)")
-
-
 def simulate_disaggregated(requests: Sequence, prefill: Sequence[DisaggSimInstance],
                            decode: Sequence[DisaggSimInstance],
                            transfer_time: Callable[[DisaggSimInstance, DisaggSimInstance, int], float], *,
@@ -471,28 +226,23 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[DisaggSimInstan
     records only); router: a pdjax.scheduler.routing policy, used for both roles. on_schedule(instance, out,
     now) is called after every non-empty schedule(). Raises RuntimeError when requests are left that no
     instance can schedule, or after `max_iterations` iterations. decode_runs=False runs every step of the decode
-    instances through schedule() and update() (the same results, slower: _Cluster.decode_run).
+    instances through schedule() and update() (the same results, slower: pdjax.sim.simulator.Simulation.decode_run).
     """
     prefill, decode, mixed = list(prefill), list(decode), list(mixed)
     _check_instances(prefill, decode, mixed)
     wall_start = time.perf_counter()
-    c = _Cluster(requests, prefill, decode, transfer_time, kv_bytes_of, router, serialize_transfers, sample,
-                 on_schedule, max_iterations, mixed, mixed_prefill_queue_tokens, mixed_decode_load, mixed_pool,
-                 decode_runs)
-    now = 0.0
-    with gc_paused():
-        while True:
-            t = c.next_event_time()
-            if t == float("inf"):
-                break
-            now = t
-            while c.step_or_transfer_due(now):
-                c.finish_steps(now)
-                c.land_transfer(now)
-            c.return_idle(now)
-            c.admit_arrivals(now)
-            c.start_steps(now)
-    c.check_done(now)
+    # Decode runs: decode instances (one stage, one batch in flight, a step time exact for decode-only steps),
+    # when nobody watches single steps (no on_schedule, no mixed pool) and the tokens are the placeholder.
+    plain = (decode_runs and on_schedule is None and sample is placeholder_sample and not mixed
+             and mixed_pool == "dedicated")
+    pool = make_pool(mixed_pool, router, prefill, decode, mixed, prefill_queue_tokens=mixed_prefill_queue_tokens,
+                     decode_load=mixed_decode_load)
+    instances = prefill + decode + mixed
+    c = Simulation(requests, instances, pool.pick_prefill, direct=True, sample=sample, on_schedule=on_schedule,
+                   max_iterations=max_iterations, pool=pool,
+                   decode_runs=[plain and inst.role == "decode" and decode_run_ready(inst) for inst in instances])
+    c.transfer_time, c.kv_bytes_of, c.serialize_transfers = transfer_time, kv_bytes_of, serialize_transfers
+    now = c.run()
     duration = max((it.end_time for it in c.iterations), default=0.0)
     summary = None
     if mixed_pool == "borrow":

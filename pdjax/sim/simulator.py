@@ -48,7 +48,7 @@ context-free step time. Plain functions (one argument) are called as before.
 
 Speed and memory: the loop is a heap of completion times merged with the sorted arrival list; everything per
 iteration is the scheduler's own work plus one step-time call (see pdjax.sim.step_cost for the fast cost path),
-and no routing bookkeeping unless the router asks for it (`observe_step`). Decode runs (`_Replicas.decode_run`,
+and no routing bookkeeping unless the router asks for it (`observe_step`). Decode runs (`Simulation.decode_run`,
 pdjax.scheduler.runs): where the next steps of an instance are certain (every running request decodes a token or
 takes its prefill chunk, nobody is admitted, preempted or finishes before the last of them) and nothing else in
 the simulation can come between them, they are applied in bulk, with the same scheduler state, step times,
@@ -68,14 +68,16 @@ import contextlib
 import dataclasses
 import gc
 import heapq
+import itertools
 import time
 from bisect import bisect_left
 from collections import deque
 from itertools import accumulate, repeat
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from pdjax.metrics import IterationRecord, RequestRecord, request_record
 from pdjax.scheduler.base import PLACEHOLDER_TOKEN
+from pdjax.scheduler.instances import Instance, TransferRecord
 from pdjax.scheduler.routing import InstanceRouter
 from pdjax.sim.pipeline import StagePipeline, StageTimer, StepContext, pipeline_summary  # also re-exported
 
@@ -98,9 +100,11 @@ class SimResult:
         return self.num_iterations / self.wall_s if self.wall_s > 0 else float("inf")
 
 
-class SimInstance:
-    """One serving instance: a scheduler, a step-time function (SchedulerOutput -> seconds) and its inbox of
-    routed, not yet admitted requests.
+class SimInstance(Instance):
+    """One simulated instance (pdjax.scheduler.instances.Instance, the engine's and the simulator's one instance
+    type, in any role: a colocated replica, or a disaggregated deployment's prefill, decode or mixed-pool
+    instance): a scheduler, a step-time function (SchedulerOutput -> seconds) and its inbox of routed, not yet
+    admitted requests. role None: the scheduler's own (pdjax.scheduler.instances.role_of).
 
     Pipeline stages (module docstring): `stage_times(out) -> (per-stage seconds, per-boundary send seconds)`,
     taken from `step_time.stage_times` when the step-time function has `.pp` > 1 (pdjax.sim.step_cost.PipelineStepTime);
@@ -109,11 +113,11 @@ class SimInstance:
     and the stage resources."""
 
     def __init__(self, name: str, scheduler, step_time: Optional[Callable[[object], float]] = None, *,
-                 stage_times: Optional[Callable] = None, max_in_flight: Optional[int] = None):
+                 role: Optional[str] = None, stage_times: Optional[Callable] = None,
+                 max_in_flight: Optional[int] = None):
         if step_time is None and stage_times is None:
             raise ValueError(f"SimInstance {name!r}: give step_time or stage_times")
-        self.name = name
-        self.scheduler = scheduler
+        super().__init__(name, role, scheduler)
         self.step_time = step_time
         self.timer = StageTimer(step_time, stage_times)
         self.pipeline = StagePipeline(self.timer.pp if max_in_flight is None else max_in_flight)
@@ -139,6 +143,11 @@ class SimInstance:
     def context(self, out, device_free: float, t: float) -> Optional[StepContext]:
         """The StepContext of `out` dispatched at host time t on a device free from `device_free` (see StageTimer)."""
         return self.timer.context(out, device_free, t)
+
+    def stage_seconds(self, out, t: float) -> Tuple[Sequence[float], Sequence[float]]:
+        """(per-stage seconds, per-boundary send seconds) of batch `out` dispatched at t (pdjax.sim.pipeline
+        StageTimer: with its StepContext when the step-time function takes one)."""
+        return self.timer(out, self.pipeline.device_free, t)
 
     def run_stages(self, out, t: float) -> float:
         """Dispatch batch `out` at t (the pipeline's queue must not be full) onto the stages; returns when it leaves
@@ -241,6 +250,35 @@ def plan_decode_clock(run, decode: Callable[[int], float], start: float, limit: 
     return starts, ends, seconds, start
 
 
+def plan_run(run, step_time, start: float, limit: float, *, ends_before: bool):
+    """The steps of decode run `run` from `start` as plan_decode_clock plans a decoders-only one, with the
+    step-time source's `decode_fn` (and `composition` for steps with prefill chunks, DecodeRun.next_step):
+    (starts, ends, seconds, per step its prefill chunks or None for a decoders-only run, the end of the last
+    step or `start`). ends_before: the steps ending before `limit`; else the steps starting before it."""
+    count, total = run.count, run.total
+    decode = step_time.decode_fn(count)
+    if not run.prefills:
+        starts, ends, seconds, end = plan_decode_clock(run, decode, start, limit, ends_before=ends_before)
+        return starts, ends, seconds, None, end
+    composition = step_time.composition
+    starts, ends, seconds, chunk_lists = [], [], [], []
+    while ends_before or start < limit:
+        chunks = run.next_step()
+        if chunks is None:
+            break
+        d = composition(count, total, chunks) if chunks else decode(total)
+        end = start + d
+        if ends_before and not end < limit:
+            break
+        starts.append(start)
+        ends.append(end)
+        seconds.append(d)
+        chunk_lists.append(chunks)
+        start = end
+        total += count
+    return starts, ends, seconds, chunk_lists, start
+
+
 def apply_run(run, pipeline, requests: SimRequests, starts: Sequence[float], ends: Sequence[float],
               seconds: Sequence[float]) -> None:
     """Apply the first len(starts) planned steps of decode run `run` (pdjax.scheduler.runs.DecodeRun): its
@@ -251,84 +289,200 @@ def apply_run(run, pipeline, requests: SimRequests, starts: Sequence[float], end
     pipeline.run_serial(starts, ends, seconds)
 
 
-class _Replicas:
-    """The state of one colocated simulation and its steps (the module docstring's loop), as pdjax.sim.disagg's
-    _Cluster is for a disaggregated one:
-      finish_steps(t)    every step ending at t: update its scheduler (sync), record the iteration
-      route_arrivals(t)  every arrival at t: the router picks an instance, the request joins its inbox
+class Simulation:
+    """The state of one simulation, colocated or disaggregated, and its steps: the one event loop of both
+    deployment kinds (as the engine's pdjax.serving.cluster.ClusterEngine drives both). `colocated` /
+    `disaggregated` build it; `run` runs it. At each event time t:
+      finish_steps(t)    every step ending at t: (sync) collect the oldest batch in flight and update its
+                         scheduler, record the iteration; finished prefills of a disaggregated deployment are
+                         handed off (handoff: decode router -> add_handoff -> start_transfer on the link)
+      land_transfer(t)   the next KV arrival at t: mark_kv_arrived on the decode side, release on the prefill side
+                         (the two repeat until nothing more is due at t: a zero-time transfer can land at once)
+      return_idle(t)     the mixed pool's idle instances return to it (pdjax.sim.disagg; no-op without one)
+      route_arrivals(t)  every arrival at t: the router picks an instance; colocated: the request joins its inbox
+                         (admitted at the engine loop's admit points); disaggregated: add_request at once
       start_steps(t)     every woken instance not blocked collecting runs its engine loop (run_loop: the batch
-                         queue; run_async: the asynchronous loop) until it blocks or waits for an arrival
-    A router with an `observe_step(instance, out)` method (a test-only router of pdjax.scheduler.routing that
-    keeps its own load figures) is told every completed step; no other per-step routing work is done."""
+                         queue, with decode runs in bulk; run_async: the asynchronous loop) until it blocks
+    A colocated deployment has no transfers and no mixed pool; its iteration records count steps over the whole
+    run and name instances only when there are several; a disaggregated one counts steps per instance. Ties in the
+    completion heap go by instance index (colocated) or by insertion order (disaggregated). A router with an
+    `observe_step(instance, out)` method (a test-only router of pdjax.scheduler.routing that keeps its own load
+    figures) is told every completed step; no other per-step routing work is done."""
 
-    def __init__(self, requests, instances, router, async_scheduling, sample, on_schedule, max_iterations,
-                 decode_runs: bool = True):
+    def __init__(self, requests, instances: Sequence[SimInstance], route: Callable, *, direct: bool, sample,
+                 on_schedule, max_iterations: int, decode_runs: Sequence[bool], async_scheduling: bool = False,
+                 observe_step: Optional[Callable] = None, pool=None):
         self.instances = list(instances)
-        self.router = router
-        self.observe_step = getattr(router, "observe_step", None)
+        self.route, self.direct, self.pool = route, direct, pool
+        self.observe_step = observe_step
         self.async_scheduling = async_scheduling
         self.sample, self.on_schedule, self.max_iterations = sample, on_schedule, max_iterations
         self.requests = SimRequests(requests)
         self.pending = self.requests.pending      # in arrival order; entries before next_arrival have arrived
         self.next_arrival = 0
         self.iterations: List[IterationRecord] = []
-        self.completions: list = []       # heap of (end_time, instance index)
-        multi = len(self.instances) > 1
+        self.completions: list = []       # heap of (end time, tie key, instance index)
+        self.seq = None if pool is None else itertools.count()    # tie key: index (colocated), insertion order
+        multi = pool is not None or len(self.instances) > 1
         self.names = [inst.name if multi else "" for inst in self.instances]
+        self.global_steps = pool is None  # colocated: iteration steps count over the run, else per instance
+        self.single = pool is None and len(self.instances) == 1   # decode runs up to the next arrival
         self.waking = [False] * len(self.instances)     # ready to run its loop at the current time
         self.index_of = {id(inst): i for i, inst in enumerate(self.instances)}
-        # Decode runs (decode_run): nobody watches single steps (no on_schedule, no observing router), the
-        # tokens are the placeholder, the synchronous loop; per instance one stage, one batch in flight and a
-        # step time exact for decode-only steps from their counts.
-        plain = (decode_runs and not async_scheduling and on_schedule is None and self.observe_step is None
+        self.decode_runs = list(decode_runs)
+        # disaggregated: KV transfers (pdjax.sim.disagg sets transfer_time, kv_bytes_of, serialize_transfers)
+        self.transfers: List[TransferRecord] = []
+        self.kv_arrivals: list = []        # heap of (end time, seq, TransferRecord, src index, dst index)
+        self.link_free: Dict[Tuple[int, int], float] = {}
+        self.transfer_time = self.kv_bytes_of = None
+        self.serialize_transfers = True
+
+    @classmethod
+    def colocated(cls, requests, instances, router, async_scheduling, sample, on_schedule, max_iterations,
+                  decode_runs: bool = True) -> "Simulation":
+        """Replicas, each request routed by router(request, instances) into an inbox. Decode runs (decode_run):
+        nobody watches single steps (no on_schedule, no observing router), the tokens are the placeholder, the
+        synchronous loop; per instance one stage, one batch in flight and a step time exact for decode-only steps
+        from their counts."""
+        instances = list(instances)
+        observe_step = getattr(router, "observe_step", None)
+        plain = (decode_runs and not async_scheduling and on_schedule is None and observe_step is None
                  and sample is placeholder_sample)
-        self.decode_runs = [plain and inst.max_in_flight == 1 and inst.timer.stage_times is None
-                            and inst.timer.decode_only_exact
-                            for inst in self.instances]
+        return cls(requests, instances, lambda req, t: router(req, instances), direct=False, sample=sample,
+                   on_schedule=on_schedule, max_iterations=max_iterations,
+                   decode_runs=[plain and decode_run_ready(inst) for inst in instances],
+                   async_scheduling=async_scheduling, observe_step=observe_step)
 
     # ------------------------------------------------------------------------------------------- events
     def next_event_time(self) -> float:
         inf = float("inf")
         t_arrival = self.pending[self.next_arrival].arrival_time if self.next_arrival < len(self.pending) else inf
         t_done = self.completions[0][0] if self.completions else inf
+        if self.kv_arrivals and self.kv_arrivals[0][0] < t_done:
+            t_done = self.kv_arrivals[0][0]
         return t_arrival if t_arrival < t_done else t_done
+
+    def step_or_transfer_due(self, t: float) -> bool:
+        return bool(self.completions and self.completions[0][0] <= t
+                    or self.kv_arrivals and self.kv_arrivals[0][0] <= t)
+
+    def run(self) -> float:
+        """The event loop until no event is left; returns the last event time (check_done has checked it)."""
+        now = 0.0
+        with gc_paused():
+            while True:
+                t = self.next_event_time()
+                if t == float("inf"):
+                    break
+                now = t
+                while self.step_or_transfer_due(now):
+                    self.finish_steps(now)
+                    self.land_transfer(now)
+                if self.pool is not None and self.pool.active:
+                    self.pool.return_idle(now)
+                self.route_arrivals(now)
+                self.start_steps(now)
+        self.check_done(now)
+        return now
+
+    def push_completion(self, end: float, idx: int) -> None:
+        heapq.heappush(self.completions, (end, idx if self.seq is None else next(self.seq), idx))
 
     def finish_steps(self, t: float) -> None:
         """Every step ending at t: (sync) collect the oldest batch in flight and update the scheduler with it (the
-        async loop updated it at dispatch), record the iteration, wake the instance."""
-        completions = self.completions
+        async loop updated it at dispatch), record the iteration, wake the instance, hand off or record the
+        requests it finished."""
+        completions, its = self.completions, self.iterations
         while completions and completions[0][0] <= t:
-            _, idx = heapq.heappop(completions)
+            _, _, idx = heapq.heappop(completions)
             inst = self.instances[idx]
             out, start = inst.in_flight[0], inst.in_flight[1]
             inst.in_flight = None
+            finished = None
             if not self.async_scheduling:
                 inst.pipeline.collect(t)      # the oldest batch in flight (= inst.in_flight), in dispatch order
                 finished = inst.scheduler.update(out, self.sample(out), t)
-                for req in finished:
-                    if req.finish_reason == "handoff":    # prefill_only: no decode side simulated, free pages
-                        inst.scheduler.release(req.request_id)
-                if finished:
-                    self.requests.finished(finished, inst.scheduler)
             if self.observe_step is not None:
                 self.observe_step(inst, out)
-            self.iterations.append(IterationRecord(
-                step=len(self.iterations), start_time=start, end_time=t,
+            its.append(IterationRecord(
+                step=len(its) if self.global_steps else inst.num_steps, start_time=start, end_time=t,
                 num_prefill_tokens=out.num_prefill_tokens, num_decode_tokens=out.num_decode_tokens,
                 num_seqs=len(out.req_ids), instance=self.names[idx]))
+            inst.num_steps += 1
             self.waking[idx] = True
-            if len(self.iterations) > self.max_iterations:
+            if len(its) > self.max_iterations:
                 raise RuntimeError(f"simulation exceeded max_iterations={self.max_iterations}")
+            if finished:
+                self.finished(idx, finished, t)
 
+    def finished(self, idx: int, finished: Sequence, t: float) -> None:
+        """Requests instance `idx`'s step finished at t: a 'handoff' (a prefill_only scheduler's) is handed off
+        (disaggregated) or its pages freed (colocated: no decode side simulated); the others are recorded."""
+        sched = self.instances[idx].scheduler
+        done = []
+        for req in finished:
+            if req.finish_reason != "handoff":
+                done.append(req)
+            elif self.pool is not None:
+                self.handoff(idx, req, t)
+            else:
+                sched.release(req.request_id)
+                done.append(req)
+        self.requests.finished(done, sched)    # handed-off ones finish on the decode side
+
+    # ------------------------------------------------------------------------------------------- transfers
+    def handoff(self, src_idx: int, req, t: float) -> None:
+        """A finished prefill: the decode router (MixedPool / BorrowingPool.pick_decode) picks its instance; the
+        prefilling machine itself (borrowing mixed pool) keeps it (keep_local, no transfer); a rejection releases
+        it on the prefill side at once, else its KV transfer starts."""
+        src = self.instances[src_idx]
+        dst = self.pool.pick_decode(req, t, src)
+        if dst is src:
+            src.scheduler.keep_local(req.request_id, t)
+            self.waking[src_idx] = True
+            return
+        if not dst.scheduler.add_handoff(req, t):
+            src.scheduler.release(req.request_id)
+            self.waking[src_idx] = True
+            return
+        self.start_transfer(src_idx, self.index_of[id(dst)], req, t)
+
+    def start_transfer(self, src_idx: int, dst_idx: int, req, t: float) -> None:
+        """Queue req's KV on the (src, dst) link (FIFO when serialized) and schedule its arrival."""
+        src, dst = self.instances[src_idx], self.instances[dst_idx]
+        tokens = req.num_computed_tokens
+        link = (src_idx, dst_idx)
+        start = max(t, self.link_free.get(link, t)) if self.serialize_transfers else t
+        end = start + self.transfer_time(src, dst, tokens)
+        self.link_free[link] = end
+        kv = self.kv_bytes_of(tokens)
+        record = TransferRecord(request_id=req.request_id, src=src.name, dst=dst.name, num_tokens=tokens,
+                                kv_bytes=kv, ready_time=t, start_time=start, end_time=end, moved_bytes=kv)
+        self.transfers.append(record)
+        heapq.heappush(self.kv_arrivals, (end, next(self.seq), record, src_idx, dst_idx))
+
+    def land_transfer(self, t: float) -> None:
+        """The next KV arrival due at t: the decode side may admit it, the prefill side frees its pages."""
+        if not (self.kv_arrivals and self.kv_arrivals[0][0] <= t):
+            return
+        _, _, record, src_idx, dst_idx = heapq.heappop(self.kv_arrivals)
+        self.instances[dst_idx].scheduler.mark_kv_arrived(record.request_id)
+        self.instances[src_idx].scheduler.release(record.request_id)
+        self.waking[src_idx] = self.waking[dst_idx] = True
+
+    # ------------------------------------------------------------------------------------------- arrivals
     def route_arrivals(self, t: float) -> None:
-        """Every arrival at t: router(request, instances) picks its instance; it waits in that inbox until the
-        instance's loop admits it."""
-        pending, instances = self.pending, self.instances
+        """Every arrival at t: route(request, t) picks its instance; colocated, it waits in that inbox until the
+        instance's loop admits it; disaggregated, add_request at once (a rejection finishes it there)."""
+        pending, direct = self.pending, self.direct
         while self.next_arrival < len(pending) and pending[self.next_arrival].arrival_time <= t:
             req = self.requests.arrived(self.next_arrival)
             self.next_arrival += 1
-            inst = self.router(req, instances)
-            inst.inbox.append(req)
+            inst = self.route(req, t)
+            if direct:
+                inst.scheduler.add_request(req)
+            else:
+                inst.inbox.append(req)
             self.waking[self.index_of[id(inst)]] = True
 
     def start_steps(self, t: float) -> None:
@@ -360,14 +514,17 @@ class _Replicas:
 
     def run_loop(self, idx: int, t: float) -> None:
         """The engine's batch-queue loop of instance `idx` at time t, until the host blocks collecting the oldest
-        batch in flight or has to wait for an arrival."""
+        batch in flight or has to wait for an arrival (a disaggregated instance's inbox stays empty: its requests
+        and handoffs reach the scheduler at their own time)."""
         inst = self.instances[idx]
         sched, pipe, admit, on_schedule = inst.scheduler, inst.pipeline, self.admit, self.on_schedule
         runs = self.decode_runs[idx]
         while True:
             if not sched.has_unfinished():
                 if not admit(inst, t):
-                    return                     # idle: woken by its next arrival
+                    if not pipe:
+                        return                 # idle: woken by its next arrival
+                    break
                 continue
             if not pipe.full:
                 admit(inst, t)
@@ -388,88 +545,66 @@ class _Replicas:
                     if not admit(inst, t):
                         return                 # blocked: woken by its next arrival
                     continue
-            out, start, end = pipe.peek()      # the host blocks collecting the oldest batch
-            inst.in_flight = (out, start)
-            heapq.heappush(self.completions, (end if end > t else t, idx))
-            return
+            break
+        out, start, end = pipe.peek()      # the host blocks collecting the oldest batch
+        inst.in_flight = (out, start)
+        self.push_completion(end if end > t else t, idx)
 
     def decode_run(self, idx: int, t: float) -> Optional[float]:
         """Run instance `idx`'s next steps at once while they are a decode run (pdjax.scheduler.runs: every running
         request decodes one token or takes its prefill chunk, no preemption, no admission; requests finish and
         prompts complete only in the run's last step) that the rest of the simulation cannot interleave with: the
         steps this loop would run one by one, with the same scheduler state (DecodeRun.apply), step times (the
-        step-time function's `decode_only` / `composition`), pipeline accounting (StagePipeline.run_serial) and
+        step-time function's `decode_fn` / `composition`), pipeline accounting (StagePipeline.run_serial) and
         iteration records, without building their SchedulerOutputs. Returns the end of the last step, the loop
         goes on from there as after that step's completion event; None when no step qualifies.
 
-        Which steps: with one instance, every step scheduled before the next arrival (the last one may end after
-        it: the arrival is routed at that end, before the loop goes on, as the event loop would: it only joins
-        the inbox while the step runs); with several, only steps that end before any other event (an arrival,
-        another instance's completion), and none while another instance still has to run its loop at t."""
+        Which steps: with one colocated instance, every step scheduled before the next arrival (the last one may
+        end after it: the arrival is routed at that end, before the loop goes on, as the event loop would: it
+        only joins the inbox while the step runs); else only steps that end before any other event (an arrival,
+        another instance's completion, a KV landing), and none while an instance after this one still has to
+        run its loop at t."""
         inst = self.instances[idx]
-        sched = inst.scheduler
-        run = sched.decode_run(self.max_iterations - len(self.iterations))
+        run = inst.scheduler.decode_run(self.max_iterations - len(self.iterations))
         if run is None:
             return None
-        waking = self.waking
-        single = len(waking) == 1
-        if not single and any(w for i, w in enumerate(waking) if i != idx):
+        single = self.single
+        if not single and any(w and not self.instances[j].busy for j, w in enumerate(self.waking) if j > idx):
             return None
-        pending = self.pending
-        arrival = pending[self.next_arrival].arrival_time if self.next_arrival < len(pending) else float("inf")
-        bound = arrival
-        if self.completions and self.completions[0][0] < bound:
-            bound = self.completions[0][0]
-        count, total = run.count, run.total
-        step_time = inst.timer.step_time
-        decode = step_time.decode_fn(count)
-        starts, ends, seconds = [], [], []
-        start = t
-        chunk_lists = None
-        if not run.prefills:
-            starts, ends, seconds, start = plan_decode_clock(run, decode, start, arrival if single else bound,
-                                                             ends_before=not single)
+        if single:
+            pending = self.pending
+            limit = pending[self.next_arrival].arrival_time if self.next_arrival < len(pending) else float("inf")
         else:
-            composition = step_time.composition
-            chunk_lists = []
-            while True:
-                if single and not start < arrival:
-                    break
-                chunks = run.next_step()
-                if chunks is None:
-                    break
-                d = composition(count, total, chunks) if chunks else decode(total)
-                end = start + d
-                if not single and not end < bound:
-                    break
-                starts.append(start)
-                ends.append(end)
-                seconds.append(d)
-                chunk_lists.append(chunks)
-                start = end
-                total += count
+            limit = self.next_event_time()
+        starts, ends, seconds, chunk_lists, end = plan_run(run, inst.timer.step_time, t, limit,
+                                                           ends_before=not single)
         if not starts:
             return None
         apply_run(run, inst.pipeline, self.requests, starts, ends, seconds)
-        its = self.iterations
-        name = self.names[idx]
-        step = len(its)
+        self.record_run(idx, run.count, starts, ends, chunk_lists)
+        if single and not end < limit:
+            self.route_arrivals(end)     # arrived while the run's last step ran
+            self.waking[idx] = False
+        return end
+
+    def record_run(self, idx: int, count: int, starts: Sequence[float], ends: Sequence[float],
+                   chunk_lists: Optional[list]) -> None:
+        """The iteration records of a decode run's steps on instance `idx` (count running requests; chunk_lists:
+        per step its prefill chunks, None for a decode-only run)."""
+        inst, its, name = self.instances[idx], self.iterations, self.names[idx]
+        k = len(starts)
+        step = len(its) if self.global_steps else inst.num_steps
+        inst.num_steps += k
         if chunk_lists is None:
-            k = len(starts)
             its += map(IterationRecord, range(step, step + k), starts, ends, repeat(0, k), repeat(count, k),
                        repeat(count, k), repeat(name, k))
-        else:
-            for s, e, chunks in zip(starts, ends, chunk_lists):
-                if chunks:
-                    its.append(IterationRecord(step, s, e, sum(n for n, _ in chunks), count, count + len(chunks),
-                                               name))
-                else:
-                    its.append(IterationRecord(step, s, e, 0, count, count, name))
-                step += 1
-        if single and not start < arrival:
-            self.route_arrivals(start)     # arrived while the run's last step ran
-            self.waking[idx] = False
-        return start
+            return
+        for s, e, chunks in zip(starts, ends, chunk_lists):
+            if chunks:
+                its.append(IterationRecord(step, s, e, sum(n for n, _ in chunks), count, count + len(chunks), name))
+            else:
+                its.append(IterationRecord(step, s, e, 0, count, count, name))
+            step += 1
 
     def run_async(self, idx: int, t: float) -> None:
         """The engine's async loop of instance `idx` from host time t, until the host blocks on a step or waits.
@@ -507,7 +642,7 @@ class _Replicas:
                 inst.in_flight = prev              # the host blocks collecting prev
                 inst.dispatched = new
                 inst.waits_for_arrival = new is None
-                heapq.heappush(self.completions, (prev[2], idx))
+                self.push_completion(prev[2], idx)
                 return
             if new is None:
                 inst.waits_for_arrival = True      # idle or blocked: woken by its next arrival
@@ -516,6 +651,14 @@ class _Replicas:
 
     # ------------------------------------------------------------------------------------------- end
     def check_done(self, t: float) -> None:
+        if self.pool is not None:
+            stuck = {i.name: (i.scheduler.num_waiting, i.scheduler.num_running)
+                     for i in self.instances if i.scheduler.has_unfinished()}
+            if stuck:
+                raise RuntimeError(f"disaggregated simulation cannot make progress at t={t}: (waiting, running) "
+                                   f"per instance {stuck}, no arrival or KV transfer left (a request larger than a "
+                                   "decode instance's KV pages?)")
+            return
         stuck = [i.name for i in self.instances if i.scheduler.has_unfinished() or i.inbox or i.dispatched]
         if stuck:
             raise RuntimeError(f"simulation cannot make progress at t={t}: instances {stuck} have unfinished "
@@ -528,6 +671,12 @@ class _Replicas:
                          wall_s=time.perf_counter() - wall_start, num_iterations=len(iterations),
                          pipeline=None if self.async_scheduling else pipeline_summary(
                              (inst.name or f"instance{i}", inst.pipeline) for i, inst in enumerate(self.instances)))
+
+
+def decode_run_ready(inst: SimInstance) -> bool:
+    """Instance `inst` can take decode runs (Simulation.decode_run): one stage, one batch in flight, a step time
+    exact for decode-only steps from their counts."""
+    return inst.max_in_flight == 1 and inst.timer.stage_times is None and inst.timer.decode_only_exact
 
 
 def check_async_instances(instances: Sequence[SimInstance]) -> None:
@@ -567,7 +716,7 @@ def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, 
     out, now) is called after every non-empty schedule() (tests use it to record the outputs). Raises
     RuntimeError when an instance has unfinished requests, schedules nothing and no arrival is left, or after
     `max_iterations` iterations. decode_runs=False runs every step through schedule() and update() (the same
-    results, slower: _Replicas.decode_run).
+    results, slower: Simulation.decode_run).
     """
     if not instances:
         raise ValueError("simulate: no instances")
@@ -576,17 +725,7 @@ def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, 
     wall_start = time.perf_counter()
     if router is None:
         router = InstanceRouter("round_robin", instances, role="colocated")
-    state = _Replicas(requests, instances, router, async_scheduling, sample, on_schedule, max_iterations,
-                      decode_runs)
-    now = 0.0
-    with gc_paused():
-        while True:
-            t = state.next_event_time()
-            if t == float("inf"):
-                break
-            now = t
-            state.finish_steps(now)
-            state.route_arrivals(now)
-            state.start_steps(now)
-        state.check_done(now)
-        return state.result(wall_start)
+    state = Simulation.colocated(requests, instances, router, async_scheduling, sample, on_schedule, max_iterations,
+                                 decode_runs)
+    state.run()
+    return state.result(wall_start)
