@@ -58,7 +58,7 @@ from pdjax.scheduler.instances import check_instance, make_role_scheduler
 from pdjax.scheduler.mixed import make_borrowing_scheduler
 from pdjax.scheduler.routing import InstanceRouter
 from pdjax.sim.cost_model import CostParams, kv_bytes, kv_cache_capacity_tokens, param_count
-from pdjax.sim.disagg import DisaggSimInstance, kv_link_between, make_transfer_time
+from pdjax.sim.disagg import kv_link_between, make_transfer_time
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 from pdjax.sim.simulator import PendingRequest, SimInstance
 from pdjax.sim.profile import Profile, profile_for
@@ -281,7 +281,7 @@ def build_instances(setup: SimSetup) -> Dict[str, List[Any]]:
                 check_instance(inst.name, role, inst.scheduler)
         else:
             make = make_borrowing_scheduler if setup.mixed_pool == "borrow" else make_role_scheduler
-            out[role] = [DisaggSimInstance(name, role, make(role, g.scheduler_config), step_time)
+            out[role] = [SimInstance(name, make(role, g.scheduler_config), step_time, role=role)
                          for name in g.names]
     return out
 
@@ -291,13 +291,13 @@ def build_router(setup: SimSetup, instances: List[Any]) -> InstanceRouter:
     return InstanceRouter(setup.router, instances, role="colocated")
 
 
-def build_transfer_time(setup: SimSetup) -> Callable[[DisaggSimInstance, DisaggSimInstance, int], float]:
+def build_transfer_time(setup: SimSetup) -> Callable[[SimInstance, SimInstance, int], float]:
     """transfer_time(src, dst, num_tokens) for the instances of a disaggregated `setup` (links from their
     device placement; the KV lives on the pp·tp devices of each instance)."""
     devices = {name: (devs, g.pp, role) for role, g in setup.groups.items() for name, devs in zip(g.names, g.devices)}
     cache: Dict[Tuple[str, str], Callable[[int], float]] = {}
 
-    def transfer_time(src: DisaggSimInstance, dst: DisaggSimInstance, num_tokens: int) -> float:
+    def transfer_time(src: SimInstance, dst: SimInstance, num_tokens: int) -> float:
         key = (src.name, dst.name)
         fn = cache.get(key)
         if fn is None:

@@ -60,24 +60,28 @@ Choices (and why):
   prefill machine borrowed for tokens receives it, a decode machine borrowed for prompts sends it), each pair on
   its own link as above. `DisaggSimResult.mixed_pool` holds the move log (BorrowingPool.summary).
 - Outputs: the same RequestRecord / IterationRecord lists as a real disaggregated run (instance names
-  'prefill0', 'decode0', ..., per-instance step indices) plus one TransferRecord per transfer;
+  'prefill0', 'decode0', ..., per-instance step indices) plus one TransferRecord per transfer
+  (pdjax.scheduler.instances: the engine's record too);
   `transfer_summary()` has the real engine's keys (DisaggregatedResult.transfer_summary: num_transfers,
   kv_bytes, moved_bytes, seconds, bandwidth_bytes_per_s; moved_bytes = the KV bytes the cost model moved),
   `transfer_stats()` the per-transfer time and link-queue percentiles.
 
-The loop (`simulate_disaggregated`) is a sequence of named steps at each event time t:
+The loop is the simulator's one event loop (pdjax.sim.simulator.Simulation, the colocated simulator's too), a
+sequence of named steps at each event time t:
   finish_steps(t)      every step ending at t: update its scheduler, record the iteration, hand off finished
                        prefills (handoff: decode router -> add_handoff -> start_transfer on the link)
   land_transfer(t)     the next KV arrival at t: mark_kv_arrived on the decode side, release on the prefill side
                        (the two repeat until nothing more is due at t: a zero-time transfer can land at once)
   return_idle(t)       every idle mixed instance in a phase returns to the mixed pool (borrowing: every idle
                        machine of the mixed pool to its own pool; no-op without a mixed pool)
-  admit_arrivals(t)    every arrival at t: prefill router (MixedPool.pick_prefill) -> add_request
+  route_arrivals(t)    every arrival at t: prefill router (MixedPool.pick_prefill) -> add_request
   start_steps(t)       every woken instance not blocked collecting fills its batch queue (schedule, dispatch onto
                        the stages) and blocks collecting its oldest batch (pp == 1: one step of step_time(out) s);
-                       a decode instance first applies its decode run (decode_run: the steps that end before any
-                       other event, in bulk, as pdjax.sim.simulator does for colocated instances; bit-identical
-                       records, tests/test_decode_runs.py; `decode_runs=False` turns them off)
+                       a decode instance first applies its decode runs (Simulation.decode_run: the steps that end
+                       before any other event, in bulk, as for colocated instances; bit-identical records,
+                       tests/test_decode_runs.py; `decode_runs=False` turns them off)
+Instances are pdjax.sim.simulator.SimInstance in their role (`DisaggSimInstance` builds one); transfers are
+pdjax.scheduler.instances.TransferRecord, the engine's record too.
 No JAX.
 """
 from __future__ import annotations
@@ -191,8 +195,8 @@ def make_transfer_time(model, bandwidth: float, latency: float, streams: int = 1
 
 
 # --------------------------------------------------------------------------------------------------- simulation
-def _check_instances(prefill: List[DisaggSimInstance], decode: List[DisaggSimInstance],
-                     mixed: List[DisaggSimInstance]) -> None:
+def _check_instances(prefill: List[SimInstance], decode: List[SimInstance],
+                     mixed: List[SimInstance]) -> None:
     for group, role in ((prefill, "prefill"), (decode, "decode"), (mixed, "mixed")):
         if not group and role != "mixed":
             raise ValueError(f"simulate_disaggregated: needs at least one {role} instance")
@@ -207,13 +211,13 @@ def _check_instances(prefill: List[DisaggSimInstance], decode: List[DisaggSimIns
         raise ValueError(f"all instances need the same page_size (pages move whole), got {sizes}")
 
 
-def simulate_disaggregated(requests: Sequence, prefill: Sequence[DisaggSimInstance],
-                           decode: Sequence[DisaggSimInstance],
-                           transfer_time: Callable[[DisaggSimInstance, DisaggSimInstance, int], float], *,
+def simulate_disaggregated(requests: Sequence, prefill: Sequence[SimInstance],
+                           decode: Sequence[SimInstance],
+                           transfer_time: Callable[[SimInstance, SimInstance, int], float], *,
                            kv_bytes_of: Callable[[int], int] = lambda n: 0, router: str = "round_robin",
                            serialize_transfers: bool = True, sample: Callable = placeholder_sample,
                            on_schedule: Optional[Callable] = None,
-                           max_iterations: int = 50_000_000, mixed: Sequence[DisaggSimInstance] = (),
+                           max_iterations: int = 50_000_000, mixed: Sequence[SimInstance] = (),
                            mixed_prefill_queue_tokens: int = 8192,
                            mixed_decode_load: float = 1.0, mixed_pool: str = "dedicated",
                            decode_runs: bool = True) -> DisaggSimResult:

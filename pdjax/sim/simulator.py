@@ -330,6 +330,7 @@ class Simulation:
         self.waking = [False] * len(self.instances)     # ready to run its loop at the current time
         self.index_of = {id(inst): i for i, inst in enumerate(self.instances)}
         self.decode_runs = list(decode_runs)
+        self.run_again = True             # decode_run: the run it applied may be followed by another at once
         # disaggregated: KV transfers (pdjax.sim.disagg sets transfer_time, kv_bytes_of, serialize_transfers)
         self.transfers: List[TransferRecord] = []
         self.kv_arrivals: list = []        # heap of (end time, seq, TransferRecord, src index, dst index)
@@ -532,6 +533,7 @@ class Simulation:
                     end = self.decode_run(idx, t)
                     if end is not None:
                         t = end
+                        runs = self.run_again     # a run cut short by the next event is not tried again at once
                         continue
                 out = sched.schedule(t)
                 if not out.is_empty:
@@ -582,6 +584,9 @@ class Simulation:
             return None
         apply_run(run, inst.pipeline, self.requests, starts, ends, seconds)
         self.record_run(idx, run.count, starts, ends, chunk_lists)
+        # Another run may follow at once after one that ended with a request finishing (or, one colocated
+        # instance, at an arrival); one cut short by the next event would stop at the same step again.
+        self.run_again = single or len(starts) == run.limit
         if single and not end < limit:
             self.route_arrivals(end)     # arrived while the run's last step ran
             self.waking[idx] = False
