@@ -60,9 +60,11 @@ def make_requests(n: int, seed: int, rate: float = 20.0):
     return reqs
 
 
-def run(cfg: SchedulerConfig, decode_runs: bool, instances: int = 1, seed: int = 0, router: str = "round_robin"):
-    insts = [SimInstance(f"i{k}", make_scheduler(cfg), make_step_time(MODEL, HARDWARE, 1, 1,
-                                                                       CostParams(per_seq_overhead_s=2e-5)))
+def run(cfg: SchedulerConfig, decode_runs: bool, instances: int = 1, seed: int = 0, router: str = "round_robin",
+        pp: int = 1, max_in_flight=None):
+    insts = [SimInstance(f"i{k}", make_scheduler(cfg), make_step_time(MODEL, HARDWARE, 1, pp,
+                                                                       CostParams(per_seq_overhead_s=2e-5)),
+                         max_in_flight=max_in_flight)
              for k in range(instances)]
     result = simulate(make_requests(60, seed), insts, InstanceRouter(router, insts, role="colocated"),
                       decode_runs=decode_runs)
@@ -76,9 +78,9 @@ def count_run_steps(monkeypatch) -> list:
     applied = [0]
     apply = runs_module.DecodeRun.apply
 
-    def counting(self, starts, ends):
+    def counting(self, starts, ends, schedules=1):
         applied[0] += len(starts)
-        return apply(self, starts, ends)
+        return apply(self, starts, ends, schedules)
 
     monkeypatch.setattr(runs_module.DecodeRun, "apply", counting)
     return applied
@@ -111,6 +113,21 @@ def test_decode_runs_change_nothing(name, monkeypatch):
         assert applied[0] > len(got[0].iterations) // share, "the case is meant to run many steps in bulk"
     if name in PREEMPTING:
         assert sum(r.num_preemptions for r in got[0].requests) > 0, "the case is meant to preempt"
+
+
+@pytest.mark.parametrize("pp,max_in_flight", [(2, None), (2, 1), (1, 2)])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_decode_runs_on_stages_change_nothing(name, pp, max_in_flight, monkeypatch):
+    """Pipeline stages (pp batches in flight, or one) and batches in flight on one stage: the decode runs of
+    decoders only, one batch at a time through the stages (Simulation.decode_run, plan_stage_clock), change
+    nothing either: scheduler counters (the empty schedule() after each step included), stage accounting, records."""
+    cfg = SchedulerConfig(max_model_len=1024, page_size=16, **{"num_pages": 512, **CONFIGS[name]})
+    reference = run(cfg, decode_runs=False, pp=pp, max_in_flight=max_in_flight)
+    applied = count_run_steps(monkeypatch)
+    got = run(cfg, decode_runs=True, pp=pp, max_in_flight=max_in_flight)
+    assert_same(reference, got)
+    if not cfg.enable_prefix_caching and name not in PREEMPTING:
+        assert applied[0] > 0, "the case is meant to run steps in bulk"
 
 
 @pytest.mark.parametrize("router", ["round_robin", "least_loaded"])

@@ -148,12 +148,23 @@ class DecodeRun:
         self.steps = j + 1
         return chunks
 
-    def apply(self, starts: Sequence[float], ends: Sequence[float]) -> list:
+    @property
+    def decoders_only(self) -> bool:
+        """No prefill in the run, and nobody waiting could be admitted in any of its steps (nobody waits, or
+        admission is blocked: running is full): a schedule() between its steps, with every running request in
+        flight, returns nothing."""
+        return not self.prefills and not self._admits
+
+    def apply(self, starts: Sequence[float], ends: Sequence[float], schedules: int = 1) -> list:
         """Apply the first len(starts) planned steps, step j scheduled at starts[j] and updated at ends[j];
-        returns the requests that finished (in the last step, in batch order), as update() does."""
+        returns the requests that finished (in the last step, in batch order), as update() does. schedules: the
+        schedule() calls per step: 2 where the loop keeps batches in flight (after dispatching a step it schedules
+        again, and gets nothing: every running request is in flight), a run of decoders only (`decoders_only`)."""
         k = len(starts)
         if k > self.steps:
             raise ValueError(f"DecodeRun.apply: {k} steps given, {self.steps} planned")
+        if schedules != 1 and not self.decoders_only:
+            raise ValueError("DecodeRun.apply: schedules > 1 needs a run of decoders only, admitting nobody")
         sched = self.sched
         if not k:
             return []
@@ -179,7 +190,7 @@ class DecodeRun:
             sched.block_manager.allocate_each([((prefills if kind else decoders)[i].page_table, need)
                                                for _, kind, i, need in grow])
         first_step = sched.step
-        step = first_step + k
+        step = first_step + 1 + schedules * (k - 1)     # the last step's number (schedules == 1: first_step + k)
         max_len = sched._max_len
         finished = []
         tokens = [PLACEHOLDER] * k
@@ -215,7 +226,12 @@ class DecodeRun:
                     req.first_token_time = now
                 if len(req.output_token_ids) >= req.max_tokens or len(req.all_token_ids) >= max_len:
                     finished.append(req)
-        sched.step = sched._applied_step = sched._last_emitted = sched._floor = step
+        if schedules == 1:
+            sched.step = sched._applied_step = sched._last_emitted = sched._floor = step
+        else:   # the empty schedule() after the last step: its number, and its floor (the step applied before)
+            sched._floor = step - schedules if k > 1 else sched._applied_step
+            sched.step = step + schedules - 1
+            sched._applied_step = sched._last_emitted = step
         sched._preempted_this_step = False
         if finished:
             now = ends[-1]

@@ -59,6 +59,7 @@ class StageTimer:
         if not explicit and self.pp > 1:
             stage_times = source.stage_times
         self.stage_times = stage_times
+        self.explicit = explicit
         self.takes_context = bool(source is not None and not explicit and source.takes_context)
         self.last_out = None           # the batch dispatched last (the next step's StepContext.previous)
 
@@ -68,6 +69,13 @@ class StageTimer:
         (pdjax.sim.simulator) cost whole runs by it. Read when a simulation starts (a hook may have swapped the
         source, pdjax.sim.provision.cap_instances)."""
         return self.stage_times is None and bool(self.step_time.decode_only_exact)
+
+    @property
+    def decode_stages_exact(self) -> bool:
+        """The source's `decode_stages_fn` gives the (stages, sends) of every decode-only step, one stage or
+        several (no explicit `stage_times=` function): the decode runs of an instance with pipeline stages or
+        batches in flight (pdjax.sim.simulator) cost their steps by it. Read when a simulation starts."""
+        return not self.explicit and self.step_time is not None and bool(self.step_time.decode_only_exact)
 
     def context(self, out, device_free: float, t: float) -> Optional[StepContext]:
         """The StepContext of `out` dispatched at t on a device free from `device_free` (None when the step-time
@@ -174,6 +182,34 @@ class StagePipeline:
             active += end - start
         self.stage_busy[0], self.in_flight_s, self.active_s = busy, in_flight, active
         self.stage_free[0] = ends[-1]
+        self._active_since = starts[-1]
+        self.queue.num_pushed += len(starts)
+
+    def run_serial_stages(self, starts: Sequence[float], ends: Sequence[float], stages: Sequence[Sequence[float]],
+                          last_free: Sequence[float]) -> None:
+        """run_serial on any number of stages: batch j dispatched at starts[j] with an empty queue, on stages free
+        by then, per-stage seconds stages[j], leaving the last stage at ends[j] and collected then (the next one
+        dispatched at that end, or later); last_free: when each stage finished the last batch. Bit-identical to
+        dispatch() then collect() for each, without the SchedulerOutputs."""
+        if self.queue:
+            raise ValueError("StagePipeline.run_serial_stages: needs a pipeline with no batch in flight")
+        if not starts:
+            return
+        pp = len(stages[0])
+        if not self.stage_free:
+            self.stage_free = [0.0] * pp
+            self.stage_busy = [0.0] * pp
+        elif len(self.stage_free) != pp:
+            raise ValueError(f"StagePipeline: a batch of {pp} stage times on a {len(self.stage_free)}-stage pipeline")
+        busy = self.stage_busy
+        in_flight, active = self.in_flight_s, self.active_s
+        for start, end, seconds in zip(starts, ends, stages):
+            for s, d in enumerate(seconds):
+                busy[s] += d
+            in_flight += end - start
+            active += end - start
+        self.in_flight_s, self.active_s = in_flight, active
+        self.stage_free[:] = last_free
         self._active_since = starts[-1]
         self.queue.num_pushed += len(starts)
 

@@ -279,6 +279,39 @@ def plan_run(run, step_time, start: float, limit: float, *, ends_before: bool):
     return starts, ends, seconds, chunk_lists, start
 
 
+def plan_stage_clock(run, stage_fn: Callable, start: float, limit: float, *, ends_before: bool):
+    """The steps of decode run `run` (decoders only) on a pipelined instance from `start`, one batch at a time:
+    step j's (stages, sends) = stage_fn(its decoders' context sum), its end the stages' chain as
+    StagePipeline.run_stages adds it on free stages (stage s starts when the batch arrives from stage s - 1), the
+    next step dispatched at that end. (starts, ends, per-step stage seconds, per-stage free times after the last
+    step, the end of the last step or `start`). ends_before / limit as plan_decode_clock; a negative stage or
+    send time ends the plan (the loop would not start the next step at that end)."""
+    count, total = run.count, run.total
+    left = run.plan_decode_steps()
+    starts, ends, stage_list, free = [], [], [], None
+    while left and (ends_before or start < limit):
+        stages, sends = stage_fn(total)
+        if min(stages) < 0 or (sends and min(sends) < 0):
+            break
+        ready = start
+        ready_at = []
+        for s, seconds in enumerate(stages):
+            if s:
+                ready = ready + sends[s - 1]
+            ready = ready + seconds
+            ready_at.append(ready)
+        if ends_before and not ready < limit:
+            break
+        starts.append(start)
+        ends.append(ready)
+        stage_list.append(stages)
+        free = ready_at
+        start = ready
+        total += count
+        left -= 1
+    return starts, ends, stage_list, free, start
+
+
 def apply_run(run, pipeline, requests: SimRequests, starts: Sequence[float], ends: Sequence[float],
               seconds: Sequence[float]) -> None:
     """Apply the first len(starts) planned steps of decode run `run` (pdjax.scheduler.runs.DecodeRun): its
@@ -330,6 +363,9 @@ class Simulation:
         self.waking = [False] * len(self.instances)     # ready to run its loop at the current time
         self.index_of = {id(inst): i for i, inst in enumerate(self.instances)}
         self.decode_runs = list(decode_runs)
+        # per instance: schedule() calls per step of its decode runs on stages (0: one stage, one batch in flight)
+        self.run_schedules = [0 if inst.max_in_flight == 1 and inst.timer.stage_times is None
+                              else 2 if inst.max_in_flight > 1 else 1 for inst in self.instances]
         self.run_again = True             # decode_run: the run it applied may be followed by another at once
         # disaggregated: KV transfers (pdjax.sim.disagg sets transfer_time, kv_bytes_of, serialize_transfers)
         self.transfers: List[TransferRecord] = []
@@ -578,11 +614,25 @@ class Simulation:
             limit = pending[self.next_arrival].arrival_time if self.next_arrival < len(pending) else float("inf")
         else:
             limit = self.next_event_time()
-        starts, ends, seconds, chunk_lists, end = plan_run(run, inst.timer.step_time, t, limit,
-                                                           ends_before=not single)
-        if not starts:
-            return None
-        apply_run(run, inst.pipeline, self.requests, starts, ends, seconds)
+        schedules = self.run_schedules[idx]
+        if not schedules:
+            starts, ends, seconds, chunk_lists, end = plan_run(run, inst.timer.step_time, t, limit,
+                                                               ends_before=not single)
+            if not starts:
+                return None
+            apply_run(run, inst.pipeline, self.requests, starts, ends, seconds)
+        else:       # pipeline stages or batches in flight: decoders only, nobody admitted
+            if not run.decoders_only:
+                return None
+            starts, ends, stages, free, end = plan_stage_clock(run, inst.timer.step_time.decode_stages_fn(run.count),
+                                                               t, limit, ends_before=not single)
+            if not starts:
+                return None
+            finished = run.apply(starts, ends, schedules)
+            if finished:
+                self.requests.finished(finished, run.sched)
+            inst.pipeline.run_serial_stages(starts, ends, stages, free)
+            chunk_lists = None
         self.record_run(idx, run.count, starts, ends, chunk_lists)
         # Another run may follow at once after one that ended with a request finishing (or, one colocated
         # instance, at an arrival); one cut short by the next event would stop at the same step again.
@@ -679,9 +729,10 @@ class Simulation:
 
 
 def decode_run_ready(inst: SimInstance) -> bool:
-    """Instance `inst` can take decode runs (Simulation.decode_run): one stage, one batch in flight, a step time
-    exact for decode-only steps from their counts."""
-    return inst.max_in_flight == 1 and inst.timer.stage_times is None and inst.timer.decode_only_exact
+    """Instance `inst` can take decode runs (Simulation.decode_run): a step-time source exact for decode-only
+    steps from their counts (one stage: its `decode_fn`; pipeline stages or batches in flight: its
+    `decode_stages_fn`)."""
+    return inst.timer.decode_stages_exact
 
 
 def check_async_instances(instances: Sequence[SimInstance]) -> None:

@@ -507,6 +507,34 @@ class PipelineStepTime(StepTimeBase):
         stages, sends = self.stage_times(out, ctx)
         return sum(stages) + sum(sends)
 
+    @property
+    def decode_only_exact(self) -> bool:
+        """`decode_stages_fn` gives this source's stage times of every decode-only step (no padding, no step
+        context, no noise): the simulator's decode runs on pipelined instances (pdjax.sim.simulator) use it."""
+        return self.padding is None and not self._context.active and self.noise is None
+
+    def decode_stages_fn(self, count: int) -> Callable[[int], Tuple[Tuple[float, ...], Tuple[float, ...]]]:
+        """total_context -> `stage_times(out)` of a decode-only step of `count` one-token decodes whose
+        num_computed_tokens sum to total_context, without padding, step context or noise (the same compact
+        composition, compact_composition's, through the same CachedStageTimes)."""
+        stages = self._stages
+        if not count:
+            return lambda total_context: stages(BatchComposition((), ()))
+
+        def fn(total_context: int):
+            q, r = divmod(total_context, count)
+            return stages(BatchComposition((), ((count - r, q), (r, q + 1)) if r else ((count, q),)))
+        return fn
+
+    def decode_fn(self, count: int) -> Callable[[int], float]:
+        """total_context -> seconds of such a step through the whole pipeline (`self(out)`)."""
+        stage_fn = self.decode_stages_fn(count)
+
+        def fn(total_context: int) -> float:
+            stages, sends = stage_fn(total_context)
+            return sum(stages) + sum(sends)
+        return fn
+
 
 class CostModelStepTime(StepTimeBase):
     """`step_time(out, ctx=None) -> seconds` of a one-stage instance (make_step_time). `takes_context`

@@ -13,6 +13,9 @@ of the `StepTime` protocol and nothing else:
                        (and `composition(count, total_context, chunks)` of a step with prefill chunks): the decode
                        runs (pdjax.scheduler.runs) cost their steps by them instead of calling the source per step
     stage_times, decode_fn, composition   as above; only read when pp > 1 / decode_only_exact
+    decode_stages_fn   `decode_stages_fn(count)(total_context)`: `stage_times` of such a decode-only step (one stage:
+                       decode_fn's seconds); read when decode_only_exact, for the decode runs of an instance with
+                       pipeline stages or batches in flight
 
 `StepTimeBase` gives every member its default (one stage, no context, no decode runs), so a new source is a
 subclass with `__call__` and whatever it overrides. A plain function `(out) -> seconds` (tests, quick studies) is
@@ -49,6 +52,8 @@ class StepTime(Protocol):
 
     def composition(self, count: int, total_context: int, chunks: Sequence[Tuple[int, int]]) -> float: ...
 
+    def decode_stages_fn(self, count: int) -> Callable[[int], Tuple[Sequence[float], Sequence[float]]]: ...
+
 
 class StepTimeBase:
     """Every StepTime member at its default: one stage, called without a context, no decode runs. Subclasses
@@ -69,6 +74,11 @@ class StepTimeBase:
 
     def composition(self, count: int, total_context: int, chunks: Sequence[Tuple[int, int]]) -> float:
         raise NotImplementedError(f"{type(self).__name__}.composition: only read when decode_only_exact is True")
+
+    def decode_stages_fn(self, count: int) -> Callable[[int], Tuple[Sequence[float], Sequence[float]]]:
+        """One stage: total_context -> ((decode_fn(count)(total_context),), ())."""
+        decode = self.decode_fn(count)
+        return lambda total_context: ((decode(total_context),), ())
 
 
 class PlainStepTime(StepTimeBase):
