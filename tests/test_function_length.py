@@ -5,13 +5,16 @@ import ast
 import pathlib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-ROOTS = ("pdjax/serving", "pdjax/experiment", "pdjax/runtime", "experiments")
+# Folders, and single files of folders not yet all short (pdjax/sim: its event loop, transfers and stage pipeline).
+ROOTS = ("pdjax/serving", "pdjax/experiment", "pdjax/runtime", "experiments", "pdjax/sim/simulator.py",
+         "pdjax/sim/disagg.py", "pdjax/sim/pipeline.py", "pdjax/scheduler/instances.py")
 LIMIT = 60
 
 
 def _long_functions():
     for root in ROOTS:
-        for path in sorted((REPO / root).rglob("*.py")):
+        paths = [REPO / root] if root.endswith(".py") else sorted((REPO / root).rglob("*.py"))
+        for path in paths:
             text = path.read_text()
             lines = text.splitlines()
             for node in ast.walk(ast.parse(text)):

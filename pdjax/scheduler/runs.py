@@ -164,7 +164,7 @@ class DecodeRun:
         if k > self.steps:
             raise ValueError(f"DecodeRun.apply: {k} steps given, {self.steps} planned")
         if schedules != 1 and not self.decoders_only:
-            raise ValueError("DecodeRun.apply: schedules > 1 needs a run of decoders only, admitting nobody")
+            raise ValueError("DecodeRun.apply: schedules > 1 needs a run of decoders only")
         sched = self.sched
         if not k:
             return []
@@ -226,12 +226,7 @@ class DecodeRun:
                     req.first_token_time = now
                 if len(req.output_token_ids) >= req.max_tokens or len(req.all_token_ids) >= max_len:
                     finished.append(req)
-        if schedules == 1:
-            sched.step = sched._applied_step = sched._last_emitted = sched._floor = step
-        else:   # the empty schedule() after the last step: its number, and its floor (the step applied before)
-            sched._floor = step - schedules if k > 1 else sched._applied_step
-            sched.step = step + schedules - 1
-            sched._applied_step = sched._last_emitted = step
+        _set_step_counters(sched, step, k, schedules)
         sched._preempted_this_step = False
         if finished:
             now = ends[-1]
@@ -244,6 +239,18 @@ class DecodeRun:
         sched._after_decode_run()
         return finished
 
+
+
+def _set_step_counters(sched, step: int, k: int, schedules: int) -> None:
+    """The scheduler's step counters after a run of k steps whose last one is step `step`, `schedules` schedule()
+    calls per step (DecodeRun.apply): with one, all at that step; with more, the empty schedule() calls after the
+    last step advanced `step` and set the floor to the step applied before it."""
+    if schedules == 1:
+        sched.step = sched._applied_step = sched._last_emitted = sched._floor = step
+        return
+    sched._floor = step - schedules if k > 1 else sched._applied_step
+    sched.step = step + schedules - 1
+    sched._applied_step = sched._last_emitted = step
 
 
 def _pages_grown(crossings: Sequence[int], steps: int, page_size: int) -> int:

@@ -6,7 +6,10 @@ see pdjax.sim.step_cost); its sampled tokens are a placeholder id (requests run 
 with ignore_eos does). Requests are routed to an instance on arrival by a global router. Outputs are the same
 RequestRecord/IterationRecord lists the real engine produces, so every report, plot and sweep serves both backends.
 
-Each instance replays the loop of `pdjax.serving.engine.ColocatedEngine` exactly, so that fed the same clock and
+One event loop (`Simulation`) serves colocated replicas and disaggregated deployments (pdjax.sim.disagg builds it
+with transfers and the mixed pool), as the engine's ClusterEngine drives both; `SimInstance` is the one simulated
+instance (pdjax.scheduler.instances.Instance, in any role). Each instance replays the loop of
+`pdjax.serving.engine.ColocatedEngine` exactly, so that fed the same clock and
 arrivals both produce the same SchedulerOutputs (tests/test_simulator.py checks this), with the engine's batch
 queue (`pdjax.scheduler.BatchQueue`, up to `max_in_flight` batches dispatched and not yet applied):
     top:  no unfinished request -> wait for the next arrival, admit every arrival <= now, back to top
@@ -53,14 +56,17 @@ pdjax.scheduler.runs): where the next steps of an instance are certain (every ru
 takes its prefill chunk, nobody is admitted, preempted or finishes before the last of them) and nothing else in
 the simulation can come between them, they are applied in bulk, with the same scheduler state, step times,
 pipeline accounting and records as one by one (tests/test_decode_runs.py; `decode_runs=False` turns them off).
-They need the synchronous loop, one batch in flight on one stage, a step-time function exact for such steps from
-their counts (`decode_only_exact`: pdjax.sim.step_cost.StepTime without padding, step context or noise), the
-placeholder tokens, and no on_schedule / observe_step. Requests may be given as
-PendingRequests (pdjax.sim.build does): each becomes its scheduler Request when it arrives, and every request that
-finishes for good is turned into its RequestRecord at once and dropped (`SimRequests`), so a run holds the token
-lists of its live requests only, not of all of them (experiments/bench_sim.py measures both). The cyclic garbage
-collector is paused while simulate runs (`gc_paused`: the run makes no cycles, and the collector's passes over its
-records cost about a fifth of the time).
+They need the synchronous loop, a step-time function exact for such steps from their counts (`decode_only_exact`:
+pdjax.sim.step_cost's sources without padding, step context or noise), the placeholder tokens, and no
+on_schedule / observe_step. An instance with pipeline stages or batches in flight takes runs of decoders only that
+admit nobody, one batch at a time through its stages (`plan_stage_clock`: the schedule() after each dispatch finds
+every running request in flight and returns nothing); while it keeps two batches of different requests in flight
+(new requests' prefills beside the decoders, or two groups of decoders alternating) it steps one by one.
+Requests may be given as PendingRequests (pdjax.sim.build does): each becomes its scheduler Request when it
+arrives, and every request that finishes for good is turned into its RequestRecord at once and dropped
+(`SimRequests`), so a run holds the token lists of its live requests only, not of all of them
+(experiments/bench_sim.py measures both). The cyclic garbage collector is paused while simulate runs (`gc_paused`:
+the run makes no cycles, and the collector's passes over its records cost about a fifth of the time).
 """
 from __future__ import annotations
 
