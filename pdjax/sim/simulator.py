@@ -373,6 +373,10 @@ class Simulation:
         self.run_schedules = [0 if inst.max_in_flight == 1 and inst.timer.stage_times is None
                               else 2 if inst.max_in_flight > 1 else 1 for inst in self.instances]
         self.run_again = True             # decode_run: the run it applied may be followed by another at once
+        # decode_run: per instance, no run is tried while the next event is closer than this: the seconds of its
+        # last run's last step, or of the first step of the last run that could not take one (steps of one
+        # instance change slowly; a run not tried is only slower, never different)
+        self.short_gap = [0.0] * len(self.instances)
         # disaggregated: KV transfers (pdjax.sim.disagg sets transfer_time, kv_bytes_of, serialize_transfers)
         self.transfers: List[TransferRecord] = []
         self.kv_arrivals: list = []        # heap of (end time, seq, TransferRecord, src index, dst index)
@@ -608,23 +612,26 @@ class Simulation:
         only joins the inbox while the step runs); else only steps that end before any other event (an arrival,
         another instance's completion, a KV landing), and none while an instance after this one still has to
         run its loop at t."""
-        inst = self.instances[idx]
-        run = inst.scheduler.decode_run(self.max_iterations - len(self.iterations))
-        if run is None:
-            return None
         single = self.single
-        if not single and any(w and not self.instances[j].busy for j, w in enumerate(self.waking) if j > idx):
-            return None
         if single:
             pending = self.pending
             limit = pending[self.next_arrival].arrival_time if self.next_arrival < len(pending) else float("inf")
         else:
+            if any(w and not self.instances[j].busy for j, w in enumerate(self.waking) if j > idx):
+                return None
             limit = self.next_event_time()
+            if limit - t < self.short_gap[idx]:
+                return None      # a step would hardly fit: not worth building the run (skipping one is exact)
+        inst = self.instances[idx]
+        run = inst.scheduler.decode_run(self.max_iterations - len(self.iterations))
+        if run is None:
+            return None
         schedules = self.run_schedules[idx]
         if not schedules:
             starts, ends, seconds, chunk_lists, end = plan_run(run, inst.timer.step_time, t, limit,
                                                                ends_before=not single)
             if not starts:
+                self.short_gap[idx] = run.count and inst.timer.step_time.decode_fn(run.count)(run.total)
                 return None
             apply_run(run, inst.pipeline, self.requests, starts, ends, seconds)
         else:       # pipeline stages or batches in flight: decoders only, nobody admitted
@@ -640,6 +647,7 @@ class Simulation:
             inst.pipeline.run_serial_stages(starts, ends, stages, free)
             chunk_lists = None
         self.record_run(idx, run.count, starts, ends, chunk_lists)
+        self.short_gap[idx] = ends[-1] - starts[-1]
         # Another run may follow at once after one that ended with a request finishing (or, one colocated
         # instance, at an arrival); one cut short by the next event would stop at the same step again.
         self.run_again = single or len(starts) == run.limit
