@@ -270,8 +270,8 @@ def group_params(setup: SimSetup, role: str) -> CostParams:
 
 
 def build_instances(setup: SimSetup) -> Dict[str, List[Any]]:
-    """Role -> its instances, each with a fresh scheduler: SimInstance replicas (colocated), DisaggSimInstance
-    (prefill, decode, mixed)."""
+    """Role -> its instances, each with a fresh scheduler: SimInstances in the group's role (colocated replicas;
+    prefill, decode, mixed)."""
     out: Dict[str, List[Any]] = {}
     for role, g in setup.groups.items():
         step_time = group_step_time(setup, role)
