@@ -246,6 +246,11 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[SimInstance],
                    max_iterations=max_iterations, pool=pool,
                    decode_runs=[plain and inst.role == "decode" and decode_run_ready(inst) for inst in instances])
     c.transfer_time, c.kv_bytes_of, c.serialize_transfers = transfer_time, kv_bytes_of, serialize_transfers
+    # A decode instance's run may end with a step across the next event (Simulation.decode_run) when nothing else
+    # reads its state before that step ends: the decode router picks it without reading loads (one decode
+    # instance, or round robin); the handoffs and KV landings in between touch only its KV queues.
+    blind = len(decode) == 1 or router == "round_robin"
+    c.cross = [runs and blind and c.run_schedules[i] == 0 for i, runs in enumerate(c.decode_runs)]
     now = c.run()
     duration = max((it.end_time for it in c.iterations), default=0.0)
     summary = None

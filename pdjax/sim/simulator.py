@@ -328,6 +328,15 @@ def apply_run(run, pipeline, requests: SimRequests, starts: Sequence[float], end
     pipeline.run_serial(starts, ends, seconds)
 
 
+class RunStep:
+    """The in-flight step of an instance whose decode run ended with a step across the next event
+    (Simulation.decode_run): applied already; its completion event only records it and wakes the instance."""
+    __slots__ = ("record",)
+
+    def __init__(self, record: IterationRecord):
+        self.record = record
+
+
 class Simulation:
     """The state of one simulation, colocated or disaggregated, and its steps: the one event loop of both
     deployment kinds (as the engine's pdjax.serving.cluster.ClusterEngine drives both). `colocated` /
@@ -369,6 +378,8 @@ class Simulation:
         self.waking = [False] * len(self.instances)     # ready to run its loop at the current time
         self.index_of = {id(inst): i for i, inst in enumerate(self.instances)}
         self.decode_runs = list(decode_runs)
+        # per instance: its decode runs may end with a step across the next event (Simulation.decode_run)
+        self.cross = [False] * len(self.instances)
         # per instance: schedule() calls per step of its decode runs on stages (0: one stage, one batch in flight)
         self.run_schedules = [0 if inst.max_in_flight == 1 and inst.timer.stage_times is None
                               else 2 if inst.max_in_flight > 1 else 1 for inst in self.instances]
@@ -443,6 +454,11 @@ class Simulation:
         while completions and completions[0][0] <= t:
             _, _, idx = heapq.heappop(completions)
             inst = self.instances[idx]
+            if inst.in_flight.__class__ is RunStep:   # a decode run's last step, applied already: its record
+                its.append(inst.in_flight.record)
+                inst.in_flight = None
+                self.waking[idx] = True
+                continue
             out, start = inst.in_flight[0], inst.in_flight[1]
             inst.in_flight = None
             finished = None
@@ -578,6 +594,8 @@ class Simulation:
                 if runs and not pipe:
                     end = self.decode_run(idx, t)
                     if end is not None:
+                        if inst.in_flight is not None:
+                            return            # the run's last step ends after the next event: blocked until then
                         t = end
                         runs = self.run_again     # a run cut short by the next event is not tried again at once
                         continue
@@ -620,7 +638,7 @@ class Simulation:
             if any(w and not self.instances[j].busy for j, w in enumerate(self.waking) if j > idx):
                 return None
             limit = self.next_event_time()
-            if limit - t < self.short_gap[idx]:
+            if limit - t < self.short_gap[idx] and not self.cross[idx]:
                 return None      # a step would hardly fit: not worth building the run (skipping one is exact)
         inst = self.instances[idx]
         run = inst.scheduler.decode_run(self.max_iterations - len(self.iterations))
@@ -629,7 +647,7 @@ class Simulation:
         schedules = self.run_schedules[idx]
         if not schedules:
             starts, ends, seconds, chunk_lists, end = plan_run(run, inst.timer.step_time, t, limit,
-                                                               ends_before=not single)
+                                                               ends_before=not (single or self.cross[idx]))
             if not starts:
                 self.short_gap[idx] = run.count and inst.timer.step_time.decode_fn(run.count)(run.total)
                 return None
@@ -648,6 +666,10 @@ class Simulation:
             chunk_lists = None
         self.record_run(idx, run.count, starts, ends, chunk_lists)
         self.short_gap[idx] = ends[-1] - starts[-1]
+        if not single and not end < limit:    # cross: the last step ends at or after the next event
+            inst.in_flight = RunStep(self.iterations.pop())
+            self.push_completion(end, idx)
+            return end
         # Another run may follow at once after one that ended with a request finishing (or, one colocated
         # instance, at an arrival); one cut short by the next event would stop at the same step again.
         self.run_again = single or len(starts) == run.limit
