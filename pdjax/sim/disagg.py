@@ -78,8 +78,10 @@ sequence of named steps at each event time t:
   start_steps(t)       every woken instance not blocked collecting fills its batch queue (schedule, dispatch onto
                        the stages) and blocks collecting its oldest batch (pp == 1: one step of step_time(out) s);
                        a decode instance first applies its decode runs (Simulation.decode_run: the steps that end
-                       before any other event, in bulk, as for colocated instances; bit-identical records,
-                       tests/test_decode_runs.py; `decode_runs=False` turns them off)
+                       before any other event, in bulk, as for colocated instances, and, with one decode instance
+                       or round robin, the step across that event too: the handoffs and KV landings meanwhile
+                       touch only its KV queues; bit-identical records, tests/test_decode_runs.py;
+                       `decode_runs=False` turns them off)
 Instances are pdjax.sim.simulator.SimInstance in their role (`DisaggSimInstance` builds one); transfers are
 pdjax.scheduler.instances.TransferRecord, the engine's record too.
 No JAX.

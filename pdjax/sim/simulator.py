@@ -629,41 +629,23 @@ class Simulation:
         end after it: the arrival is routed at that end, before the loop goes on, as the event loop would: it
         only joins the inbox while the step runs); else only steps that end before any other event (an arrival,
         another instance's completion, a KV landing), and none while an instance after this one still has to
-        run its loop at t."""
-        single = self.single
-        if single:
-            pending = self.pending
-            limit = pending[self.next_arrival].arrival_time if self.next_arrival < len(pending) else float("inf")
-        else:
-            if any(w and not self.instances[j].busy for j, w in enumerate(self.waking) if j > idx):
-                return None
-            limit = self.next_event_time()
-            if limit - t < self.short_gap[idx] and not self.cross[idx]:
-                return None      # a step would hardly fit: not worth building the run (skipping one is exact)
+        run its loop at t; an instance marked `cross` (a disaggregated decode instance whose state nothing reads
+        before its step ends: pdjax.sim.disagg) also takes the step across the next event, applied at once and
+        recorded at its end (RunStep: the instance is blocked until then, as collecting that step)."""
+        limit = self.run_limit(idx, t)
+        if limit is None:
+            return None
         inst = self.instances[idx]
         run = inst.scheduler.decode_run(self.max_iterations - len(self.iterations))
         if run is None:
             return None
-        schedules = self.run_schedules[idx]
-        if not schedules:
-            starts, ends, seconds, chunk_lists, end = plan_run(run, inst.timer.step_time, t, limit,
-                                                               ends_before=not (single or self.cross[idx]))
-            if not starts:
-                self.short_gap[idx] = run.count and inst.timer.step_time.decode_fn(run.count)(run.total)
-                return None
-            apply_run(run, inst.pipeline, self.requests, starts, ends, seconds)
-        else:       # pipeline stages or batches in flight: decoders only, nobody admitted
-            if not run.decoders_only:
-                return None
-            starts, ends, stages, free, end = plan_stage_clock(run, inst.timer.step_time.decode_stages_fn(run.count),
-                                                               t, limit, ends_before=not single)
-            if not starts:
-                return None
-            finished = run.apply(starts, ends, schedules)
-            if finished:
-                self.requests.finished(finished, run.sched)
-            inst.pipeline.run_serial_stages(starts, ends, stages, free)
-            chunk_lists = None
+        single = self.single
+        applied = self.apply_decode_run(inst, run, t, limit, ends_before=not (single or self.cross[idx]),
+                                        schedules=self.run_schedules[idx])
+        if applied is None:
+            self.short_gap[idx] = run.count and inst.timer.step_time.decode_fn(run.count)(run.total)
+            return None
+        starts, ends, chunk_lists, end = applied
         self.record_run(idx, run.count, starts, ends, chunk_lists)
         self.short_gap[idx] = ends[-1] - starts[-1]
         if not single and not end < limit:    # cross: the last step ends at or after the next event
@@ -677,6 +659,49 @@ class Simulation:
             self.route_arrivals(end)     # arrived while the run's last step ran
             self.waking[idx] = False
         return end
+
+    def run_limit(self, idx: int, t: float) -> Optional[float]:
+        """The time instance `idx`'s decode run at t plans up to (decode_run): the next arrival (one colocated
+        instance) or the next event; None when no run is to be tried (an instance after it still has to run its
+        loop at t, or the next event is closer than its last step: skipping a run is only slower, never
+        different)."""
+        if self.single:
+            pending = self.pending
+            return pending[self.next_arrival].arrival_time if self.next_arrival < len(pending) else float("inf")
+        waking = self.waking
+        if idx + 1 < len(waking) and any(waking[j] and not self.instances[j].busy
+                                         for j in range(idx + 1, len(waking))):
+            return None
+        limit = self.next_event_time()
+        if limit - t < self.short_gap[idx] and not self.cross[idx]:
+            return None
+        return limit
+
+    def apply_decode_run(self, inst: SimInstance, run, t: float, limit: float, *, ends_before: bool,
+                         schedules: int):
+        """Plan decode run `run` of `inst` from t up to `limit` (ends_before: the steps ending before it, else
+        the steps starting before it) and apply its steps: scheduler state, finished requests' records, stage
+        accounting. (starts, ends, per-step prefill chunks or None, the last step's end); None when no step
+        qualifies. schedules: 0 for one stage with one batch in flight (plan_run), else the schedule() calls per
+        step of a run of decoders on stages (plan_stage_clock, DecodeRun.apply)."""
+        if not schedules:
+            starts, ends, seconds, chunk_lists, end = plan_run(run, inst.timer.step_time, t, limit,
+                                                               ends_before=ends_before)
+            if not starts:
+                return None
+            apply_run(run, inst.pipeline, self.requests, starts, ends, seconds)
+            return starts, ends, chunk_lists, end
+        if not run.decoders_only:        # pipeline stages or batches in flight: decoders only, nobody admitted
+            return None
+        starts, ends, stages, free, end = plan_stage_clock(run, inst.timer.step_time.decode_stages_fn(run.count),
+                                                           t, limit, ends_before=ends_before)
+        if not starts:
+            return None
+        finished = run.apply(starts, ends, schedules)
+        if finished:
+            self.requests.finished(finished, run.sched)
+        inst.pipeline.run_serial_stages(starts, ends, stages, free)
+        return starts, ends, None, end
 
     def record_run(self, idx: int, count: int, starts: Sequence[float], ends: Sequence[float],
                    chunk_lists: Optional[list]) -> None:

@@ -76,7 +76,11 @@ class StepTimeBase:
         raise NotImplementedError(f"{type(self).__name__}.composition: only read when decode_only_exact is True")
 
     def decode_stages_fn(self, count: int) -> Callable[[int], Tuple[Sequence[float], Sequence[float]]]:
-        """One stage: total_context -> ((decode_fn(count)(total_context),), ())."""
+        """One stage: total_context -> ((decode_fn(count)(total_context),), ()). A source with pp > 1 that is
+        decode_only_exact gives its own (its stages)."""
+        if self.pp != 1:
+            raise NotImplementedError(f"{type(self).__name__}.decode_stages_fn: a source with pp={self.pp} gives its "
+                                      "own stage times")
         decode = self.decode_fn(count)
         return lambda total_context: ((decode(total_context),), ())
 
