@@ -188,6 +188,32 @@ def test_decode_runs_in_the_disaggregated_loop_change_nothing(num_prefill, num_d
     assert applied[0] > decode_steps // share, "the case is meant to run decode steps in bulk"
 
 
+@pytest.mark.parametrize("num_prefill,num_decode,decode_pages,router,crosses", [
+    (1, 1, 512, "round_robin", True), (1, 2, 512, "round_robin", True), (1, 1, 72, "round_robin", True),
+    (2, 2, 512, "least_loaded", False)])
+def test_decode_runs_across_the_next_event(num_prefill, num_decode, decode_pages, router, crosses, monkeypatch):
+    """A decode instance's run may end with the step across the next event (simulator.RunStep: applied at once,
+    recorded at its end) only where nothing reads its state meanwhile (one decode instance or round robin; the
+    least-loaded router reads its load), and the records stay those of one step at a time."""
+    from pdjax.sim import simulator
+    made = []
+
+    class Counting(simulator.RunStep):
+        __slots__ = ()
+
+        def __init__(self, record):
+            super().__init__(record)
+            made.append(record)
+
+    args = (num_prefill, num_decode, decode_pages, router, 3)
+    reference = run_disaggregated(False, *args)
+    monkeypatch.setattr(simulator, "RunStep", Counting)
+    got = run_disaggregated(True, *args)
+    assert_same(reference, got)
+    assert [t.__dict__ for t in got[0].transfers] == [t.__dict__ for t in reference[0].transfers]
+    assert bool(made) == crosses
+
+
 def test_decode_runs_wait_for_every_instance_woken_at_the_same_time(monkeypatch):
     # Two decode instances in lockstep: a run of the first must not start while the second has yet to dispatch
     # its step at the same time (its end would fall inside the run).
