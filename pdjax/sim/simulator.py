@@ -426,20 +426,26 @@ class Simulation:
 
     def run(self) -> float:
         """The event loop until no event is left; returns the last event time (check_done has checked it)."""
-        now = 0.0
+        now, inf = 0.0, float("inf")
+        pool = self.pool if self.pool is not None and self.pool.active else None
+        transfers = self.pool is not None
+        finish_steps, route_arrivals, start_steps = self.finish_steps, self.route_arrivals, self.start_steps
         with gc_paused():
             while True:
                 t = self.next_event_time()
-                if t == float("inf"):
+                if t == inf:
                     break
                 now = t
-                while self.step_or_transfer_due(now):
-                    self.finish_steps(now)
-                    self.land_transfer(now)
-                if self.pool is not None and self.pool.active:
-                    self.pool.return_idle(now)
-                self.route_arrivals(now)
-                self.start_steps(now)
+                if transfers:
+                    while self.step_or_transfer_due(now):
+                        finish_steps(now)
+                        self.land_transfer(now)
+                    if pool is not None:
+                        pool.return_idle(now)
+                else:
+                    finish_steps(now)
+                route_arrivals(now)
+                start_steps(now)
         self.check_done(now)
         return now
 
@@ -643,15 +649,17 @@ class Simulation:
         applied = self.apply_decode_run(inst, run, t, limit, ends_before=not (single or self.cross[idx]),
                                         schedules=self.run_schedules[idx])
         if applied is None:
-            self.short_gap[idx] = run.count and inst.timer.step_time.decode_fn(run.count)(run.total)
+            if not single:
+                self.short_gap[idx] = run.count and inst.timer.step_time.decode_fn(run.count)(run.total)
             return None
         starts, ends, chunk_lists, end = applied
         self.record_run(idx, run.count, starts, ends, chunk_lists)
-        self.short_gap[idx] = ends[-1] - starts[-1]
-        if not single and not end < limit:    # cross: the last step ends at or after the next event
-            inst.in_flight = RunStep(self.iterations.pop())
-            self.push_completion(end, idx)
-            return end
+        if not single:
+            self.short_gap[idx] = ends[-1] - starts[-1]
+            if not end < limit:    # cross: the last step ends at or after the next event
+                inst.in_flight = RunStep(self.iterations.pop())
+                self.push_completion(end, idx)
+                return end
         # Another run may follow at once after one that ended with a request finishing (or, one colocated
         # instance, at an arrival); one cut short by the next event would stop at the same step again.
         self.run_again = single or len(starts) == run.limit
