@@ -168,9 +168,42 @@ class DecodeRun:
         sched = self.sched
         if not k:
             return []
+        decoders, prefills = self.decoders, self.prefills
+        self._grow_pages(k)
+        first_step = sched.step
+        step = first_step + 1 + schedules * (k - 1)     # the last step's number (schedules == 1: first_step + k)
+        finished = []
+        tokens = [PLACEHOLDER] * k
+        for req in decoders:
+            req.num_computed_tokens += k
+            req.output_token_ids += tokens
+            req.all_token_ids += tokens
+            req.token_times += ends
+            req.schedule_times += starts
+            req.sched_step = step
+        if k == self.limit:     # some decoder finishes in this step (the limit is the first finish)
+            finished = [req for req, left in zip(decoders, self._lefts) if left == k]
+        if prefills:
+            self._advance_prefills(k, starts, ends, first_step, finished)
+        _set_step_counters(sched, step, k, schedules)
+        sched._preempted_this_step = False
+        if finished:
+            now = ends[-1]
+            free = sched.block_manager.free
+            for req in finished:      # as update(): in batch order (decodes, then chunks), after the page growth
+                free(req.page_table)
+                req.page_table = []
+                sched._finish(req, "length", now)
+            sched.running = [r for r in sched.running if r.status is RUNNING]
+        sched._after_decode_run()
+        return finished
+
+    def _grow_pages(self, k: int) -> None:
+        """The page growth of the first k steps, in the order the steps allocate: by step, the decode pass (running
+        order) before the prefill pass."""
+        sched = self.sched
         ps = sched._ps
         decoders, prefills = self.decoders, self.prefills
-        # page growth in the order the steps allocate: by step, decode pass (running order) before prefill pass
         crossings = self._crossings
         plan = self._plan
         if not prefills and k <= ps:     # each decoder grows at most once: by step, then running order
@@ -189,21 +222,12 @@ class DecodeRun:
             grow.sort()
             sched.block_manager.allocate_each([((prefills if kind else decoders)[i].page_table, need)
                                                for _, kind, i, need in grow])
-        first_step = sched.step
-        step = first_step + 1 + schedules * (k - 1)     # the last step's number (schedules == 1: first_step + k)
-        max_len = sched._max_len
-        finished = []
-        tokens = [PLACEHOLDER] * k
-        for req in decoders:
-            req.num_computed_tokens += k
-            req.output_token_ids += tokens
-            req.all_token_ids += tokens
-            req.token_times += ends
-            req.schedule_times += starts
-            req.sched_step = step
-        if k == self.limit:     # some decoder finishes in this step (the limit is the first finish)
-            finished = [req for req, left in zip(decoders, self._lefts) if left == k]
-        for p, req in enumerate(prefills):
+
+    def _advance_prefills(self, k: int, starts, ends, first_step: int, finished: list) -> None:
+        """The prefill chunks of the first k steps: tokens computed, schedule times, and a sample (appended to
+        `finished` when it ends the request) for a prompt done in the run."""
+        plan, max_len = self._plan, self.sched._max_len
+        for p, req in enumerate(self.prefills):
             last = -1
             c = req.num_computed_tokens
             times = req.schedule_times
@@ -226,18 +250,6 @@ class DecodeRun:
                     req.first_token_time = now
                 if len(req.output_token_ids) >= req.max_tokens or len(req.all_token_ids) >= max_len:
                     finished.append(req)
-        _set_step_counters(sched, step, k, schedules)
-        sched._preempted_this_step = False
-        if finished:
-            now = ends[-1]
-            free = sched.block_manager.free
-            for req in finished:      # as update(): in batch order (decodes, then chunks), after the page growth
-                free(req.page_table)
-                req.page_table = []
-                sched._finish(req, "length", now)
-            sched.running = [r for r in sched.running if r.status is RUNNING]
-        sched._after_decode_run()
-        return finished
 
 
 
