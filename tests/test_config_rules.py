@@ -158,6 +158,14 @@ def test_an_eos_token_outside_the_vocabulary_is_refused_at_start_up(backend, eos
     prepare_experiment(serve_dict(backend=backend, model={"eos_token_id": 258}), str(tmp_path / "ok"))
 
 
+@pytest.mark.parametrize("backend", ["sim", "real"])
+def test_a_context_far_beyond_the_model_names_the_model_not_the_pages(backend, tmp_path):
+    """issue 27: a 100,000-token context reported the pages it lacks instead of the model's 1024 positions."""
+    d = serve_dict(backend=backend, scheduler={"max_model_len": 100000})
+    with pytest.raises(ValueError, match=r"^scheduler.max_model_len=100000, expected <= max_position_embeddings=1024"):
+        prepare_experiment(d, str(tmp_path / "run"))
+
+
 def test_the_simulator_build_refuses_a_context_beyond_the_model():
     from pdjax.sim.build import build_setup
     d = serve_dict(backend="sim", model={"checkpoint": "llama-2-7b"},

@@ -12,10 +12,11 @@ writes the outputs; a simulator run happens on process 0 only.
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any, Dict, List, Mapping
 
 from pdjax.config.serving import ServeConfig, serve_config_from_dict
-from pdjax.config.validate import check_config_against_model
+from pdjax.config.validate import check_config_against_model, check_max_model_len, model_spec_for
 from pdjax.errors import user_errors
 from pdjax.metrics import prepare_run_dir
 from pdjax.sim.build import build_setup
@@ -45,10 +46,34 @@ class PreparedExperiment:
 
 def resolve_config(config: Any) -> ServeConfig:
     """The validated ServeConfig of `config` (configs/serve.py layout): every block, the cross-block rules, and the
-    model rules when the config alone tells the model (pdjax.config.validate). ValueError naming the bad key."""
-    cfg = serve_config_from_dict(to_plain_dict(config))
+    model rules when the config alone tells the model (pdjax.config.validate). ValueError naming the bad key; a
+    context beyond the model's positions is named as such even where a block's own rule fails first on it (the
+    scheduler's pages for one max-length request)."""
+    d = to_plain_dict(config)
+    try:
+        cfg = serve_config_from_dict(d)
+    except ValueError:
+        _context_beyond_the_model(d)
+        raise
     check_config_against_model(cfg)
     return cfg
+
+
+def _context_beyond_the_model(d: Mapping[str, Any]) -> None:
+    """Raise the model's position limit when the raw config's scheduler.max_model_len exceeds it (and the config
+    alone tells the model); nothing otherwise."""
+    max_len = (d.get("scheduler") or {}).get("max_model_len")
+    if not isinstance(max_len, int) or isinstance(max_len, bool):
+        return
+    view = types.SimpleNamespace(backend=d.get("backend", "real"),
+                                 sim=types.SimpleNamespace(model=(d.get("sim") or {}).get("model", "")),
+                                 model=types.SimpleNamespace(checkpoint=(d.get("model") or {}).get("checkpoint", "")))
+    try:
+        spec = model_spec_for(view)
+    except (ValueError, TypeError):
+        return
+    if spec is not None:
+        check_max_model_len(max_len, spec)
 
 
 def prepare_experiment(config: Any, workdir: str, *, is_main: bool = True) -> PreparedExperiment:
