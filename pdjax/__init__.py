@@ -18,14 +18,21 @@ TPU_ABSENT_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-
                   "TPU_WORKER_ID": "0", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
+def _installed(module: str) -> bool:
+    try:
+        return _importlib_util.find_spec(module) is not None
+    except ModuleNotFoundError:     # a dotted name whose parent package is absent
+        return False
+
+
 def _host_has_tpu() -> bool:
     return bool(_glob.glob("/dev/accel*") or _glob.glob("/dev/vfio/[0-9]*"))
 
 
-if _importlib_util.find_spec("libtpu") is not None and not _host_has_tpu():
+if _installed("libtpu") and not _host_has_tpu():
     for _key, _value in TPU_ABSENT_ENV.items():
         _os.environ.setdefault(_key, _value)
 # The CUDA plugin (the 'gpu-aot' extra: compiling for GPUs this host does not have) checks the CUDA driver's version
 # when JAX starts and prints a traceback where there is no driver; JAX then runs on the CPU all the same.
-if _importlib_util.find_spec("jax_plugins.xla_cuda12") is not None and not _os.path.exists("/proc/driver/nvidia"):
+if _installed("jax_plugins.xla_cuda12") and not _os.path.exists("/proc/driver/nvidia"):
     _os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
