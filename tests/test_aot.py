@@ -151,3 +151,20 @@ def test_tpu_pod_launch_stops_when_the_config_does_not_fit():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "does not fit deployment.colocated" in proc.stdout and "not launching" in proc.stderr
+
+
+def test_instance_devices_one_topology_or_one_per_group():
+    """One list for every group: the deployment's own assignment (prefill first). A list per group (or groups
+    sharing one beside a group with its own): each group's instances take the next free devices of its list."""
+    from pdjax.config.serving import serve_config_from_dict
+    from pdjax.experiment.aot import instance_devices
+    cfg = serve_config_from_dict({"workload": {"preset": "chat"}, "deployment": {
+        "kind": "disaggregated", "prefill": {"tp": 2}, "decode": {"num_instances": 2}}})
+    one = list(range(8))
+    assert instance_devices(cfg, {"prefill": one, "decode": one}) == {
+        "prefill0": [0, 1], "decode0": [2], "decode1": [3]}
+    own = {"prefill": ["p0", "p1", "p2"], "decode": ["d0", "d1"]}
+    assert instance_devices(cfg, own) == {"prefill0": ["p0", "p1"], "decode0": ["d0"], "decode1": ["d1"]}
+    with pytest.raises(ValueError, match=r"deployment.decode: 2 instance\(s\) x pp 1 x tp 1 need 2 devices, its "
+                                         r"topology has 1 left"):
+        instance_devices(cfg, {"prefill": ["p0", "p1"], "decode": ["d0"]})

@@ -40,26 +40,24 @@ GiB = 2 ** 30
 
 
 def instance_devices(cfg: ServeConfig, devices_by_role: Dict[str, Sequence]) -> Dict[str, List]:
-    """Instance name -> its devices. `devices_by_role` maps each role to a device list; roles given the very same
-    list share it through the deployment's own assignment (deployment.device_assignment: explicit `devices`, else
-    prefill first, then decode), as the real engine takes them; a role with a list of its own takes its instances'
-    devices from it in order."""
+    """Instance name -> its devices. When every role has the same device list (one topology), the deployment's own
+    assignment places them, as the real engine does (deployment.device_assignment: explicit `devices`, else
+    prefill first, then decode); otherwise each role's instances take the next free devices of their role's list."""
     dep = cfg.deployment
+    lists = [devices_by_role[r] for r in dep.roles]
+    if all(devices is lists[0] for devices in lists):
+        return {name: [lists[0][i] for i in ids] for name, ids in dep.device_assignment(len(lists[0])).items()}
     out: Dict[str, List] = {}
-    shared = [r for r in dep.roles if devices_by_role[r] is devices_by_role[dep.roles[0]]]
-    if len(shared) > 1 or len(dep.roles) == 1:
-        devices = list(devices_by_role[dep.roles[0]])
-        out.update({name: [devices[i] for i in ids] for name, ids in dep.device_assignment(len(devices)).items()
-                    if any(name in dep.instance_names(r) for r in shared)})
-    for role in dep.roles:
-        if role in shared and (len(shared) > 1 or len(dep.roles) == 1):
-            continue
-        devices, group = list(devices_by_role[role]), dep.group(role)
-        if group.num_devices > len(devices):
+    taken: Dict[int, int] = {}       # id(device list) -> devices already given out
+    for role, devices in zip(dep.roles, lists):
+        group, start = dep.group(role), taken.get(id(devices), 0)
+        if start + group.num_devices > len(devices):
             raise ValueError(f"deployment.{role}: {group.num_instances} instance(s) x pp {group.pp} x tp {group.tp} "
-                             f"need {group.num_devices} devices, its topology has {len(devices)}")
+                             f"need {group.num_devices} devices, its topology has {len(devices) - start} left")
         k = group.devices_per_instance
-        out.update({name: devices[i * k:(i + 1) * k] for i, name in enumerate(dep.instance_names(role))})
+        out.update({name: list(devices[start + i * k:start + (i + 1) * k])
+                    for i, name in enumerate(dep.instance_names(role))})
+        taken[id(devices)] = start + group.num_devices
     return out
 
 
@@ -79,7 +77,7 @@ def ceiling_batch(bucket, page_size: int) -> cost_model.BatchComposition:
 def compare_with_sim(step: dict, spec, hardware, *, tp: int, pp: int, page_size: int) -> dict:
     """XLA's counts of one compiled step beside the cost model's (per device, the step's stage)."""
     tokens, seqs, pages = step["bucket"]
-    lo, hi = _layer_range(spec, pp, step["stage"])
+    lo, hi = stage_layer_ranges(spec.num_layers, pp)[step["stage"]]
     counts = cost_model.step_counts(spec, tp, tokens=tokens, seqs=seqs, keys=pages * page_size, layers=hi - lo,
                                     lm_head=step["stage"] == pp - 1)
     sim_s = cost_model.iteration_time(ceiling_batch(step["bucket"], page_size), spec, hardware, tp=tp, pp=pp).total
@@ -95,10 +93,6 @@ def compare_with_sim(step: dict, spec, hardware, *, tp: int, pp: int, page_size:
     out["xla_roofline_s"] = max((step["flops"] or 0) / peak, (step["bytes_accessed"] or 0) / hardware.hbm_bandwidth)
     out["roofline_ratio"] = ratio(out["xla_roofline_s"], sim_s)
     return out
-
-
-def _layer_range(spec, pp: int, stage: int):
-    return stage_layer_ranges(spec.num_layers, pp)[stage]
 
 
 def compile_group(cfg: ServeConfig, role: str, devices: Sequence, *, utilization: float = 0.9, jobs: int = 1,
