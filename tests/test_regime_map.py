@@ -193,3 +193,13 @@ def test_cli_bad_axis_is_one_line(tmp_path):
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "KV link 'wifi'" in lines[0]
+
+
+def test_a_model_that_fits_no_placement_is_refused_before_simulating(monkeypatch):
+    """Llama-2-70B on 2 A100-80GB: TP 2 holds it colocated, one GPU per side does not; refused in one line naming
+    the side, model and hardware, before a single simulation (it was a KeyError after simulating)."""
+    monkeypatch.setattr(rg, "sarathi_budgets", lambda grid: pytest.fail("simulated before refusing"))
+    grid = rg.RegimeGrid(**{**TINY, "model": "llama-2-70b", "links": ("nvlink",)})
+    with pytest.raises(rg.UserError, match="no disaggregated over nvlink placement of model 'llama-2-70b'") as info:
+        rg.run_grid(grid)
+    assert "a100-80gb-sxm" in str(info.value) and "\n" not in str(info.value)

@@ -30,6 +30,10 @@ class SourceClosed(RuntimeError):
     """submit() after close(): the engine is shutting down."""
 
 
+class WarmupCancelled(Exception):
+    """The source was closed before warm-up finished (SIGTERM while starting): nothing was served."""
+
+
 class OnlineSource:
     """Thread-safe inbox of requests and aborts for one engine run (module docstring)."""
 

@@ -29,6 +29,7 @@ from pdjax.metrics import summarize_run, write_json, write_run_outputs
 from pdjax.runtime import compiles
 from pdjax.serving.build import build_engine, build_requests, default_buckets, resolve_checkpoint
 from pdjax.serving.distributed import Coordinator
+from pdjax.serving.online import WarmupCancelled
 
 __all__ = ["run_real", "default_buckets", "resolve_checkpoint", "enable_compilation_cache"]
 
@@ -66,14 +67,22 @@ def _instances(engine) -> list:
     return [(instance_name("colocated", 0), "colocated", engine.runner, engine.scheduler, None)]
 
 
-def _warm_up(engine, cfg: ServeConfig) -> float:
+def _warm_up(engine, cfg: ServeConfig, cancelled: Callable[[], bool] = lambda: False) -> float:
     """Compile everything the run will execute: every step shape of every instance's runner (every pipeline
     stage), the swap copies when preemption swaps, and the KV transfer's page counts between every
-    prefill/decode pair (every source stage's gather, every destination stage's scatter). Seconds taken."""
+    prefill/decode pair (every source stage's gather, every destination stage's scatter). Seconds taken.
+    WarmupCancelled after the shape during which `cancelled()` turned true."""
     runners = [runner for _, _, runner, _, _ in _instances(engine)]
     swap = cfg.scheduler.preemption_mode == "swap"
     bar = progress_bar(cfg, sum(r.buckets.num_shapes for r in runners), "warm-up", "shape")
-    seconds = sum(r.warmup(swap=swap, progress=_tick(bar)) for r in runners)
+
+    def progress(n: int) -> None:
+        if cancelled():
+            raise WarmupCancelled("stopped during warm-up: nothing was served")
+        if bar is not None:
+            bar.update(n)
+
+    seconds = sum(r.warmup(swap=swap, progress=progress) for r in runners)
     if hasattr(engine, "warmup_transfers"):
         seconds += engine.warmup_transfers(cfg.scheduler.max_model_len)
     if bar is not None:
@@ -112,7 +121,8 @@ def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str, *, wor
         engine.check_requests(requests)      # before warm-up compiles anything
     engine.coordinator = coordinator
     mark = compiles.count()
-    compile_s = _warm_up(engine, cfg) if cfg.engine.warmup else 0.0
+    cancelled = (lambda: online.source.closed) if online is not None else (lambda: False)
+    compile_s = _warm_up(engine, cfg, cancelled) if cfg.engine.warmup else 0.0
     num_shapes = compiles.count() - mark
     if hooks is not None:
         hooks.after_warmup(engine)

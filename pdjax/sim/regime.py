@@ -54,6 +54,7 @@ import numpy as np
 
 from pdjax.config.registry import STACKS, is_stack
 from pdjax.config.serving import serve_config_from_dict
+from pdjax.errors import UserError
 from pdjax.metrics.latency import SLO_RULES
 from pdjax.metrics.report import atomic_write_bytes, atomic_write_text
 from pdjax.procs import parallel_map
@@ -501,6 +502,16 @@ def _grid_rows(grid: RegimeGrid, coloc, disagg, disagg_cands):
     return rows, points
 
 
+def _check_candidates(grid: RegimeGrid, coloc_cands, disagg_cands) -> None:
+    """A side without a single placement that holds the model is refused before anything is simulated."""
+    empty = (["colocated"] if not coloc_cands else []) + [f"disaggregated over {k}" for k, c in disagg_cands.items()
+                                                          if not c]
+    if empty:
+        raise UserError(f"no {' / '.join(empty)} placement of model {grid.model!r} fits {grid.gpu_budget} GPU(s) of "
+                        f"{grid.hardware!r} (weights + KV per GPU over its memory at every (tp, pp) the budget "
+                        f"allows); expected a larger --budget, more memory per GPU or a smaller model")
+
+
 def run_grid(grid: RegimeGrid, workers: int = 1, cache: bool = True,
              progress: Optional[Callable[[int, int], None]] = None) -> Dict[str, Any]:
     """Every point of the grid: {"rows": [CSV row per point, `grid.points` order], "points": [per point the best
@@ -508,9 +519,10 @@ def run_grid(grid: RegimeGrid, workers: int = 1, cache: bool = True,
     `placement.evaluate` on its own (the reference the cached path must equal). progress(done, total): called
     as tasks finish."""
     wall, cpu = time.perf_counter(), time.process_time()
-    budgets = sarathi_budgets(grid)
     coloc_cands = colocated_candidates(grid)
     disagg_cands = {k: disaggregated_candidates(grid, k) for k in grid.links}
+    _check_candidates(grid, coloc_cands, disagg_cands)
+    budgets = sarathi_budgets(grid)
     coloc: Dict[Tuple[str, float], List[Dict[str, Any]]] = {}
     disagg: Dict[Tuple[str, float, str], List[Dict[str, Any]]] = {}
     stats = {"tasks": 0, "simulations": 0, "probes": 0, "worker_cpu_s": 0.0}

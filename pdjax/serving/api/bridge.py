@@ -172,8 +172,9 @@ class EngineBridge:
 
     def _finished(self, live: _Live, reason: str) -> None:
         live.done = True
-        with self._lock:
-            self._live.pop(live.req.request_id, None)
+        with self._lock:      # once per request, whichever thread ends it first (end_all races the engine)
+            if self._live.pop(live.req.request_id, None) is None:
+                return
         self.metrics.finished.labels(live.instance, reason).inc()
         if live.token_times and reason in ("length", "stop"):
             self.metrics.e2e.labels(live.instance).observe(live.token_times[-1] - live.req.arrival_time)
@@ -230,6 +231,19 @@ class EngineBridge:
         del live.token_times[num_tokens:]
         self._finished(live, "stop")
         self.source.abort(live.req.request_id, keep_tokens=num_tokens, reason="stop")
+
+    def end_all(self, reason: str = "aborted") -> int:
+        """The drain deadline passed: end every live request now, each client's stream with a last event
+        ('finish', reason) (the final chunk and [DONE]), and abort them in the engine. Any thread; returns how
+        many were ended."""
+        self.source.close()
+        with self._lock:
+            lives = list(self._live.values())
+        for live in lives:
+            live.push(("finish", reason, None))
+            self._finished(live, reason)
+            self.source.abort(live.req.request_id)
+        return len(lives)
 
     def shutdown(self) -> None:
         """No new requests; abort every live one (the engine run then ends and writes its result files)."""

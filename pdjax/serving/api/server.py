@@ -9,10 +9,13 @@ server starts at once (/health answers 503 "starting") while the engine thread b
 files as experiments.serve). /health turns 200 once warm-up is done.
 
 Shutdown (SIGTERM or SIGINT): uvicorn stops accepting connections and gives the in-flight requests
-server.drain_timeout_s to finish (streams keep streaming); those still running then are cancelled, which aborts
-them in the engine. The engine run ends and writes config.json, results.json, requests.csv, token_times.csv,
-iterations.csv, outputs.json and the plots for every request the server handed to the engine (the aborted ones
-as 'aborted'), under results.json's "server" block the address and model name. Returns the run's summary.
+server.drain_timeout_s to finish (streams keep streaming); those still running then are ended by the bridge
+(EngineBridge.end_all): a stream gets a last chunk with finish_reason "abort" and `data: [DONE]`, a whole answer its
+text so far with finish_reason "abort", and the engine aborts them. A signal during warm-up stops the warm-up after
+the shape being compiled (nothing served, no result files). The engine run ends and writes config.json,
+results.json, requests.csv, token_times.csv, iterations.csv, outputs.json and the plots for every request the server
+handed to the engine (the aborted ones as 'aborted'), under results.json's "server" block the address and model
+name. Returns the run's summary.
 A failure of the engine thread ends the server and is raised here (the requests in flight get an error).
 """
 from __future__ import annotations
@@ -29,12 +32,40 @@ from pdjax.errors import UserError
 from pdjax.experiment.run import prepare_experiment
 from pdjax.serving.api.app import create_app
 from pdjax.serving.api.bridge import EngineBridge
+from pdjax.serving.online import WarmupCancelled
 
 SWITCH_INTERVAL_S = 0.0005
+END_GRACE_S = 5.0   # after the drain deadline: time for the ended requests to send their last chunk and [DONE]
 
 
 class EngineFailed(RuntimeError):
     """The engine thread raised; the original exception is the __cause__."""
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, calling `on_stop()` at the first SIGTERM / SIGINT (before uvicorn starts draining)."""
+
+    def __init__(self, config: uvicorn.Config, on_stop):
+        super().__init__(config)
+        self._on_stop = on_stop
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            self._on_stop()
+        super().handle_exit(sig, frame)
+
+
+def _stopper(bridge: EngineBridge, drain_timeout_s: float):
+    """What the first signal does: before warm-up ended, close the source (warm-up stops); after, end every live
+    request `drain_timeout_s` later (EngineBridge.end_all) unless it finished by then."""
+    def on_stop() -> None:
+        if not bridge.ready.is_set():
+            bridge.shutdown()
+            return
+        timer = threading.Timer(drain_timeout_s, bridge.end_all)
+        timer.daemon = True
+        timer.start()
+    return on_stop
 
 
 def model_name_of(cfg) -> str:
@@ -50,8 +81,10 @@ def serve(config: Any, workdir: str, *, host: str = "127.0.0.1", port: int = 800
     name = model_name_of(cfg)
     bridge = EngineBridge(max_queued=cfg.server.max_queued_requests)
     app = create_app(bridge, model_name=name, eos_token_id=cfg.model.eos_token_id)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                                           timeout_graceful_shutdown=cfg.server.drain_timeout_s))
+    drain_s = cfg.server.drain_timeout_s
+    server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                                            timeout_graceful_shutdown=drain_s + END_GRACE_S),
+                             _stopper(bridge, drain_s))
     extra = {"server": {"host": host, "port": port, "model_name": name,
                         "max_queued_requests": cfg.server.max_queued_requests}}
     outcome: Dict[str, Any] = {}
@@ -70,6 +103,9 @@ def serve(config: Any, workdir: str, *, host: str = "127.0.0.1", port: int = 800
         from pdjax.serving.run import run_real  # noqa: PLC0415 (loads JAX; this module is JAX-free)
         try:
             outcome["summary"] = run_real(cfg, prep.config, workdir, workload=[], extra=extra, online=Online)
+        except WarmupCancelled as e:
+            outcome["cancelled"] = str(e)
+            server.should_exit = True
         except BaseException as e:  # noqa: BLE001  (reported by serve() in the main thread)
             outcome["error"] = e
             bridge.fail(f"{type(e).__name__}: {e}")
@@ -90,6 +126,8 @@ def serve(config: Any, workdir: str, *, host: str = "127.0.0.1", port: int = 800
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if "cancelled" in outcome:
+        announce(outcome["cancelled"])
     if "error" in outcome:
         raise EngineFailed(f"the engine failed: {outcome['error']}") from outcome["error"]
     return outcome.get("summary", {})
