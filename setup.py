@@ -23,7 +23,7 @@ setup(
         "matplotlib>=3.8,<4",
         "tqdm>=4.66,<5",
         # Text for HF model directories (pdjax.workload.tokenizer: tokenizer.json; chat_template in jinja2's sandbox,
-        # as transformers renders it); tested with tokenizers 0.23.3 and jinja2 3.1.6 (older jinja2 has sandbox escapes).
+        # as transformers renders it); tested with tokenizers 0.23.3, jinja2 3.1.6 (older jinja2 has sandbox escapes).
         "tokenizers>=0.19,<1",
         "jinja2>=3.1.6,<4",
     ],

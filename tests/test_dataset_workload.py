@@ -9,10 +9,10 @@ import pytest
 pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
-from pdjax.models.tiny_hf import tokenizer_files, train_tokenizer  # noqa: E402
-from pdjax.workload import WorkloadConfig, length_report, make_workload  # noqa: E402
-from pdjax.workload.chat_template import chat_prompt_ids  # noqa: E402
-from pdjax.workload.tokenizer import HFTokenizer  # noqa: E402
+from pdjax.models.tiny_hf import tokenizer_files, train_tokenizer
+from pdjax.workload import WorkloadConfig, length_report, make_workload
+from pdjax.workload.chat_template import chat_prompt_ids
+from pdjax.workload.tokenizer import HFTokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHAREGPT = [
