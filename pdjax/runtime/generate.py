@@ -203,12 +203,11 @@ def run_generate(checkpoint: str, prompts_path, max_new_tokens: int, out_path, *
 
     Returns (tokens, logits or None, runner).
     """
+    prompts = None if texts else load_prompts(prompts_path)     # a bad prompts file fails before the model loads
     spec, params = load_model(checkpoint, dtype=dtype)
     tokenizer = None
     if texts:
         tokenizer, prompts = text_prompt_ids(checkpoint, texts, spec.vocab_size, chat=chat)
-    else:
-        prompts = load_prompts(prompts_path)
     budget = token_budget or max(chunk_size, min(len(prompts) * chunk_size, 512))
     buckets = generation_buckets(prompts, max_new_tokens, page_size, budget)
     num_pages = sum(-(-(len(p) + max_new_tokens) // page_size) for p in prompts)
