@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
-from pdjax.workload.chat_template import chat_prompt_ids  # noqa: E402
-from pdjax.workload.tokenizer import HFTokenizer  # noqa: E402
+from pdjax.workload.chat_template import chat_prompt_ids
+from pdjax.workload.tokenizer import HFTokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CKPT = REPO / "checkpoints/tiny-hf"
@@ -42,8 +42,9 @@ def test_generate_text_prompts_with_the_chat_template(tmp_path):
 
 def test_generate_text_prompt_needs_a_tokenizer(tmp_path):
     r = _run("experiments.generate", "--checkpoint=tiny-llama", "--prompt=hi", f"--out={tmp_path / 'o.json'}")
-    assert r.returncode == 2 and r.stderr.strip() == ("error: checkpoint 'tiny-llama' has no tokenizer (no "
-                                                      "tokenizer.json, not a byte model); pass --prompts with token ids")
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "error: checkpoint 'tiny-llama' has no tokenizer (no tokenizer.json, not a byte model); pass --prompts with "
+        "token ids")
 
 
 def _broken_copy(tmp_path, name, edit):
