@@ -1,22 +1,30 @@
 """The OpenAI-compatible HTTP app (FastAPI) over an EngineBridge.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (plain template, protocol.render_chat), GET /v1/models,
-GET /health (200 once the engine is warm, 503 before and after a failure), GET /metrics (Prometheus).
+Endpoints: POST /v1/completions, POST /v1/chat/completions (the model's chat template, pdjax.workload.chat_template;
+the plain one without), POST /tokenize and /detokenize (vLLM's), GET /v1/models (with max_model_len), GET /health
+(200 once the engine is warm, 503 before and after a failure), GET /metrics (Prometheus).
+
+Text: the model's Tokenizer (pdjax.workload.tokenizer.load_tokenizer, given to `create_app`; the byte tokenizer
+for a byte-vocabulary model when none is given) encodes text prompts and decodes outputs; its stop ids
+(generation_config.json's eos ids) end every request unless `ignore_eos`. A model without one takes token-id
+prompts and returns `token_ids` only (text is empty). Outputs are detokenized incrementally
+(pdjax.workload.detokenize: a streamed piece never ends inside a character, and the pieces join to the
+non-streamed text, which is built from the same stream).
 
 Input checks answer 400 with OpenAI's error body before the request reaches the engine (bad JSON, a wrong field
-type, n != 1, several prompts, an empty prompt, token ids outside the vocabulary, text without a tokenizer,
-max_tokens <= 0, prompt + max_tokens beyond max_model_len, stop tokens under async scheduling); an unknown model
-is 404; the queue bound is 429; not ready / shutting down is 503. Streaming (`stream: true`): one SSE chunk per
-output token, the last carrying the finish reason, then (stream_options.include_usage) a usage chunk, then
-`data: [DONE]`. A client that disconnects (stream cancelled, or a non-streaming request's connection closed)
-aborts its request in the engine at once. Stop strings are matched on the decoded text; the text streamed holds
-back what could still become a stop string and never includes it (OpenAI's rule); usage counts the tokens up to
-the one that completed it. Byte-level models (vocab 259, pdjax.workload.byte_tokenizer) take and return text;
-other models take token-id prompts and return `token_ids` only (text is empty).
+type, n != 1, several prompts, an empty prompt, token ids outside the vocabulary, text without a tokenizer, a chat
+template that raises, max_tokens <= 0, prompt + max_tokens beyond max_model_len, stop tokens under async
+scheduling); an unknown model is 404; the queue bound is 429; not ready / shutting down is 503. Streaming
+(`stream: true`): one SSE chunk per output token, the last carrying the finish reason, then
+(stream_options.include_usage) a usage chunk, then `data: [DONE]`. A client that disconnects (stream cancelled, or a
+non-streaming request's connection closed) aborts its request in the engine at once. Stop strings are matched on
+the decoded text (so they may span tokens); the text streamed holds back what could still become a stop string and
+never includes it (OpenAI's rule); usage counts the tokens up to the one that completed it.
 
 Layout: `CompletionService` holds every check and the generation flow (tests call it without HTTP); the routers
 (`status_router`: /health and /metrics, `models_router`: /v1/models, `completions_router`: both completions) are
-thin async functions that find the service on `request.app.state.service`; `create_app` wires them.
+thin async functions that find the service on `request.app.state.service` (`tokenize_router`: /tokenize and
+/detokenize); `create_app` wires them.
 """
 from __future__ import annotations
 

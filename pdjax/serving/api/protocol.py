@@ -7,6 +7,9 @@ field unless their value asks for nothing. Types are strict (a string where a nu
 is a 400, not coerced), except that an int is accepted where a float belongs. Responses are plain dicts in the
 OpenAI shapes (`text_completion`, `chat.completion`, their stream chunks); choices carry `token_ids` when the
 request asked for `return_token_ids` (vLLM's field: exact ids, as a byte-level text may not round-trip).
+
+Text fields (vLLM's): `skip_special_tokens` (both), `add_special_tokens` (completions), `add_generation_prompt`
+(chat); /tokenize and /detokenize take vLLM's bodies (TokenizeRequest, DetokenizeRequest).
 """
 from __future__ import annotations
 
