@@ -74,3 +74,45 @@ def test_greedy_tokens_equal_transformers():
         logits = model(torch.tensor([prompts[0]])).logits[0, -1].numpy()
     _, ours_logits = generate(runner, prompts[:1], 1, token_budget=128, return_logits=True)
     np.testing.assert_allclose(ours_logits[0], logits, rtol=1e-4, atol=1e-4)
+
+
+# A Llama-3 / Mistral style template: whitespace control, bos_token, namespace, tojson, loop controls, a
+# raise_exception branch, strftime_now; rendered by transformers and by pdjax from the same directory.
+TEMPLATE = """{{ bos_token }}
+{% set ns = namespace(sys='') %}
+{% for m in messages %}
+    {% if m['role'] == 'system' %}{% set ns.sys = m['content'] %}{% continue %}{% endif %}
+    {% if (m['role'] == 'user') != (loop.index0 % 2 == (1 if ns.sys else 0)) %}
+        {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+    {% endif %}
+    <|im_start|>{{ m['role'] }}
+{{ (ns.sys + '\\n\\n' if ns.sys and loop.index0 == 1 else '') + m['content'] | trim }}<|im_end|>
+    {% if m['role'] == 'assistant' %}{{ {'len': m['content'] | length, 'text': m['content']} | tojson }}{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_a_richer_template_renders_as_transformers_renders_it(tmp_path):
+    import json
+    import shutil
+
+    from pdjax.workload.chat_template import ChatTemplateError, render
+    for name in ("tokenizer.json", "generation_config.json", "config.json"):
+        shutil.copy(CKPT / name, tmp_path / name)
+    config = json.loads((CKPT / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE,
+                                                                "bos_token": "<|endoftext|>"}))
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = HFTokenizer(tmp_path)
+    for messages in CHATS:
+        for gen in (True, False):
+            want = hf.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False)
+            assert render(ours, messages, add_generation_prompt=gen) == want
+            assert chat_prompt_ids(ours, messages, add_generation_prompt=gen) == _ids(
+                hf.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True))
+    bad = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    with pytest.raises(Exception, match="must alternate"):
+        hf.apply_chat_template(bad, tokenize=False)
+    with pytest.raises(ChatTemplateError, match="must alternate"):
+        render(ours, bad)

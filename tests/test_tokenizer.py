@@ -176,6 +176,9 @@ def test_template_errors_are_one_line():
         render(tok, [{"role": "user", "content": "x"}])
     tok.chat_template = "{% if system_prompt is defined %}{{ system_prompt }}{% endif %}{{ messages[0].content }}"
     assert render(tok, [{"role": "user", "content": "x"}]) == "x"      # testing a missing variable is fine
+    tok.chat_template = ("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{% generation %}"
+                         "{{ m.content | tojson }}{% endgeneration %}{% endfor %}")
+    assert render(tok, [{"role": "user", "content": "中"}, {"role": "user", "content": "y"}]) == '"中"'
     tok.chat_template = "{{ ''.__class__.__mro__ }}"
     with pytest.raises(ChatTemplateError):                              # the sandbox
         render(tok, [{"role": "user", "content": "x"}])

@@ -3,7 +3,8 @@
     chat_prompt_ids(tokenizer, [{"role": "user", "content": "hi"}], add_generation_prompt=True) -> ids
 
 Rendering (`render`): jinja2's ImmutableSandboxedEnvironment (templates from a model directory are untrusted
-code) with trim_blocks, lstrip_blocks and the loopcontrols extension; the template sees `messages`,
+code) with trim_blocks, lstrip_blocks, the loopcontrols extension and transformers' `{% generation %}` block; the
+template sees `messages`,
 `add_generation_prompt`, the tokenizer's special tokens (`bos_token`, `eos_token`, `pad_token`, `unk_token`),
 `tools=None`, `documents=None`, and the globals `raise_exception(msg)` and `strftime_now(fmt)`; `tojson` dumps
 without HTML escaping (ensure_ascii=False), all as transformers' apply_chat_template. The rendered text is
@@ -53,6 +54,7 @@ def _strftime_now(fmt):
 def compile_template(source: str):
     """The compiled jinja2 Template of `source` (cached); ChatTemplateError naming the line on a syntax error."""
     import jinja2  # noqa: PLC0415 (optional until a template is used)
+    import jinja2.ext  # noqa: PLC0415 (as above)
     from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415 (as above)
 
     class PrintingUndefined(jinja2.Undefined):
@@ -62,8 +64,20 @@ def compile_template(source: str):
         def __str__(self):
             self._fail_with_undefined_error()
 
-    env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"], undefined=PrintingUndefined,
-                                        **JINJA_OPTIONS)
+    class GenerationBlock(jinja2.ext.Extension):
+        """transformers' `{% generation %}...{% endgeneration %}` (marks the assistant's tokens): renders its body."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols", GenerationBlock],
+                                        undefined=PrintingUndefined, **JINJA_OPTIONS)
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

@@ -159,8 +159,7 @@ class HFTokenizer:
         self.bos_token_id = self._id_of("bos_token")
         self.stop_token_ids = self._stop_ids()
         self.chat_template = _chat_template_of(self.directory, config)
-        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
-        self._byte_level = "ByteLevel" in json.dumps(decoder)
+        self._byte_level = "ByteLevel" in repr(self._tok.decoder)    # GPT-2 style bytes-as-characters tokens
 
     def _read_config(self) -> dict:
         path = self.directory / TOKENIZER_CONFIG_FILE
@@ -206,6 +205,7 @@ class HFTokenizer:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; ids past the tokenizer's vocabulary (a model's padded embedding rows) have none."""
         return self._tok.decode([int(t) for t in ids if 0 <= t < self.vocab_size],
                                 skip_special_tokens=skip_special_tokens)
 
