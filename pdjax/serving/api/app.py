@@ -39,12 +39,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdjax.config.sampling import SamplingParams
-from pdjax.serving.api import protocol
 from pdjax.workload import byte_tokenizer
+from pdjax.serving.api import protocol
+from pdjax.serving.api.bridge import Busy, EngineBridge, Unavailable, _Live
 from pdjax.workload.chat_template import ChatTemplateError, chat_prompt_ids
 from pdjax.workload.detokenize import TextStream
 from pdjax.workload.tokenizer import ByteTokenizer
-from pdjax.serving.api.bridge import Busy, EngineBridge, Unavailable, _Live
 
 OPENAI_FINISH = {"length": "length", "stop": "stop", "aborted": "abort"}
 DISCONNECT_POLL_S = 0.05    # a non-streaming request checks this often whether its client went away
