@@ -217,3 +217,13 @@ def test_tokenizer_modules_import_no_jax():
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="the pydoc topics text differs between Python versions")
+def test_shipped_tiny_hf_tokenizer_files_are_reproduced_by_its_trainer():
+    from pdjax.models import tiny_hf
+    pairs = tiny_hf.topics()
+    cut = int(round(len(pairs) * (1.0 - tiny_hf.TinyHFConfig().val_fraction)))
+    tok = train_tokenizer(tiny_hf.documents(pairs[:cut], tiny_hf.TinyHFConfig().answer_chars), 2048)
+    for name, text in tokenizer_files(tok).items():
+        assert (REPO / "checkpoints/tiny-hf" / name).read_text() == text, name
