@@ -22,12 +22,17 @@ setup(
         "safetensors>=0.4,<1",
         "matplotlib>=3.8,<4",
         "tqdm>=4.66,<5",
+        # Text for HF model directories (pdjax.workload.tokenizer: tokenizer.json; chat_template in jinja2's sandbox,
+        # as transformers renders it); tested with tokenizers 0.23.3, jinja2 3.1.6 (older jinja2 has sandbox escapes).
+        "tokenizers>=0.19,<1",
+        "jinja2>=3.1.6,<4",
     ],
     extras_require={
         "test": ["pytest>=8,<10", "hypothesis>=6.100,<7", "ruff==0.17.6"],   # ruff: pinned, its rules change
         # Sweeps on a cluster (python -m experiments.sweep --executor=ray); tested with ray 2.60.0.
         "cluster": ["ray[default]>=2.40,<3"],
-        # bench_throughput --backend=hf (PyTorch eager baseline, CPU); tested with torch 2.13.0+cpu and
+        # bench_throughput --backend=hf (PyTorch eager baseline, CPU) and tests/test_tiny_hf_parity.py (checkpoints/
+        # tiny-hf: same chat ids and greedy tokens as transformers); tested with torch 2.13.0+cpu and
         # transformers 5.24. Never installed by CI.
         "hf": ["torch>=2.2", "transformers>=4.45,<6"],
         # Ahead-of-time compilation for TPUs on any host (python -m experiments.aot_compile): libtpu, the real XLA

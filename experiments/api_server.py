@@ -4,7 +4,9 @@
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
         -d '{"model": "tiny-byte", "prompt": "def main(", "max_tokens": 32, "temperature": 0}'
 
-Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics (pdjax/serving/api). The
+Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics
+(pdjax/serving/api); text through the checkpoint's tokenizer and chat template (an HF directory's tokenizer.json,
+e.g. --config.model.checkpoint=checkpoints/tiny-hf; README "Serve your own HF model directory"). The
 deployment block, scheduler and engine keys are experiments.serve's; `server.max_queued_requests` bounds the
 requests held (429 beyond), `server.drain_timeout_s` is the SIGTERM grace period. SIGTERM / Ctrl-C stops the
 server and writes the run's result files (as experiments.serve's) to --workdir. The workload block is unused.

@@ -1,7 +1,12 @@
 """Offline greedy generation: python -m experiments.generate --checkpoint=DIR|SPEC --prompts=FILE.json
 --max_new_tokens=N --out=OUT.json [--chunk_size=C] [--dump_logits=PATH.npy]
 
-Prompts: a JSON list of token-id lists. OUT.json: {"tokens": [[...], ...]} in prompt order, written atomically.
+    python -m experiments.generate --checkpoint=checkpoints/tiny-hf --prompt="What is assert?" --chat \
+        --max_new_tokens=32 --out=/tmp/gen.json
+
+Prompts: a JSON list of token-id lists, or --prompt texts (repeatable) tokenized with the checkpoint's tokenizer
+(--chat: each one user message under its chat template). OUT.json: {"tokens": [[...], ...]} in prompt order,
+written atomically; with --prompt also "prompt_tokens" and "texts" (each output's text up to its first EOS id).
 --dump_logits: float32 [num_prompts, vocab] logits at each prompt's last position.
 """
 from __future__ import annotations
@@ -17,6 +22,8 @@ from pdjax.runtime.generate import run_generate
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", "tiny-llama", "HF or orbax checkpoint directory, or a registry spec name.")
 flags.DEFINE_string("prompts", None, "JSON file: a list of token-id lists.")
+flags.DEFINE_multi_string("prompt", [], "A text prompt (repeatable), tokenized with the checkpoint's tokenizer.")
+flags.DEFINE_bool("chat", False, "With --prompt: each prompt is a user message under the model's chat template.")
 flags.DEFINE_integer("max_new_tokens", 16, "Greedy tokens to generate per prompt.", lower_bound=0)
 flags.DEFINE_string("out", None, "Output JSON path ({'tokens': [[...], ...]}).")
 flags.DEFINE_integer("chunk_size", 64, "Prefill chunk size in tokens.", lower_bound=1)
@@ -47,8 +54,8 @@ def check_output_path(flag: str, path: str) -> None:
 def main(argv):
     if len(argv) > 1:
         raise cli.UserError(f"unexpected arguments {argv[1:]}")
-    if not FLAGS.prompts or not FLAGS.out:
-        raise cli.UserError("--prompts and --out are required")
+    if bool(FLAGS.prompts) == bool(FLAGS.prompt) or not FLAGS.out:
+        raise cli.UserError("--out and one of --prompts (a file of token ids) or --prompt (text) are required")
     check_output_path("out", FLAGS.out)             # before anything is loaded or generated
     if FLAGS.dump_logits:
         check_output_path("dump_logits", FLAGS.dump_logits)
@@ -57,10 +64,13 @@ def main(argv):
         tokens, _, runner = run_generate(
             FLAGS.checkpoint, FLAGS.prompts, FLAGS.max_new_tokens, FLAGS.out, chunk_size=FLAGS.chunk_size,
             token_budget=FLAGS.token_budget, page_size=FLAGS.page_size, dump_logits=FLAGS.dump_logits,
-            dtype=FLAGS.dtype, attention_impl=FLAGS.attention_impl)
+            dtype=FLAGS.dtype, attention_impl=FLAGS.attention_impl, texts=FLAGS.prompt, chat=FLAGS.chat)
     except (ValueError, OSError) as e:   # a bad prompts file or checkpoint: one line naming it
         raise cli.UserError(cli.one_line(e)) from None
-    print(json.dumps({"out": FLAGS.out, "num_prompts": len(tokens), "compile_count": runner.compile_count}))
+    summary = {"out": FLAGS.out, "num_prompts": len(tokens), "compile_count": runner.compile_count}
+    if FLAGS.prompt:
+        summary["texts"] = json.loads(pathlib.Path(FLAGS.out).read_text())["texts"]
+    print(json.dumps(summary, ensure_ascii=False))
 
 
 if __name__ == "__main__":

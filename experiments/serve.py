@@ -24,21 +24,24 @@ from pdjax.metrics import summarize_table
 from pdjax.procs import exit_now
 from pdjax.serving.distributed import (DistributedError, end_after_failure, initialize, make_coordinator,
                                        settings_from_env)
-from pdjax.workload import byte_tokenizer, describe_length_report
+from pdjax.workload import describe_length_report
+from pdjax.workload.tokenizer import load_tokenizer
 
 
 def sample_text_output(workdir: str):
-    """(request id, decoded text) of the output with the most letters when the model is byte-level; None otherwise."""
+    """(request id, decoded text) of the output with the most letters when the model has a tokenizer (pdjax.workload.
+    tokenizer.load_tokenizer); None otherwise."""
     path = os.path.join(workdir, "outputs.json")
     with open(os.path.join(workdir, "config.json")) as f:
         checkpoint = json.load(f).get("model", {}).get("checkpoint", "")
-    if not os.path.exists(path) or "byte" not in checkpoint:
+    tokenizer = load_tokenizer(checkpoint) if checkpoint else None
+    if not os.path.exists(path) or tokenizer is None:
         return None
     with open(path) as f:
         outputs = json.load(f)
     if not outputs:
         return None
-    texts = {rid: byte_tokenizer.decode(ids) for rid, ids in outputs.items()}
+    texts = {rid: tokenizer.decode(ids) for rid, ids in outputs.items()}
     rid = max(texts, key=lambda r: (sum(ch.isalpha() for ch in texts[r]), r))   # the most wordy one
     return rid, texts[rid]
 

@@ -200,12 +200,15 @@ def serve_config_from_dict(d: Mapping[str, Any]) -> ServeConfig:
         raise ValueError("workload.max_model_len is not a serve config key: the run has one max_model_len, "
                          "scheduler.max_model_len, and the workload's caps follow it")
     workload["max_model_len"] = scheduler.max_model_len
+    model = dataclass_from_dict(ModelConfig, d.get("model"), "model")
+    if workload.get("kind") == "dataset" and not workload.get("tokenizer"):
+        workload["tokenizer"] = model.checkpoint      # a dataset's text is tokenized by the model's tokenizer
     sim = d.get("sim")
     check_removed_sim_keys(sim)
     return ServeConfig(
         backend=backend,
         seed=coerce(int, d.get("seed", 0), "seed"),
-        model=dataclass_from_dict(ModelConfig, d.get("model"), "model"),
+        model=model,
         engine=dataclass_from_dict(EngineConfig, d.get("engine"), "engine"),
         scheduler=scheduler,
         workload=dataclass_from_dict(WorkloadConfig, workload, "workload"),

@@ -22,6 +22,8 @@ from pdjax.models.checkpoint import load_model
 from pdjax.runtime.batch import Buckets
 from pdjax.runtime.runner import ModelRunner
 from pdjax.scheduler.output import NONFINITE_LOGITS, SchedulerOutput
+from pdjax.workload.chat_template import chat_prompt_ids
+from pdjax.workload.tokenizer import load_tokenizer
 
 
 class NonFiniteLogitsError(ValueError):
@@ -174,15 +176,38 @@ def generate(runner, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, c
     return outputs, last_logits
 
 
+def text_prompt_ids(checkpoint: str, texts: Sequence[str], vocab_size: int, *, chat: bool = False):
+    """(the checkpoint's tokenizer, token ids of each text): encoded, or with chat=True each text one user message
+    under the model's chat template. ValueError naming the checkpoint when it has no tokenizer."""
+    tokenizer = load_tokenizer(checkpoint, vocab_size)
+    if tokenizer is None:
+        raise ValueError(f"checkpoint {checkpoint!r} has no tokenizer (no tokenizer.json, not a byte model); pass "
+                         "--prompts with token ids")
+    if chat:
+        return tokenizer, [chat_prompt_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    return tokenizer, [tokenizer.encode(t) for t in texts]
+
+
+def output_texts(tokenizer, outputs: Sequence[Sequence[int]]) -> List[str]:
+    """Text of each output, up to its first stop token (the model's EOS ids)."""
+    stops = set(tokenizer.stop_token_ids)
+    return [tokenizer.decode(ids[:next((i for i, t in enumerate(ids) if t in stops), len(ids))]) for ids in outputs]
+
+
 def run_generate(checkpoint: str, prompts_path, max_new_tokens: int, out_path, *, chunk_size: int = 64,
                  token_budget: int = 0, page_size: int = 16, dump_logits=None, dtype=None,
-                 attention_impl: str = "auto"):
-    """The body of `experiments.generate`: load, generate, write OUT.json (and logits) atomically.
+                 attention_impl: str = "auto", texts: Sequence[str] = (), chat: bool = False):
+    """The body of `experiments.generate`: load, generate, write OUT.json (and logits) atomically. Prompts are
+    the token-id lists of `prompts_path`, or `texts` tokenized with the checkpoint's tokenizer (and chat
+    template with chat=True); OUT.json then also holds the outputs' "texts".
 
     Returns (tokens, logits or None, runner).
     """
-    prompts = load_prompts(prompts_path)
+    prompts = None if texts else load_prompts(prompts_path)     # a bad prompts file fails before the model loads
     spec, params = load_model(checkpoint, dtype=dtype)
+    tokenizer = None
+    if texts:
+        tokenizer, prompts = text_prompt_ids(checkpoint, texts, spec.vocab_size, chat=chat)
     budget = token_budget or max(chunk_size, min(len(prompts) * chunk_size, 512))
     buckets = generation_buckets(prompts, max_new_tokens, page_size, budget)
     num_pages = sum(-(-(len(p) + max_new_tokens) // page_size) for p in prompts)
@@ -197,7 +222,10 @@ def run_generate(checkpoint: str, prompts_path, max_new_tokens: int, out_path, *
     tokens, logits = generate(runner, prompts, max_new_tokens, chunk_size=chunk_size, token_budget=budget,
                               return_logits=dump_logits is not None)
     pathlib.Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out_path, json.dumps({"tokens": tokens}))
+    result = {"tokens": tokens}
+    if tokenizer is not None:
+        result.update(prompt_tokens=prompts, texts=output_texts(tokenizer, tokens))
+    atomic_write_text(out_path, json.dumps(result, ensure_ascii=False))
     if dump_logits is not None:
         pathlib.Path(dump_logits).parent.mkdir(parents=True, exist_ok=True)
         with atomic_open(dump_logits, "wb") as f:

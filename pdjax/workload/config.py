@@ -15,7 +15,7 @@ from pdjax.workload.arrivals import ARRIVAL_KINDS
 from pdjax.workload.lengths import LengthDist, length_dist
 from pdjax.workload.presets import PRESETS
 
-WORKLOAD_KINDS = ("synthetic", "trace")
+WORKLOAD_KINDS = ("synthetic", "trace", "dataset")
 WORKLOAD_ARRIVALS = ARRIVAL_KINDS + ("trace",)
 PROMPT_SOURCES = ("random", "text")
 NO_CAP = "(0 = no cap)"
@@ -26,8 +26,13 @@ LENGTH_SAMPLING = ("joint", "independent")
 class WorkloadConfig:
     """A workload.
 
-    kind: 'synthetic' (lengths from `preset` or `prompt_len`/`output_len`) or 'trace' (lengths, and with
-      arrival='trace' also arrival times, from the CSV at `trace_path`, rows trace_start .. +num_requests).
+    kind: 'synthetic' (lengths from `preset` or `prompt_len`/`output_len`), 'trace' (lengths, and with
+      arrival='trace' also arrival times, from the CSV at `trace_path`, rows trace_start .. +num_requests), or
+      'dataset' (real text: the prompts or ShareGPT conversations of the JSON file at `dataset_path`, entries
+      trace_start on, tokenized with `tokenizer`'s tokenizer and chat template; pdjax.workload.dataset).
+    dataset_path / tokenizer: kind='dataset' only: the file, and the checkpoint directory whose tokenizer is used
+      ('' in a serve config: model.checkpoint). output_len, when set, gives the output lengths (a plain prompt
+      has no reply to measure).
     arrival: 'poisson' | 'gamma' (burstiness `cv`) | 'fixed' | 'offline' (all at t=0) | 'trace'.
     rate: mean arrival rate in requests/s (sessions start at rate/num_turns, see below).
     trace_time_scale: trace arrival times are multiplied by it (0.5 replays twice as fast).
@@ -82,6 +87,8 @@ class WorkloadConfig:
     turn_gap_s: float = number(0.0, low=0, note="(seconds)")
     prompt_source: str = one_of("random", PROMPT_SOURCES)
     text_path: str = text("", expected="a path string ('' = the stdlib pydoc topics text)")
+    dataset_path: str = text("", expected="a path string (kind='dataset')")
+    tokenizer: str = text("", expected="a checkpoint directory with a tokenizer (kind='dataset')")
 
     def __post_init__(self):
         def bad(field, expected):
@@ -112,7 +119,11 @@ class WorkloadConfig:
                 bad("kind", "'synthetic' when preset/prompt_len/output_len are set (a trace brings its own lengths)")
             if self.num_turns != 1:
                 bad("num_turns", "1 for kind='trace'")
-        if self.fit_to_model and not self.max_model_len:
+        if self.kind == "dataset":
+            self._check_dataset(bad)
+        elif self.dataset_path or self.tokenizer:
+            bad("dataset_path" if self.dataset_path else "tokenizer", "'' unless kind='dataset'")
+        if self.fit_to_model and not self.max_model_len and self.kind == "synthetic":
             bad("max_model_len", "> 0 when fit_to_model=True")
         if self.max_model_len == 1:
             bad("max_model_len", "0 (no cap) or an int >= 2")
@@ -130,6 +141,16 @@ class WorkloadConfig:
         if prompt_cap is not None and self.shared_prefix_len >= prompt_cap:
             bad("shared_prefix_len", f"< the prompt cap {prompt_cap} (min of max_prompt_len, max_model_len - 1), "
                 "leaving room for at least one token of the request's own")
+
+    def _check_dataset(self, bad) -> None:
+        if not self.dataset_path:
+            bad("dataset_path", "the path of a JSON file of prompts or ShareGPT conversations for kind='dataset'")
+        if not self.tokenizer:
+            bad("tokenizer", "a checkpoint directory with a tokenizer for kind='dataset'")
+        if self.preset or self.prompt_len is not None:
+            bad("kind", "'synthetic' when preset/prompt_len are set (a dataset brings its own prompts)")
+        if self.num_turns != 1:
+            bad("num_turns", "1 for kind='dataset'")
 
     @property
     def prompt_cap(self) -> Optional[int]:

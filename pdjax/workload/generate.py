@@ -8,17 +8,20 @@ Request ids: 'r{i}' in arrival order for single-turn workloads, 's{session}t{tur
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from pdjax.workload.arrivals import arrival_times
 from pdjax.workload.config import WorkloadConfig
+from pdjax.workload.dataset import dataset_requests
 from pdjax.workload.lengths import LengthDist, is_pairable, sample_length_pairs
 from pdjax.workload.presets import get_preset
 from pdjax.workload.request import WorkloadRequest
 from pdjax.workload.tokens import (STREAM_ANSWER, STREAM_BLOCK, STREAM_BODY, STREAM_PREFIX, hashed_token_ids,
                                    load_text_bytes, text_token_ids)
+from pdjax.workload.tokenizer import load_tokenizer
 from pdjax.workload.traces import Trace, load_trace
 
 _RNG_PROMPT, _RNG_OUTPUT, _RNG_ARRIVAL, _RNG_SESSION = 1, 2, 3, 4
@@ -69,9 +72,24 @@ def _token_ids(cfg: WorkloadConfig, seed: int, stream: int, key: int, length: in
     return hashed_token_ids(seed, stream, key, length, cfg.vocab_size, cfg.allowed_token_ids)
 
 
+def _dataset_tokenizer(cfg: WorkloadConfig):
+    return _tokenizer_of(cfg.tokenizer)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_of(checkpoint: str):
+    tokenizer = load_tokenizer(checkpoint)
+    if tokenizer is None:
+        raise ValueError(f"workload.tokenizer={checkpoint!r} has no tokenizer (no tokenizer.json, not a byte "
+                         "model); kind='dataset' needs one to tokenize its text")
+    return tokenizer
+
+
 def _token_bound(cfg: WorkloadConfig) -> Tuple[int, int]:
-    """(lo, hi) bounding every id _token_ids makes for cfg: bytes for 'text', else [0, vocab_size) or the
-    allowed ids."""
+    """(lo, hi) bounding every id _token_ids makes for cfg: bytes for 'text', the tokenizer's ids for
+    'dataset', else [0, vocab_size) or the allowed ids."""
+    if cfg.kind == "dataset":
+        return 0, _dataset_tokenizer(cfg).vocab_size - 1
     if cfg.prompt_source == "text":
         return 0, 255
     if cfg.allowed_token_ids:
@@ -187,11 +205,13 @@ def length_report(cfg: Any, requests: Sequence[WorkloadRequest]) -> Dict[str, An
     cfg = WorkloadConfig.from_dict(cfg)
     if cfg.kind == "trace":
         source, scale = f"trace {cfg.trace_path}", float(cfg.scale)
+    elif cfg.kind == "dataset":
+        source, scale = f"dataset {cfg.dataset_path}", float(cfg.scale)
     else:
         source = f"preset {cfg.preset}" if cfg.preset and cfg.prompt_len is None else "length distributions"
         scale = _resolve_scale(cfg, _source_dists(cfg)[2])
     return {
-        "source": source, "scale": scale, "fit_to_model": bool(cfg.fit_to_model and cfg.kind != "trace"),
+        "source": source, "scale": scale, "fit_to_model": bool(cfg.fit_to_model and cfg.kind == "synthetic"),
         "prompt_cap": cfg.prompt_cap, "max_output_len": cfg.max_output_len or None, "num_requests": len(requests),
         "num_prompts_cut": sum(r.num_prompt_tokens < r.uncapped_prompt_len for r in requests),
         "num_outputs_cut": sum(r.max_tokens < r.uncapped_output_len for r in requests)}
@@ -229,6 +249,9 @@ def make_workload(cfg: Any, seed: Optional[int] = None) -> List[WorkloadRequest]
 def _make_workload(cfg: WorkloadConfig, seed: int) -> List[WorkloadRequest]:
     if cfg.kind == "trace":
         return _from_trace(cfg, seed, load_trace(cfg.trace_path))
+    if cfg.kind == "dataset":
+        return dataset_requests(cfg, _dataset_tokenizer(cfg), rng_outputs=np.random.default_rng([seed, _RNG_OUTPUT]),
+                                rng_arrivals=np.random.default_rng([seed, _RNG_ARRIVAL]))
     prompt, output, fit_total = _source_dists(cfg)
     scale = _resolve_scale(cfg, fit_total)
     if cfg.num_turns > 1:

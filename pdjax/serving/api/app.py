@@ -1,27 +1,34 @@
 """The OpenAI-compatible HTTP app (FastAPI) over an EngineBridge.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (plain template, protocol.render_chat), GET /v1/models,
-GET /health (200 once the engine is warm, 503 before and after a failure), GET /metrics (Prometheus).
+Endpoints: POST /v1/completions, POST /v1/chat/completions (the model's chat template, pdjax.workload.chat_template;
+the plain one without), POST /tokenize and /detokenize (vLLM's), GET /v1/models (with max_model_len), GET /health
+(200 once the engine is warm, 503 before and after a failure), GET /metrics (Prometheus).
+
+Text: the model's Tokenizer (pdjax.workload.tokenizer.load_tokenizer, given to `create_app`; the byte tokenizer
+for a byte-vocabulary model when none is given) encodes text prompts and decodes outputs; its stop ids
+(generation_config.json's eos ids) end every request unless `ignore_eos`. A model without one takes token-id
+prompts and returns `token_ids` only (text is empty). Outputs are detokenized incrementally
+(pdjax.workload.detokenize: a streamed piece never ends inside a character, and the pieces join to the
+non-streamed text, which is built from the same stream).
 
 Input checks answer 400 with OpenAI's error body before the request reaches the engine (bad JSON, a wrong field
-type, n != 1, several prompts, an empty prompt, token ids outside the vocabulary, text without a tokenizer,
-max_tokens <= 0, prompt + max_tokens beyond max_model_len, stop tokens under async scheduling); an unknown model
-is 404; the queue bound is 429; not ready / shutting down is 503. Streaming (`stream: true`): one SSE chunk per
-output token, the last carrying the finish reason, then (stream_options.include_usage) a usage chunk, then
-`data: [DONE]`. A client that disconnects (stream cancelled, or a non-streaming request's connection closed)
-aborts its request in the engine at once. Stop strings are matched on the decoded text; the text streamed holds
-back what could still become a stop string and never includes it (OpenAI's rule); usage counts the tokens up to
-the one that completed it. Byte-level models (vocab 259, pdjax.workload.byte_tokenizer) take and return text;
-other models take token-id prompts and return `token_ids` only (text is empty).
+type, n != 1, several prompts, an empty prompt, token ids outside the vocabulary, text without a tokenizer, a chat
+template that raises, max_tokens <= 0, prompt + max_tokens beyond max_model_len, stop tokens under async
+scheduling); an unknown model is 404; the queue bound is 429; not ready / shutting down is 503. Streaming
+(`stream: true`): one SSE chunk per output token, the last carrying the finish reason, then
+(stream_options.include_usage) a usage chunk, then `data: [DONE]`. A client that disconnects (stream cancelled, or a
+non-streaming request's connection closed) aborts its request in the engine at once. Stop strings are matched on
+the decoded text (so they may span tokens); the text streamed holds back what could still become a stop string and
+never includes it (OpenAI's rule); usage counts the tokens up to the one that completed it.
 
 Layout: `CompletionService` holds every check and the generation flow (tests call it without HTTP); the routers
 (`status_router`: /health and /metrics, `models_router`: /v1/models, `completions_router`: both completions) are
-thin async functions that find the service on `request.app.state.service`; `create_app` wires them.
+thin async functions that find the service on `request.app.state.service` (`tokenize_router`: /tokenize and
+/detokenize); `create_app` wires them.
 """
 from __future__ import annotations
 
 import asyncio
-import codecs
 import json
 import secrets
 import time
@@ -35,6 +42,9 @@ from pdjax.config.sampling import SamplingParams
 from pdjax.workload import byte_tokenizer
 from pdjax.serving.api import protocol
 from pdjax.serving.api.bridge import Busy, EngineBridge, Unavailable, _Live
+from pdjax.workload.chat_template import ChatTemplateError, chat_prompt_ids
+from pdjax.workload.detokenize import TextStream
+from pdjax.workload.tokenizer import ByteTokenizer
 
 OPENAI_FINISH = {"length": "length", "stop": "stop", "aborted": "abort"}
 DISCONNECT_POLL_S = 0.05    # a non-streaming request checks this often whether its client went away
@@ -64,40 +74,6 @@ def _validation_message(exc: RequestValidationError) -> Tuple[str, Optional[str]
     value = e.get("input")
     shown = json.dumps(value)[:60] if isinstance(value, (str, int, float, bool, list, dict, type(None))) else "?"
     return f"{param or 'body'}: {e.get('msg', 'invalid value')} (got {shown})", param
-
-
-class TextStream:
-    """Incremental detokenization with stop strings: add(token) -> (text to send, stop string hit)."""
-
-    def __init__(self, byte_level: bool, stops: Sequence[str]):
-        self.byte_level = byte_level
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.stops = [s for s in stops if s]
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.text = ""
-        self.sent = 0
-
-    def add(self, token_id: int) -> Tuple[str, bool]:
-        if self.byte_level and 0 <= token_id < byte_tokenizer.NUM_BYTES:
-            self.text += self.decoder.decode(bytes([token_id]))
-        if self.stops:
-            hits = [i for i in (self.text.find(s, self.sent) for s in self.stops) if i >= 0]
-            if hits:
-                end = min(hits)
-                piece, self.sent = self.text[self.sent:end], end
-                self.text = self.text[:end]
-                return piece, True
-        upto = len(self.text) - self.hold
-        if upto <= self.sent:
-            return "", False
-        piece, self.sent = self.text[self.sent:upto], upto
-        return piece, False
-
-    def flush(self) -> str:
-        """The held-back text, at the end of a request that no stop string ended."""
-        self.text += self.decoder.decode(b"", final=True)
-        piece, self.sent = self.text[self.sent:], len(self.text)
-        return piece
 
 
 class Reply:
@@ -138,9 +114,18 @@ class CompletionService:
     """What the endpoints do, without HTTP: input checks (raising ApiError), submitting to the bridge, the event
     stream of a request, its streamed or whole answer."""
 
-    def __init__(self, bridge: EngineBridge, *, model_name: str, eos_token_id: int = -1):
+    def __init__(self, bridge: EngineBridge, *, model_name: str, eos_token_id: int = -1, tokenizer=None):
         self.bridge, self.model_name, self.eos_token_id = bridge, model_name, eos_token_id
+        self._tokenizer = tokenizer
         self.created = int(time.time())
+
+    @property
+    def tokenizer(self):
+        """The model's Tokenizer (pdjax.workload.tokenizer), the byte one for a byte-vocabulary model when none
+        was given, or None (token ids only)."""
+        if self._tokenizer is None and self.bridge.vocab_size == byte_tokenizer.VOCAB_SIZE:
+            self._tokenizer = ByteTokenizer()
+        return self._tokenizer
 
     # ---- status
     def health(self) -> Tuple[int, dict]:
@@ -159,9 +144,6 @@ class CompletionService:
         return {"object": "list", "data": [card]}
 
     # ---- input checks
-    def byte_level(self) -> bool:
-        return self.bridge.vocab_size == byte_tokenizer.VOCAB_SIZE
-
     def check_ready(self) -> None:
         if self.bridge.failed is not None:
             raise ApiError(503, f"the engine failed: {self.bridge.failed}", type_="service_unavailable")
@@ -169,7 +151,7 @@ class CompletionService:
             raise ApiError(503, "the engine is still warming up; retry when /health answers 200",
                            type_="service_unavailable")
 
-    def prompt_ids(self, prompt) -> List[int]:
+    def prompt_ids(self, prompt, add_special_tokens: bool = True) -> List[int]:
         self.check_ready()
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -177,32 +159,40 @@ class CompletionService:
                                param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            if not self.byte_level():
+            if self.tokenizer is None:
                 raise ApiError(400, "prompt: this model has no tokenizer; send the prompt as token ids",
                                param="prompt")
-            ids = byte_tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
-            ids = list(prompt)
-            vocab = self.bridge.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})",
-                               param="prompt")
+            ids = self.check_ids(list(prompt), "prompt")
         if not ids:
             raise ApiError(400, "prompt: empty prompt, expected at least one token", param="prompt")
         return ids
 
-    def chat_prompt_ids(self, body: protocol.ChatCompletionRequest) -> List[int]:
-        if not self.byte_level():
+    def check_ids(self, ids: List[int], param: str) -> List[int]:
+        vocab = self.bridge.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab})", param=param)
+        return ids
+
+    def chat_prompt_ids(self, body, add_generation_prompt: bool = True) -> List[int]:
+        """Token ids of a chat request's messages under the model's chat template (or the plain one)."""
+        self.check_ready()
+        if self.tokenizer is None:
             raise ApiError(400, "messages: this model has no tokenizer for chat; use /v1/completions with token ids",
                            param="messages")
-        return self.prompt_ids(protocol.render_chat(body.messages))
+        try:
+            ids = chat_prompt_ids(self.tokenizer, body.messages, add_generation_prompt=add_generation_prompt)
+        except ChatTemplateError as e:
+            raise ApiError(400, f"messages: {e}", param="messages") from None
+        if not ids:
+            raise ApiError(400, "messages: the chat template rendered an empty prompt", param="messages")
+        return ids
 
     def _check_lengths(self, body, ids: List[int], max_tokens: Optional[int]) -> int:
         """The request's model, n and length checks; returns max_tokens (the rest of the context if not given)."""
-        if body.model is not None and body.model != self.model_name:
-            raise ApiError(404, f"The model `{body.model}` does not exist (this server serves `{self.model_name}`)",
-                           type_="NotFoundError", param="model")
+        self._check_model(body.model)
         if body.n != 1:
             raise ApiError(400, f"n: {body.n} choices; this server returns n=1 only", param="n")
         for name in protocol.unsupported_fields(body):
@@ -222,13 +212,14 @@ class CompletionService:
     def sampling_params(self, body, ids: List[int], max_tokens: Optional[int]) -> Tuple[SamplingParams, List[str]]:
         max_tokens = self._check_lengths(body, ids, max_tokens)
         stop_ids = list(body.stop_token_ids or ())
-        if self.eos_token_id >= 0 and not body.ignore_eos:
-            stop_ids.append(self.eos_token_id)
+        if not body.ignore_eos:
+            stop_ids += [t for t in (self.eos_token_id,) if t >= 0]
+            stop_ids += list(self.tokenizer.stop_token_ids if self.tokenizer is not None else ())
         if stop_ids and self.bridge.async_scheduling:
             raise ApiError(400, "stop_token_ids / EOS under engine.async_scheduling=True: requests must run to "
                            "max_tokens (send ignore_eos=true, no stop_token_ids)", param="stop_token_ids")
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
-        if stops and not self.byte_level():
+        if stops and self.tokenizer is None:
             raise ApiError(400, "stop: this model has no tokenizer; use stop_token_ids", param="stop")
         top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
         seed = body.seed if body.seed is not None else secrets.randbits(31)
@@ -240,6 +231,37 @@ class CompletionService:
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         return params, stops
+
+    # ---- /tokenize, /detokenize (vLLM's)
+    def _check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist (this server serves `{self.model_name}`)",
+                           type_="NotFoundError", param="model")
+
+    def tokenize(self, body: protocol.TokenizeRequest) -> dict:
+        """{count, max_model_len, tokens[, token_strs]} of a prompt or of chat messages."""
+        self.check_ready()
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "tokenize: send exactly one of prompt (text) and messages (chat)", param="prompt")
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer (its directory has no tokenizer.json)", param="prompt")
+        if body.prompt is not None:
+            add = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = self.tokenizer.encode(body.prompt, add_special_tokens=add)
+        else:
+            ids = self.chat_prompt_ids(body, body.add_generation_prompt)
+        out = {"count": len(ids), "max_model_len": self.bridge.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = [self.tokenizer.id_to_token(t) for t in ids]
+        return out
+
+    def detokenize(self, body: protocol.DetokenizeRequest) -> dict:
+        self.check_ready()
+        self._check_model(body.model)
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer (its directory has no tokenizer.json)", param="tokens")
+        return {"prompt": self.tokenizer.decode(self.check_ids(list(body.tokens), "tokens"))}
 
     # ---- generation
     def submit(self, ids: List[int], params: SamplingParams, prefix: str) -> _Live:
@@ -253,14 +275,16 @@ class CompletionService:
     async def events(self, live: _Live, stops: Sequence[str]):
         """(text piece, token id or None, openai finish reason or None, tokens so far) per event, ending at the
         finish."""
-        detok = TextStream(self.byte_level(), stops)
+        detok = TextStream(self.tokenizer, stops, live.req.prompt_token_ids,
+                           skip_special_tokens=live.skip_special_tokens)
         count = 0
         while True:
             kind, value, reason = await live.queue.get()
             if kind == "error":
                 raise ApiError(500 if self.bridge.failed else 400, value, type_="engine_error")
             if kind == "finish":
-                yield detok.flush(), None, OPENAI_FINISH.get(value, value), count
+                piece, hit = detok.flush()
+                yield piece, None, "stop" if hit else OPENAI_FINISH.get(value, value), count
                 return
             count += 1
             piece, hit = detok.add(value)
@@ -269,7 +293,8 @@ class CompletionService:
                 yield piece, value, "stop", count
                 return
             if reason is not None:
-                piece += detok.flush()
+                rest, hit = detok.flush()
+                piece, reason = piece + rest, "stop" if hit else reason
             yield piece, value, OPENAI_FINISH.get(reason, reason) if reason else None, count
             if reason is not None:
                 return
@@ -335,6 +360,7 @@ class CompletionService:
         """Check, submit and answer one request: a StreamingResponse (`body.stream`) or the whole answer."""
         params, stops = self.sampling_params(body, ids, max_tokens)
         live = self.submit(ids, params, "chatcmpl" if chat else "cmpl")
+        live.skip_special_tokens = body.skip_special_tokens
         reply = Reply(live.req.request_id, self.model_name, chat=chat, want_ids=body.return_token_ids)
         if not body.stream:
             return await self.whole(live, stops, reply, len(ids), is_disconnected)
@@ -351,6 +377,7 @@ def _service(request: Request) -> CompletionService:
 status_router = APIRouter()
 models_router = APIRouter()
 completions_router = APIRouter()
+tokenize_router = APIRouter()
 
 
 @status_router.get("/health")
@@ -373,7 +400,8 @@ async def models(request: Request):
 @completions_router.post("/v1/completions")
 async def completions(body: protocol.CompletionRequest, raw: Request):
     service = _service(raw)
-    return await service.generate(body, service.prompt_ids(body.prompt), body.max_tokens, chat=False,
+    return await service.generate(body, service.prompt_ids(body.prompt, body.add_special_tokens), body.max_tokens,
+                                  chat=False,
                                   is_disconnected=raw.is_disconnected)
 
 
@@ -381,8 +409,19 @@ async def completions(body: protocol.CompletionRequest, raw: Request):
 async def chat_completions(body: protocol.ChatCompletionRequest, raw: Request):
     service = _service(raw)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return await service.generate(body, service.chat_prompt_ids(body), max_tokens, chat=True,
+    return await service.generate(body, service.chat_prompt_ids(body, body.add_generation_prompt), max_tokens,
+                                  chat=True,
                                   is_disconnected=raw.is_disconnected)
+
+
+@tokenize_router.post("/tokenize")
+async def tokenize(body: protocol.TokenizeRequest, raw: Request):
+    return _service(raw).tokenize(body)
+
+
+@tokenize_router.post("/detokenize")
+async def detokenize(body: protocol.DetokenizeRequest, raw: Request):
+    return _service(raw).detokenize(body)
 
 
 async def _bad_request(request: Request, exc: RequestValidationError):
@@ -400,11 +439,14 @@ async def _api_error(request: Request, exc: ApiError):
     return _error_response(exc.status, exc.message, exc.type_, exc.param)
 
 
-def create_app(bridge: EngineBridge, *, model_name: str, eos_token_id: int = -1) -> FastAPI:
+def create_app(bridge: EngineBridge, *, model_name: str, eos_token_id: int = -1, tokenizer=None) -> FastAPI:
+    """The app; tokenizer: the model's (pdjax.workload.tokenizer.load_tokenizer), None for token ids only (the
+    byte tokenizer is still used for a byte-vocabulary model)."""
     app = FastAPI(title="pdjax OpenAI-compatible server")
-    app.state.service = CompletionService(bridge, model_name=model_name, eos_token_id=eos_token_id)
+    app.state.service = CompletionService(bridge, model_name=model_name, eos_token_id=eos_token_id,
+                                          tokenizer=tokenizer)
     app.add_exception_handler(RequestValidationError, _bad_request)
     app.add_exception_handler(ApiError, _api_error)
-    for router in (status_router, models_router, completions_router):
+    for router in (status_router, models_router, completions_router, tokenize_router):
         app.include_router(router)
     return app

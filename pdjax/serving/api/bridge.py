@@ -47,6 +47,7 @@ class _Live:
     instance: str = ""
     token_times: List[float] = dataclasses.field(default_factory=list)
     done: bool = False
+    skip_special_tokens: bool = True     # the request's text leaves special tokens out (vLLM's field)
 
     def push(self, event: tuple) -> None:
         _post(self.loop, [(self.queue, event)])

@@ -7,12 +7,17 @@ field unless their value asks for nothing. Types are strict (a string where a nu
 is a 400, not coerced), except that an int is accepted where a float belongs. Responses are plain dicts in the
 OpenAI shapes (`text_completion`, `chat.completion`, their stream chunks); choices carry `token_ids` when the
 request asked for `return_token_ids` (vLLM's field: exact ids, as a byte-level text may not round-trip).
+
+Text fields (vLLM's): `skip_special_tokens` (both), `add_special_tokens` (completions), `add_generation_prompt`
+(chat); /tokenize and /detokenize take vLLM's bodies (TokenizeRequest, DetokenizeRequest).
 """
 from __future__ import annotations
 
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from pdjax.workload.chat_template import plain_chat
 
 Number = Union[StrictInt, float]
 
@@ -59,6 +64,7 @@ class _SamplingFields(_Body):
     ignore_eos: StrictBool = False
     n: StrictInt = 1
     return_token_ids: StrictBool = False
+    skip_special_tokens: StrictBool = True     # vLLM's: the text leaves special tokens out
     user: Optional[StrictStr] = None
 
 
@@ -66,6 +72,7 @@ class CompletionRequest(_SamplingFields):
     """POST /v1/completions: prompt as text, as token ids, or a one-element list of either."""
     prompt: Union[StrictStr, List[StrictInt], List[StrictStr], List[List[StrictInt]]]
     max_tokens: Optional[StrictInt] = 16
+    add_special_tokens: StrictBool = True      # vLLM's: the tokenizer's BOS etc. around a text prompt
 
 
 class ContentPart(_Body):
@@ -79,10 +86,28 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    """POST /v1/chat/completions: messages rendered by the plain template (`render_chat`)."""
+    """POST /v1/chat/completions: messages rendered by the model's chat template (pdjax.workload.chat_template),
+    or the plain one (`render_chat`) for a model without one."""
     messages: List[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[StrictInt] = None
     max_completion_tokens: Optional[StrictInt] = None
+    add_generation_prompt: StrictBool = True   # vLLM's: end the prompt where the assistant's answer starts
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's): a text `prompt`, or chat `messages` rendered by the chat template."""
+    model: Optional[StrictStr] = None
+    prompt: Optional[StrictStr] = None
+    messages: Optional[List[ChatMessage]] = None
+    add_special_tokens: Optional[StrictBool] = None    # default: True for a prompt, False for messages
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's): token ids -> {"prompt": text}."""
+    model: Optional[StrictStr] = None
+    tokens: List[StrictInt]
 
 
 def message_text(message: ChatMessage) -> str:
@@ -95,7 +120,7 @@ def message_text(message: ChatMessage) -> str:
 
 def render_chat(messages: List[ChatMessage]) -> str:
     """The plain chat template for models without one: one 'role: content' line per message, then 'assistant:'."""
-    return "".join(f"{m.role}: {message_text(m)}\n" for m in messages) + "assistant:"
+    return plain_chat([{"role": m.role, "content": message_text(m)} for m in messages])
 
 
 def error_body(message: str, *, type_: str = "invalid_request_error", param: Optional[str] = None,

@@ -33,6 +33,8 @@ from pdjax.experiment.run import prepare_experiment
 from pdjax.serving.api.app import create_app
 from pdjax.serving.api.bridge import EngineBridge
 from pdjax.serving.online import WarmupCancelled
+from pdjax.workload.chat_template import ChatTemplateError, compile_template
+from pdjax.workload.tokenizer import TokenizerError, load_tokenizer
 
 SWITCH_INTERVAL_S = 0.0005
 END_GRACE_S = 5.0   # after the drain deadline: time for the ended requests to send their last chunk and [DONE]
@@ -79,8 +81,14 @@ def serve(config: Any, workdir: str, *, host: str = "127.0.0.1", port: int = 800
     if cfg.backend != "real":
         raise UserError(f"backend={cfg.backend!r}: the API server serves the real engine (backend='real')")
     name = model_name_of(cfg)
+    try:    # a bad tokenizer file or one that disagrees with the model: one line, before anything compiles
+        tokenizer = load_tokenizer(cfg.model.checkpoint)
+        if tokenizer is not None and tokenizer.chat_template:
+            compile_template(tokenizer.chat_template)
+    except (TokenizerError, ChatTemplateError) as e:
+        raise UserError(f"model.checkpoint={cfg.model.checkpoint!r}: {e}") from None
     bridge = EngineBridge(max_queued=cfg.server.max_queued_requests)
-    app = create_app(bridge, model_name=name, eos_token_id=cfg.model.eos_token_id)
+    app = create_app(bridge, model_name=name, eos_token_id=cfg.model.eos_token_id, tokenizer=tokenizer)
     drain_s = cfg.server.drain_timeout_s
     server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                                             timeout_graceful_shutdown=drain_s + END_GRACE_S),
