@@ -70,6 +70,18 @@ def _stopper(bridge: EngineBridge, drain_timeout_s: float):
     return on_stop
 
 
+def checked_tokenizer(checkpoint: str):
+    """The checkpoint's tokenizer (None: token ids only) with its chat template compiled; a bad tokenizer file or
+    one that disagrees with the model is a one-line UserError, before anything compiles."""
+    try:
+        tokenizer = load_tokenizer(checkpoint)
+        if tokenizer is not None and tokenizer.chat_template:
+            compile_template(tokenizer.chat_template)
+    except (TokenizerError, ChatTemplateError) as e:
+        raise UserError(f"model.checkpoint={checkpoint!r}: {e}") from None
+    return tokenizer
+
+
 def model_name_of(cfg) -> str:
     return cfg.server.model_name or os.path.basename(os.path.normpath(cfg.model.checkpoint))
 
@@ -81,12 +93,7 @@ def serve(config: Any, workdir: str, *, host: str = "127.0.0.1", port: int = 800
     if cfg.backend != "real":
         raise UserError(f"backend={cfg.backend!r}: the API server serves the real engine (backend='real')")
     name = model_name_of(cfg)
-    try:    # a bad tokenizer file or one that disagrees with the model: one line, before anything compiles
-        tokenizer = load_tokenizer(cfg.model.checkpoint)
-        if tokenizer is not None and tokenizer.chat_template:
-            compile_template(tokenizer.chat_template)
-    except (TokenizerError, ChatTemplateError) as e:
-        raise UserError(f"model.checkpoint={cfg.model.checkpoint!r}: {e}") from None
+    tokenizer = checked_tokenizer(cfg.model.checkpoint)
     bridge = EngineBridge(max_queued=cfg.server.max_queued_requests)
     app = create_app(bridge, model_name=name, eos_token_id=cfg.model.eos_token_id, tokenizer=tokenizer)
     drain_s = cfg.server.drain_timeout_s
