@@ -58,11 +58,15 @@ class StepRates:
         for rec in itertools.islice(records, self._seen, None):
             seconds = rec.end_time - rec.start_time
             if rec.num_prefill_tokens and not rec.num_decode_tokens:
-                x = seconds / rec.num_prefill_tokens
-                self.prefill_s_per_token = x if not self.prefill_s_per_token else (1 - a) * self.prefill_s_per_token + a * x
+                self.prefill_s_per_token = _ewma(self.prefill_s_per_token, seconds / rec.num_prefill_tokens, a)
             elif rec.num_decode_tokens and not rec.num_prefill_tokens:
-                self.decode_step_s = seconds if not self.decode_step_s else (1 - a) * self.decode_step_s + a * seconds
+                self.decode_step_s = _ewma(self.decode_step_s, seconds, a)
         self._seen = len(records)
+
+
+def _ewma(old: float, x: float, alpha: float) -> float:
+    """The moving average after sample x (the first sample, or a prior, when old is 0)."""
+    return x if not old else (1 - alpha) * old + alpha * x
 
 
 def reject_request(req, reason: str, now: Optional[float] = None) -> None:
