@@ -168,12 +168,14 @@ class Admission:
         return f"{LATE_PREFIX} decode instance {dst.name} load {load:.3f} > admission_handoff_load {self.handoff_load}"
 
     def summary(self) -> dict:
-        """For results.json: the policy, thresholds, the learned rates and the decisions' counts."""
+        """For results.json: the policy, thresholds, the learned rates and the decisions' counts (decision_switches:
+        how often consecutive arrivals' decisions changed between admit and reject, the rule's oscillation)."""
         arrivals = [x for x in self.decisions if x[2] == "arrival"]
         handoffs = [x for x in self.decisions if x[2] == "handoff"]
         return {"policy": self.policy, "threshold": self.threshold, "handoff_load": self.handoff_load,
                 "prefill_s_per_token": self.rates.prefill_s_per_token, "decode_step_s": self.rates.decode_step_s,
                 "arrivals_rejected": sum(not x[4] for x in arrivals), "arrivals_checked": len(arrivals),
+                "decision_switches": sum(a[4] != b[4] for a, b in zip(arrivals, arrivals[1:])),
                 "handoffs_rejected": sum(not x[4] for x in handoffs), "handoffs_checked": len(handoffs)}
 
 

@@ -13,8 +13,10 @@ The issue's rule ("the prefill:decode ratio adjusted online from queue lengths")
   (routing.InstanceRouter.prefill_load) exceed `prefill_queue_tokens`; the decode side when the mean
   pdjax.scheduler.mixed.decode_load (KV pages in use or owed / pages, live sequences / slots) of its serving
   instances exceeds `decode_load`.
-- A side over its threshold continuously for `window_s` seconds while the other side is not over, with no flip in
-  progress and at least two serving instances on the other side, takes one: the other side's least-loaded serving
+- A side over its threshold continuously for `window_s` seconds, with no flip in progress, takes one instance of
+  the other side if that side can spare one: at least two serving instances, and its pressure spread over one
+  instance less (x n / (n - 1)) still within its threshold (hysteresis: a flip must not make the donor side over,
+  or the two sides would trade an instance back and forth). The other side's least-loaded serving
   instance starts draining (it gets no new work), and once idle (Scheduler.is_idle: nothing queued, running or
   held for a transfer) it is unavailable for `flip_s` seconds (the flip's cost: reconfiguring the instance), then
   serves the new role. The pressure windows restart after a flip is decided, so flips are at least `window_s`
@@ -102,8 +104,8 @@ class RebalancingPool:
         if self._pending is not None:
             return done
         pressure = self.pressures()
-        over = {"prefill": pressure["prefill"] > self.prefill_queue_tokens,
-                "decode": pressure["decode"] > self.decode_load}
+        limit = {"prefill": self.prefill_queue_tokens, "decode": self.decode_load}
+        over = {side: pressure[side] > limit[side] for side in ROLES}
         for side in ROLES:
             if not over[side]:
                 self._since[side] = None
@@ -114,8 +116,9 @@ class RebalancingPool:
             if since is None or over[other] or now - since < self.window_s:
                 continue
             donors = self.members(other)
-            if len(donors) < 2:
-                continue
+            n = len(donors)
+            if n < 2 or pressure[other] * n / (n - 1) > limit[other]:
+                continue      # the other side cannot spare one: with one instance less it would be over
             load = InstanceRouter.prefill_load if other == "prefill" else decode_load
             donor = min(donors, key=load)
             self.state[donor.name] = "draining"
