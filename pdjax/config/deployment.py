@@ -150,7 +150,8 @@ class DeploymentConfig:
       (max of its KV-page and sequence-slot fractions) exceeds this (a fraction in (0, 1]).
     mixed_pool: 'dedicated' (the `mixed` group is the mixed pool) or 'borrow' (Splitwise's: prefill and decode
       machines move into the mixed pool and back; needs mixed.num_instances=0 and kind='disaggregated').
-    Module docstring and pdjax.scheduler.mixed: what a mixed machine then does."""
+    Module docstring and pdjax.scheduler.mixed: what a mixed machine then does.
+    admission*, rebalance*: early rejection and online XpYd rebalancing (pdjax.config.overload; all off by default)."""
     kind: str = one_of("colocated", DEPLOYMENT_KINDS)
     router: str = one_of("round_robin", ROUTERS)
     colocated: InstanceGroupConfig = InstanceGroupConfig()

@@ -5,15 +5,19 @@ shifts. Logic for experiments/overload.py (no JAX).
 Setup (both): Llama-2-70B (`llama-2-70b-16k`), one TP8 instance per DGX-A100 machine (A100-80GB SXM), KV over
 InfiniBand between machines: configs/sim/splitwise.py's layout, with the Azure LLM inference traces 2023 (shared
 data/traces) replayed with their own lengths and (scaled) arrival times; SLOs TTFT 2 s, TBT (max gap) 0.2 s.
-- `early_rejection`: the conversation trace (prompt median 1020, output median 129), arrivals x`time_scale` (0.25:
-  about 4x its own load), 3 prompt + 1 token machines; variants 'none' (backpressure only: every request is served
-  however late), 'late' (Mooncake's baseline: reject at the handoff when the decode instance's load with the
-  request would exceed 1.0: prefill wasted), 'current_load' and 'predicted_load' (early rejection at
-  `threshold`, plus the same late check). Per variant: goodput, attainment, rejected before prefill, prefill
-  wasted (requests and prompt tokens), and the decode load's oscillation (std / mean of the decode instance's
-  batch size over its steps), plus a plot of the decode batch over time.
-- `shifting_mix`: `num_requests` conversation rows, then as many code rows (prompt median 1469, output median 13)
-  right after, each at its own arrival times x`time_scale`: a decode-heavy phase, then a prefill-heavy one. Four
+- `early_rejection`: the conversation trace (prompt median 1020, output median 129; or Mooncake's conversation
+  trace, `trace='mooncake'`), arrivals x`time_scale` (0.25: 4x its own load), 3 prompt + 1 token machines;
+  variants 'none' (backpressure only: every request is served however late), 'late' (Mooncake's baseline:
+  reject at the handoff when the decode instance's load with the request would exceed 1.0: prefill wasted),
+  'current_load' and 'predicted_load' (early rejection at `threshold`, plus the same late check). Per variant:
+  goodput, attainment, rejected before prefill, prefill wasted (requests and prompt tokens), and the decode load's
+  oscillation (std / mean of the decode instance's batch size over its steps), plus a plot of the decode batch
+  over time.
+- `shifting_mix`: phases one after the other (DEFAULT_PHASES): ShareGPT lengths (prompt median 1730, output median
+  415; no times: Poisson at 2.5 req/s), then the Azure code trace (prompt median 1469, output median 13) at its own
+  times x1.5: a decode-heavy phase, then a prefill-heavy one. Every instance takes 32 sequences (at 256 a TP8
+  Llama-2-70B token machine decodes so fast that every shared trace is prefill-bound: 32 stands in for a tight TBT
+  target or a memory-bound token machine). Four
   machines: fixed 2P2D, 1P3D and 3P1D; Splitwise's borrowing pool on 2P2D (mixed_pool='borrow'); online
   rebalancing from 2P2D (deployment.rebalance). Every group has the same budget and sequence limit (rebalancing
   needs equal groups; the others get the same for a fair comparison). Per design: goodput, attainment overall and
@@ -36,6 +40,7 @@ from pdjax.workload import make_workload
 
 SPLITWISE_CONFIG = os.path.join(REPO_ROOT, "configs", "sim", "splitwise.py")
 REJECTION_VARIANTS = ("none", "late", "current_load", "predicted_load")
+MOONCAKE = "mooncake_fast25_conversation.csv"
 SHAREGPT = "sarathi_sharegpt_8k_filtered_llama2_tok.csv"
 # (trace, rows, scale): a decode-heavy phase (ShareGPT lengths, Poisson), then a prefill-heavy one (Azure code)
 DEFAULT_PHASES = (("sharegpt", 600, 2.5), ("code", 600, 1.5))
@@ -79,9 +84,21 @@ REJECTION_KEYS = {"none": {}, "late": {"admission_handoff_load": 1.0},
                   "predicted_load": {"admission": "predicted_load", "admission_handoff_load": 1.0}}
 
 
-def early_rejection(num_requests: int = 1000, time_scale: float = 0.25, threshold: float = 0.9,
+def rejection_config(trace: str, num_requests: int, time_scale: float, prefill: int, decode: int):
+    """The early-rejection runs' ConfigDict: 'conv' (Azure 2023) or 'mooncake' (Mooncake's conversation trace, its
+    own times x time_scale; prompts longer than the model's 16k positions cut to fit, workload.fit_to_model)."""
+    c = base_config("conv", num_requests, time_scale, prefill, decode)
+    if trace == "mooncake":
+        replay_trace_lengths(c.workload, shared_trace(MOONCAKE), num_requests)
+        c.workload.fit_to_model = True
+    elif trace != "conv":
+        raise ValueError(f"trace={trace!r}, expected 'conv' or 'mooncake'")
+    return c
+
+
+def early_rejection(num_requests: int = 5000, time_scale: float = 0.25, threshold: float = 0.9,
                     prefill: int = 3, decode: int = 1, variants: Sequence[str] = REJECTION_VARIANTS,
-                    log=print) -> Dict[str, Any]:
+                    trace: str = "conv", log=print) -> Dict[str, Any]:
     """The early-rejection comparison (module docstring): {'setup', 'rows': {variant: row}, 'series': {variant:
     [(time, decode batch)]}}."""
     rows, series = {}, {}
@@ -91,7 +108,7 @@ def early_rejection(num_requests: int = 1000, time_scale: float = 0.25, threshol
         keys = dict(REJECTION_KEYS[v])
         if "admission" in keys:
             keys["admission_threshold"] = threshold
-        cfg = _serve_config(base_config("conv", num_requests, time_scale, prefill, decode), **keys)
+        cfg = _serve_config(rejection_config(trace, num_requests, time_scale, prefill, decode), **keys)
         start = time.perf_counter()
         result, setup = simulate_config(cfg)
         admission = (result.mixed_pool or {}).get("admission", {})
@@ -100,8 +117,9 @@ def early_rejection(num_requests: int = 1000, time_scale: float = 0.25, threshol
         names = set(setup.groups["decode"].names)
         series[v] = [(it.start_time, it.num_seqs) for it in result.iterations if it.instance in names]
         log(f"early_rejection {v}: {rows[v]}")
-    return {"setup": {"trace": "azure_llm_2023_conv.csv", "num_requests": num_requests, "time_scale": time_scale,
-                      "threshold": threshold, "machines": f"{prefill}P{decode}D", "hardware": "a100-80gb-sxm x8 (TP8)",
+    return {"setup": {"trace": MOONCAKE if trace == "mooncake" else "azure_llm_2023_conv.csv",
+                      "num_requests": num_requests, "time_scale": time_scale, "threshold": threshold,
+                      "machines": f"{prefill}P{decode}D", "hardware": "a100-80gb-sxm x8 (TP8)",
                       "model": "llama-2-70b-16k"}, "rows": rows, "series": series}
 
 
