@@ -3,6 +3,7 @@
 with each feature on, and the real engine's schedule == the simulator's with early rejection (fake runners)."""
 from __future__ import annotations
 
+import csv
 import dataclasses
 import random
 from types import SimpleNamespace
@@ -254,3 +255,48 @@ def test_engine_schedule_equals_simulator_with_early_and_late_rejection(monkeypa
     for name in engine_log:
         assert sim_log[name] == engine_log[name], f"{name}'s schedule differs"
     assert [r.__dict__ for r in sim_result.requests] == [r.__dict__ for r in engine_result.requests]
+
+
+# ------------------------------------------------------------------------------------------------ the real engine
+def _run_real(tmp_path, name: str, deployment: dict, num_requests: int = 6):
+    import json
+    from pdjax.config.serving import serve_config_from_dict
+    from pdjax.serving.run import run_real
+    config = {
+        "model": {"checkpoint": "tiny-mha", "attention_impl": "reference"},
+        "engine": {"mode": "offline", "warmup": False, "progress": False, "token_buckets": [64],
+                   "seq_buckets": [8], "page_buckets": [8]},
+        "scheduler": {"token_budget": 64, "max_num_seqs": 8, "max_model_len": 64, "page_size": 8, "num_pages": 48},
+        "workload": {"kind": "synthetic", "prompt_len": {"kind": "uniform", "low": 8, "high": 30},
+                     "output_len": {"kind": "fixed", "value": 4}, "num_requests": num_requests, "vocab_size": 256},
+        "deployment": {"kind": "disaggregated", **deployment}}
+    workdir = tmp_path / name
+    summary = run_real(serve_config_from_dict(config), config, str(workdir))
+    return summary, json.loads((workdir / "outputs.json").read_text())
+
+
+@pytest.mark.slow      # three run_real calls on 4 CPU devices: ~30 s
+def test_real_engine_rejects_with_a_reason_and_rebalances_without_changing_tokens(tmp_path):
+    """run_real on a tiny model (CPU devices): early and late rejection finish the rejected requests with their
+    reason and leave the others' greedy tokens as the plain run's; rebalancing flips an instance (2P2D, every
+    prefill queue over 1 token) and every request's tokens are the plain run's."""
+    pytest.importorskip("jax")
+    two = {"prefill": {"num_instances": 2}, "decode": {"num_instances": 2}}
+    plain, plain_tokens = _run_real(tmp_path, "plain", two)
+    assert plain["num_completed"] == 6
+    rejecting, tokens = _run_real(tmp_path, "reject", {
+        **two, "admission": "predicted_load", "admission_threshold": 0.2, "admission_handoff_load": 0.2,
+        "admission_prefill_tokens_per_s": 1000.0, "admission_decode_step_s": 0.01})
+    report = rejecting["engine"]["overload"]
+    assert report["rejected_before_prefill"] >= 1 and report["prefill_wasted"] >= 1, report
+    served = {rid: ids for rid, ids in tokens.items() if len(ids) == 4}
+    assert served and all(plain_tokens[rid] == ids for rid, ids in served.items())
+    assert rejecting["engine"]["mixed_pool"]["admission"]["arrivals_checked"] == 6
+    with open(tmp_path / "reject" / "requests.csv") as f:
+        rows = list(csv.DictReader(f))
+    reasons = {row["reject_reason"].split(":")[0] for row in rows if row["finish_reason"] == "rejected"}
+    assert reasons == {"early rejection (predicted_load)", "after prefill"}
+    flipping, tokens = _run_real(tmp_path, "rebalance", {**two, "rebalance": True,
+                                                        "rebalance_prefill_queue_tokens": 1, "rebalance_window_s": 0.0})
+    assert flipping["engine"]["mixed_pool"]["num_flips"] >= 1
+    assert tokens == plain_tokens and flipping["num_completed"] == 6
