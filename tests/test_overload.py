@@ -300,3 +300,15 @@ def test_real_engine_rejects_with_a_reason_and_rebalances_without_changing_token
                                                         "rebalance_prefill_queue_tokens": 1, "rebalance_window_s": 0.0})
     assert flipping["engine"]["mixed_pool"]["num_flips"] >= 1
     assert tokens == plain_tokens and flipping["num_completed"] == 6
+
+
+def test_provisioning_searches_rebalancing_as_a_design():
+    from pdjax.config.serving import serve_config_from_dict
+    from test_provision import small_problem
+    from pdjax.sim import provision as pv
+    problem = small_problem(designs=("Splitwise-AA", "Splitwise-HA"), mixed=("off", "rebalance"))
+    assert [s.name for s in problem.systems] == ["Splitwise-AA", "Splitwise-AA +rebalance", "Splitwise-HA"]
+    cfg = pv.serve_config(problem, pv.Cluster(problem.systems[1], 2, 2), 5.0)
+    assert cfg["deployment"]["rebalance"] is True and serve_config_from_dict(cfg).deployment.rebalance
+    probe = pv.probe(problem, pv.Cluster(problem.systems[1], 2, 2), 5.0)
+    assert probe.row()["mixed"] == "rebalance"
