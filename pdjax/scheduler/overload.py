@@ -40,6 +40,8 @@ class AdmittingPool:
         self.pool, self.admission = pool, admission
 
     def __getattr__(self, name):
+        if name == "pool":       # not set yet (e.g. while copying): no recursion through __getattr__
+            raise AttributeError(name)
         return getattr(self.pool, name)
 
     def bind(self, iterations: Sequence) -> None:
