@@ -3,7 +3,8 @@ vs none vs the current-load rule at overload, and online XpYd rebalancing vs fix
 on a trace whose prompt:output mix shifts. Llama-2-70B, one TP8 DGX-A100 machine per instance.
 
 python -m experiments.overload --out=/tmp/overload
-python -m experiments.overload --experiments=early_rejection --num_requests=1000 --time_scale=0.15 --out=/tmp/ov_1k
+python -m experiments.overload --experiments=early_rejection --trace=code --num_requests=3000 --time_scale=0.05 \
+    --prefill=8 --decode_seqs=16 --out=/tmp/overload_code
 
 Prints one JSON object (both experiments' rows) on stdout; with --out, writes overload.json and
 early_rejection_decode_batch.png there (atomically).
@@ -25,7 +26,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("experiments", list(EXPERIMENTS), f"Which of {list(EXPERIMENTS)}.")
 flags.DEFINE_integer("num_requests", 5000, "early_rejection: trace rows.", lower_bound=2)
 flags.DEFINE_float("time_scale", 0.25, "early_rejection: trace arrival times x this (0.25: 4x its load).")
-flags.DEFINE_enum("trace", "conv", ["conv", "mooncake"], "early_rejection: Azure 2023 conversation, or Mooncake's.")
+flags.DEFINE_enum("trace", "conv", ["conv", "code", "mooncake"], "early_rejection: Azure 2023 conversation or code, "
+                  "or Mooncake's conversation trace.")
+flags.DEFINE_integer("decode_seqs", 256, "early_rejection: the token machine's max_num_seqs.", lower_bound=1)
 flags.DEFINE_integer("prefill", 3, "early_rejection: prefill machines.", lower_bound=1)
 flags.DEFINE_integer("decode", 1, "early_rejection: decode machines.", lower_bound=1)
 flags.DEFINE_float("threshold", 0.9, "early_rejection: deployment.admission_threshold (decode load).")
@@ -49,7 +52,8 @@ def main(argv):
     try:
         if "early_rejection" in FLAGS.experiments:
             out["early_rejection"] = ov.early_rejection(FLAGS.num_requests, FLAGS.time_scale, FLAGS.threshold,
-                                                        FLAGS.prefill, FLAGS.decode, trace=FLAGS.trace, log=log)
+                                                        FLAGS.prefill, FLAGS.decode, trace=FLAGS.trace,
+                                                        decode_seqs=FLAGS.decode_seqs, log=log)
         if "shifting_mix" in FLAGS.experiments:
             phases = (("sharegpt", FLAGS.phase_rows, FLAGS.sharegpt_rate), ("code", FLAGS.phase_rows, FLAGS.code_scale))
             out["shifting_mix"] = ov.shifting_mix(phases, max_num_seqs=FLAGS.max_num_seqs, window_s=FLAGS.window_s,

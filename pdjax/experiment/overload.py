@@ -87,18 +87,18 @@ REJECTION_KEYS = {"none": {}, "late": {"admission_handoff_load": 1.0},
 def rejection_config(trace: str, num_requests: int, time_scale: float, prefill: int, decode: int):
     """The early-rejection runs' ConfigDict: 'conv' (Azure 2023) or 'mooncake' (Mooncake's conversation trace, its
     own times x time_scale; prompts longer than the model's 16k positions cut to fit, workload.fit_to_model)."""
-    c = base_config("conv", num_requests, time_scale, prefill, decode)
+    c = base_config("code" if trace == "code" else "conv", num_requests, time_scale, prefill, decode)
     if trace == "mooncake":
         replay_trace_lengths(c.workload, shared_trace(MOONCAKE), num_requests)
         c.workload.fit_to_model = True
-    elif trace != "conv":
-        raise ValueError(f"trace={trace!r}, expected 'conv' or 'mooncake'")
+    elif trace not in ("conv", "code"):
+        raise ValueError(f"trace={trace!r}, expected 'conv', 'code' or 'mooncake'")
     return c
 
 
 def early_rejection(num_requests: int = 5000, time_scale: float = 0.25, threshold: float = 0.9,
                     prefill: int = 3, decode: int = 1, variants: Sequence[str] = REJECTION_VARIANTS,
-                    trace: str = "conv", log=print) -> Dict[str, Any]:
+                    trace: str = "conv", decode_seqs: int = 256, log=print) -> Dict[str, Any]:
     """The early-rejection comparison (module docstring): {'setup', 'rows': {variant: row}, 'series': {variant:
     [(time, decode batch)]}}."""
     rows, series = {}, {}
@@ -108,7 +108,9 @@ def early_rejection(num_requests: int = 5000, time_scale: float = 0.25, threshol
         keys = dict(REJECTION_KEYS[v])
         if "admission" in keys:
             keys["admission_threshold"] = threshold
-        cfg = _serve_config(rejection_config(trace, num_requests, time_scale, prefill, decode), **keys)
+        c = rejection_config(trace, num_requests, time_scale, prefill, decode)
+        c.deployment.decode.max_num_seqs = decode_seqs
+        cfg = _serve_config(c, **keys)
         start = time.perf_counter()
         result, setup = simulate_config(cfg)
         admission = (result.mixed_pool or {}).get("admission", {})
@@ -117,9 +119,11 @@ def early_rejection(num_requests: int = 5000, time_scale: float = 0.25, threshol
         names = set(setup.groups["decode"].names)
         series[v] = [(it.start_time, it.num_seqs) for it in result.iterations if it.instance in names]
         log(f"early_rejection {v}: {rows[v]}")
-    return {"setup": {"trace": MOONCAKE if trace == "mooncake" else "azure_llm_2023_conv.csv",
+    name = {"mooncake": MOONCAKE, "code": "azure_llm_2023_code.csv"}.get(trace, "azure_llm_2023_conv.csv")
+    return {"setup": {"trace": name,
                       "num_requests": num_requests, "time_scale": time_scale, "threshold": threshold,
-                      "machines": f"{prefill}P{decode}D", "hardware": "a100-80gb-sxm x8 (TP8)",
+                      "machines": f"{prefill}P{decode}D", "decode_max_num_seqs": decode_seqs,
+                      "hardware": "a100-80gb-sxm x8 (TP8)",
                       "model": "llama-2-70b-16k"}, "rows": rows, "series": series}
 
 
