@@ -30,6 +30,10 @@ decode instances (BorrowingSchedulers) move into it and back (pdjax.scheduler.mi
 on the same clock); in the mixed pool an instance runs Sarathi mixed batches, and a handoff whose pick is the
 instance that prefilled the request keeps it there (`keep_local`: no transfer, its pages stay), so KV may move
 between any two instances (warm-up compiles every pair).
+Or, with `pool_factory` (pdjax.scheduler.overload: early rejection and online XpYd rebalancing, the simulator's very
+pool), its pool routes: a None pick rejects the request at its arrival or after its prefill (its reason on the
+request, its prefill pages freed), and a rebalancing pool flips instances between the roles (KV may then move between
+any two instances too).
 
 Loop (single host thread, mirroring ColocatedEngine's batch-queue loop per instance): every instance has its own
 `pdjax.scheduler.BatchQueue` of up to `max_in_flight` dispatched, uncollected batches (default: its runner's pp,
