@@ -41,6 +41,7 @@ flags.DEFINE_float("rate", 6.0, "Target load of the iso-throughput questions (re
 flags.DEFINE_list("designs", list(pv.DESIGNS), f"Cluster designs (of {list(pv.DESIGNS)}).")
 flags.DEFINE_list("colocated", ["sarathi"], f"Scheduling of the colocated baselines (of {pv.COLOCATED_POLICIES}).")
 flags.DEFINE_list("mixed", ["off"], "Mixed pool of the Splitwise designs: off, on (deployment.mixed_pool='borrow'), "
+                  "rebalance (deployment.rebalance: online role flips; AA / HH only), "
                   "or both (= off,on).")
 flags.DEFINE_enum("slo", "splitwise", list(pv.SLO_KINDS), "Pass rule: Splitwise's slowdown SLOs, or pdjax's "
                   "absolute ones (--ttft/--tbt/--tpot, --attainment).")

@@ -177,3 +177,16 @@ def test_sim_paper_ablation_table_small(tmp_path, shared_data):
         assert [r["token_budget"] for r in rows][1:] == [512, 1024, 512, 1024]
         assert all(r["ttft_p50_s"] <= r["ttft_p99_s"] and r["tbt_p50_s"] <= r["tbt_p99_s"] for r in rows)
         assert (tmp_path / f"ablation_{trace}" / "summary.csv").is_file()
+
+
+def test_overload_experiment(tmp_path):
+    d, _ = _run("overload", "--num_requests=60", "--phase_rows=30", f"--out={tmp_path}")
+    rej, mix = d["early_rejection"]["rows"], d["shifting_mix"]["rows"]
+    assert list(rej) == ["none", "late", "current_load", "predicted_load"]
+    assert rej["none"]["rejected_before_prefill"] == rej["none"]["prefill_wasted"] == 0
+    assert rej["late"]["rejected_before_prefill"] == 0
+    for row in list(rej.values()) + list(mix.values()):
+        assert 0 <= row["slo_attainment"] <= 1 and row["num_met_slo"] <= row["num_requests"]
+    assert set(mix) == {"fixed-2P2D", "fixed-1P3D", "fixed-3P1D", "borrow-2P2D", "rebalance-2P2D"}
+    assert all(row["num_requests"] == 60 and set(row["phases"]) == {"sharegpt", "code"} for row in mix.values())
+    assert (tmp_path / "overload.json").exists() and (tmp_path / "early_rejection_decode_batch.png").exists()

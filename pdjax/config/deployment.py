@@ -53,8 +53,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Tuple
 
-from pdjax.config.parse import (FieldError, check_fields, dataclass_from_dict, nonneg_int, number, one_of,
+from pdjax.config.parse import (FieldError, check_fields, dataclass_from_dict, flag, nonneg_int, number, one_of,
                                positive_int, text)
+from pdjax.config.overload import ADMISSION_POLICIES, check_overload
 from pdjax.config.pipeline import check_pipeline_parallel
 from pdjax.config.registry import ROUTERS, STACKS, disaggregated_base, is_stack, role_policy
 
@@ -149,7 +150,8 @@ class DeploymentConfig:
       (max of its KV-page and sequence-slot fractions) exceeds this (a fraction in (0, 1]).
     mixed_pool: 'dedicated' (the `mixed` group is the mixed pool) or 'borrow' (Splitwise's: prefill and decode
       machines move into the mixed pool and back; needs mixed.num_instances=0 and kind='disaggregated').
-    Module docstring and pdjax.scheduler.mixed: what a mixed machine then does."""
+    Module docstring and pdjax.scheduler.mixed: what a mixed machine then does.
+    admission*, rebalance*: early rejection and online XpYd rebalancing (pdjax.config.overload; all off by default)."""
     kind: str = one_of("colocated", DEPLOYMENT_KINDS)
     router: str = one_of("round_robin", ROUTERS)
     colocated: InstanceGroupConfig = InstanceGroupConfig()
@@ -164,6 +166,17 @@ class DeploymentConfig:
     mixed_pool: str = one_of("dedicated", MIXED_POOL_MODES, expected=(
         f"one of {MIXED_POOL_MODES} ('dedicated': the deployment.mixed group; 'borrow': Splitwise's mixed pool of "
         "borrowed prefill and decode machines)"))
+    # Overload handling (pdjax.config.overload: early rejection and online XpYd rebalancing; all off by default).
+    admission: str = one_of("none", ADMISSION_POLICIES)
+    admission_threshold: float = number(1.0, low=0, low_open=True, expected="a decode load > 0 (1.0 = full)")
+    admission_handoff_load: float = number(0.0, low=0, note="(0 = off: handoffs queue, never rejected)")
+    admission_prefill_tokens_per_s: float = number(0.0, low=0, note="(0 = learned from the run's steps)")
+    admission_decode_step_s: float = number(0.0, low=0, note="(0 = learned from the run's steps)")
+    rebalance: bool = flag(False)
+    rebalance_prefill_queue_tokens: int = positive_int(8192)
+    rebalance_decode_load: float = number(0.9, low=0, low_open=True)
+    rebalance_window_s: float = number(2.0, low=0)
+    rebalance_flip_s: float = number(0.0, low=0)
 
     def __post_init__(self):
         if self.router == "least_outstanding_tokens":
@@ -188,6 +201,7 @@ class DeploymentConfig:
             raise ValueError(f"deployment.mixed_pool='borrow' with deployment.mixed.num_instances="
                              f"{self.mixed.num_instances}: a borrowing mixed pool has no machines of its own; "
                              "expected deployment.mixed.num_instances=0 (or mixed_pool='dedicated')")
+        check_overload(self)
 
     @property
     def roles(self) -> Tuple[str, ...]:

@@ -36,6 +36,7 @@ from pdjax.runtime.runner import ModelRunner
 from pdjax.scheduler import Request, request_from_workload
 from pdjax.scheduler.instances import make_role_scheduler
 from pdjax.scheduler.mixed import make_borrowing_scheduler
+from pdjax.scheduler.overload import has_overload, overload_pool_factory, overload_scheduler_maker
 from pdjax.serving.cluster import ClusterEngine, Instance
 from pdjax.serving.disagg import DisaggregatedEngine
 from pdjax.serving.engine import ColocatedEngine, TokenCallback
@@ -130,6 +131,8 @@ def build_instances(cfg: ServeConfig, *, devices: Optional[Sequence] = None, par
     assignment = check_against_model(cfg, spec, len(devices))   # max_model_len, pp <= layers, tp | heads, devices
     base = _scheduler_config(cfg, spec)
     make_sched = make_borrowing_scheduler if dep.borrows else make_role_scheduler
+    if has_overload(dep):
+        make_sched = overload_scheduler_maker(dep)      # rebalancing: BorrowingSchedulers kept in their role's pool
     instances = []
     for role in dep.roles:
         group = dep.group(role)
@@ -178,7 +181,8 @@ def _build_engine(cfg: ServeConfig, *, devices, params, spec, on_token, compile_
                                [i for i in instances if i.role == "decode"], router=dep.router,
                                overlap=ec.overlap, mixed=[i for i in instances if i.role == "mixed"],
                                mixed_prefill_queue_tokens=dep.mixed_prefill_queue_tokens,
-                               mixed_decode_load=float(dep.mixed_decode_load), mixed_pool=dep.mixed_pool, **common)
+                               mixed_decode_load=float(dep.mixed_decode_load), mixed_pool=dep.mixed_pool,
+                               pool_factory=overload_pool_factory(dep), **common)
 
 
 def build_colocated_engine(cfg: ServeConfig, *, on_token: Optional[TokenCallback] = None, compile_counter=None,

@@ -30,6 +30,10 @@ decode instances (BorrowingSchedulers) move into it and back (pdjax.scheduler.mi
 on the same clock); in the mixed pool an instance runs Sarathi mixed batches, and a handoff whose pick is the
 instance that prefilled the request keeps it there (`keep_local`: no transfer, its pages stay), so KV may move
 between any two instances (warm-up compiles every pair).
+Or, with `pool_factory` (pdjax.scheduler.overload: early rejection and online XpYd rebalancing, the simulator's very
+pool), its pool routes: a None pick rejects the request at its arrival or after its prefill (its reason on the
+request, its prefill pages freed), and a rebalancing pool flips instances between the roles (KV may then move between
+any two instances too).
 
 Loop (single host thread, mirroring ColocatedEngine's batch-queue loop per instance): every instance has its own
 `pdjax.scheduler.BatchQueue` of up to `max_in_flight` dispatched, uncollected batches (default: its runner's pp,
@@ -149,7 +153,7 @@ class ClusterEngine:
                  fail_on_compile: bool = False, async_transfer: bool = True, coordinator=None,
                  mixed: Sequence[Instance] = (), mixed_prefill_queue_tokens: int = 8192,
                  mixed_decode_load: float = 1.0, max_in_flight: Optional[int] = None,
-                 mixed_pool: str = "dedicated"):
+                 mixed_pool: str = "dedicated", pool_factory: Optional[Callable] = None):
         if max_in_flight is not None and (isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int)
                                           or max_in_flight < 1):
             raise ValueError(f"max_in_flight={max_in_flight!r}, expected None (each runner's pp) or a positive int")
@@ -177,11 +181,17 @@ class ClusterEngine:
                                  "disaggregated cluster; expected 'dedicated'")
             self.entry_router = InstanceRouter(router, self.colocated)
             self.pool = self.decode_router = None
+        elif pool_factory is not None:   # early rejection / rebalancing (pdjax.scheduler.overload)
+            if self.mixed or mixed_pool != "dedicated":
+                raise ValueError("pool_factory (early rejection / rebalancing) with a mixed pool: expected none")
+            self.pool = pool_factory(self.prefill, self.decode)
+            self.entry_router, self.decode_router = self.pool.prefill_router, self.pool.decode_router
         else:
             self.pool = make_pool(mixed_pool, router, self.prefill, self.decode, self.mixed,
                                   prefill_queue_tokens=mixed_prefill_queue_tokens, decode_load=mixed_decode_load)
             self.entry_router, self.decode_router = self.pool.prefill_router, self.pool.decode_router
         self.mixed_pool = mixed_pool
+        self.any_pair = mixed_pool == "borrow" or getattr(self.pool, "flips", None) is not None  # KV between any two
         self._t0 = 0.0
         self.clock, self.sleep, self.on_token, self.overlap = clock, sleep, on_token, overlap
         self.max_in_flight = max_in_flight   # None: each instance's runner.pp (module docstring)
@@ -212,7 +222,8 @@ class ClusterEngine:
         """An arrival: a colocated replica (router), or a prefill / prefill-phase mixed instance (MixedPool)."""
         if self.pool is None:
             return self.entry_router.pick().scheduler.add_request(req)
-        return self.pool.pick_prefill(req, self._local_time()).scheduler.add_request(req)
+        inst = self.pool.pick_prefill(req, self._local_time())
+        return inst is not None and inst.scheduler.add_request(req)   # None: rejected at arrival (admission)
 
     def warmup_transfers(self, max_model_len: int) -> float:
         """Compile the transfer's per-stage gathers / cross-group copies / per-stage scatters for every padded
@@ -223,7 +234,7 @@ class ClusterEngine:
         reads KV positions it wrote itself or received)."""
         start = time.perf_counter()
         # Every pair a handoff can use (mixed: either side, never itself; borrowing: any two machines).
-        borrow = self.mixed_pool == "borrow"
+        borrow = self.any_pair
         for src in (self.prefill + self.decode if borrow else self.prefill + self.mixed):
             for dst in (self.prefill + self.decode if borrow else self.decode + self.mixed):
                 if src is dst:
@@ -254,6 +265,9 @@ class ClusterEngine:
         there: no transfer, its held pages are its page table again (keep_local)."""
         rid = req.request_id
         dst = self.pool.pick_decode(req, self._local_time(), src)   # the decode router, or the mixed pool
+        if dst is None:      # rejected after its prefill (admission): its prefill pages are freed at once
+            src.scheduler.release(rid)
+            return False
         if dst is src:
             src.scheduler.keep_local(rid, now())
             return True
@@ -364,6 +378,8 @@ class ClusterEngine:
         arrivals = (ArrivalQueue(requests, self._route_arrival) if source is None
                     else source.arrivals(self._route_arrival, self.abort))
         self._iterations: List[IterationRecord] = []
+        if hasattr(self.pool, "bind"):
+            self.pool.bind(self._iterations)    # early rejection learns its step rates from the run's records
         self._transfers: List[TransferRecord] = []
         self._t0 = self.clock()
         self._overlap = 0.0

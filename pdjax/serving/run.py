@@ -25,6 +25,8 @@ from tqdm import tqdm
 import pdjax
 from pdjax.config.deployment import instance_name
 from pdjax.config.serving import ServeConfig
+from pdjax.scheduler.admission import admission_report
+from pdjax.scheduler.overload import has_overload
 from pdjax.metrics import summarize_run, write_json, write_run_outputs
 from pdjax.runtime import compiles
 from pdjax.serving.build import build_engine, build_requests, default_buckets, resolve_checkpoint
@@ -163,8 +165,11 @@ def _layout_info(cfg: ServeConfig, engine, result, coordinator) -> Dict[str, Any
     if cfg.deployment.kind == "disaggregated":
         info["kv_transfer"] = result.transfer_summary()
         pool = getattr(engine, "pool", None)
-        if pool is not None and pool.active:     # the mixed pool's phase changes / pool moves (engine clock)
+        if pool is not None and (pool.active or has_overload(cfg.deployment)):   # phase changes / moves / flips
             info["mixed_pool"] = pool.summary()
+        if has_overload(cfg.deployment):    # early rejection / rebalancing counts (pdjax.scheduler.admission)
+            info["overload"] = admission_report(result.requests, result.iterations,
+                                                cfg.deployment.instance_names("decode"))
     if coordinator.num_processes > 1:
         info["num_processes"] = coordinator.num_processes
     return info

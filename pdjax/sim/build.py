@@ -56,6 +56,7 @@ from pdjax.config.validate import check_against_model, model_spec_for
 from pdjax.scheduler import make_scheduler, request_from_workload
 from pdjax.scheduler.instances import check_instance, make_role_scheduler
 from pdjax.scheduler.mixed import make_borrowing_scheduler
+from pdjax.scheduler.overload import has_overload, overload_pool_factory, overload_scheduler_maker
 from pdjax.scheduler.routing import InstanceRouter
 from pdjax.sim.cost_model import CostParams, kv_bytes, kv_cache_capacity_tokens, param_count
 from pdjax.sim.disagg import kv_link_between, make_transfer_time
@@ -110,6 +111,7 @@ class SimSetup:
     mixed_pool: str = "dedicated"              # deployment.mixed_pool ('borrow': BorrowingSchedulers, no mixed group)
     step_noise: Tuple[float, ...] = ()         # the profile's StepNoise quantiles when sim.step_noise (else ())
     seed: int = 0                              # the run's seed: seeds the step noise
+    overload: Any = None                       # the DeploymentConfig when early rejection / rebalancing is on
 
     # The colocated group's parts, for the common one-group case.
     def _colocated(self) -> GroupSetup:
@@ -244,7 +246,7 @@ def build_setup(cfg, hardware: Optional[HardwareSpec] = None) -> SimSetup:
                     mixed_decode_load=float(dep.mixed_decode_load),
                     mixed_pool=dep.mixed_pool if dep.kind == "disaggregated" else "dedicated",
                     step_noise=profile.step_noise if profile is not None and cfg.sim.step_noise else (),
-                    seed=int(cfg.seed))
+                    seed=int(cfg.seed), overload=dep if has_overload(dep) else None)
 
 
 # --------------------------------------------------------------------------------------------------- parts
@@ -281,6 +283,8 @@ def build_instances(setup: SimSetup) -> Dict[str, List[Any]]:
                 check_instance(inst.name, role, inst.scheduler)
         else:
             make = make_borrowing_scheduler if setup.mixed_pool == "borrow" else make_role_scheduler
+            if setup.overload is not None:
+                make = overload_scheduler_maker(setup.overload)
             out[role] = [SimInstance(name, make(role, g.scheduler_config), step_time, role=role)
                          for name in g.names]
     return out
@@ -320,7 +324,8 @@ def disaggregated_kwargs(setup: SimSetup, instances: Dict[str, List[Any]]) -> Di
     return {"kv_bytes_of": kv_bytes_fn(setup), "router": setup.router,
             "serialize_transfers": setup.serialize_transfers, "mixed": instances.get("mixed", []),
             "mixed_prefill_queue_tokens": setup.mixed_prefill_queue_tokens,
-            "mixed_decode_load": setup.mixed_decode_load, "mixed_pool": setup.mixed_pool}
+            "mixed_decode_load": setup.mixed_decode_load, "mixed_pool": setup.mixed_pool,
+            "pool_factory": None if setup.overload is None else overload_pool_factory(setup.overload)}
 
 
 def build_pending_requests(cfg, workload=None) -> list:

@@ -222,7 +222,7 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[SimInstance],
                            max_iterations: int = 50_000_000, mixed: Sequence[SimInstance] = (),
                            mixed_prefill_queue_tokens: int = 8192,
                            mixed_decode_load: float = 1.0, mixed_pool: str = "dedicated",
-                           decode_runs: bool = True) -> DisaggSimResult:
+                           decode_runs: bool = True, pool_factory: Optional[Callable] = None) -> DisaggSimResult:
     """Serve `requests` (scheduler Requests, arrival_time in seconds) on prefill and decode instances, and the
     mixed pool's instances (role 'mixed', MixedScheduler; thresholds as deployment.mixed_prefill_queue_tokens /
     mixed_decode_load), until all finish (module docstring). mixed_pool='borrow' (deployment.mixed_pool): no
@@ -233,6 +233,8 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[SimInstance],
     now) is called after every non-empty schedule(). Raises RuntimeError when requests are left that no
     instance can schedule, or after `max_iterations` iterations. decode_runs=False runs every step of the decode
     instances through schedule() and update() (the same results, slower: pdjax.sim.simulator.Simulation.decode_run).
+    pool_factory(prefill, decode) -> cluster pool: overload handling (pdjax.scheduler.overload: early rejection,
+    online rebalancing) instead of make_pool; it reads loads at every event, so decode runs are off with it.
     """
     prefill, decode, mixed = list(prefill), list(decode), list(mixed)
     _check_instances(prefill, decode, mixed)
@@ -240,14 +242,16 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[SimInstance],
     # Decode runs: decode instances (one stage, one batch in flight, a step time exact for decode-only steps),
     # when nobody watches single steps (no on_schedule, no mixed pool) and the tokens are the placeholder.
     plain = (decode_runs and on_schedule is None and sample is placeholder_sample and not mixed
-             and mixed_pool == "dedicated")
-    pool = make_pool(mixed_pool, router, prefill, decode, mixed, prefill_queue_tokens=mixed_prefill_queue_tokens,
-                     decode_load=mixed_decode_load)
+             and mixed_pool == "dedicated" and pool_factory is None)
+    pool = (make_pool(mixed_pool, router, prefill, decode, mixed, prefill_queue_tokens=mixed_prefill_queue_tokens,
+                      decode_load=mixed_decode_load) if pool_factory is None else pool_factory(prefill, decode))
     instances = prefill + decode + mixed
     c = Simulation(requests, instances, pool.pick_prefill, direct=True, sample=sample, on_schedule=on_schedule,
                    max_iterations=max_iterations, pool=pool,
                    decode_runs=[plain and inst.role == "decode" and decode_run_ready(inst) for inst in instances])
     c.transfer_time, c.kv_bytes_of, c.serialize_transfers = transfer_time, kv_bytes_of, serialize_transfers
+    if hasattr(pool, "bind"):
+        pool.bind(c.iterations)     # early rejection learns its step rates from the run's records
     # A decode instance's run may end with a step across the next event (Simulation.decode_run) when nothing else
     # reads its state before that step ends: the decode router picks it without reading loads (one decode
     # instance, or round robin); the handoffs and KV landings in between touch only its KV queues.
@@ -258,7 +262,7 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[SimInstance],
     summary = None
     if mixed_pool == "borrow":
         summary = c.pool.summary(end=max(duration, now))
-    elif mixed:
+    elif mixed or pool_factory is not None:
         summary = c.pool.summary()
     return DisaggSimResult(requests=c.requests.records(), iterations=c.iterations, duration_s=duration,
                            wall_s=time.perf_counter() - wall_start, num_iterations=len(c.iterations),

@@ -15,7 +15,8 @@ Designs (Splitwise, Patel et al., ISCA 2024, §5-6; splitwise-sim notebooks/util
   cap and runs at full speed: `PhaseCappedStepTime`).
 - Mixed pool 'on' (Splitwise's, machines of one pool borrowed by the other when it is overloaded) sets
   `deployment.mixed_pool='borrow'` (pdjax.config.deployment, pdjax.scheduler.mixed). 'off': the plain prompt/token
-  pools.
+  pools. 'rebalance': online XpYd role flips instead (`deployment.rebalance`, pdjax.scheduler.rebalance, at its
+  default thresholds), searched only for the designs whose two pools are one SKU (AA, HH).
 One model instance per machine at the TP Splitwise used (8 GPUs, TP 8: splitwise-sim configs/start_state/
 baseline.yaml and splitwise*.yaml, `tensor_parallelism: 8`, `max_batch_tokens: 2048`, `max_batch_size: 512`:
 the problem's defaults). A machine's cost is its SKU's cost per hour, its power its provisioned power (TDP);
@@ -77,7 +78,7 @@ from pdjax.sim.step_time import StepTimeBase
 from pdjax.workload.traces import load_trace
 
 COLOCATED_POLICIES = BASELINE_POLICIES    # the policy table's colocated baselines (live): ('sarathi', 'vllm_v0')
-MIXED_SETTINGS = ("off", "on")
+MIXED_SETTINGS = ("off", "on", "rebalance")    # rebalance: online XpYd role flips (pdjax.scheduler.rebalance)
 SLO_KINDS = ("splitwise", "pdjax")
 QUESTIONS = ("cheapest", "least_power", "fewest_machines", "iso_cost", "iso_power")
 
@@ -123,7 +124,7 @@ class System:
         d = DESIGNS[self.design]
         if d.kind == "colocated":
             return f"{self.design} ({self.policy})"
-        return f"{self.design}{' +mixed' if self.mixed == 'on' else ''}"
+        return f"{self.design}{ {'on': ' +mixed', 'rebalance': ' +rebalance'}.get(self.mixed, '')}"
 
     @property
     def kind(self) -> str:
@@ -240,7 +241,8 @@ class ProvisionProblem:
             if DESIGNS[name].kind == "colocated":
                 out += [System(name, policy=p) for p in self.colocated_policies]
             else:
-                out += [System(name, mixed=m) for m in self.mixed]
+                d = DESIGNS[name]    # rebalancing flips a machine's role: only where both pools are one SKU
+                out += [System(name, mixed=m) for m in self.mixed if m != "rebalance" or d.prompt == d.token]
         return out
 
     @property
@@ -319,6 +321,8 @@ def serve_config(problem: ProvisionProblem, cluster: Cluster, rate: float) -> Di
                       "prefill": {"num_instances": cluster.num_prompt, "tp": problem.tp}, "decode": decode}
         if s.mixed == "on":
             deployment["mixed_pool"] = "borrow"
+        elif s.mixed == "rebalance":
+            deployment["rebalance"] = True
     pages = max(4096, 2 * -(-problem.max_model_len // problem.page_size))   # validation only: sim sizes the KV
     return {"backend": "sim", "seed": int(problem.seed), "model": {"checkpoint": problem.model},
             "engine": {"mode": "online", "progress": False},

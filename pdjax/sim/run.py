@@ -31,6 +31,7 @@ from pdjax.sim.build import (SimSetup, build_instances, build_pending_requests, 
                              build_transfer_time, disaggregated_kwargs, group_hardware)
 from pdjax.sim.disagg import simulate_disaggregated
 from pdjax.metrics.slowdown import splitwise_slo_check
+from pdjax.scheduler.admission import admission_report
 from pdjax.sim.machines import MachineSpec, energy_report, machine_for_hardware
 from pdjax.sim.reference import UnloadedRuns
 from pdjax.sim.simulator import SimResult, simulate
@@ -88,6 +89,8 @@ def engine_info(result: SimResult, setup: SimSetup, cfg) -> dict:
         info["kv_transfer"] = result.transfer_summary()
         if result.mixed_pool is not None:
             info["mixed_pool"] = result.mixed_pool
+        if setup.overload is not None:    # early rejection / rebalancing (pdjax.scheduler.overload)
+            info["overload"] = admission_report(result.requests, result.iterations, setup.groups["decode"].names)
     return info
 
 

@@ -506,6 +506,10 @@ class Simulation:
         it on the prefill side at once, else its KV transfer starts."""
         src = self.instances[src_idx]
         dst = self.pool.pick_decode(req, t, src)
+        if dst is None:            # rejected after its prefill (pdjax.scheduler.overload.AdmittingPool)
+            src.scheduler.release(req.request_id)
+            self.waking[src_idx] = True
+            return
         if dst is src:
             src.scheduler.keep_local(req.request_id, t)
             self.waking[src_idx] = True
@@ -548,6 +552,8 @@ class Simulation:
             req = self.requests.arrived(self.next_arrival)
             self.next_arrival += 1
             inst = self.route(req, t)
+            if inst is None:       # rejected at its arrival (pdjax.scheduler.overload.AdmittingPool)
+                continue
             if direct:
                 inst.scheduler.add_request(req)
             else:
