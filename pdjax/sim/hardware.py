@@ -198,14 +198,16 @@ _SPECS = [
     # A40: FP16/BF16 Tensor 149.7 TFLOPS dense (299.4 sparse), TF32 Tensor 74.8 dense (149.6 sparse), FP32 37.4
     # TFLOPS, 48 GB GDDR6 at 696 GB/s, NVLink bridge (pairs) 112.5 GB/s bidirectional -> 56.25 GB/s/dir, PCIe Gen4.
     HardwareSpec(name="a40", kind="gpu", compute_units=84, peak_flops_bf16=149.7 * TERA, peak_flops_fp16=149.7 * TERA,
-                 peak_flops_fp32=37.4 * TERA, peak_flops_tf32=74.8 * TERA, hbm_bandwidth=696 * GB, hbm_capacity=48 * GiB, devices_per_node=8,
+                 peak_flops_fp32=37.4 * TERA, peak_flops_tf32=74.8 * TERA, hbm_bandwidth=696 * GB,
+                 hbm_capacity=48 * GiB, devices_per_node=8,
                  intra_node_topology="pairwise", pairwise_bandwidth=56.25 * GB, intra_node_bandwidth=_PCIE4_X16,
                  intra_node_latency=_PCIE_LATENCY, inter_node_bandwidth=_HDR_IB / 2, inter_node_latency=_IB_LATENCY),
     # L4: FP16/BF16 Tensor 121 TFLOPS dense (242 sparse), TF32 Tensor 60 dense (120 sparse), FP32 30.3 TFLOPS, 24 GB
     # GDDR6 at 300 GB/s, PCIe Gen4 x16, no NVLink. Typical cloud host (g2-standard-96): 8 L4, 100 Gb/s network
     # shared -> 12.5 GB/s per node.
     HardwareSpec(name="l4", kind="gpu", compute_units=58, peak_flops_bf16=121 * TERA, peak_flops_fp16=121 * TERA,
-                 peak_flops_fp32=30.3 * TERA, peak_flops_tf32=60 * TERA, hbm_bandwidth=300 * GB, hbm_capacity=24 * GiB, devices_per_node=8,
+                 peak_flops_fp32=30.3 * TERA, peak_flops_tf32=60 * TERA, hbm_bandwidth=300 * GB, hbm_capacity=24 * GiB,
+                 devices_per_node=8,
                  intra_node_topology="pcie", intra_node_bandwidth=_PCIE4_X16, intra_node_latency=_PCIE_LATENCY,
                  inter_node_bandwidth=12.5 * GB / 8, inter_node_latency=_DCN_LATENCY),
     # Cloud TPU docs. v4: 275 TFLOPS bf16, 32 GiB HBM2 at 1,200 GB/s, 6 ICI ports (3D torus), 4 chips/host;
