@@ -64,6 +64,7 @@ from pdjax.scheduler.mixed import make_borrowing_scheduler
 from pdjax.scheduler.routing import InstanceRouter
 from pdjax.sim.cost_model import CostParams, kv_bytes, kv_cache_capacity_tokens, param_count
 from pdjax.sim.disagg import kv_link_between, make_transfer_time
+from pdjax.sim.eager import EagerHostStack  # noqa: F401 (registers the 'vllm-eager' stack before check_stacks)
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 from pdjax.sim.simulator import PendingRequest, SimInstance
 from pdjax.sim.profile import Profile, profile_for
