@@ -140,7 +140,8 @@ def compile_group(cfg: ServeConfig, role: str, devices: Sequence, *, utilization
         row["bucket"] = list(step.bucket)
         row["fits"] = bool(step.compiled and hbm is not None and step.total_bytes <= hbm)
         if compare_sim and step.compiled and hardware is not None:
-            row.update(compare_with_sim(row, spec, hardware, tp=group.tp, pp=group.pp, page_size=sc.page_size))
+            row.update(compare_with_sim(row, spec.replace(dtype=str(dtype)), hardware, tp=group.tp, pp=group.pp,
+                                        page_size=sc.page_size))    # costed at the dtype compiled
         if on_step is not None:
             on_step(dict(row, role=role))
         return row
