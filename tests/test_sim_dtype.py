@@ -84,9 +84,9 @@ def test_auto_is_the_checkpoints_dtype_and_float16_equals_bfloat16():
 
 
 def test_float32_that_cannot_fit_is_refused():
-    """The fit check follows the dtype: Llama-2-13B fits one A100-80GB in bf16 (26 GB) but not in fp32 (52 GB of
-    weights + the KV asked for)."""
-    _setup("bfloat16", checkpoint="llama-2-13b", num_pages=1000)
+    """The fit check follows the dtype: Llama-2-13B with 4000 pages of KV fits one A100-80GB in bf16 (26 GB of
+    weights + 52 GB of KV) but not in fp32 (52 + 105 GB)."""
+    _setup("bfloat16", checkpoint="llama-2-13b", num_pages=4000)
     with pytest.raises(ValueError, match="does not fit"):
         _setup("float32", checkpoint="llama-2-13b", num_pages=4000)
 
