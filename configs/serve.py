@@ -24,7 +24,7 @@ def get_config():
     c.seed = 0
     c.model = config_block(
         ModelConfig, checkpoint="checkpoints/tiny-byte",   # a directory, or a registry spec name (dummy weights)
-        attention_impl="auto", dtype="float32", eos_token_id=-1)
+        attention_impl="auto", dtype="auto", eos_token_id=-1)   # auto: the checkpoint's dtype (float32 on CPU)
     c.engine = config_block(EngineConfig, mode="online")
     c.scheduler = config_block(
         SchedulerConfig, policy="sarathi", token_budget=256, max_num_seqs=32, max_model_len=1024, page_size=16,

@@ -1,5 +1,6 @@
 """Calibration: the shipped A100 profile reproduces Vidur's measurements; the generic fitter recovers known
 parameters; profiles round-trip through JSON with clear errors."""
+import dataclasses
 import functools
 import json
 
@@ -9,7 +10,7 @@ import pytest
 from pdjax.config import get_model_spec
 from pdjax.sim import calibration as cal
 from pdjax.sim.cost_model import BatchComposition, CostParams, iteration_time
-from pdjax.sim.hardware import get_hardware_spec
+from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 from pdjax.sim.profile import PROFILES_DIR, SCHEMA, Profile, load_profile, save_profile
 
 A100 = get_hardware_spec("a100-80gb-sxm")
@@ -52,8 +53,13 @@ def test_a_profile_loads_the_same_by_name_and_by_path(name):
     assert (by_name.padding is None) == ("padding" not in data)
     assert len(by_name.step_noise) == len((data.get("step_noise") or {}).get("quantiles", ()))
     assert (by_name.hardware_spec is None) == ("hardware_spec" not in data)
-    # Nothing dropped, nothing added (but the CostParams fields newer than the file, at their defaults).
-    assert by_name.to_dict() == {**data, "cost_params": {**CostParams().to_dict(), **data["cost_params"]}}
+    # Nothing dropped, nothing added (but the CostParams and HardwareSpec fields newer than the file, at their
+    # defaults).
+    expected = {**data, "cost_params": {**CostParams().to_dict(), **data["cost_params"]}}
+    if "hardware_spec" in data:
+        newer = {f.name: f.default for f in dataclasses.fields(HardwareSpec) if f.name not in data["hardware_spec"]}
+        expected["hardware_spec"] = {**data["hardware_spec"], **newer}
+    assert by_name.to_dict() == expected
 
 
 def test_profile_save_is_atomic_and_round_trips_every_key(tmp_path):

@@ -273,7 +273,7 @@ def test_splitwise_config_simulates(arg, shared_data):
 
 def test_bad_splitwise_arg():
     from pdjax.config.files import config_file
-    for arg in ("ha-code", "aa-code-lent", "aa-code-borrow-x", "aa"):
+    for arg in ("ah-code", "aa-code-lent", "aa-code-borrow-x", "aa"):   # ha is Splitwise-HA
         with pytest.raises(ValueError, match=f"splitwise: ARG='{arg}'"):
             config_file(str(ROOT / "README.md"), "configs/sim/splitwise.py", arg)
 

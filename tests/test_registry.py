@@ -40,7 +40,7 @@ def test_the_derived_name_lists_are_the_tables():
                                              "prefill_only", "decode_only")
     assert POLICIES.names(stall_free=True) == ("sarathi", "vllm_v1", "decode_only")
     assert tuple(ROUTERS) == ("round_robin", "least_loaded") and all(ROUTERS[r].pick for r in ROUTERS)
-    assert tuple(STACKS) == ("pdjax", "distserve", "distserve-vllm")
+    assert tuple(STACKS) == ("pdjax", "distserve", "distserve-vllm", "vllm-eager")
     from pdjax.sim.placement import COLOCATED_POLICIES
     from pdjax.sim.provision import COLOCATED_POLICIES as PROVISION_COLOCATED
     assert tuple(COLOCATED_POLICIES) == tuple(PROVISION_COLOCATED) == baseline_policies()

@@ -7,8 +7,8 @@ pdjax/scheduler/mixed.py has the reading of Splitwise's policy and its threshold
 ARG = <machines>-<trace>[-<pool>]
     machines  aa   Splitwise-AA: prompt and token machines are DGX-A100 (8x A100-80GB SXM)
               hh   Splitwise-HH: DGX-H100 (8x H100 SXM)
-              (Splitwise-HA, H100 prompt machines with A100 token machines, is not expressible: a simulated run has
-              one sim.hardware)
+              ha   Splitwise-HA: DGX-H100 prompt machines (deployment.prefill.hardware), DGX-A100 token machines
+                   (sim.hardware; the mixed machine too)
     trace     code azure_llm_2023_code.csv (prompt median 1469, output median 13), at the trace's own times (the
                    first 1000 rows: ~1.9 req/s, in bursts)
               conv azure_llm_2023_conv.csv (prompt median 1020, output median 129), trace times x0.5 (the first
@@ -27,6 +27,10 @@ prompt machines' 2048-token budget and the token machines' 256 sequences. Mixed-
 deployment.mixed_prefill_queue_tokens=8192 (splitwise-sim's prompt_max_pending_batch_tokens) and
 deployment.mixed_decode_load=1.0 (a token machine is overloaded when the request's KV or sequence slot would not fit).
 SLOs (our choice, ~5x the unloaded figures): TTFT 2 s, TBT 0.2 s.
+Every group runs the 'vllm-eager' stack (pdjax.sim.eager): the cost model under the host-bound floor of the eager
+vLLM Splitwise measured (a TP 8 decode step of ~45 ms on DGX-A100 and ~30 ms on DGX-H100 at batch 1, growing ~1.2x
+to batch 32), so its slowdown SLOs are judged against the engine they were set for; `--config.deployment.<group>.
+stack=pdjax` for pdjax's own (XLA) engine.
 
     python -m experiments.serve --config=configs/sim/splitwise.py:aa-code --workdir=/tmp/splitwise_aa_code
     python -m experiments.serve --config=configs/sim/splitwise.py:aa-code-dedicated --workdir=/tmp/sw_aa_code_dedicated
@@ -40,7 +44,7 @@ pool; requests kept on their prompt machine) or every change of phase of the ded
 from pdjax.config.files import config_file, replay_trace_lengths, shared_trace
 
 
-MACHINES = {"aa": "a100-80gb-sxm", "hh": "h100-sxm"}
+MACHINES = {"aa": ("a100-80gb-sxm", ""), "hh": ("h100-sxm", ""), "ha": ("a100-80gb-sxm", "h100-sxm")}   # token, prompt
 TRACES = {"code": dict(file="azure_llm_2023_code.csv", time_scale=1.0),
           "conv": dict(file="azure_llm_2023_conv.csv", time_scale=0.5)}
 POOLS = ("borrow", "dedicated", "off")
@@ -69,7 +73,7 @@ def get_config(arg="aa-code"):
     c.slo.ttft = 2.0
     c.slo.tbt = 0.2
     c.slo.tpot = 0.0
-    c.sim.hardware = MACHINES[machines]
+    c.sim.hardware, c.deployment.prefill.hardware = MACHINES[machines]
     c.sim.profile = ""                         # the shipped profile of the hardware
     c.deployment.kind = "disaggregated"
     c.deployment.router = "least_loaded"       # join the shortest queue, as Splitwise's cluster scheduler
@@ -78,6 +82,7 @@ def get_config(arg="aa-code"):
         group = c.deployment[role]
         group.num_instances = n
         group.tp = GPUS_PER_MACHINE
+        group.stack = "vllm-eager"             # Splitwise's engine (module docstring)
     c.deployment.prefill.token_budget = 2048
     c.deployment.decode.max_num_seqs = 256
     c.deployment.mixed.token_budget = 2048

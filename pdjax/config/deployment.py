@@ -97,7 +97,8 @@ class InstanceGroupConfig:
     stack: the serving stack whose speed the simulator gives these instances (pdjax.sim.stack): 'pdjax' (the cost
     model: hardware roofline x fitted efficiencies + host terms) or a stack fitted from published step times
     ('distserve': DistServe's engine, 'distserve-vllm': the vLLM it compared against; valid for the (model,
-    hardware, tp) they were measured on), or a stack file fitted from your own measured steps
+    hardware, tp) they were measured on), 'vllm-eager' (the cost model under an eager PyTorch engine's host-bound
+    per-kernel floor, the vLLM Splitwise ran: pdjax.sim.eager), or a stack file fitted from your own measured steps
     (`experiments.fit_profile --stack_steps=CSV --out=S.json`). The real engine is the pdjax stack.
     hardware: the accelerator these instances run on ('' = sim.hardware), so a disaggregated deployment's groups
     may differ (Splitwise-HA: H100 prompt machines, A100 token machines; the KV then crosses the inter-node link

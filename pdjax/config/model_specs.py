@@ -11,6 +11,8 @@ from typing import Optional
 from pdjax.config.parse import FieldError, check_fields, one_of, positive_int
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8": 1}
+# model.dtype's values: 'auto' (the checkpoint's own dtype, `resolve_dtype`) or a dtype both backends run.
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ARCHS = ("llama", "opt")
 
 
@@ -138,6 +140,25 @@ _SPECS = [
 ]
 
 MODEL_SPECS: dict[str, ModelSpec] = {s.name: s for s in _SPECS}
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str, *, cpu: bool = False) -> str:
+    """The dtype a run computes and stores the model in, for model.dtype = `requested` (MODEL_DTYPES): an explicit
+    dtype as given; 'auto' the checkpoint's own (`checkpoint_dtype`: its spec's, e.g. bfloat16 for the Llama
+    checkpoints, float16 for OPT, float32 for the tiny CPU specs), except on the CPU engine (`cpu`), which computes
+    in float32 whatever the checkpoint stores (XLA:CPU has no fast 16-bit matmul)."""
+    if requested not in MODEL_DTYPES:
+        raise ValueError(f"model.dtype={requested!r}, expected one of {MODEL_DTYPES}")
+    if requested != "auto":
+        return requested
+    return "float32" if cpu else checkpoint_dtype
+
+
+def spec_at_dtype(spec: ModelSpec, requested: str) -> ModelSpec:
+    """`spec` with the dtype model.dtype = `requested` asks for (`resolve_dtype`; 'auto' keeps the spec's own): what
+    the simulator costs, so weight and KV bytes, KV pages and matmul rates follow model.dtype."""
+    dtype = resolve_dtype(requested, spec.dtype)
+    return spec if dtype == spec.dtype else spec.replace(dtype=dtype)
 
 
 def get_model_spec(name: str) -> ModelSpec:

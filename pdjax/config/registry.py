@@ -198,7 +198,7 @@ class StackInfo:
 
 
 STACKS = Registry("stack")
-for _name in ("pdjax", "distserve", "distserve-vllm"):
+for _name in ("pdjax", "distserve", "distserve-vllm", "vllm-eager"):
     STACKS.add(_name, StackInfo(_name))
 
 

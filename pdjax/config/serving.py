@@ -14,6 +14,7 @@ import ml_collections
 
 from pdjax.config.deployment import REMOVED_GROUP_KEYS, ROLES, DeploymentConfig, deployment_from_dict
 from pdjax.config.files import config_block
+from pdjax.config.model_specs import MODEL_DTYPES
 from pdjax.config.parse import FieldError, check_fields, coerce, dataclass_from_dict, nonneg_int, number, one_of
 from pdjax.config.scheduler import SchedulerConfig
 from pdjax.config.slo import SLOConfig
@@ -27,13 +28,18 @@ MODES = ("online", "offline")
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """checkpoint: a directory (HF safetensors or a pdjax orbax checkpoint) or a registry spec name (dummy
-    weights). attention_impl: 'auto' | 'blocked' | 'reference' | 'pallas'. dtype: compute/param dtype for dummy
-    weights."""
+    weights). attention_impl: 'auto' | 'blocked' | 'reference' | 'pallas'. dtype: the dtype the weights, the
+    activations and the KV cache are held in, on both backends ('auto': the checkpoint's own, float32 on the CPU
+    engine; pdjax.config.model_specs.resolve_dtype): the simulator costs weight and KV bytes, KV pages and
+    matmul rates at it."""
     checkpoint: str = "tiny-llama"
     attention_impl: str = "auto"
-    dtype: str = "float32"
+    dtype: str = one_of("auto", MODEL_DTYPES)
     eos_token_id: int = -1          # stop token for every request; -1: none (outputs run to max_tokens)
     verify_checksums: bool = True   # check a checkpoint's files against the SHA-256s recorded when it was saved
+
+    def __post_init__(self):
+        check_fields(self, "model")
 
 
 @dataclasses.dataclass(frozen=True)

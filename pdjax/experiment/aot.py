@@ -27,6 +27,7 @@ import jax
 
 from pdjax.config.buckets import engine_buckets
 from pdjax.config.deployment import check_group_against_model, instance_scheduler_config
+from pdjax.config.model_specs import resolve_dtype
 from pdjax.config.pipeline import stage_layer_ranges
 from pdjax.config.serving import ServeConfig
 from pdjax.config.validate import check_max_model_len, hardware_name_of, model_spec_for
@@ -101,7 +102,7 @@ def compile_group(cfg: ServeConfig, role: str, devices: Sequence, *, utilization
     """The report of one deployment group (module docstring), its first instance on `devices` (pp·tp of them)."""
     group = cfg.deployment.group(role)
     spec = model_spec_for(cfg, simulator=False, required=True)
-    dtype = jnp_dtype(cfg.model.dtype or spec.dtype)
+    dtype = jnp_dtype(resolve_dtype(cfg.model.dtype, spec.dtype, cpu=devices[0].platform == "cpu"))
     sc = instance_scheduler_config(cfg.scheduler, group, role)   # the group's overrides applied
     buckets = engine_buckets(sc.token_budget, sc.max_num_seqs, sc.max_model_len, sc.page_size,
                              cfg.engine.token_buckets, cfg.engine.seq_buckets, cfg.engine.page_buckets)
@@ -139,7 +140,8 @@ def compile_group(cfg: ServeConfig, role: str, devices: Sequence, *, utilization
         row["bucket"] = list(step.bucket)
         row["fits"] = bool(step.compiled and hbm is not None and step.total_bytes <= hbm)
         if compare_sim and step.compiled and hardware is not None:
-            row.update(compare_with_sim(row, spec, hardware, tp=group.tp, pp=group.pp, page_size=sc.page_size))
+            row.update(compare_with_sim(row, spec.replace(dtype=str(dtype)), hardware, tp=group.tp, pp=group.pp,
+                                        page_size=sc.page_size))    # costed at the dtype compiled
         if on_step is not None:
             on_step(dict(row, role=role))
         return row

@@ -75,7 +75,11 @@ def build_requests(cfg: ServeConfig, workload: Optional[Sequence] = None) -> Lis
 
 def load_weights(cfg: ServeConfig):
     """(spec, params) of cfg.model: a checkpoint directory, or dummy weights for a registry spec name."""
-    return load_model(resolve_checkpoint(cfg.model.checkpoint), dtype=cfg.model.dtype, seed=cfg.seed,
+    # model.dtype 'auto': the checkpoint's own dtype (load_model's None), float32 on the CPU engine (resolve_dtype)
+    dtype = cfg.model.dtype
+    if dtype == "auto":
+        dtype = "float32" if jax.default_backend() == "cpu" else None
+    return load_model(resolve_checkpoint(cfg.model.checkpoint), dtype=dtype, seed=cfg.seed,
                       verify_checksums=cfg.model.verify_checksums)
 
 

@@ -5,7 +5,12 @@ build -> simulate -> outputs. The simulated deployment is exactly `cfg.deploymen
 
 Rules (each chosen so a simulated run answers "what would the real engine do with this config"):
 - Model: `sim.model` (a registry spec name) if set, else `model.checkpoint` when it is a spec name, else the
-  checkpoint directory's name when that is a spec name, else its `pdjax_spec.json`.
+  checkpoint directory's name when that is a spec name, else its `pdjax_spec.json`; at `model.dtype` ('auto': the
+  spec's own, the 16-bit dtype of the paper checkpoints, float32 of the tiny specs), which every byte count
+  (weights, KV pages and transfers, the fit checks) and the matmul rate (HardwareSpec.peak_flops) follow. A
+  published step-fit stack was measured at the checkpoint's dtype and refuses another. (On host-cpu the CPU engine
+  computes an 'auto' model in float32, but the shipped host-cpu profile was calibrated costing the checkpoint's
+  dtype, its fitted efficiencies absorbing the difference, so 'auto' costs the checkpoint's dtype there too.)
 - Hardware and cost profile: `sim.hardware`; the profile is `sim.profile` (a JSON path or a shipped profile
   name) if set, else the shipped profile for the hardware (pdjax/sim/profiles/<hardware>.json, then
   <family>.json: 'a100-80gb-pcie' -> a100.json), else first principles (CostParams defaults). A profile that
@@ -51,7 +56,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from pdjax.config.buckets import engine_buckets
 from pdjax.config.deployment import instance_scheduler_config
-from pdjax.config.model_specs import ModelSpec
+from pdjax.config.model_specs import ModelSpec, spec_at_dtype
 from pdjax.config.validate import check_against_model, model_spec_for
 from pdjax.scheduler import make_scheduler, request_from_workload
 from pdjax.scheduler.instances import check_instance, make_role_scheduler
@@ -60,6 +65,7 @@ from pdjax.scheduler.overload import has_overload, overload_pool_factory, overlo
 from pdjax.scheduler.routing import InstanceRouter
 from pdjax.sim.cost_model import CostParams, kv_bytes, kv_cache_capacity_tokens, param_count
 from pdjax.sim.disagg import kv_link_between, make_transfer_time
+from pdjax.sim.eager import EagerHostStack  # noqa: F401 (registers the 'vllm-eager' stack before check_stacks)
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 from pdjax.sim.simulator import PendingRequest, SimInstance
 from pdjax.sim.profile import Profile, profile_for
@@ -135,8 +141,18 @@ class SimSetup:
 
 # --------------------------------------------------------------------------------------------------- resolution
 def resolve_model(cfg) -> ModelSpec:
-    """The cost model's ModelSpec (the module docstring's rule: pdjax.config.validate.model_spec_for)."""
-    return model_spec_for(cfg, simulator=True, required=True)
+    """The cost model's ModelSpec (the module docstring's rule: pdjax.config.validate.model_spec_for) at the dtype
+    model.dtype asks for (pdjax.config.model_specs.spec_at_dtype: 'auto' keeps the checkpoint's own)."""
+    return spec_at_dtype(model_spec_for(cfg, simulator=True, required=True), cfg.model.dtype)
+
+
+def _check_stack_dtype(role: str, stack: Stack, model: ModelSpec, checkpoint_dtype: str) -> None:
+    """A stack that is not the cost model (a published step fit) was measured at the checkpoint's own dtype: it
+    cannot cost another one (ValueError naming the group, the stack and the dtypes)."""
+    if model.dtype != checkpoint_dtype and not getattr(stack, "follows_dtype", False):
+        raise ValueError(f"deployment.{role}.stack={stack.name!r} was measured at {model.name}'s own dtype "
+                         f"{checkpoint_dtype}; model.dtype={model.dtype!r} needs a stack costed from first "
+                         "principles (e.g. 'pdjax') or model.dtype='auto'")
 
 
 def resolve_profile(cfg) -> Tuple[Optional[Profile], str]:
@@ -198,6 +214,7 @@ def build_setup(cfg, hardware: Optional[HardwareSpec] = None) -> SimSetup:
     link figures; a serve config names a registry spec)."""
     dep = cfg.deployment
     model = resolve_model(cfg)
+    checkpoint_dtype = model_spec_for(cfg, simulator=True, required=True).dtype
     profile, profile_name = resolve_profile(cfg)
     if hardware is not None:
         hw = hardware
@@ -238,6 +255,7 @@ def build_setup(cfg, hardware: Optional[HardwareSpec] = None) -> SimSetup:
             stack.check(model.name, gpu, group.tp)
         except ValueError as e:
             raise ValueError(f"deployment.{role}.stack: {e}") from None
+        _check_stack_dtype(role, stack, model, checkpoint_dtype)
         groups[role] = GroupSetup(role, sched_cfg, group.tp, group.pp, capacity, tuple(assignment[n] for n in names),
                                   names, _padding(cfg, group_profile, sched_cfg), stack, group_hw, group_params, gpu)
     return SimSetup(model=model, hardware=hw, params=params, profile=profile_name, kind=dep.kind,

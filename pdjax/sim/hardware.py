@@ -55,6 +55,10 @@ class HardwareSpec:
     inter_node_latency: float
     pairwise_bandwidth: Optional[float] = None
     compute_units: int = 108
+    # Dense TF32 tensor-core peak (Ampere and later NVIDIA GPUs); 0: none. JAX computes float32 matmuls in TF32 on
+    # these GPUs at its default precision ("TF32 on recent GPUs", JAX docs, Matmul precision), so a float32 model's
+    # GEMMs run at this rate, not at the non-tensor FP32 peak (`peak_flops`).
+    peak_flops_tf32: float = 0.0
 
     def __post_init__(self):
         for field in ("peak_flops_bf16", "peak_flops_fp16", "peak_flops_fp32", "hbm_bandwidth", "hbm_capacity",
@@ -62,6 +66,9 @@ class HardwareSpec:
             value = getattr(self, field)
             if not value > 0:
                 raise ValueError(f"HardwareSpec {self.name!r}: {field}={value!r}, expected a positive number")
+        if not self.peak_flops_tf32 >= 0:
+            raise ValueError(f"HardwareSpec {self.name!r}: peak_flops_tf32={self.peak_flops_tf32!r}, expected >= 0 "
+                             "(0: no TF32 tensor cores)")
         if self.intra_node_topology not in TOPOLOGIES:
             raise ValueError(f"HardwareSpec {self.name!r}: intra_node_topology={self.intra_node_topology!r}, "
                              f"expected one of {TOPOLOGIES}")
@@ -74,13 +81,14 @@ class HardwareSpec:
             raise ValueError(f"HardwareSpec {self.name!r}: devices_per_node={self.devices_per_node}, expected >= 1")
 
     def peak_flops(self, dtype: str) -> float:
-        """Dense peak FLOP/s for a dtype name ('bfloat16', 'float16', 'float32'; 8-bit types use fp16's rate)."""
+        """Dense peak matmul FLOP/s for a dtype name ('bfloat16', 'float16', 'float32'; 8-bit types use fp16's
+        rate): float32 at the TF32 tensor-core rate where the GPU has one (JAX's default precision), else FP32."""
         if dtype == "bfloat16":
             return self.peak_flops_bf16
         if dtype in ("float16", "int8", "float8"):
             return self.peak_flops_fp16
         if dtype == "float32":
-            return self.peak_flops_fp32
+            return self.peak_flops_tf32 or self.peak_flops_fp32
         raise ValueError(f"peak_flops: dtype={dtype!r}, expected 'bfloat16', 'float16' or 'float32'")
 
     def group_link(self, group_size: int) -> tuple[float, float]:
@@ -126,10 +134,11 @@ _DCN_LATENCY = 20e-6
 
 
 def _a100(name, hbm_bw, hbm_gib, form):
-    # A100 datasheet: BF16/FP16 Tensor Core 312 TFLOPS dense (624 with sparsity); FP32 19.5 TFLOPS (non-tensor).
-    # 108 SMs.
+    # A100 datasheet: BF16/FP16 Tensor Core 312 TFLOPS dense (624 with sparsity); TF32 Tensor Core 156 TFLOPS dense
+    # (312 with sparsity); FP32 19.5 TFLOPS (non-tensor). 108 SMs.
     common = dict(kind="gpu", compute_units=108, peak_flops_bf16=312 * TERA, peak_flops_fp16=312 * TERA,
-                  peak_flops_fp32=19.5 * TERA, hbm_bandwidth=hbm_bw, hbm_capacity=hbm_gib * GiB)
+                  peak_flops_fp32=19.5 * TERA, peak_flops_tf32=156 * TERA, hbm_bandwidth=hbm_bw,
+                  hbm_capacity=hbm_gib * GiB)
     if form == "sxm":
         # SXM: third-gen NVLink 600 GB/s bidirectional through NVSwitch (HGX/DGX A100, 8 GPUs) -> 300 GB/s/dir.
         return HardwareSpec(name=name, devices_per_node=8, intra_node_topology="switch",
@@ -150,9 +159,11 @@ def _a100(name, hbm_bw, hbm_gib, form):
 
 def _hopper(name, hbm_bw, hbm_gb):
     # H100 SXM5 / H200 SXM datasheets: BF16/FP16 Tensor Core 1,979 TFLOPS *with sparsity* -> 989.5 dense;
-    # FP32 67 TFLOPS. NVLink 900 GB/s bidirectional through NVSwitch -> 450 GB/s per direction. 132 SMs.
+    # TF32 Tensor Core 989 TFLOPS with sparsity -> 494.5 dense; FP32 67 TFLOPS. NVLink 900 GB/s bidirectional
+    # through NVSwitch -> 450 GB/s per direction. 132 SMs.
     return HardwareSpec(name=name, kind="gpu", compute_units=132, peak_flops_bf16=989.5 * TERA,
-                        peak_flops_fp16=989.5 * TERA, peak_flops_fp32=67 * TERA, hbm_bandwidth=hbm_bw,
+                        peak_flops_fp16=989.5 * TERA, peak_flops_fp32=67 * TERA, peak_flops_tf32=494.5 * TERA,
+                        hbm_bandwidth=hbm_bw,
                         hbm_capacity=hbm_gb,
                         devices_per_node=8, intra_node_topology="switch", intra_node_bandwidth=450 * GB,
                         intra_node_latency=_NVLINK_LATENCY, inter_node_bandwidth=_NDR_IB,
@@ -184,16 +195,19 @@ _SPECS = [
     # H100 SXM5: HBM3 3.35 TB/s, 80 GB. H200 SXM: HBM3e 4.8 TB/s, 141 GB.
     _hopper("h100-sxm", 3350 * GB, 80 * GiB),
     _hopper("h200", 4800 * GB, 141 * GB),
-    # A40: FP16/BF16 Tensor 149.7 TFLOPS dense (299.4 sparse), FP32 37.4 TFLOPS, 48 GB GDDR6 at 696 GB/s,
-    # NVLink bridge (pairs) 112.5 GB/s bidirectional -> 56.25 GB/s/dir, PCIe Gen4 x16.
+    # A40: FP16/BF16 Tensor 149.7 TFLOPS dense (299.4 sparse), TF32 Tensor 74.8 dense (149.6 sparse), FP32 37.4
+    # TFLOPS, 48 GB GDDR6 at 696 GB/s, NVLink bridge (pairs) 112.5 GB/s bidirectional -> 56.25 GB/s/dir, PCIe Gen4.
     HardwareSpec(name="a40", kind="gpu", compute_units=84, peak_flops_bf16=149.7 * TERA, peak_flops_fp16=149.7 * TERA,
-                 peak_flops_fp32=37.4 * TERA, hbm_bandwidth=696 * GB, hbm_capacity=48 * GiB, devices_per_node=8,
+                 peak_flops_fp32=37.4 * TERA, peak_flops_tf32=74.8 * TERA, hbm_bandwidth=696 * GB,
+                 hbm_capacity=48 * GiB, devices_per_node=8,
                  intra_node_topology="pairwise", pairwise_bandwidth=56.25 * GB, intra_node_bandwidth=_PCIE4_X16,
                  intra_node_latency=_PCIE_LATENCY, inter_node_bandwidth=_HDR_IB / 2, inter_node_latency=_IB_LATENCY),
-    # L4: FP16/BF16 Tensor 121 TFLOPS dense (242 sparse), FP32 30.3 TFLOPS, 24 GB GDDR6 at 300 GB/s, PCIe Gen4 x16,
-    # no NVLink. Typical cloud host (g2-standard-96): 8 L4, 100 Gb/s network shared -> 12.5 GB/s per node.
+    # L4: FP16/BF16 Tensor 121 TFLOPS dense (242 sparse), TF32 Tensor 60 dense (120 sparse), FP32 30.3 TFLOPS, 24 GB
+    # GDDR6 at 300 GB/s, PCIe Gen4 x16, no NVLink. Typical cloud host (g2-standard-96): 8 L4, 100 Gb/s network
+    # shared -> 12.5 GB/s per node.
     HardwareSpec(name="l4", kind="gpu", compute_units=58, peak_flops_bf16=121 * TERA, peak_flops_fp16=121 * TERA,
-                 peak_flops_fp32=30.3 * TERA, hbm_bandwidth=300 * GB, hbm_capacity=24 * GiB, devices_per_node=8,
+                 peak_flops_fp32=30.3 * TERA, peak_flops_tf32=60 * TERA, hbm_bandwidth=300 * GB, hbm_capacity=24 * GiB,
+                 devices_per_node=8,
                  intra_node_topology="pcie", intra_node_bandwidth=_PCIE4_X16, intra_node_latency=_PCIE_LATENCY,
                  inter_node_bandwidth=12.5 * GB / 8, inter_node_latency=_DCN_LATENCY),
     # Cloud TPU docs. v4: 275 TFLOPS bf16, 32 GiB HBM2 at 1,200 GB/s, 6 ICI ports (3D torus), 4 chips/host;

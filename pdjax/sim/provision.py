@@ -352,7 +352,8 @@ def capped(setup, machines: Mapping[str, MachineSpec]):
             hw = g.hardware or setup.hardware
             hw = hw.replace(peak_flops_bf16=hw.peak_flops_bf16 * m.compute_scale,
                             peak_flops_fp16=hw.peak_flops_fp16 * m.compute_scale,
-                            peak_flops_fp32=hw.peak_flops_fp32 * m.compute_scale)
+                            peak_flops_fp32=hw.peak_flops_fp32 * m.compute_scale,
+                            peak_flops_tf32=hw.peak_flops_tf32 * m.compute_scale)
             groups[role] = dataclasses.replace(g, hardware=hw, params=g.params or setup.params)
     return dataclasses.replace(setup, groups=groups)
 

@@ -617,6 +617,7 @@ def make_step_time(model: ModelSpec, hw: HardwareSpec, tp: int = 1, pp: int = 1,
 class CostModelStack:
     """The 'pdjax' serving stack: the cost model alone (make_step_time, with the group's padding and noise)."""
     name = "pdjax"
+    follows_dtype = True     # costs the model at its spec's dtype (pdjax.sim.build._check_stack_dtype)
 
     def check(self, model: str, hardware: str, tp: int) -> None:
         """Times every (model, hardware, tp) whose layout fits (make_step_time checks that)."""

@@ -24,8 +24,9 @@ taken as is: `as_step_time` wraps it in `PlainStepTime`, the one place that tell
 A serving stack (`deployment.<group>.stack`, DESIGN.md §3 "What a step costs") makes the step-time source of a
 group's instances: `register_stack(name, factory)` adds its name to the stack table (pdjax.config.registry.STACKS,
 which the config's `stack` keys are checked against) and its factory, `() -> Stack`. The shipped ones: 'pdjax'
-(the cost model, pdjax.sim.step_cost.CostModelStack) and the step-fit stacks (pdjax.sim.stack: 'distserve',
-'distserve-vllm'); pdjax.sim.stack.get_stack gives a stack by name or reads a stack file (`*.json`).
+(the cost model, pdjax.sim.step_cost.CostModelStack), 'vllm-eager' (the cost model under an eager engine's host
+floor, pdjax.sim.eager) and the step-fit stacks (pdjax.sim.stack: 'distserve', 'distserve-vllm');
+pdjax.sim.stack.get_stack gives a stack by name or reads a stack file (`*.json`).
 pdjax.sim.build checks at import that every row of the table has its factory.
 """
 from __future__ import annotations
