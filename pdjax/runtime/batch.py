@@ -27,6 +27,8 @@ class RaggedBatch:
     cu_q_lens: int32[S + 1]; kv_lens: int32[S] (context incl. this step); page_indices: int32[S, P]
     num_seqs: int32[] real sequences; sample_indices: int32[S] flat index of each sequence's last token
     temperature float32[S] (0 = greedy), top_k int32[S] (0 = off), top_p float32[S] (1 = off), seed uint32[S]
+    want_logprobs bool[S]: the sequence samples a token and its request asked for logprobs (a batch with none
+      skips their computation: pdjax.runtime.sampling.token_logprobs)
     token_src: int32[T] -1 where token_ids holds the token; else the index into the previous step's sampled ids
       of the token to feed (async scheduling: a sample that has not reached the host yet)
     """
@@ -43,6 +45,7 @@ class RaggedBatch:
     top_p: np.ndarray
     seed: np.ndarray
     token_src: np.ndarray
+    want_logprobs: np.ndarray
 
     @property
     def shape_key(self) -> Tuple[int, int, int]:
@@ -59,7 +62,7 @@ def empty_batch(shape: Tuple[int, int, int]) -> RaggedBatch:
         kv_lens=np.zeros(s, np.int32), page_indices=np.zeros((s, p), np.int32),
         num_seqs=np.zeros((), np.int32), sample_indices=np.zeros(s, np.int32),
         temperature=np.zeros(s, np.float32), top_k=np.zeros(s, np.int32), top_p=np.ones(s, np.float32),
-        seed=np.zeros(s, np.uint32), token_src=np.full(t, -1, np.int32))
+        seed=np.zeros(s, np.uint32), token_src=np.full(t, -1, np.int32), want_logprobs=np.zeros(s, bool))
 
 
 def _lengths(token_ids, num_computed_tokens, page_tables, do_sample, sampling, page_size: int,
@@ -92,10 +95,14 @@ def _lengths(token_ids, num_computed_tokens, page_tables, do_sample, sampling, p
     return q_lens, starts, kv_lens, pages_needed
 
 
-def _fill_sampling(batch: RaggedBatch, sampling: Sequence[Optional[SamplingParams]]) -> None:
-    """Each sequence's sampling parameters (None: greedy) into the batch's per-sequence arrays."""
+def _fill_sampling(batch: RaggedBatch, sampling: Sequence[Optional[SamplingParams]],
+                   do_sample: Sequence[bool]) -> None:
+    """Each sequence's sampling parameters (None: greedy) into the batch's per-sequence arrays; want_logprobs
+    only where the sequence samples (a prefill chunk that does not end the prompt asks for nothing)."""
     n = len(sampling)
     params = [sp or _GREEDY for sp in sampling]
+    batch.want_logprobs[:n] = [bool(s) and getattr(sp, "logprobs", None) is not None
+                               for sp, s in zip(params, do_sample)]
     batch.temperature[:n] = [sp.temperature for sp in params]
     batch.top_k[:n] = [sp.top_k for sp in params]
     batch.top_p[:n] = [sp.top_p for sp in params]
@@ -147,7 +154,7 @@ def build_ragged_batch(token_ids: Sequence[Sequence[int]], num_computed_tokens: 
     pos = starts[seq_of_token] + np.arange(total) - cu[seq_of_token]
     batch.positions[:total] = pos
     batch.slot_mapping[:total] = batch.page_indices[seq_of_token, pos // page_size] * page_size + pos % page_size
-    _fill_sampling(batch, sampling)
+    _fill_sampling(batch, sampling, do_sample)
     batch.cu_q_lens[:] = cu
     batch.kv_lens[:n] = kv_lens
     batch.sample_indices[:n] = cu[1:n + 1] - 1

@@ -58,7 +58,7 @@ from pdjax.models.params import TOP_FIELDS, param_table
 from pdjax.runtime import mesh as mesh_lib
 from pdjax.runtime.batch import Buckets, RaggedBatch, empty_batch
 from pdjax.runtime.runner import ModelRunner
-from pdjax.runtime.step import fed_token_ids, sampled_ids
+from pdjax.runtime.step import fed_token_ids, sampled_tokens
 from pdjax.scheduler.output import SchedulerOutput
 
 
@@ -127,8 +127,9 @@ def stage_forward(params: StageParams, kv_cache: KVCache, hidden, batch: RaggedB
     """One stage of one step. Input: the fed token ids (first stage: batch.token_ids, with batch.token_src
     taken from prev_ids, the previous step's sampled ids) or the previous stage's hidden [T, H].
     Output: (hidden [T, H], kv_cache) for stages before the last; for the last stage (float32 logits [S, V] at
-    batch.sample_indices, kv_cache) when output == 'logits', else (sampled ids int32[max_seqs] (rows past S are
-    0, NONFINITE_LOGITS for non-finite logits: pdjax.runtime.step.sampled_ids), kv_cache)."""
+    batch.sample_indices, kv_cache) when output == 'logits', else (SampledTokens (pdjax.runtime.step.sampled_tokens:
+    ids int32[max_seqs], rows past S are 0, NONFINITE_LOGITS for non-finite logits; logprobs where asked),
+    kv_cache)."""
     if first:
         with jax.named_scope("embed"):
             x = embed(params, fed_token_ids(batch, prev_ids))
@@ -141,7 +142,7 @@ def stage_forward(params: StageParams, kv_cache: KVCache, hidden, batch: RaggedB
         logits = final_logits(params, x[batch.sample_indices], spec)
     if output == "logits":
         return logits, kv_cache
-    return sampled_ids(logits, batch, max_seqs), kv_cache
+    return sampled_tokens(logits, batch, max_seqs), kv_cache
 
 
 def make_stage_fn(spec: ModelSpec, attention_impl: str, stage_mesh, *, stage: int, pp: int, num_layers: int,
@@ -321,15 +322,15 @@ class PipelineRunner(ModelRunner):
         step's tokens on device; they travel from the last stage to stage 0)."""
         batch = self._prepare(sched_out)
         if batch is None:
-            return None, np.zeros((0,), bool)
+            return None, np.zeros((0,), bool), False
         prev_ids = None
         if prev is not None and prev[1][0] is not None:
             src = self._sample_sources(sched_out, prev[0], batch.token_ids.shape[0])
             if src is not None:
                 batch = batch.replace(token_src=src)
-                prev_ids = jax.device_put(prev[1][0], self._replicated[0])   # token feedback: last -> first
-        ids = self._run(batch, "step", prev_ids)
-        return ids, np.asarray(sched_out.do_sample, bool)
+                prev_ids = jax.device_put(prev[1][0].ids, self._replicated[0])   # token feedback: last -> first
+        sampled = self._run(batch, "step", prev_ids)
+        return sampled, np.asarray(sched_out.do_sample, bool), bool(batch.want_logprobs.any())
 
     def execute_logits(self, sched_out: SchedulerOutput) -> np.ndarray:
         """As ModelRunner.execute_logits: float32 [num_seqs, vocab] logits at each sequence's last fed token."""

@@ -107,10 +107,10 @@ _scatter_pages_donated = jax.jit(_scatter_pages.__wrapped__, donate_argnums=(0,)
 
 def make_mesh_step(spec: ModelSpec, attention_impl: str, mesh, *, max_seqs: int, output: str = "step",
                    on_trace: Optional[Callable] = None):
-    """The jitted step (output 'step': sampled ids) or forward (output 'logits') of one (1, 1, tp) `mesh`, as the
+    """The jitted step (output 'step': SampledTokens) or forward (output 'logits') of one (1, 1, tp) `mesh`, as the
     runner runs it and as `pdjax.runtime.aot` compiles it for a device it does not have: attention for the mesh's
-    platform, sharded over its 'tensor' axis; the sampled ids replicated, the KV cache donated and kept split on
-    KV heads."""
+    platform, sharded over its 'tensor' axis; the sampled ids and logprobs replicated, the KV cache donated and kept
+    split on KV heads."""
     attention_fn = get_attention_fn(attention_impl, mesh)
     out_shardings = (mesh_lib.replicated(mesh), mesh_lib.kv_cache_shardings(mesh, spec))
     if output == "logits":
@@ -221,7 +221,7 @@ class ModelRunner:
 
     def dispatch(self, sched_out: SchedulerOutput, *, prev=None):
         """Launch one iteration without waiting for the device (JAX dispatch is async); pass the returned
-        handle to `collect`. Lets the host do scheduler work while the step runs.
+        handle to `collect` (and `collect_logprobs`). Lets the host do scheduler work while the step runs.
 
         prev: (SchedulerOutput, handle) of the previous, possibly uncollected step (async scheduling). A request
         sampled there whose entry here starts right after that step's tokens feeds that sample as its first
@@ -229,14 +229,14 @@ class ModelRunner:
         in `sched_out` is a placeholder)."""
         batch = self._prepare(sched_out)
         if batch is None:
-            return None, np.zeros((0,), bool)
+            return None, np.zeros((0,), bool), False
         prev_ids = self._no_prev_ids
         if prev is not None and prev[1][0] is not None:
             src = self._sample_sources(sched_out, prev[0], batch.token_ids.shape[0])
             if src is not None:
-                batch, prev_ids = batch.replace(token_src=src), prev[1][0]
-        ids, self.kv_cache = self._step(self.params, self.kv_cache, batch, prev_ids)
-        return ids, np.asarray(sched_out.do_sample, bool)
+                batch, prev_ids = batch.replace(token_src=src), prev[1][0].ids
+        sampled, self.kv_cache = self._step(self.params, self.kv_cache, batch, prev_ids)
+        return sampled, np.asarray(sched_out.do_sample, bool), bool(batch.want_logprobs.any())
 
     @staticmethod
     def _sample_sources(sched_out: SchedulerOutput, prev_out: SchedulerOutput, num_tokens: int):
@@ -266,11 +266,23 @@ class ModelRunner:
     @staticmethod
     def collect(handle) -> np.ndarray:
         """Wait for a dispatched iteration; int32[num_seqs] sampled ids, -1 where do_sample is False."""
-        ids, do_sample = handle
-        if ids is None:
+        sampled, do_sample = handle[0], handle[1]
+        if sampled is None:
             return np.zeros((0,), np.int32)
-        ids = np.asarray(ids)[:do_sample.shape[0]].astype(np.int32)   # ids: int32[max_seqs]
+        ids = np.asarray(sampled.ids)[:do_sample.shape[0]].astype(np.int32)   # ids: int32[max_seqs]
         return np.where(do_sample, ids, -1).astype(np.int32)
+
+    @staticmethod
+    def collect_logprobs(handle) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """The logprobs of a dispatched iteration whose batch asked for some: (logprob float32[num_seqs] of each
+        sampled token, top ids int32[num_seqs, K], top logprobs float32[num_seqs, K]; rows of sequences that did
+        not ask hold values too); None when none asked (nothing is read from the device)."""
+        sampled, do_sample, wanted = handle
+        if sampled is None or not wanted:
+            return None
+        n = do_sample.shape[0]
+        return (np.asarray(sampled.logprob)[:n], np.asarray(sampled.top_ids)[:n],
+                np.asarray(sampled.top_logprobs)[:n])
 
     def execute(self, sched_out: SchedulerOutput) -> np.ndarray:
         """Run one iteration; int32[num_seqs] sampled ids, -1 where do_sample is False."""

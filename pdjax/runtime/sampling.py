@@ -5,11 +5,18 @@ depend on which other requests share the batch or on where it sits in it. top-k 
 logit thresholds found on one descending sort of each row (ties at a threshold are all kept).
 A batch with no random row (every temperature 0: greedy) skips the sort and the draws (`lax.cond`): on CPU the
 sort of [S, V] logits cost as much as the lm_head matmul, for a result that is the argmax anyway.
+
+Logprobs (`token_logprobs`) are log_softmax of the raw model logits: before temperature, top-k and top-p, as vLLM
+returns them by default (its `raw_logprobs` mode; OpenAI's too), so a request's logprobs do not change with its
+sampling settings. The top MAX_TOP_LOGPROBS (OpenAI's cap) are always returned (a static shape); a batch where no
+row asks skips the work on the device (`lax.cond`), so requests that do not ask cost no compile and next to nothing.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+MAX_TOP_LOGPROBS = 20     # OpenAI's cap on top_logprobs: the step returns this many top entries per row
 
 
 def sample_tokens(logits: jax.Array, positions: jax.Array, temperature: jax.Array, top_k: jax.Array,
@@ -49,3 +56,29 @@ def _sample_random(logits, greedy_ids, is_random, positions, temperature, top_k,
     keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seed, positions)
     drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
     return jnp.where(is_random, drawn, greedy_ids)
+
+
+def token_logprobs(logits: jax.Array, ids: jax.Array, want: jax.Array, num_rows: int):
+    """(logprob float32[num_rows] of ids, top ids int32[num_rows, K], top logprobs float32[num_rows, K]) of float32
+    logits [S, V] (S <= num_rows; rows past S are 0), K = min(MAX_TOP_LOGPROBS, V), top entries in descending order.
+
+    ids int32[S]: the sampled ids (an id outside [0, V), e.g. a non-finite row's flag, reads the clipped column);
+    want bool[S]: rows that asked. Logprobs are log_softmax of the raw logits (module docstring). With no row
+    wanting them the step returns zeros without computing anything (`lax.cond`); with some, every row is computed
+    (the host keeps the ones that asked).
+    """
+    s, vocab = logits.shape
+    k = min(MAX_TOP_LOGPROBS, vocab)
+
+    def compute(logits, ids):
+        logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        chosen = jnp.take_along_axis(logprobs, jnp.clip(ids, 0, vocab - 1)[:, None], axis=-1)[:, 0]
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, k)
+        pad = lambda a: jnp.zeros((num_rows,) + a.shape[1:], a.dtype).at[:s].set(a)  # noqa: E731
+        return pad(chosen), pad(top_ids.astype(jnp.int32)), pad(top_logprobs)
+
+    def skip(logits, ids):
+        return (jnp.zeros((num_rows,), jnp.float32), jnp.zeros((num_rows, k), jnp.int32),
+                jnp.zeros((num_rows, k), jnp.float32))
+
+    return jax.lax.cond(jnp.any(want), compute, skip, logits, ids)

@@ -51,7 +51,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling", "arrival_time", "priority", "status",
         "num_computed_tokens", "output_token_ids", "all_token_ids", "first_scheduled_time", "first_token_time",
         "finish_time", "token_times", "schedule_times", "num_preemptions", "preemption_times", "finish_reason",
-        "reject_reason", "num_cached_tokens",
+        "reject_reason", "num_cached_tokens", "output_logprobs",
         # internal
         "page_table", "prefill_end", "page_keys", "num_registered_pages", "host_slots", "admit_seq",
         "sched_step", "stop_ids", "max_tokens", "is_long_prefill", "token_bound",
@@ -78,6 +78,7 @@ class Request:
         self.finish_reason: Optional[str] = None
         self.reject_reason: Optional[str] = None
         self.num_cached_tokens = 0           # prompt tokens served by the prefix cache at (last) admission
+        self.output_logprobs: list = []      # TokenLogprobs of output token i, if sampling.logprobs (logprobs.py)
         self.page_table: List[int] = []      # device pages, in token order
         self.prefill_end = len(self.all_token_ids)
         self.page_keys: list = []            # prefix-cache key of each full page of all_token_ids, computed lazily

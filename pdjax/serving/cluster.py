@@ -103,6 +103,7 @@ from pdjax.serving.distributed import Coordinator
 from pdjax.serving.engine import (ArrivalQueue, CompileTracker, EngineResult, TokenCallback, fail_nonfinite,
                                   scrub_pages)
 from pdjax.serving.kv_transfer import StagedKV, scatter_kv_pages, transfer_kv
+from pdjax.serving.logprobs import StepLogprobs
 
 class Instance(BaseInstance):
     """One instance (pdjax.scheduler.instances.Instance, the engine's and the simulator's one instance type) with
@@ -464,11 +465,15 @@ class ClusterEngine:
             self._poll_transfers(self._now)
             self._fill(inst, queue, self._now)
         out, (start, handle) = queue.pop()     # the oldest batch: wait for it, apply it
-        sampled = self.coordinator.collect(inst.runner, handle if self.overlap else inst.runner.dispatch(out))
+        handle = handle if self.overlap else inst.runner.dispatch(out)
+        sampled = self.coordinator.collect(inst.runner, handle)
         end = self._now()
         sampled, aborted, pages = fail_nonfinite(inst.scheduler, out, sampled, end,
                                                  f"{inst.name} step {inst.num_steps}")
+        step_lp = StepLogprobs.read(self.coordinator, inst.runner, handle, out)   # (a prefill's first token too)
         finished = inst.scheduler.update(out, sampled, end)
+        if step_lp is not None:
+            step_lp.attach(sampled)
         self._iterations.append(IterationRecord(
             step=inst.num_steps, start_time=start, end_time=end, num_prefill_tokens=out.num_prefill_tokens,
             num_decode_tokens=out.num_decode_tokens, num_seqs=out.num_seqs, instance=inst.name,

@@ -42,6 +42,9 @@ that request (finish_reason 'aborted', reject_reason naming the step), logs one 
 and the step, and serves the others on (`fail_nonfinite`; with async scheduling the placeholder token it had
 already applied is taken back). Broken weights therefore show as aborted requests, never as token 0.
 
+Logprobs: after each collected step, the requests that asked (SamplingParams.logprobs) get their token's entry in
+`Request.output_logprobs` (pdjax.serving.logprobs.StepLogprobs), before `on_token` reports the token.
+
 Multi-controller runs (`coordinator`, pdjax.serving.distributed): every clock reading of the loop goes through
 `coordinator.now(...)` (process 0's time, so every process schedules and admits identically) and every
 SchedulerOutput through `coordinator.digest(...)`; the default single-process Coordinator returns the local
@@ -59,6 +62,7 @@ from pdjax.metrics import IterationRecord, RequestRecord, request_record
 from pdjax.scheduler import BatchQueue, Request
 from pdjax.scheduler.output import NONFINITE_LOGITS, NOT_SAMPLED
 from pdjax.serving.distributed import Coordinator
+from pdjax.serving.logprobs import StepLogprobs
 
 TokenCallback = Callable[[str, int, float], None]   # (request_id, token_id, time_s)
 
@@ -301,7 +305,10 @@ class ColocatedEngine:
             sampled = self.coordinator.collect(self.runner, handle)
             end = self._now()
             sampled, aborted, pages = fail_nonfinite(sched, out, sampled, end, f"step {len(self._iterations)}")
+            step_lp = StepLogprobs.read(self.coordinator, self.runner, handle, out)
             finished = sched.update(out, sampled, end)
+            if step_lp is not None:
+                step_lp.attach(sampled)
             self._record(out, sampled, start, end, finished + aborted)
             if pages:
                 scrub_pages(self.runner, sched, pages, self.compiles)
@@ -362,6 +369,9 @@ class ColocatedEngine:
                 end = self._now()
                 failed, pages = self._take_back_nonfinite(pending, sampled, end)
                 sched.resolve_async(pending, sampled, end)
+                step_lp = StepLogprobs.read(self.coordinator, self.runner, handle_prev, out_prev)
+                if step_lp is not None:
+                    step_lp.attach_pending(pending, sampled)
                 self._record(out_prev, sampled, start_prev, end,
                              pending.finished + [r for r in failed if r not in pending.finished])
                 if pages:   # (the step in flight wrote these pages before the zeros land: they follow it)
