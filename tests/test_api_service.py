@@ -105,7 +105,7 @@ def test_create_app_mounts_every_endpoint():
     assert app.state.service.model_name == "tiny"
 
 
-@pytest.mark.parametrize("field, value", [("logprobs", 5), ("echo", True), ("best_of", 3), ("presence_penalty", 0.5),
+@pytest.mark.parametrize("field, value", [("best_of", 3), ("presence_penalty", 0.5), ("prompt_logprobs", 1),
                                           ("frequency_penalty", -1.0), ("logit_bias", {"5": 10}), ("top_logprobs", 2)])
 def test_openai_fields_this_server_does_not_implement_are_refused_by_name(field, value):
     """issue 27 item 4: such fields were accepted, dropped, and answered 200 as if honoured."""
@@ -117,3 +117,110 @@ def test_openai_fields_this_server_does_not_implement_are_refused_by_name(field,
     body = protocol.CompletionRequest(prompt="hi", logprobs=None, echo=False, best_of=1, presence_penalty=0.0,
                                       frequency_penalty=0, logit_bias={}, unknown_field="x")
     assert s.sampling_params(body, [1, 2], None)[0].max_tokens == 30
+
+
+# ---------------------------------------------------------------------------------------------- logprobs, echo
+def _entry(token, logprob, top):
+    from pdjax.scheduler.logprobs import TokenLogprobs
+    return TokenLogprobs(token, logprob, tuple(top))
+
+
+# the engine's entries for the output "a", then the two bytes of "é" (0xc3 0xa9), then EOS (special, no text)
+_OUT = [ord("a"), 0xC3, 0xA9, byte_tokenizer.EOS_ID]
+_ENTRIES = [_entry(ord("a"), -0.5, [(ord("a"), -0.5), (ord("b"), -1.5), (0xC3, -2.0)]),
+            _entry(0xC3, -0.25, [(0xC3, -0.25), (ord("a"), -3.0), (ord("b"), -4.0)]),
+            _entry(0xA9, -float("inf"), [(ord("a"), -0.1), (0xA9, -1e9), (ord("b"), -5.0)]),
+            _entry(byte_tokenizer.EOS_ID, -0.75, [(byte_tokenizer.EOS_ID, -0.75), (ord("a"), -1.0), (ord("b"), -2.0)])]
+
+
+def _run(s, body, *, chat: bool, stream: bool):
+    """The service's answer to `body` with the engine's tokens _OUT and their logprobs _ENTRIES[:n_top] put by hand."""
+    async def main():
+        ids = [1, 2]
+        params, stops = s.sampling_params(body, ids, 4)
+        live = s.submit(ids, params, "chatcmpl" if chat else "cmpl")
+        live.req.output_logprobs[:] = [_entry(e.token_id, e.logprob, e.top[:params.logprobs]) for e in _ENTRIES]
+        for i, t in enumerate(_OUT):
+            live.queue.put_nowait(("token", t, "length" if i == len(_OUT) - 1 else None))
+        echo = s.prompt_text(ids) if getattr(body, "echo", False) else ""
+        reply = Reply(live.req.request_id, s.model_name, chat=chat, want_ids=False,
+                      logprobs=s.logprobs_format(params, chat, len(echo)), echo=echo)
+        if stream:
+            lines = [line async for line in s.stream(live, [], reply, 2, include_usage=False)]
+            return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+        return await s.whole(live, stops, reply, 2, _never_disconnected)
+
+    return asyncio.run(main())
+
+
+def test_completion_logprobs_in_openais_legacy_shape_streamed_and_whole():
+    s = _service()
+    body = protocol.CompletionRequest(prompt=[1, 2], max_tokens=4, logprobs=2)
+    assert s.sampling_params(body, [1, 2], 4)[0].logprobs == 2
+    whole = _run(_service(), body, chat=False, stream=False)["choices"][0]
+    assert whole["text"] == "a\u00e9"
+    assert whole["logprobs"] == {
+        "tokens": ["a", "bytes:\\xc3", "bytes:\\xa9", "<eos>"], "token_logprobs": [-0.5, -0.25, -9999.0, -0.75],
+        "top_logprobs": [{"a": -0.5, "b": -1.5}, {"bytes:\\xc3": -0.25, "a": -3.0}, {"a": -0.1, "bytes:\\xa9": -9999.0},
+                         {"<eos>": -0.75, "a": -1.0}],
+        "text_offset": [0, 1, 1, 2]}     # "é" starts where its last byte completes it; EOS adds no text
+    chunks = _run(_service(), body, chat=False, stream=True)
+    streamed = [c["choices"][0]["logprobs"] for c in chunks]
+    assert all(len(lp["tokens"]) == 1 for lp in streamed)
+    assert {k: [x for lp in streamed for x in lp[k]] for k in whole["logprobs"]} == whole["logprobs"]
+    json.dumps(chunks, allow_nan=False)      # -inf clamped: valid JSON
+
+
+def test_chat_logprobs_content_list_streamed_and_whole():
+    s = _service()
+    body = protocol.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=1)
+    whole = _run(_service(), body, chat=True, stream=False)["choices"][0]["logprobs"]["content"]
+    assert whole[0] == {"token": "a", "logprob": -0.5, "bytes": [97],
+                        "top_logprobs": [{"token": "a", "logprob": -0.5, "bytes": [97]}]}
+    assert [c["bytes"] for c in whole] == [[97], [0xC3], [0xA9], None]
+    assert bytes(b for c in whole for b in (c["bytes"] or ())).decode() == "a\u00e9"
+    chunks = _run(_service(), body, chat=True, stream=True)
+    assert chunks[0]["choices"][0]["logprobs"] is None                       # the role chunk
+    assert [x for c in chunks[1:] for x in c["choices"][0]["logprobs"]["content"]] == whole
+    no_top = protocol.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], logprobs=True)
+    assert _run(_service(), no_top, chat=True, stream=False)["choices"][0]["logprobs"]["content"][1]["top_logprobs"] == []
+    plain = protocol.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    assert _run(_service(), plain, chat=True, stream=False)["choices"][0]["logprobs"] is None
+    assert s.sampling_params(plain, [1, 2], 4)[0].logprobs is None
+
+
+def test_echo_prepends_the_prompt_text():
+    s = _service()
+    body = protocol.CompletionRequest(prompt="hi", max_tokens=4, echo=True)
+    body_ids = s.prompt_ids(body.prompt)
+    assert s.prompt_text(body_ids) == "hi"
+    async def main():
+        params, _ = s.sampling_params(body, body_ids, 4)
+        live = s.submit(body_ids, params, "cmpl")
+        for i, t in enumerate(byte_tokenizer.encode("!?")):
+            live.queue.put_nowait(("token", t, "length" if i == 1 else None))
+        reply = Reply(live.req.request_id, s.model_name, chat=False, want_ids=False, echo="hi")
+        return [json.loads(x[6:]) for x in [line async for line in s.stream(live, [], reply, 2, False)][:-1]]
+    chunks = asyncio.run(main())
+    assert [c["choices"][0]["text"] for c in chunks] == ["hi", "!", "?"]
+
+
+def test_logprob_request_errors():
+    from pydantic import ValidationError
+    s = _service()
+    with pytest.raises(ApiError, match=r"^echo: echo=true with logprobs") as e:
+        s.sampling_params(protocol.CompletionRequest(prompt="hi", echo=True, logprobs=0), [1, 2], 4)
+    assert e.value.status == 400 and e.value.param == "echo"
+    with pytest.raises(ApiError, match=r"^top_logprobs: 2 needs logprobs=true") as e:
+        s.sampling_params(protocol.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], top_logprobs=2),
+                          [1, 2], 4)
+    assert e.value.param == "top_logprobs"
+    for bad in (dict(logprobs=6), dict(logprobs=-1), dict(logprobs=True)):
+        with pytest.raises(ValidationError):
+            protocol.CompletionRequest(prompt="hi", **bad)
+    with pytest.raises(ValidationError):
+        protocol.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=21)
+    with pytest.raises(ApiError, match="^echo: True is not supported"):      # chat has no echo here
+        s.sampling_params(protocol.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], echo=True),
+                          [1, 2], 4)
+    assert s.token_text(ord("a")) == "a" and _service(vocab_size=1000).token_text(7) == "token_id:7"

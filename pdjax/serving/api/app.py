@@ -19,7 +19,11 @@ scheduling); an unknown model is 404; the queue bound is 429; not ready / shutti
 (stream_options.include_usage) a usage chunk, then `data: [DONE]`. A client that disconnects (stream cancelled, or a
 non-streaming request's connection closed) aborts its request in the engine at once. Stop strings are matched on
 the decoded text (so they may span tokens); the text streamed holds back what could still become a stop string and
-never includes it (OpenAI's rule); usage counts the tokens up to the one that completed it.
+never includes it (OpenAI's rule); usage counts the tokens up to the one that completed it. Logprobs (completions:
+`logprobs` 0..5, OpenAI's legacy object; chat: `logprobs` and `top_logprobs` 0..20, the content list) come per output
+token from the engine (`Request.output_logprobs`, shaped by `logprob_format.LogprobsFormat`, token strings and bytes
+from the tokenizer: `token_text`, `token_bytes`), in each streamed chunk or the whole answer; `echo` (completions)
+prepends the prompt's text, and is a 400 with logprobs (prompt logprobs are not computed).
 
 Layout: `CompletionService` holds every check and the generation flow (tests call it without HTTP); the routers
 (`status_router`: /health and /metrics, `models_router`: /v1/models, `completions_router`: both completions) are
@@ -42,6 +46,7 @@ from pdjax.config.sampling import SamplingParams
 from pdjax.workload import byte_tokenizer
 from pdjax.serving.api import protocol
 from pdjax.serving.api.bridge import Busy, EngineBridge, Unavailable, _Live
+from pdjax.serving.api.logprob_format import LogprobsFormat, entries_of
 from pdjax.workload.chat_template import ChatTemplateError, chat_prompt_ids
 from pdjax.workload.detokenize import TextStream
 from pdjax.workload.tokenizer import ByteTokenizer
@@ -79,8 +84,10 @@ def _validation_message(exc: RequestValidationError) -> Tuple[str, Optional[str]
 class Reply:
     """The OpenAI shape of one request's answer: completion or chat, with or without token ids."""
 
-    def __init__(self, request_id: str, model_name: str, *, chat: bool, want_ids: bool):
+    def __init__(self, request_id: str, model_name: str, *, chat: bool, want_ids: bool,
+                 logprobs: Optional[LogprobsFormat] = None, echo: str = ""):
         self.request_id, self.model_name, self.chat, self.want_ids = request_id, model_name, chat, want_ids
+        self.logprobs, self.echo = logprobs, echo    # logprobs: None unless asked; echo: prompt text to prepend
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
 
@@ -227,7 +234,7 @@ class CompletionService:
             params = SamplingParams(
                 temperature=float(1.0 if body.temperature is None else body.temperature), top_k=top_k,
                 top_p=float(1.0 if body.top_p is None else body.top_p), seed=int(seed), max_tokens=int(max_tokens),
-                stop_token_ids=tuple(dict.fromkeys(stop_ids)))
+                stop_token_ids=tuple(dict.fromkeys(stop_ids)), logprobs=self.requested_logprobs(body))
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         return params, stops
@@ -262,6 +269,61 @@ class CompletionService:
         if self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer (its directory has no tokenizer.json)", param="tokens")
         return {"prompt": self.tokenizer.decode(self.check_ids(list(body.tokens), "tokens"))}
+
+    # ---- logprobs and echo
+    @staticmethod
+    def requested_logprobs(body) -> Optional[int]:
+        """SamplingParams.logprobs of a request (the top count; None: no logprobs). 400 for chat's top_logprobs
+        without logprobs=true, and for echo with logprobs (the prompt's logprobs, not computed here)."""
+        if isinstance(body, protocol.ChatCompletionRequest):
+            if body.top_logprobs and not body.logprobs:
+                raise ApiError(400, f"top_logprobs: {body.top_logprobs} needs logprobs=true", param="top_logprobs")
+            return (body.top_logprobs or 0) if body.logprobs else None
+        logprobs = getattr(body, "logprobs", None)
+        if logprobs is not None and getattr(body, "echo", False):
+            raise ApiError(400, "echo: echo=true with logprobs asks for the prompt's logprobs, which this server does "
+                           "not compute (the step makes logits only where it samples); send echo or logprobs, not both",
+                           param="echo")
+        return logprobs
+
+    def token_text(self, token_id: int) -> str:
+        """A token's string in logprobs: the text of its bytes, 'bytes:\\xNN...' where they are not UTF-8 on their
+        own (OpenAI's form), a special token's name; vLLM's 'token_id:N' for a model with no tokenizer."""
+        tok = self.tokenizer
+        if tok is None:
+            return f"token_id:{token_id}"
+        if token_id in tok.special_token_ids:
+            return tok.id_to_token(token_id)
+        data = tok.token_bytes(token_id)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+    def token_bytes(self, token_id: int) -> Optional[List[int]]:
+        """A token's UTF-8 bytes (chat logprobs' `bytes`); None for a special token (no text in the output) or a
+        model with no tokenizer."""
+        tok = self.tokenizer
+        if tok is None or token_id in tok.special_token_ids:
+            return None
+        return list(tok.token_bytes(token_id))
+
+    def prompt_text(self, body, ids: Sequence[int]) -> str:
+        """The prompt's text for echo: a text prompt as sent; token ids decoded ('' with no tokenizer)."""
+        prompt = body.prompt[0] if isinstance(body.prompt, list) and body.prompt and isinstance(
+            body.prompt[0], (str, list)) else body.prompt
+        if isinstance(prompt, str):
+            return prompt
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens)
+
+    def logprobs_format(self, params: SamplingParams, chat: bool, text_offset: int = 0) -> Optional[LogprobsFormat]:
+        """The shape a request's logprobs are answered in; None when it asked for none."""
+        if params.logprobs is None:
+            return None
+        return LogprobsFormat(chat=chat, token_text=self.token_text, token_bytes=self.token_bytes,
+                              text_offset=text_offset)
 
     # ---- generation
     def submit(self, ids: List[int], params: SamplingParams, prefix: str) -> _Live:
@@ -318,9 +380,13 @@ class CompletionService:
                 first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}
                 yield _sse({**chunk, "choices": [first]})
+            elif reply.echo:
+                yield _sse({**chunk, "choices": [reply.choice(reply.echo, [], None, True)]})
             try:
-                async for piece, tok, finish, count in self.events(live, stops):  # noqa: B007 (count: read after)
-                    yield _sse({**chunk, "choices": [reply.choice(piece, [] if tok is None else [tok], finish, True)]})
+                async for piece, tok, finish, count in self.events(live, stops):
+                    toks = [] if tok is None else [tok]
+                    choice = _with_logprobs(reply.choice(piece, toks, finish, True), reply, live, toks, count - 1)
+                    yield _sse({**chunk, "choices": [choice]})
             except ApiError as e:
                 over = True
                 yield _sse(protocol.error_body(e.message, type_=e.type_, code=e.status))
@@ -353,7 +419,11 @@ class CompletionService:
             self.bridge.abort(live)
             raise
         text, tokens, finish = task.result()
-        return reply.whole(text, tokens, finish, num_prompt)
+        answer = reply.whole(text, tokens, finish, num_prompt)
+        if reply.echo:
+            answer["choices"][0]["text"] = reply.echo + answer["choices"][0]["text"]
+        _with_logprobs(answer["choices"][0], reply, live, tokens, 0)
+        return answer
 
     async def generate(self, body, ids: List[int], max_tokens: Optional[int], *, chat: bool,
                        is_disconnected: Callable[[], Awaitable[bool]]):
@@ -361,13 +431,23 @@ class CompletionService:
         params, stops = self.sampling_params(body, ids, max_tokens)
         live = self.submit(ids, params, "chatcmpl" if chat else "cmpl")
         live.skip_special_tokens = body.skip_special_tokens
-        reply = Reply(live.req.request_id, self.model_name, chat=chat, want_ids=body.return_token_ids)
+        echo = self.prompt_text(body, ids) if getattr(body, "echo", False) else ""
+        reply = Reply(live.req.request_id, self.model_name, chat=chat, want_ids=body.return_token_ids,
+                      logprobs=self.logprobs_format(params, chat, len(echo)), echo=echo)
         if not body.stream:
             return await self.whole(live, stops, reply, len(ids), is_disconnected)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(self.stream(live, stops, reply, len(ids), include_usage),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _with_logprobs(choice: dict, reply: Reply, live: _Live, token_ids: List[int], first: int) -> dict:
+    """`choice` with the logprobs of `token_ids` (output tokens first, first + 1, ... of the request) when the
+    request asked for logprobs and there are tokens (a chunk without a token keeps null)."""
+    if reply.logprobs is not None and token_ids:
+        choice["logprobs"] = reply.logprobs.of(token_ids, entries_of(live.req, first + len(token_ids))[first:])
+    return choice
 
 
 def _service(request: Request) -> CompletionService:

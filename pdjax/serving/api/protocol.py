@@ -2,7 +2,7 @@
 
 Requests accept the fields load generators send (OpenAI's, plus vLLM's `ignore_eos`, `top_k`, `stop_token_ids`,
 `return_token_ids`); unknown fields are ignored, as vLLM does, except OpenAI's and vLLM's own fields this server
-does not implement (UNSUPPORTED_FIELDS: logprobs, echo, best_of, penalties, ...), refused with a 400 naming the
+does not implement (UNSUPPORTED_FIELDS: best_of, penalties, prompt_logprobs, ...), refused with a 400 naming the
 field unless their value asks for nothing. Types are strict (a string where a number belongs
 is a 400, not coerced), except that an int is accepted where a float belongs. Responses are plain dicts in the
 OpenAI shapes (`text_completion`, `chat.completion`, their stream chunks); choices carry `token_ids` when the
@@ -31,9 +31,11 @@ class StreamOptions(_Body):
 
 
 # OpenAI / vLLM request fields this server does not implement -> the values that ask for nothing (a request that sends
-# one of these with another value gets a 400 naming it, never an answer that silently ignored it).
+# one of these with another value gets a 400 naming it, never an answer that silently ignored it). Only extras are
+# checked: `top_logprobs` (a ChatCompletionRequest field) and `echo` (a CompletionRequest field) stay refused on the
+# other endpoint, where they are not implemented; `logprobs` is a field of both.
 UNSUPPORTED_FIELDS = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
     "logit_bias": (None, {}), "suffix": (None, ""), "min_tokens": (None, 0), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
@@ -69,10 +71,13 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    """POST /v1/completions: prompt as text, as token ids, or a one-element list of either."""
+    """POST /v1/completions: prompt as text, as token ids, or a one-element list of either. logprobs: the n most
+    likely tokens per output token (OpenAI's legacy 0..5); echo: the prompt's text before the completion's."""
     prompt: Union[StrictStr, List[StrictInt], List[StrictStr], List[List[StrictInt]]]
     max_tokens: Optional[StrictInt] = 16
     add_special_tokens: StrictBool = True      # vLLM's: the tokenizer's BOS etc. around a text prompt
+    logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=5)
+    echo: StrictBool = False
 
 
 class ContentPart(_Body):
@@ -92,6 +97,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Optional[StrictInt] = None
     max_completion_tokens: Optional[StrictInt] = None
     add_generation_prompt: StrictBool = True   # vLLM's: end the prompt where the assistant's answer starts
+    logprobs: Optional[StrictBool] = False
+    top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=20)     # needs logprobs=true
 
 
 class TokenizeRequest(_Body):
