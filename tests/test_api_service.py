@@ -183,7 +183,8 @@ def test_chat_logprobs_content_list_streamed_and_whole():
     assert chunks[0]["choices"][0]["logprobs"] is None                       # the role chunk
     assert [x for c in chunks[1:] for x in c["choices"][0]["logprobs"]["content"]] == whole
     no_top = protocol.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], logprobs=True)
-    assert _run(_service(), no_top, chat=True, stream=False)["choices"][0]["logprobs"]["content"][1]["top_logprobs"] == []
+    content = _run(_service(), no_top, chat=True, stream=False)["choices"][0]["logprobs"]["content"]
+    assert content[1]["top_logprobs"] == []
     plain = protocol.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
     assert _run(_service(), plain, chat=True, stream=False)["choices"][0]["logprobs"] is None
     assert s.sampling_params(plain, [1, 2], 4)[0].logprobs is None
