@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -184,6 +185,100 @@ def test_stop_string_ends_the_request_and_counts_its_tokens(server, reference):
     server.wait_idle()
 
 
+# ---------------------------------------------------------------------------------------------- logprobs, echo
+def _reference_logprobs(prompt: str):
+    """float32 [V] log_softmax of the checkpoint's logits after `prompt` (its own runner, reference attention)."""
+    import jax
+    from pdjax.models.checkpoint import load_model
+    from pdjax.runtime.runner import ModelRunner
+    from test_model import sched
+    spec, params = load_model(str(REPO / "checkpoints/tiny-byte"), dtype="float32")
+    runner = ModelRunner(spec, params, num_pages=8, page_size=16, attention_impl="reference", max_model_len=64)
+    ids = byte_tokenizer.encode(prompt)
+    logits = runner.execute_logits(sched([(ids, 0, list(range(-(-len(ids) // 16))), True)]))[0]
+    return np.asarray(jax.nn.log_softmax(logits))
+
+
+def test_completion_logprobs_streamed_and_not_through_the_openai_client(server, reference):
+    common = dict(model="tiny-byte", prompt=PROMPTS[0], max_tokens=NEW_TOKENS, temperature=0, logprobs=3,
+                  extra_body={"return_token_ids": True})
+
+    async def run():
+        client = _client(server)
+        whole = await client.completions.create(**common)
+        chunks = [c async for c in await client.completions.create(**common, stream=True)]
+        return whole, chunks
+
+    whole, chunks = asyncio.run(run())
+    c = whole.choices[0]
+    assert c.token_ids == reference[PROMPTS[0]]
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == NEW_TOKENS
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and chosen == max(top.values()) <= 0       # greedy: the sampled token is the top one
+        assert sum(np.exp(v) for v in top.values()) <= 1 + 1e-5
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(c.text)
+    streamed = [ch.choices[0].logprobs for ch in chunks if ch.choices and ch.choices[0].logprobs]
+    assert [t for x in streamed for t in x.token_logprobs] == lp.token_logprobs
+    assert [t for x in streamed for t in x.top_logprobs] == lp.top_logprobs
+    assert [t for x in streamed for t in x.text_offset] == lp.text_offset
+    # The first token's numbers are the checkpoint's: log_softmax of its logits after the prompt.
+    ref = _reference_logprobs(PROMPTS[0])
+    assert abs(lp.token_logprobs[0] - ref[c.token_ids[0]]) < 1e-4
+    assert np.allclose(sorted(lp.top_logprobs[0].values(), reverse=True), np.sort(ref)[::-1][:3], atol=1e-4)
+
+
+def test_chat_logprobs_and_random_sampling_through_the_openai_client(server, reference):
+    async def run():
+        client = _client(server)
+        common = dict(model="tiny-byte", messages=CHAT, max_tokens=NEW_TOKENS, logprobs=True, top_logprobs=2)
+        plain = await client.chat.completions.create(**common, temperature=0)
+        streamed = [c async for c in await client.chat.completions.create(**common, temperature=0, stream=True)]
+        drawn = await client.completions.create(model="tiny-byte", prompt=PROMPTS[1], max_tokens=NEW_TOKENS,
+                                                temperature=1.0, seed=5, logprobs=5)
+        return plain, streamed, drawn
+
+    plain, streamed, drawn = asyncio.run(run())
+    content = plain.choices[0].logprobs.content
+    assert len(content) == plain.usage.completion_tokens == NEW_TOKENS
+    text = plain.choices[0].message.content
+    assert text == byte_tokenizer.decode(reference[CHAT_TEXT])
+    assert bytes(b for x in content for b in x.bytes).decode("utf-8", errors="replace") == text
+    for x in content:
+        assert len(x.top_logprobs) == 2 and x.logprob == x.top_logprobs[0].logprob >= x.top_logprobs[1].logprob
+    again = [x for c in streamed if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+    assert [x.model_dump() for x in again] == [x.model_dump() for x in content]
+    # Random sampling: the drawn token's logprob is the raw model's (before temperature), equal to its entry in
+    # the top 5 whenever it is among them.
+    lp = drawn.choices[0].logprobs
+    assert len(lp.token_logprobs) == NEW_TOKENS
+    for tok, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert chosen <= max(top.values())
+        if tok in top:
+            assert top[tok] == chosen
+
+
+def test_echo_prepends_the_prompt_streamed_and_not(server, reference):
+    want = PROMPTS[1] + byte_tokenizer.decode(reference[PROMPTS[1]][:6])
+
+    async def run():
+        client = _client(server)
+        common = dict(model="tiny-byte", prompt=PROMPTS[1], max_tokens=6, temperature=0, echo=True)
+        whole = await client.completions.create(**common)
+        text = "".join([c.choices[0].text async for c in await client.completions.create(**common, stream=True)
+                        if c.choices])
+        try:
+            await client.completions.create(**common, logprobs=1)
+        except openai.BadRequestError as e:
+            return whole, text, e
+        return whole, text, None
+
+    whole, text, error = asyncio.run(run())
+    assert whole.choices[0].text == want == text
+    assert whole.usage.completion_tokens == 6
+    assert error is not None and error.status_code == 400 and "echo" in str(error)
+
+
 BAD_BODIES = [
     ('{"prompt": "abc", "max_tokens": 4', "not valid JSON"),
     ({"prompt": "abc", "max_tokens": 0}, "max_tokens"),
@@ -196,6 +291,9 @@ BAD_BODIES = [
     ({"prompt": [1, 2, 999], "max_tokens": 4}, "vocabulary"),
     ({"prompt": "", "max_tokens": 4}, "empty prompt"),
     ({"prompt": "abc", "n": 2}, "n"),
+    ({"prompt": "abc", "logprobs": 6}, "logprobs"),
+    ({"prompt": "abc", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "abc", "top_logprobs": 2}, "top_logprobs"),
 ]
 
 

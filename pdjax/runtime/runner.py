@@ -273,13 +273,18 @@ class ModelRunner:
         return np.where(do_sample, ids, -1).astype(np.int32)
 
     @staticmethod
+    def logprobs_asked(handle) -> bool:
+        """Whether some sequence of a dispatched iteration asked for logprobs (known on the host: no device read)."""
+        return handle[0] is not None and bool(handle[2])
+
+    @staticmethod
     def collect_logprobs(handle) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """The logprobs of a dispatched iteration whose batch asked for some: (logprob float32[num_seqs] of each
         sampled token, top ids int32[num_seqs, K], top logprobs float32[num_seqs, K]; rows of sequences that did
         not ask hold values too); None when none asked (nothing is read from the device)."""
-        sampled, do_sample, wanted = handle
-        if sampled is None or not wanted:
+        if not ModelRunner.logprobs_asked(handle):
             return None
+        sampled, do_sample, _ = handle
         n = do_sample.shape[0]
         return (np.asarray(sampled.logprob)[:n], np.asarray(sampled.top_ids)[:n],
                 np.asarray(sampled.top_logprobs)[:n])

@@ -23,8 +23,8 @@ def collect_logprobs(coordinator, runner, handle):
     """runner.collect_logprobs(handle) on every process ((logprob [n], top ids [n, K], top logprobs [n, K]) or
     None when no sequence of the step asked)."""
     read = getattr(runner, "collect_logprobs", None)
-    if read is None or handle is None:
-        return None
+    if read is None or handle is None or not runner.logprobs_asked(handle):
+        return None     # (every process knows it: no agreement needed)
     if coordinator.num_processes == 1:
         return read(handle)
     procs = sorted({d.process_index for d in getattr(runner, "output_devices", ())})
