@@ -190,3 +190,15 @@ def test_overload_experiment(tmp_path):
     assert set(mix) == {"fixed-2P2D", "fixed-1P3D", "fixed-3P1D", "borrow-2P2D", "rebalance-2P2D"}
     assert all(row["num_requests"] == 60 and set(row["phases"]) == {"sharegpt", "code"} for row in mix.values())
     assert (tmp_path / "overload.json").exists() and (tmp_path / "early_rejection_decode_batch.png").exists()
+
+
+def test_bench_logprobs():
+    d, _ = _run("bench_logprobs", "--batches=1,2", "--repeats=1", "--vocab_size=0", "--context=32")
+    assert d["vocab_size"] == 512 and d["top_logprobs"] == 20 and d["memory_bandwidth_bytes_per_s"] > 0
+    assert [p["batch"] for p in d["points"]] == [1, 2]
+    for p in d["points"]:
+        assert p["compiles_after_warmup"] == 0                     # asking for logprobs compiles nothing
+        assert _close(p["overhead_all"], p["all_s"] / p["none_s"])
+        assert _close(p["none_vs_baseline"], p["none_s"] / p["baseline_s"])
+        assert _close(p["logprobs_roofline_s"], 3 * p["batch"] * 512 * 4 / d["memory_bandwidth_bytes_per_s"])
+    assert d["compile_count"] == 2                                  # one shape per batch bucket
