@@ -199,3 +199,13 @@ def test_disaggregated_engine_carries_the_prefill_sides_first_logprob(case):
     reqs = _requests()
     DisaggregatedEngine([prefill], [decode]).run(reqs)
     check_engine_logprobs(case, reqs)
+
+
+def test_scheduler_logprobs_module_imports_no_jax():
+    import subprocess
+    import sys
+    code = ("import sys, pdjax.scheduler.logprobs; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')); "
+            "print(bad); sys.exit(1 if bad else 0)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
