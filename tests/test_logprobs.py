@@ -209,3 +209,43 @@ def test_scheduler_logprobs_module_imports_no_jax():
             "print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_logprobs_reach_processes_without_the_output_devices():
+    """Multi-controller: the lowest process holding the runner's output devices reads the logprobs, the others
+    get its values through the coordinator; a step where nobody asked agrees nothing."""
+    from types import SimpleNamespace
+
+    from pdjax.serving.logprobs import collect_logprobs
+    rows = (np.array([-0.5], np.float32), np.array([[3, 4]], np.int32), np.array([[-0.5, -1.0]], np.float32))
+    board = {}
+
+    class Coord:
+        num_processes = 2
+
+        def __init__(self, pid):
+            self.process_id, self.calls = pid, 0
+
+        def agree(self, value, source=0):
+            self.calls += 1
+            if self.process_id == source:
+                board["v"] = value
+            return board["v"]
+
+    class Runner:
+        output_devices = (SimpleNamespace(process_index=0),)
+        logprobs_asked = staticmethod(lambda handle: handle)
+        read_by = []
+
+        def collect_logprobs(self, handle):
+            self.read_by.append(handle)
+            return rows
+
+    owner, other = Coord(0), Coord(1)
+    got = [collect_logprobs(c, Runner(), True) for c in (owner, other)]
+    for g in got:
+        for a, b in zip(g, rows):
+            np.testing.assert_array_equal(a, b)
+            assert a.dtype == b.dtype
+    assert len(Runner.read_by) == 1                       # only the owner read the device
+    assert collect_logprobs(other, Runner(), False) is None and other.calls == 1
