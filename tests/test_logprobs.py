@@ -249,3 +249,19 @@ def test_logprobs_reach_processes_without_the_output_devices():
             assert a.dtype == b.dtype
     assert len(Runner.read_by) == 1                       # only the owner read the device
     assert collect_logprobs(other, Runner(), False) is None and other.calls == 1
+
+
+@needs_8
+def test_replicas_one_of_them_a_pipeline_attach_logprobs(case):
+    """Colocated replicas behind the router (ClusterEngine), one a pp=2 PipelineRunner with 2 batches in flight."""
+    from pdjax.runtime.mesh import make_mesh
+    from pdjax.runtime.pipeline import PipelineRunner
+    from pdjax.serving.cluster import ClusterEngine, Instance
+    devs = jax.devices()
+    replicas = [Instance("replica0", "colocated", _runner(case[0], make_mesh(devs[7:8])), _sched("sarathi")),
+                Instance("replica1", "colocated", _runner(case[0], make_mesh(devs[5:7], pp=2), PipelineRunner),
+                         _sched("sarathi"))]
+    reqs = _requests()
+    result = ClusterEngine(replicas, router="round_robin").run(reqs)
+    assert {it.instance for it in result.iterations} == {"replica0", "replica1"}
+    check_engine_logprobs(case, reqs)
