@@ -139,7 +139,7 @@ def _run(s, body, *, chat: bool, stream: bool):
         ids = [1, 2]
         params, stops = s.sampling_params(body, ids, 4)
         live = s.submit(ids, params, "chatcmpl" if chat else "cmpl")
-        live.req.output_logprobs[:] = [_entry(e.token_id, e.logprob, e.top[:params.logprobs]) for e in _ENTRIES]
+        live.req.output_logprobs = [_entry(e.token_id, e.logprob, e.top[:params.logprobs]) for e in _ENTRIES]
         for i, t in enumerate(_OUT):
             live.queue.put_nowait(("token", t, "length" if i == len(_OUT) - 1 else None))
         echo = s.prompt_text(ids) if getattr(body, "echo", False) else ""

@@ -165,7 +165,7 @@ def check_engine_logprobs(case, reqs):
     for req, sp in zip(reqs, ENGINE_SAMPLING):
         assert len(req.output_token_ids) == sp.max_tokens
         if sp.logprobs is None:
-            assert req.output_logprobs == []
+            assert req.output_logprobs is None
             continue
         assert [e.token_id for e in req.output_logprobs] == req.output_token_ids
         ref = ref_logprobs(tensors, cfg, req.prompt_token_ids + req.output_token_ids)
@@ -181,12 +181,16 @@ def test_colocated_engine_attaches_logprobs(case, single, async_scheduling):
     from pdjax.serving.engine import ColocatedEngine
     runner = single[0]
     reqs = _requests()
-    seen = []
-    engine = ColocatedEngine(runner, _sched("sarathi"), async_scheduling=async_scheduling,
-                             on_token=lambda rid, tok, t: seen.append(len(reqs[int(rid[1:])].output_logprobs)))
-    engine.run(reqs)
+    seen = []       # at each token's report: (asked, outputs so far, logprobs entries so far)
+
+    def on_token(rid, tok, t):
+        req = reqs[int(rid[1:])]
+        seen.append((req.sampling.logprobs is not None, len(req.output_token_ids), len(req.output_logprobs or ())))
+
+    ColocatedEngine(runner, _sched("sarathi"), async_scheduling=async_scheduling, on_token=on_token).run(reqs)
     check_engine_logprobs(case, reqs)
     assert len(seen) == sum(sp.max_tokens for sp in ENGINE_SAMPLING)
+    assert all(n_lp == (n_out if asked else 0) for asked, n_out, n_lp in seen)   # entries come before the report
 
 
 @needs_8

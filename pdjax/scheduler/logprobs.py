@@ -4,9 +4,10 @@ A runner returns, for a step whose batch had a request asking, `rows` = (logprob
 sampled token, top ids int32[n, K], top logprobs float32[n, K]) for the step's n scheduled sequences
 (pdjax.runtime.runner.ModelRunner.collect_logprobs; K = 20, most likely first). The engine hands them here after
 applying the step: each request that asked and got a token from it gets one `TokenLogprobs` in
-`Request.output_logprobs` at that token's output index, so entry i always belongs to `output_token_ids[i]`
-(across preemptions, a prefill -> decode handoff, which moves the Request object itself, and async scheduling's
-placeholders). Requests that did not ask get nothing, and a step in which none asked costs nothing here.
+`Request.output_logprobs` (None until the first) at that token's output index, so entry i always belongs to
+`output_token_ids[i]` (across preemptions, a prefill -> decode handoff, which moves the Request object itself, and
+async scheduling's placeholders). Requests that did not ask get nothing, and a step in which none asked costs
+nothing here.
 """
 from __future__ import annotations
 
@@ -33,8 +34,11 @@ def token_logprobs(rows: Rows, row: int, token_id: int, num_top: int) -> TokenLo
 
 
 def _put(req, index: int, entry: TokenLogprobs) -> None:
-    """Set req.output_logprobs[index] (a list aligned with output_token_ids; None where no entry)."""
+    """Set req.output_logprobs[index] (a list aligned with output_token_ids, made at the first entry: a request
+    that never asks holds None, no list; None where no entry)."""
     held = req.output_logprobs
+    if held is None:
+        held = req.output_logprobs = []
     if len(held) <= index:
         held.extend([None] * (index + 1 - len(held)))
     held[index] = entry

@@ -78,7 +78,7 @@ class Request:
         self.finish_reason: Optional[str] = None
         self.reject_reason: Optional[str] = None
         self.num_cached_tokens = 0           # prompt tokens served by the prefix cache at (last) admission
-        self.output_logprobs: list = []      # TokenLogprobs of output token i, if sampling.logprobs (logprobs.py)
+        self.output_logprobs: Optional[list] = None   # TokenLogprobs per output token once one came (logprobs.py)
         self.page_table: List[int] = []      # device pages, in token order
         self.prefill_end = len(self.all_token_ids)
         self.page_keys: list = []            # prefix-cache key of each full page of all_token_ids, computed lazily

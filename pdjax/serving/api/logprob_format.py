@@ -63,5 +63,5 @@ class LogprobsFormat:
 
 def entries_of(req, count: int) -> List[Optional[TokenLogprobs]]:
     """The engine's TokenLogprobs of the first `count` output tokens of scheduler Request `req` (None where missing)."""
-    held = req.output_logprobs
+    held = req.output_logprobs or ()
     return [held[i] if i < len(held) else None for i in range(count)]
