@@ -125,3 +125,35 @@ def test_tokenize_round_trip_and_models(server, tok):
     assert c["tokens"] == chat_prompt_ids(tok, CHAT)
     models = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0).models.list()
     assert [m.id for m in models.data] == ["tiny-hf"] and models.data[0].max_model_len == MAX_LEN
+
+
+def test_logprobs_of_an_hf_model_streamed_and_not(server, tok, reference):
+    """Logprobs with the model's own tokenizer: chat's token bytes join to the text (special tokens: bytes null),
+    greedy tokens are their own top entry, and the streamed logprobs equal the whole answer's."""
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=120)
+        chat = dict(model="tiny-hf", messages=CHAT, max_tokens=NEW_TOKENS, temperature=0, logprobs=True,
+                    top_logprobs=3)
+        plain = dict(model="tiny-hf", prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0, logprobs=2)
+        return (await client.chat.completions.create(**chat),
+                [c async for c in await client.chat.completions.create(**chat, stream=True)],
+                await client.completions.create(**plain),
+                [c async for c in await client.completions.create(**plain, stream=True)])
+
+    chat, chat_chunks, plain, plain_chunks = asyncio.run(run())
+    want = _until_stop(reference["chat"], tok)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == len(want)
+    assert bytes(b for x in content for b in (x.bytes or ())).decode() == chat.choices[0].message.content
+    assert [x.bytes is None for x in content] == [t in tok.special_token_ids for t in want]
+    for x in content:
+        assert len(x.top_logprobs) == 3 and x.logprob == x.top_logprobs[0].logprob
+    streamed = [x for c in chat_chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+    assert [x.model_dump() for x in streamed] == [x.model_dump() for x in content]
+    lp = plain.choices[0].logprobs
+    assert len(lp.tokens) == plain.usage.completion_tokens
+    assert all(chosen == max(top.values()) for chosen, top in zip(lp.token_logprobs, lp.top_logprobs))
+    parts = [c.choices[0].logprobs for c in plain_chunks if c.choices and c.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == lp.tokens
+    assert [t for p in parts for t in p.token_logprobs] == lp.token_logprobs
+    assert [t for p in parts for t in p.text_offset] == lp.text_offset == sorted(lp.text_offset)

@@ -142,7 +142,7 @@ def _run(s, body, *, chat: bool, stream: bool):
         live.req.output_logprobs = [_entry(e.token_id, e.logprob, e.top[:params.logprobs]) for e in _ENTRIES]
         for i, t in enumerate(_OUT):
             live.queue.put_nowait(("token", t, "length" if i == len(_OUT) - 1 else None))
-        echo = s.prompt_text(ids) if getattr(body, "echo", False) else ""
+        echo = s.prompt_text(body, ids) if getattr(body, "echo", False) else ""
         reply = Reply(live.req.request_id, s.model_name, chat=chat, want_ids=False,
                       logprobs=s.logprobs_format(params, chat, len(echo)), echo=echo)
         if stream:
@@ -194,7 +194,9 @@ def test_echo_prepends_the_prompt_text():
     s = _service()
     body = protocol.CompletionRequest(prompt="hi", max_tokens=4, echo=True)
     body_ids = s.prompt_ids(body.prompt)
-    assert s.prompt_text(body_ids) == "hi"
+    assert s.prompt_text(body, body_ids) == "hi"
+    ids_body = protocol.CompletionRequest(prompt=[byte_tokenizer.encode("h\u00e9")], echo=True)   # ids: decoded
+    assert s.prompt_text(ids_body, byte_tokenizer.encode("h\u00e9")) == "h\u00e9"
     async def main():
         params, _ = s.sampling_params(body, body_ids, 4)
         live = s.submit(body_ids, params, "cmpl")
