@@ -71,9 +71,12 @@ def token_logprobs(logits: jax.Array, ids: jax.Array, want: jax.Array, num_rows:
     k = min(MAX_TOP_LOGPROBS, vocab)
 
     def compute(logits, ids):
-        logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        chosen = jnp.take_along_axis(logprobs, jnp.clip(ids, 0, vocab - 1)[:, None], axis=-1)[:, 0]
-        top_logprobs, top_ids = jax.lax.top_k(logprobs, k)
+        # logprob = logit - logsumexp(row): top-k of the logits themselves, so no [S, V] logprobs array is made
+        logits = logits.astype(jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        chosen = jnp.take_along_axis(logits, jnp.clip(ids, 0, vocab - 1)[:, None], axis=-1)[:, 0] - lse
+        top_logits, top_ids = jax.lax.top_k(logits, k)
+        top_logprobs = top_logits - lse[:, None]
         pad = lambda a: jnp.zeros((num_rows,) + a.shape[1:], a.dtype).at[:s].set(a)  # noqa: E731
         return pad(chosen), pad(top_ids.astype(jnp.int32)), pad(top_logprobs)
 
