@@ -12,7 +12,8 @@ reports `overhead_*` = mode / none and `none_vs_baseline` = none / baseline, and
 compiles once per shape whichever mode runs (asking recompiles nothing). The ceiling: the machine's copy bandwidth
 (pdjax/runtime/ceilings.py) and the roofline of the logprobs' own work (reading the [B, V] float32 logits three
 times: log_softmax's max and sum, top-k) beside the measured extra time of `all`: `logprobs_roofline_s` and
-`logprobs_ratio` = roofline / (all - none).
+`logprobs_ratio` = roofline / (all - none) (it can exceed 1: the ceiling is measured past the caches, while the
+logits of a small batch fit in them).
 """
 from __future__ import annotations
 
