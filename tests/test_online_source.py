@@ -186,3 +186,32 @@ def test_disaggregated_abort_while_the_kv_moves_drops_the_transfer_and_frees_bot
     (rec,) = box["result"].requests
     assert rec.finish_reason == "aborted" and rec.num_output_tokens == 1
 
+
+
+@pytest.mark.parametrize("cluster", [False, True])
+def test_close_then_abort_of_the_last_live_requests_ends_the_run(cluster):
+    """The API's drain deadline (EngineBridge.end_all) closes the source, then aborts every live request: when the
+    loop takes those aborts at the admission point before it schedules, the scheduler is left empty with nothing
+    to come, and the run must end there (it raised 'cannot make progress')."""
+    source = OnlineSource()
+    reqs = [_req(f"r{i}", 400) for i in range(3)]
+
+    def on_token(rid, tok, t):       # on the engine thread, after a step: the next admission point takes these
+        if rid == "r0" and len(reqs[0].output_token_ids) == 2:
+            with source._cond:
+                source._closed = True
+                source._inbox.extend(("abort", r.request_id, (None, "aborted")) for r in reqs)
+
+    scheds = [make_scheduler(SchedulerConfig(policy="sarathi", **CFG)) for _ in range(2 if cluster else 1)]
+    if cluster:
+        engine = ClusterEngine([Instance(f"replica{i}", "colocated", FakeRunner(), s)
+                                for i, s in enumerate(scheds)], on_token=on_token)
+    else:
+        engine = ColocatedEngine(FakeRunner(), scheds[0], on_token=on_token)
+    for r in reqs:
+        source.submit(r)
+    thread, box = _serve(engine, source)
+    thread.join(20)
+    assert not thread.is_alive() and "result" in box
+    assert [r.finish_reason for r in box["result"].requests] == ["aborted"] * 3
+    assert [s.block_manager.num_used_pages for s in scheds] == [0] * len(scheds)

@@ -450,6 +450,8 @@ class ClusterEngine:
         if self._in_flight:
             self._await_landing(arrivals, self._now, lambda: self._wait_for_arrival(arrivals))
             return
+        if not any(i.scheduler.has_unfinished() for i in busy):
+            return       # an abort at admission ended the last requests: the next round sees whether more come
         if arrivals.exhausted:
             state = {i.name: (i.scheduler.num_waiting, i.scheduler.num_running) for i in busy}
             raise RuntimeError(f"no instance can make progress and no arrivals are left: (waiting, "

@@ -299,7 +299,8 @@ class ColocatedEngine:
                 else:
                     self._copies_only(out)
                     if not queue:
-                        self._wait_for_arrival(arrivals)
+                        if sched.has_unfinished():   # (else an abort at admission ended the last request)
+                            self._wait_for_arrival(arrivals)
                         continue
             out, (handle, start) = queue.pop()               # the oldest batch: wait for it, apply it
             sampled = self.coordinator.collect(self.runner, handle)
