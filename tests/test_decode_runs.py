@@ -61,13 +61,13 @@ def make_requests(n: int, seed: int, rate: float = 20.0):
 
 
 def run(cfg: SchedulerConfig, decode_runs: bool, instances: int = 1, seed: int = 0, router: str = "round_robin",
-        pp: int = 1, max_in_flight=None):
+        pp: int = 1, max_in_flight=None, requests=None):
     insts = [SimInstance(f"i{k}", make_scheduler(cfg), make_step_time(MODEL, HARDWARE, 1, pp,
                                                                        CostParams(per_seq_overhead_s=2e-5)),
                          max_in_flight=max_in_flight)
              for k in range(instances)]
-    result = simulate(make_requests(60, seed), insts, InstanceRouter(router, insts, role="colocated"),
-                      decode_runs=decode_runs)
+    result = simulate(make_requests(60, seed) if requests is None else requests, insts,
+                      InstanceRouter(router, insts, role="colocated"), decode_runs=decode_runs)
     state = [(i.scheduler.step, i.scheduler.num_preemptions, i.scheduler.num_swaps,
               list(i.scheduler.block_manager._free), list(i.scheduler.block_manager.ref_count)) for i in insts]
     return result, state
@@ -128,6 +128,60 @@ def test_decode_runs_on_stages_change_nothing(name, pp, max_in_flight, monkeypat
     assert_same(reference, got)
     if not cfg.enable_prefix_caching and name not in PREEMPTING:
         assert applied[0] > 0, "the case is meant to run steps in bulk"
+
+
+def chat_requests(n: int, seed: int, rate: float):
+    """Chat-like requests: prompts of 64-1500 tokens (several chunks each at a 256-token budget), 8-160 outputs."""
+    rng = random.Random(seed)
+    reqs, t = [], 0.0
+    for i in range(n):
+        t += rng.expovariate(rate)
+        prompt = [rng.randrange(1, 500) for _ in range(rng.randint(64, 1500))]
+        reqs.append(Request(f"c{i:03d}", prompt, SamplingParams(max_tokens=rng.randint(8, 160)), t))
+    return reqs
+
+
+# Pair runs: (config, arrival rate, least share of the iterations in bulk, least prefill chunks in bulk). Long
+# prompts at a 256-token budget: several chunks each, beside the decoders; tight memory preempts; full running
+# lists (sarathi_full at a high rate) keep requests waiting beside the chunks.
+PAIR_CASES = {
+    "sarathi": (dict(policy="sarathi", token_budget=256, max_num_seqs=32), 10.0, 3, 20),
+    "sarathi_guard_cap_tile": (dict(policy="sarathi", token_budget=256, max_num_seqs=32, min_prefill_tokens=32,
+                                    long_prefill_token_threshold=96, tile_size=16), 10.0, 3, 50),
+    "sarathi_dynamic": (dict(policy="sarathi", token_budget=256, max_num_seqs=32, dynamic_chunking=True,
+                             dynamic_chunk_ref_context=256, dynamic_chunk_min_tokens=32), 10.0, 3, 50),
+    "sarathi_full": (dict(policy="sarathi", token_budget=512, max_num_seqs=6), 40.0, 3, 10),
+    "sarathi_tight_memory": (dict(policy="sarathi", token_budget=256, max_num_seqs=32, num_pages=300,
+                                  watermark=0.0), 10.0, 20, 10),
+    "vllm_v0": (dict(policy="vllm_v0", token_budget=2048, max_num_seqs=16), 10.0, 3, 0),
+    "decode_first": (dict(policy="decode_first", token_budget=2048, max_num_seqs=8), 10.0, 3, 0),
+}
+
+
+@pytest.mark.parametrize("pp,max_in_flight", [(2, None), (1, 2)])
+@pytest.mark.parametrize("name", sorted(PAIR_CASES))
+def test_pair_runs_change_nothing(name, pp, max_in_flight, monkeypatch):
+    """Two batches in flight, two groups taking turns (Simulation.pair_run, pdjax.scheduler.runs.PairRun), with
+    new prompts' chunks beside the decoders: bulk half-steps leave the records, pipeline accounting, scheduler
+    counters and page pool of one schedule() / update() at a time."""
+    params, rate, share, least_chunks = PAIR_CASES[name]
+    cfg = SchedulerConfig(max_model_len=2048, page_size=16, **{"num_pages": 1024, **params})
+    reference = run(cfg, False, pp=pp, max_in_flight=max_in_flight, requests=chat_requests(40, 1, rate))
+    applied = {"half_steps": 0, "chunks": 0}
+    apply = runs_module.PairRun.apply
+
+    def counting(self, times, half_steps):
+        applied["half_steps"] += half_steps
+        applied["chunks"] += sum(len(c) for c in self.chunks[:half_steps])
+        return apply(self, times, half_steps)
+
+    monkeypatch.setattr(runs_module.PairRun, "apply", counting)
+    got = run(cfg, True, pp=pp, max_in_flight=max_in_flight, requests=chat_requests(40, 1, rate))
+    assert_same(reference, got)
+    assert applied["half_steps"] > len(got[0].iterations) // share, "the case is meant to run pair runs"
+    assert applied["chunks"] >= least_chunks, "the case is meant to carry prefill chunks in pair runs"
+    if name == "sarathi_tight_memory":
+        assert sum(r.num_preemptions for r in got[0].requests) > 0, "the case is meant to preempt"
 
 
 @pytest.mark.parametrize("router", ["round_robin", "least_loaded"])

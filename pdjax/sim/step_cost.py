@@ -526,6 +526,19 @@ class PipelineStepTime(StepTimeBase):
             return stages(BatchComposition((), ((count - r, q), (r, q + 1)) if r else ((count, q),)))
         return fn
 
+    def composition_stages(self, count: int, total_context: int,
+                           chunks: Sequence[Tuple[int, int]]) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
+        """`stage_times(out)` of a step of prefill `chunks` ((tokens, context before them), in batch order) and
+        `count` one-token decodes whose num_computed_tokens sum to total_context, without padding, step context
+        or noise (compact_composition's composition of such a step)."""
+        if not chunks:
+            return self.decode_stages_fn(count)(total_context)
+        decodes = ()
+        if count:
+            q, r = divmod(total_context, count)
+            decodes = ((count - r, q), (r, q + 1)) if r else ((count, q),)
+        return self._stages(BatchComposition(tuple(chunks), decodes))
+
     def decode_fn(self, count: int) -> Callable[[int], float]:
         """total_context -> seconds of such a step through the whole pipeline (`self(out)`)."""
         stage_fn = self.decode_stages_fn(count)
