@@ -14,6 +14,7 @@ from pdjax.config.sampling import SamplingParams
 from pdjax.config.scheduler import SchedulerConfig
 from pdjax.scheduler import Request, make_scheduler
 from pdjax.scheduler import runs as runs_module
+from pdjax.scheduler.output import SchedulerOutput
 from pdjax.scheduler.routing import InstanceRouter
 from pdjax.config.deployment import InstanceGroupConfig, instance_scheduler_config
 from pdjax.sim.cost_model import BatchComposition, CostParams, iteration_time, stage_times
@@ -323,3 +324,34 @@ def test_cached_stage_times_equal_the_cost_model(model, hw, tp, pp, launch):
                                        for _ in range(rng.choice([0, 0, 1, 2]))),
                                  tuple((rng.randint(1, 8), rng.randint(0, 8000)) for _ in range(rng.randint(0, 4))))
         assert cached(batch) == stage_times(batch, spec, hardware, tp, pp, params)
+
+
+@pytest.mark.parametrize("model,hw,tp,pp,launch", [("mistral-7b", "a100-80gb-sxm", 1, 2, 0.0),
+                                                   ("llama-2-70b", "a100-80gb-pcie", 4, 2, 2e-6),
+                                                   ("llama-2-70b", "h100-sxm", 2, 4, 5e-5)])
+def test_pipelined_decode_and_chunk_stages_equal_the_cost_model(model, hw, tp, pp, launch):
+    """The stage times of the pair runs and stage runs (PipelineStepTime.decode_stages_fn, composition_stages)
+    and of stage_times(out) for a decode-only batch equal the cost model's stage_times of the compact
+    composition, bit for bit."""
+    spec, hardware = get_model_spec(model), get_hardware_spec(hw)
+    params = CostParams(per_seq_overhead_s=3e-5, launch_overhead_s=launch, tp_sync_s=1e-5, attn_decode_fixed_s=5e-6)
+    source = make_step_time(spec, hardware, tp, pp, params)
+    rng = random.Random(tp * pp)
+    for _ in range(300):
+        count = rng.randint(0, 40)
+        total = sum(rng.randint(1, 4000) for _ in range(count))
+        chunks = [(rng.randint(1, 512), rng.randint(0, 4000)) for _ in range(rng.choice([0, 1, 1, 2]))]
+        decodes = ()
+        if count:
+            q, r = divmod(total, count)
+            decodes = ((count - r, q), (r, q + 1)) if r else ((count, q),)
+        expected = stage_times(BatchComposition(tuple(chunks), decodes), spec, hardware, tp, pp, params)
+        expected = (tuple(expected[0]), tuple(expected[1]))
+        assert source.composition_stages(count, total, chunks) == expected
+        if not chunks:
+            assert source.decode_stages_fn(count)(total) == expected
+            contexts = [total // count + (i < total % count) for i in range(count)] if count else []
+            out = SchedulerOutput(step=1, req_ids=[str(i) for i in range(count)], num_computed_tokens=contexts,
+                                  num_new_tokens=[1] * count, is_prefill=[False] * count)
+            if count:
+                assert source.stage_times(out) == expected

@@ -511,7 +511,7 @@ def pair_run(sched, out) -> Optional[PairRun]:
     if parts is None:
         return None
     groups, prefills, crossings, totals, lefts = parts
-    if (not groups[0] and not prefills[0]) or len(groups[1]) + len(prefills[1]) != len(out.reqs):
+    if lefts[1] <= 1 or (not groups[0] and not prefills[0]) or len(groups[1]) + len(prefills[1]) != len(out.reqs):
         return None
     if (prefills[0] or prefills[1]) and not sched._run_prefills:
         return None

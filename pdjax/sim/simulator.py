@@ -75,6 +75,7 @@ import dataclasses
 import gc
 import heapq
 import itertools
+import math
 import time
 from bisect import bisect_left
 from collections import deque
@@ -439,6 +440,7 @@ class Simulation:
         # per instance: pair runs (Simulation.pair_run: one colocated instance, two batches in flight)
         self.pair_runs = [self.single and self.run_schedules[i] == 2 and inst.max_in_flight == 2
                           for i, inst in enumerate(self.instances)]
+        self.pair_after = [0.0] * len(self.instances)    # pair_run: no run is tried before this time
         self.run_again = True             # decode_run: the run it applied may be followed by another at once
         # decode_run: per instance, no run is tried while the next event is closer than this: the seconds of its
         # last run's last step, or of the first step of the last run that could not take one (steps of one
@@ -744,11 +746,14 @@ class Simulation:
         one schedule() / update() at a time, the last batch left in flight as its SchedulerOutput. Returns the
         time of the last collect (the loop goes on from there, scheduling the group collected then); None when
         fewer than 3 half-steps qualify."""
+        if t < self.pair_after[idx]:
+            return None
         inst = self.instances[idx]
         pipe = inst.pipeline
         out, first_start, first_end = pipe.peek()
         run = pair_run(inst.scheduler, out)
         if run is None:
+            self.pair_after[idx] = math.nextafter(t, math.inf)    # not at once again
             return None
         pending = self.pending
         limit = pending[self.next_arrival].arrival_time if self.next_arrival < len(pending) else float("inf")
@@ -758,6 +763,9 @@ class Simulation:
             run, step_time.composition_stages, pipe.stage_free, t, first_end, limit,
             len(bm._free) + len(bm._free_cached), self.max_iterations - len(self.iterations))
         if H < 3:
+            # what cut it short (a finish, a prompt's end, an arrival) is still ahead until the last half-step
+            # planned: no run is tried before then (one not tried is only slower, never different)
+            self.pair_after[idx] = times[-1] if times[-1] > t else math.nextafter(t, math.inf)
             return None
         run.apply(times, H)
         pipe.run_pair(times, ends, stages, free, run.in_flight_output(H))
