@@ -243,6 +243,26 @@ def test_decode_runs_in_the_disaggregated_loop_change_nothing(num_prefill, num_d
     assert applied[0] > decode_steps // share, "the case is meant to run decode steps in bulk"
 
 
+@pytest.mark.parametrize("decode_pages", [512, 72])
+def test_decode_runs_admit_landed_kv(decode_pages, monkeypatch):
+    """A decode instance's run takes the step that admits handed-off requests whose KV landed (decode_only's
+    admission after the decode pass: pages, a sequence slot, the budget), and the landed ones that step leaves
+    waiting (72 pages: backpressure) stay waiting through the run: the same records as one step at a time."""
+    args = (1, 1, decode_pages, "round_robin", 11)
+    reference = run_disaggregated(False, *args)
+    admitted = []
+    admit = runs_module.DecodeRun._admit_kv
+
+    def counting(self, now):
+        admitted.extend(req.request_id for req, _ in self.admitted)
+        return admit(self, now)
+
+    monkeypatch.setattr(runs_module.DecodeRun, "_admit_kv", counting)
+    got = run_disaggregated(True, *args)
+    assert_same(reference, got)
+    assert len(admitted) > len(got[0].requests) // 2, "the case is meant to admit landed KV in decode runs"
+
+
 @pytest.mark.parametrize("num_prefill,num_decode,decode_pages,router,crosses", [
     (1, 1, 512, "round_robin", True), (1, 2, 512, "round_robin", True), (1, 1, 72, "round_robin", True),
     (2, 2, 512, "least_loaded", False)])

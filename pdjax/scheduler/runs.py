@@ -336,11 +336,12 @@ class PairRun:
     is in flight). A run of H half-steps ends with collect H applied and batch H - 1 in flight: `apply` leaves
     the scheduler exactly as those H schedule() and H update() calls would, and `in_flight_output` is batch
     H - 1's SchedulerOutput for the caller's batch queue. The caller plans it (`can_collect`, `schedule_next`,
-    `completes`, and no schedule at or after the next arrival) so that nobody finishes, completes a prompt, is
-    preempted, admitted, or left out of its group's batch within it."""
+    `completes`, and no schedule at or after the next arrival) so that nobody finishes, is preempted, admitted,
+    or left out of its group's batch within it, and a prompt is completed only by the last collect (the
+    request samples its first token there and is a decoder of its group from then on)."""
 
     __slots__ = ("sched", "groups", "prefills", "out", "counts", "totals", "lefts", "updates", "chunks", "completes",
-                 "_crossings", "_first", "_active", "_passes", "_p_state", "_admits")
+                 "ends_completing", "_crossings", "_first", "_active", "_passes", "_p_state", "_admits")
 
     def __init__(self, sched, groups: Tuple[list, list], prefills: Tuple[list, list], out,
                  crossings: Tuple[List[int], List[int]], totals: List[int], lefts: List[int], admits: bool):
@@ -353,7 +354,9 @@ class PairRun:
         self.lefts = lefts                # per group: the update (1: its first in the run) in which one finishes
         self.updates = [0, 0]             # per group: updates planned so far
         self.chunks: List[list] = []      # per planned batch: [(prefill index, tokens, pages)]
-        self.completes = False            # the last planned batch completes a prompt
+        # the last planned batch completes a prompt: 1, its first token finishing nobody; 2, finishing one
+        self.completes = 0
+        self.ends_completing = False      # set by the caller's plan: its last collect completes a prompt
         self._crossings = crossings       # per group and decoder: its first pass (0: the group's first) that grows
         self._admits = admits             # requests wait and would be admitted from any budget a batch leaves
         ps = sched._ps
@@ -366,7 +369,7 @@ class PairRun:
         self._active = ([0] * ps, [0] * ps)
         self._passes = [0, 0]
         # per group and prefill: [tokens computed by its next schedule, prompt tokens, pages held]
-        pending = {id(r): n for r, n in zip(out.reqs, out.num_new_tokens)}
+        pending = {id(r): n for r, n in zip(out.reqs, out.num_new_tokens)} if prefills[1] else {}
         self._p_state = tuple([[r.num_computed_tokens + pending.get(id(r), 0), len(r.all_token_ids),
                                 len(r.page_table)] for r in group] for group in prefills)
 
@@ -387,7 +390,7 @@ class PairRun:
         pages = active[j % ps]
         chunks, plan = [], []
         left = self.sched._budget - self.counts[group]
-        done = False
+        done = 0
         for k, (c, tokens, held) in enumerate(self._p_state[group]):
             n = self.sched._chunk_size(c, tokens, left) if left > 0 else 0
             if n <= 0:
@@ -399,7 +402,10 @@ class PairRun:
             plan.append((k, n, need))
             chunks.append((n, c))
             left -= n
-            done = done or c + n == tokens
+            if c + n == tokens:
+                req = self.prefills[group][k]
+                done = max(done, 2 if (len(req.output_token_ids) + 1 >= req.max_tokens
+                                       or tokens + 1 >= self.sched._max_len) else 1)
         if pages > free or (self._admits and left > 0):
             return None
         self._passes[group] = j + 1
@@ -434,7 +440,7 @@ class PairRun:
                 req.schedule_times += starts
                 req.sched_step = step
             if self.prefills[g]:
-                self._advance_prefills(g, starts, H, step)
+                self._advance_prefills(g, starts, H, step, times[H])
         sched.step = s0 + H
         sched._last_emitted = s0 + H
         sched._applied_step = s0 + H - 1
@@ -443,16 +449,23 @@ class PairRun:
         sched._run_after = None
         sched._after_decode_run()
 
-    def _advance_prefills(self, g: int, starts: Sequence[float], H: int, step: int) -> None:
+    def _advance_prefills(self, g: int, starts: Sequence[float], H: int, step: int, now: float) -> None:
         """Group g's prefills: a chunk in each of its schedules; the tokens of the collected ones (`out`'s
-        included) computed."""
+        included) computed; one whose prompt the last collect (at `now`) completes samples its first token."""
         pending = {id(r): n for r, n in zip(self.out.reqs, self.out.num_new_tokens)} if g else {}
         collected = range(g, H - 1, 2)                # its batches collected in the run (not the one in flight)
         for k, req in enumerate(self.prefills[g]):
-            req.num_computed_tokens += pending.get(id(req), 0) + sum(
+            c = req.num_computed_tokens + pending.get(id(req), 0) + sum(
                 n for h in collected for q, n, _ in self.chunks[h] if q == k)
+            req.num_computed_tokens = c
             req.schedule_times += starts
             req.sched_step = step
+            if c == len(req.all_token_ids):         # completed by the last collect (PairRun docstring)
+                req.output_token_ids.append(PLACEHOLDER)
+                req.all_token_ids.append(PLACEHOLDER)
+                req.token_times.append(now)
+                if req.first_token_time is None:
+                    req.first_token_time = now
 
     def _grow_pages(self, H: int) -> None:
         """The page growth, in the order the schedules allocate: by half-step, the decode pass (running order)
@@ -467,7 +480,7 @@ class PairRun:
             prefills = self.prefills[h % 2]
             grants += [(h, 1, k, need, prefills[k].page_table) for k, _, need in self.chunks[h] if need]
         if grants:
-            grants.sort(key=_grant_order)
+            grants.sort()           # (half-step, decode pass before chunks, index) is unique: tables never compared
             self.sched.block_manager.allocate_each([(table, need) for _, _, _, need, table in grants])
 
     def in_flight_output(self, half_steps: int):
@@ -531,7 +544,7 @@ def _pair_parts(sched) -> Optional[tuple]:
     for req in sched.running:
         if req.status is not RUNNING or PLACEHOLDER in req.stop_ids:
             return None
-        g = 1 if req.sched_step > applied else 0
+        g = req.sched_step > applied    # True (1): in flight in `out`
         c = req.num_computed_tokens
         if c < req.prefill_end:
             prefills[g].append(req)
@@ -542,7 +555,9 @@ def _pair_parts(sched) -> Optional[tuple]:
         j = len(req.page_table) * ps - c
         if j < 0:
             return None
-        left = min(req.max_tokens - len(req.output_token_ids), max_len - len(req.all_token_ids))
+        left = req.max_tokens - len(req.output_token_ids)
+        if max_len - len(req.all_token_ids) < left:
+            left = max_len - len(req.all_token_ids)
         if left < lefts[g]:
             lefts[g] = left
         groups[g].append(req)
@@ -550,6 +565,3 @@ def _pair_parts(sched) -> Optional[tuple]:
         totals[g] += c
     return groups, prefills, crossings, totals, lefts
 
-
-def _grant_order(grant: tuple) -> tuple:
-    return grant[0], grant[1], grant[2]

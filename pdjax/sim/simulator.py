@@ -327,7 +327,8 @@ def plan_pair_clock(run, stage_fn: Callable, stage_free: Sequence[float], t: flo
     stage_fn(its decoders, their context sum, its chunks) -> (stages, sends), chained on the stages as
     StagePipeline.run_stages; at h >= 1 the host first collects the oldest batch at times[h] = max(its end,
     times[h - 1]). It ends (H = the half-steps) at the first h whose collect comes at or after `limit` (the next
-    arrival: the schedule there would admit it) or collects a batch that completes a prompt, or whose schedule
+    arrival: the schedule there would admit it) or collects a batch that completes a prompt (the collect ends
+    the run; the half-step before it when the first token finishes the request), or whose schedule
     would make the next collect finish a request, cannot be planned (PairRun.schedule_next, with `pages` free
     pages), takes a negative stage time or passes max_collects. (times[0 .. H], ends, stages, stage free times
     after batch H - 1, H)."""
@@ -356,8 +357,9 @@ def plan_pair_clock(run, stage_fn: Callable, stage_free: Sequence[float], t: flo
         if min(stages) < 0 or (sends and min(sends) < 0):
             break
         pages -= grow
-        if run.completes:
-            last = h + 1
+        if run.completes:     # its collect (half-step h + 2) may be the run's last, unless the first token ends it
+            end = h + 2 if run.completes == 1 else h + 1
+            last = end if last is None or end < last else last
         ready = times[h]
         for s, seconds in enumerate(stages):
             if s:
@@ -369,6 +371,7 @@ def plan_pair_clock(run, stage_fn: Callable, stage_free: Sequence[float], t: flo
         stage_list.append(stages)
         totals[g] += counts[g]
         h += 1
+    run.ends_completing = h == last   # the run ends with a completed prompt's first token
     return times, ends, stage_list, free, h
 
 
@@ -441,6 +444,7 @@ class Simulation:
         self.pair_runs = [self.single and self.run_schedules[i] == 2 and inst.max_in_flight == 2
                           for i, inst in enumerate(self.instances)]
         self.pair_after = [0.0] * len(self.instances)    # pair_run: no run is tried before this time
+        self.pair_again = False
         self.run_again = True             # decode_run: the run it applied may be followed by another at once
         # decode_run: per instance, no run is tried while the next event is closer than this: the seconds of its
         # last run's last step, or of the first step of the last run that could not take one (steps of one
@@ -672,9 +676,10 @@ class Simulation:
                         continue
                 elif pairs and len(pipe) == 1:
                     end = self.pair_run(idx, t)
-                    pairs = False             # the group collected last is scheduled one by one next
+                    pairs = False             # the group collected last is scheduled one by one next,
                     if end is not None:
                         t = end
+                        pairs = self.pair_again   # unless the run ended with a prompt's completion
                         continue
                 out = sched.schedule(t)
                 if not out.is_empty:
@@ -780,6 +785,7 @@ class Simulation:
                                        n + len(chunks), name))
         self.route_arrivals(times[H])     # arrived while the host waited on the stages
         self.waking[idx] = False
+        self.pair_again = run.ends_completing   # the new decoder's group may go on in a pair run at once
         return times[H]
 
     def run_limit(self, idx: int, t: float) -> Optional[float]:
