@@ -153,7 +153,7 @@ PAIR_CASES = {
                              dynamic_chunk_ref_context=256, dynamic_chunk_min_tokens=32), 10.0, 3, 50),
     "sarathi_full": (dict(policy="sarathi", token_budget=512, max_num_seqs=6), 40.0, 3, 10),
     "sarathi_tight_memory": (dict(policy="sarathi", token_budget=256, max_num_seqs=32, num_pages=300,
-                                  watermark=0.0), 10.0, 20, 10),
+                                  watermark=0.0), 10.0, 20, 5),
     "vllm_v0": (dict(policy="vllm_v0", token_budget=2048, max_num_seqs=16), 10.0, 3, 0),
     "decode_first": (dict(policy="decode_first", token_budget=2048, max_num_seqs=8), 10.0, 3, 0),
 }

@@ -19,7 +19,16 @@ decode budget. Waiting requests are allowed only where they certainly stay waiti
 budget (a step that leaves some is not taken). A run ends (its last step included) at the first step in which a
 request finishes or a prefill completes its prompt (it then samples and becomes a decoder: the next run takes
 it as one), and before a step whose page growth the free pages at the start of the run cannot cover (that step
-would preempt).
+would preempt). Handed-off requests whose KV landed (decode_only's `_kv_ready`) do not stop a run: its first step
+admits those decode_only's schedule() would (after the decode pass: a sequence slot, the budget, pages for the
+context plus the watermark, in landing order; they decode from that step on, `admitted`), and the rest stay
+waiting for the whole run (slots, budget and free pages only shrink until its last step). A run that follows the
+last one with nothing touching the scheduler in between (same step counters, same running list) reads its
+decoders from that run (`continued_run`) instead of from every request.
+
+Pair runs (`PairRun`, `pair_run`): an instance with two batches in flight whose running requests form two groups
+taking turns (each is scheduled again when its batch is collected, the other group's batch being in flight),
+decoders and, for a policy with a prefill pass, prefills getting their chunks; see the class.
 
 Per step, with D decoders whose contexts sum to `total` (it grows by D per step): the decode pass allocates a page
 to each decoder whose computed tokens reach its table's end (decoders in running order), then the prefill pass
@@ -336,27 +345,32 @@ class PairRun:
     is in flight). A run of H half-steps ends with collect H applied and batch H - 1 in flight: `apply` leaves
     the scheduler exactly as those H schedule() and H update() calls would, and `in_flight_output` is batch
     H - 1's SchedulerOutput for the caller's batch queue. The caller plans it (`can_collect`, `schedule_next`,
-    `completes`, and no schedule at or after the next arrival) so that nobody finishes, is preempted, admitted,
-    or left out of its group's batch within it, and a prompt is completed only by the last collect (the
-    request samples its first token there and is a decoder of its group from then on)."""
+    `completes`, and no schedule at or after the next arrival) so that nobody is preempted, admitted, or left out
+    of its group's batch within it, and only the last collect finishes requests (`finished`: pages freed, in
+    batch order) or completes a prompt (the request samples its first token there and is a decoder of its group
+    from then on)."""
 
     __slots__ = ("sched", "groups", "prefills", "out", "counts", "totals", "lefts", "updates", "chunks", "completes",
-                 "ends_completing", "_crossings", "_first", "_active", "_passes", "_p_state", "_admits")
+                 "ends_completing", "finished", "_crossings", "_first", "_active", "_passes", "_p_state", "_admits",
+                 "_left_lists")
 
     def __init__(self, sched, groups: Tuple[list, list], prefills: Tuple[list, list], out,
-                 crossings: Tuple[List[int], List[int]], totals: List[int], lefts: List[int], admits: bool):
+                 crossings: Tuple[List[int], List[int]], totals: List[int], left_lists: Tuple[List[int], List[int]],
+                 admits: bool):
         self.sched = sched
         self.groups = groups              # per group: its decoders, in running order
         self.prefills = prefills          # per group: its requests in the prefill phase, in running order
         self.out = out                    # group 1's batch in flight
         self.counts = (len(groups[0]), len(groups[1]))
         self.totals = totals              # per group: its decoders' context sum at its next schedule
-        self.lefts = lefts                # per group: the update (1: its first in the run) in which one finishes
+        self._left_lists = left_lists     # per group and decoder: the update (1: its first in the run) finishing it
+        self.lefts = [min(x, default=1 << 62) for x in left_lists]     # per group: the first of them
+        self.finished: list = []          # apply: the requests the last collect finished, in batch order
         self.updates = [0, 0]             # per group: updates planned so far
         self.chunks: List[list] = []      # per planned batch: [(prefill index, tokens, pages)]
         # the last planned batch completes a prompt: 1, its first token finishing nobody; 2, finishing one
         self.completes = 0
-        self.ends_completing = False      # set by the caller's plan: its last collect completes a prompt
+        self.ends_completing = False      # set by the caller's plan: its last collect completes a prompt or finishes
         self._crossings = crossings       # per group and decoder: its first pass (0: the group's first) that grows
         self._admits = admits             # requests wait and would be admitted from any budget a batch leaves
         ps = sched._ps
@@ -374,7 +388,7 @@ class PairRun:
                                 len(r.page_table)] for r in group] for group in prefills)
 
     def can_collect(self, group: int) -> bool:
-        """The next update of `group` finishes nobody."""
+        """The next update of `group` finishes nobody (one that does may only be the run's last collect)."""
         return self.updates[group] + 1 < self.lefts[group]
 
     def schedule_next(self, group: int, free: int) -> Optional[Tuple[int, list]]:
@@ -448,6 +462,16 @@ class PairRun:
         sched._preempted_this_step = False
         sched._run_after = None
         sched._after_decode_run()
+        g = H % 2                                     # the group of the last collect
+        k = len(range(2 - g, H + 1, 2))
+        self.finished = [req for req, left in zip(self.groups[g], self._left_lists[g]) if left == k]
+        if self.finished:     # as update(): in batch order, pages freed one request after the other
+            free = sched.block_manager.free
+            for req in self.finished:
+                free(req.page_table)
+                req.page_table = []
+                sched._finish(req, "length", times[H])
+            sched.running = [r for r in sched.running if r.status is RUNNING]
 
     def _advance_prefills(self, g: int, starts: Sequence[float], H: int, step: int, now: float) -> None:
         """Group g's prefills: a chunk in each of its schedules; the tokens of the collected ones (`out`'s
@@ -508,9 +532,9 @@ class PairRun:
 def pair_run(sched, out) -> Optional[PairRun]:
     """The PairRun of `sched` with batch `out` in flight (PairRun), or None when its state does not allow one:
     the policy's decode runs (Scheduler.decode_run's conditions: its class, nothing swapped, landed or cached),
-    exactly one batch in flight (`out`, none of whose prompts it completes), prefills only for a policy with a
-    prefill pass, nobody waiting who could be admitted but from a budget left over, both groups' decodes within
-    the decode budget."""
+    exactly one batch in flight (`out`, none of whose prompts it completes or requests it finishes), prefills
+    only for a policy with a prefill pass, nobody waiting who could be admitted but from a budget left over (the
+    chunks of a long prompt take it all), both groups' decodes within the decode budget."""
     if (type(sched) not in sched.DECODE_RUN_CLASSES or not sched._decode_run_policy_ok() or sched.swapped
             or sched._kv_ready or sched._caching or sched._removed_from_running or sched.handoff_after_prefill
             or out.step != sched._last_emitted or out.step != sched.step):
@@ -524,7 +548,7 @@ def pair_run(sched, out) -> Optional[PairRun]:
     if parts is None:
         return None
     groups, prefills, crossings, totals, lefts = parts
-    if lefts[1] <= 1 or (not groups[0] and not prefills[0]) or len(groups[1]) + len(prefills[1]) != len(out.reqs):
+    if 1 in lefts[1] or (not groups[0] and not prefills[0]) or len(groups[1]) + len(prefills[1]) != len(out.reqs):
         return None
     if (prefills[0] or prefills[1]) and not sched._run_prefills:
         return None
@@ -540,7 +564,7 @@ def _pair_parts(sched) -> Optional[tuple]:
     applied = sched._applied_step
     ps, max_len = sched._ps, sched._max_len
     groups, prefills, crossings = ([], []), ([], []), ([], [])
-    totals, lefts = [0, 0], [1 << 62, 1 << 62]
+    totals, lefts = [0, 0], ([], [])
     for req in sched.running:
         if req.status is not RUNNING or PLACEHOLDER in req.stop_ids:
             return None
@@ -558,8 +582,7 @@ def _pair_parts(sched) -> Optional[tuple]:
         left = req.max_tokens - len(req.output_token_ids)
         if max_len - len(req.all_token_ids) < left:
             left = max_len - len(req.all_token_ids)
-        if left < lefts[g]:
-            lefts[g] = left
+        lefts[g].append(left)
         groups[g].append(req)
         crossings[g].append(j)
         totals[g] += c

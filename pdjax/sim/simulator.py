@@ -60,8 +60,12 @@ They need the synchronous loop, a step-time function exact for such steps from t
 pdjax.sim.step_cost's sources without padding, step context or noise), the placeholder tokens, and no
 on_schedule / observe_step. An instance with pipeline stages or batches in flight takes runs of decoders only that
 admit nobody, one batch at a time through its stages (`plan_stage_clock`: the schedule() after each dispatch finds
-every running request in flight and returns nothing); while it keeps two batches of different requests in flight
-(new requests' prefills beside the decoders, or two groups of decoders alternating) it steps one by one.
+every running request in flight and returns nothing). One colocated instance with two batches in flight of
+different requests (two groups taking turns: new prompts' chunks beside the decoders, or two groups of decoders)
+takes pair runs (`Simulation.pair_run`, pdjax.scheduler.runs.PairRun): the half-steps (collect the oldest batch,
+schedule its group again) up to the next arrival, a finish, or the collect that completes a prompt, applied in
+bulk, the last batch left in flight as its SchedulerOutput. A decode_only instance's run also takes the step that
+admits handed-off requests whose KV landed (DecodeOnlyScheduler._run_kv_admissions).
 Requests may be given as PendingRequests (pdjax.sim.build does): each becomes its scheduler Request when it
 arrives, and every request that finishes for good is turned into its RequestRecord at once and dropped
 (`SimRequests`), so a run holds the token lists of its live requests only, not of all of them
@@ -327,10 +331,10 @@ def plan_pair_clock(run, stage_fn: Callable, stage_free: Sequence[float], t: flo
     stage_fn(its decoders, their context sum, its chunks) -> (stages, sends), chained on the stages as
     StagePipeline.run_stages; at h >= 1 the host first collects the oldest batch at times[h] = max(its end,
     times[h - 1]). It ends (H = the half-steps) at the first h whose collect comes at or after `limit` (the next
-    arrival: the schedule there would admit it) or collects a batch that completes a prompt (the collect ends
-    the run; the half-step before it when the first token finishes the request), or whose schedule
-    would make the next collect finish a request, cannot be planned (PairRun.schedule_next, with `pages` free
-    pages), takes a negative stage time or passes max_collects. (times[0 .. H], ends, stages, stage free times
+    arrival: the schedule there would admit it), or that finishes a request or collects a batch that completes
+    a prompt (the half-step before that collect when the first token finishes the request), or whose schedule
+    cannot be planned (PairRun.schedule_next, with `pages` free pages), takes a negative stage time or passes
+    max_collects. (times[0 .. H], ends, stages, stage free times
     after batch H - 1, H)."""
     times, ends, stage_list = [t], [], []
     counts, totals = run.counts, list(run.totals)
@@ -346,8 +350,10 @@ def plan_pair_clock(run, stage_fn: Callable, stage_free: Sequence[float], t: flo
             updates[h % 2] += 1
             if not at < limit or h == last:
                 break
-        if h + 1 > max_collects or not run.can_collect((h + 1) % 2):
+        if h + 1 > max_collects:
             break
+        if not run.can_collect((h + 1) % 2):     # the next collect finishes a request: the run's last
+            last = h + 1 if last is None or h + 1 < last else last
         g = h % 2
         planned = run.schedule_next(g, pages)
         if planned is None:
@@ -371,7 +377,7 @@ def plan_pair_clock(run, stage_fn: Callable, stage_free: Sequence[float], t: flo
         stage_list.append(stages)
         totals[g] += counts[g]
         h += 1
-    run.ends_completing = h == last   # the run ends with a completed prompt's first token
+    run.ends_completing = h == last   # the run ends with a completed prompt's first token or a finish
     return times, ends, stage_list, free, h
 
 
@@ -773,6 +779,8 @@ class Simulation:
             self.pair_after[idx] = times[-1] if times[-1] > t else math.nextafter(t, math.inf)
             return None
         run.apply(times, H)
+        if run.finished:
+            self.requests.finished(run.finished, inst.scheduler)
         pipe.run_pair(times, ends, stages, free, run.in_flight_output(H))
         its, name, counts = self.iterations, self.names[idx], run.counts
         step = len(its) if self.global_steps else inst.num_steps
@@ -785,7 +793,7 @@ class Simulation:
                                        n + len(chunks), name))
         self.route_arrivals(times[H])     # arrived while the host waited on the stages
         self.waking[idx] = False
-        self.pair_again = run.ends_completing   # the new decoder's group may go on in a pair run at once
+        self.pair_again = run.ends_completing   # the group collected last may go on in a pair run at once
         return times[H]
 
     def run_limit(self, idx: int, t: float) -> Optional[float]:
