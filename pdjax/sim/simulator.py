@@ -334,13 +334,12 @@ def plan_pair_clock(run, stage_fn: Callable, stage_free: Sequence[float], t: flo
     arrival: the schedule there would admit it), or that finishes a request or collects a batch that completes
     a prompt (the half-step before that collect when the first token finishes the request), or whose schedule
     cannot be planned (PairRun.schedule_next, with `pages` free pages), takes a negative stage time or passes
-    max_collects. (times[0 .. H], ends, stages, stage free times
-    after batch H - 1, H)."""
+    max_collects. (times[0 .. H], ends, stages, stage free times after batch H - 1, H)."""
     times, ends, stage_list = [t], [], []
     counts, totals = run.counts, list(run.totals)
     free = list(stage_free)
     updates = run.updates
-    last = None                       # the last half-step the run may reach (a batch completing a prompt)
+    last = None                       # the last half-step the run may reach (a finish, a prompt completed)
     h = 0
     while True:
         if h:
@@ -752,11 +751,12 @@ class Simulation:
 
     def pair_run(self, idx: int, t: float) -> Optional[float]:
         """Run instance `idx`'s next half-steps at once while they are a pair run (pdjax.scheduler.runs.PairRun: two
-        groups of decoders taking turns through the stages, one batch in flight at t; one colocated instance), up
-        to the first collect at or after the next arrival: the scheduler state, stage accounting and records of
-        one schedule() / update() at a time, the last batch left in flight as its SchedulerOutput. Returns the
-        time of the last collect (the loop goes on from there, scheduling the group collected then); None when
-        fewer than 3 half-steps qualify."""
+        groups of running requests taking turns through the stages, one batch in flight at t; one colocated
+        instance), up to the first collect at or after the next arrival, or the collect that finishes a request or
+        completes a prompt (plan_pair_clock): the scheduler state, stage accounting and records of one schedule() /
+        update() at a time, the last batch left in flight as its SchedulerOutput. Returns the time of the last
+        collect (the loop goes on from there, scheduling the group collected then); None when fewer than 3
+        half-steps qualify."""
         if t < self.pair_after[idx]:
             return None
         inst = self.instances[idx]
