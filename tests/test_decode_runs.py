@@ -289,6 +289,28 @@ def test_decode_runs_across_the_next_event(num_prefill, num_decode, decode_pages
     assert bool(made) == crosses
 
 
+def test_decode_runs_pass_arrivals_while_every_other_instance_is_busy(monkeypatch):
+    """A decode instance whose state nothing reads between its steps (one decode instance) plans its run past
+    the arrivals that come while every other instance is blocked on a step (they only queue: no step, hence no
+    handoff or landing, can start before the next step end): the same records as one step at a time."""
+    from pdjax.sim import simulator
+    passed = []
+    cross_limit = simulator.Simulation.cross_limit
+
+    def counting(self, idx):
+        limit = cross_limit(self, idx)
+        passed.append(limit > self.next_event_time())
+        return limit
+
+    args = (1, 1, 512, "round_robin", 13)
+    reference = run_disaggregated(False, *args)
+    monkeypatch.setattr(simulator.Simulation, "cross_limit", counting)
+    got = run_disaggregated(True, *args)
+    assert_same(reference, got)
+    assert [t.__dict__ for t in got[0].transfers] == [t.__dict__ for t in reference[0].transfers]
+    assert sum(passed) >= 5, "the case is meant to plan runs past arrivals"
+
+
 def test_decode_runs_wait_for_every_instance_woken_at_the_same_time(monkeypatch):
     # Two decode instances in lockstep: a run of the first must not start while the second has yet to dispatch
     # its step at the same time (its end would fall inside the run).

@@ -808,10 +808,26 @@ class Simulation:
         if idx + 1 < len(waking) and any(waking[j] and not self.instances[j].busy
                                          for j in range(idx + 1, len(waking))):
             return None
+        if self.cross[idx]:
+            return self.cross_limit(idx)
         limit = self.next_event_time()
-        if limit - t < self.short_gap[idx] and not self.cross[idx]:
+        if limit - t < self.short_gap[idx]:
             return None
         return limit
+
+    def cross_limit(self, idx: int) -> float:
+        """The next event that can touch cross instance `idx` (a disaggregated decode instance whose state nothing
+        reads between its steps, pdjax.sim.disagg): the next step end or KV landing; an arrival too unless every
+        other instance is blocked on a step (then an arrival only joins a scheduler's queue, and no step it could
+        start, hence no handoff or landing, comes before the next step end)."""
+        inst_busy = [inst.in_flight is not None for j, inst in enumerate(self.instances) if j != idx]
+        if False in inst_busy:
+            return self.next_event_time()
+        inf = float("inf")
+        t_done = self.completions[0][0] if self.completions else inf
+        if self.kv_arrivals and self.kv_arrivals[0][0] < t_done:
+            t_done = self.kv_arrivals[0][0]
+        return t_done
 
     def apply_decode_run(self, inst: SimInstance, run, t: float, limit: float, *, ends_before: bool,
                          schedules: int):
