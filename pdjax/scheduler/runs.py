@@ -204,9 +204,19 @@ class DecodeRun:
             self._advance_prefills(k, starts, ends, first_step, finished)
         _set_step_counters(sched, step, k, schedules)
         sched._preempted_this_step = False
-        # The next run starts from this one's decoders k steps on, unless the scheduler is touched in between
-        sched._run_after = None if (prefills or finished) else (sched.step, sched._applied_step, decoders,
-                                                                self._crossings, self._lefts, self.total, k)
+        # The next run starts from this one's decoders k steps on (those that go on running), unless the scheduler
+        # is touched in between
+        if prefills:
+            sched._run_after = None
+        elif finished:
+            keep = [i for i, left in enumerate(self._lefts) if left != k]
+            crossings, lefts = self._crossings, self._lefts
+            sched._run_after = (sched.step, sched._applied_step, [decoders[i] for i in keep],
+                                [crossings[i] for i in keep], [lefts[i] for i in keep],
+                                self.total - sum(req.num_computed_tokens - k for req in finished), k)
+        else:
+            sched._run_after = (sched.step, sched._applied_step, decoders, self._crossings, self._lefts, self.total,
+                                k)
         if finished:
             now = ends[-1]
             free = sched.block_manager.free
