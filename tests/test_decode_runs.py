@@ -14,6 +14,7 @@ from pdjax.config.sampling import SamplingParams
 from pdjax.config.scheduler import SchedulerConfig
 from pdjax.scheduler import Request, make_scheduler
 from pdjax.scheduler import runs as runs_module
+from pdjax.scheduler.output import SchedulerOutput
 from pdjax.scheduler.routing import InstanceRouter
 from pdjax.config.deployment import InstanceGroupConfig, instance_scheduler_config
 from pdjax.sim.cost_model import BatchComposition, CostParams, iteration_time, stage_times
@@ -61,13 +62,13 @@ def make_requests(n: int, seed: int, rate: float = 20.0):
 
 
 def run(cfg: SchedulerConfig, decode_runs: bool, instances: int = 1, seed: int = 0, router: str = "round_robin",
-        pp: int = 1, max_in_flight=None):
+        pp: int = 1, max_in_flight=None, requests=None):
     insts = [SimInstance(f"i{k}", make_scheduler(cfg), make_step_time(MODEL, HARDWARE, 1, pp,
                                                                        CostParams(per_seq_overhead_s=2e-5)),
                          max_in_flight=max_in_flight)
              for k in range(instances)]
-    result = simulate(make_requests(60, seed), insts, InstanceRouter(router, insts, role="colocated"),
-                      decode_runs=decode_runs)
+    result = simulate(make_requests(60, seed) if requests is None else requests, insts,
+                      InstanceRouter(router, insts, role="colocated"), decode_runs=decode_runs)
     state = [(i.scheduler.step, i.scheduler.num_preemptions, i.scheduler.num_swaps,
               list(i.scheduler.block_manager._free), list(i.scheduler.block_manager.ref_count)) for i in insts]
     return result, state
@@ -130,6 +131,60 @@ def test_decode_runs_on_stages_change_nothing(name, pp, max_in_flight, monkeypat
         assert applied[0] > 0, "the case is meant to run steps in bulk"
 
 
+def chat_requests(n: int, seed: int, rate: float):
+    """Chat-like requests: prompts of 64-1500 tokens (several chunks each at a 256-token budget), 8-160 outputs."""
+    rng = random.Random(seed)
+    reqs, t = [], 0.0
+    for i in range(n):
+        t += rng.expovariate(rate)
+        prompt = [rng.randrange(1, 500) for _ in range(rng.randint(64, 1500))]
+        reqs.append(Request(f"c{i:03d}", prompt, SamplingParams(max_tokens=rng.randint(8, 160)), t))
+    return reqs
+
+
+# Pair runs: (config, arrival rate, least share of the iterations in bulk, least prefill chunks in bulk). Long
+# prompts at a 256-token budget: several chunks each, beside the decoders; tight memory preempts; full running
+# lists (sarathi_full at a high rate) keep requests waiting beside the chunks.
+PAIR_CASES = {
+    "sarathi": (dict(policy="sarathi", token_budget=256, max_num_seqs=32), 10.0, 3, 20),
+    "sarathi_guard_cap_tile": (dict(policy="sarathi", token_budget=256, max_num_seqs=32, min_prefill_tokens=32,
+                                    long_prefill_token_threshold=96, tile_size=16), 10.0, 3, 50),
+    "sarathi_dynamic": (dict(policy="sarathi", token_budget=256, max_num_seqs=32, dynamic_chunking=True,
+                             dynamic_chunk_ref_context=256, dynamic_chunk_min_tokens=32), 10.0, 3, 50),
+    "sarathi_full": (dict(policy="sarathi", token_budget=512, max_num_seqs=6), 40.0, 3, 10),
+    "sarathi_tight_memory": (dict(policy="sarathi", token_budget=256, max_num_seqs=32, num_pages=300,
+                                  watermark=0.0), 10.0, 20, 5),
+    "vllm_v0": (dict(policy="vllm_v0", token_budget=2048, max_num_seqs=16), 10.0, 3, 0),
+    "decode_first": (dict(policy="decode_first", token_budget=2048, max_num_seqs=8), 10.0, 3, 0),
+}
+
+
+@pytest.mark.parametrize("pp,max_in_flight", [(2, None), (1, 2)])
+@pytest.mark.parametrize("name", sorted(PAIR_CASES))
+def test_pair_runs_change_nothing(name, pp, max_in_flight, monkeypatch):
+    """Two batches in flight, two groups taking turns (Simulation.pair_run, pdjax.scheduler.runs.PairRun), with
+    new prompts' chunks beside the decoders: bulk half-steps leave the records, pipeline accounting, scheduler
+    counters and page pool of one schedule() / update() at a time."""
+    params, rate, share, least_chunks = PAIR_CASES[name]
+    cfg = SchedulerConfig(max_model_len=2048, page_size=16, **{"num_pages": 1024, **params})
+    reference = run(cfg, False, pp=pp, max_in_flight=max_in_flight, requests=chat_requests(40, 1, rate))
+    applied = {"half_steps": 0, "chunks": 0}
+    apply = runs_module.PairRun.apply
+
+    def counting(self, times, half_steps):
+        applied["half_steps"] += half_steps
+        applied["chunks"] += sum(len(c) for c in self.chunks[:half_steps])
+        return apply(self, times, half_steps)
+
+    monkeypatch.setattr(runs_module.PairRun, "apply", counting)
+    got = run(cfg, True, pp=pp, max_in_flight=max_in_flight, requests=chat_requests(40, 1, rate))
+    assert_same(reference, got)
+    assert applied["half_steps"] > len(got[0].iterations) // share, "the case is meant to run pair runs"
+    assert applied["chunks"] >= least_chunks, "the case is meant to carry prefill chunks in pair runs"
+    if name == "sarathi_tight_memory":
+        assert sum(r.num_preemptions for r in got[0].requests) > 0, "the case is meant to preempt"
+
+
 @pytest.mark.parametrize("router", ["round_robin", "least_loaded"])
 def test_decode_runs_with_several_instances(router, monkeypatch):
     cfg = SchedulerConfig(policy="sarathi", token_budget=256, max_num_seqs=16, max_model_len=1024, page_size=16,
@@ -188,6 +243,26 @@ def test_decode_runs_in_the_disaggregated_loop_change_nothing(num_prefill, num_d
     assert applied[0] > decode_steps // share, "the case is meant to run decode steps in bulk"
 
 
+@pytest.mark.parametrize("decode_pages", [512, 72])
+def test_decode_runs_admit_landed_kv(decode_pages, monkeypatch):
+    """A decode instance's run takes the step that admits handed-off requests whose KV landed (decode_only's
+    admission after the decode pass: pages, a sequence slot, the budget), and the landed ones that step leaves
+    waiting (72 pages: backpressure) stay waiting through the run: the same records as one step at a time."""
+    args = (1, 1, decode_pages, "round_robin", 11)
+    reference = run_disaggregated(False, *args)
+    admitted = []
+    admit = runs_module.DecodeRun._admit_kv
+
+    def counting(self, now):
+        admitted.extend(req.request_id for req, _ in self.admitted)
+        return admit(self, now)
+
+    monkeypatch.setattr(runs_module.DecodeRun, "_admit_kv", counting)
+    got = run_disaggregated(True, *args)
+    assert_same(reference, got)
+    assert len(admitted) > len(got[0].requests) // 2, "the case is meant to admit landed KV in decode runs"
+
+
 @pytest.mark.parametrize("num_prefill,num_decode,decode_pages,router,crosses", [
     (1, 1, 512, "round_robin", True), (1, 2, 512, "round_robin", True), (1, 1, 72, "round_robin", True),
     (2, 2, 512, "least_loaded", False)])
@@ -212,6 +287,28 @@ def test_decode_runs_across_the_next_event(num_prefill, num_decode, decode_pages
     assert_same(reference, got)
     assert [t.__dict__ for t in got[0].transfers] == [t.__dict__ for t in reference[0].transfers]
     assert bool(made) == crosses
+
+
+def test_decode_runs_pass_arrivals_while_every_other_instance_is_busy(monkeypatch):
+    """A decode instance whose state nothing reads between its steps (one decode instance) plans its run past
+    the arrivals that come while every other instance is blocked on a step (they only queue: no step, hence no
+    handoff or landing, can start before the next step end): the same records as one step at a time."""
+    from pdjax.sim import simulator
+    passed = []
+    cross_limit = simulator.Simulation.cross_limit
+
+    def counting(self, idx):
+        limit = cross_limit(self, idx)
+        passed.append(limit > self.next_event_time())
+        return limit
+
+    args = (1, 1, 512, "round_robin", 13)
+    reference = run_disaggregated(False, *args)
+    monkeypatch.setattr(simulator.Simulation, "cross_limit", counting)
+    got = run_disaggregated(True, *args)
+    assert_same(reference, got)
+    assert [t.__dict__ for t in got[0].transfers] == [t.__dict__ for t in reference[0].transfers]
+    assert sum(passed) >= 5, "the case is meant to plan runs past arrivals"
 
 
 def test_decode_runs_wait_for_every_instance_woken_at_the_same_time(monkeypatch):
@@ -269,3 +366,34 @@ def test_cached_stage_times_equal_the_cost_model(model, hw, tp, pp, launch):
                                        for _ in range(rng.choice([0, 0, 1, 2]))),
                                  tuple((rng.randint(1, 8), rng.randint(0, 8000)) for _ in range(rng.randint(0, 4))))
         assert cached(batch) == stage_times(batch, spec, hardware, tp, pp, params)
+
+
+@pytest.mark.parametrize("model,hw,tp,pp,launch", [("mistral-7b", "a100-80gb-sxm", 1, 2, 0.0),
+                                                   ("llama-2-70b", "a100-80gb-pcie", 4, 2, 2e-6),
+                                                   ("llama-2-70b", "h100-sxm", 2, 4, 5e-5)])
+def test_pipelined_decode_and_chunk_stages_equal_the_cost_model(model, hw, tp, pp, launch):
+    """The stage times of the pair runs and stage runs (PipelineStepTime.decode_stages_fn, composition_stages)
+    and of stage_times(out) for a decode-only batch equal the cost model's stage_times of the compact
+    composition, bit for bit."""
+    spec, hardware = get_model_spec(model), get_hardware_spec(hw)
+    params = CostParams(per_seq_overhead_s=3e-5, launch_overhead_s=launch, tp_sync_s=1e-5, attn_decode_fixed_s=5e-6)
+    source = make_step_time(spec, hardware, tp, pp, params)
+    rng = random.Random(tp * pp)
+    for _ in range(300):
+        count = rng.randint(0, 40)
+        total = sum(rng.randint(1, 4000) for _ in range(count))
+        chunks = [(rng.randint(1, 512), rng.randint(0, 4000)) for _ in range(rng.choice([0, 1, 1, 2]))]
+        decodes = ()
+        if count:
+            q, r = divmod(total, count)
+            decodes = ((count - r, q), (r, q + 1)) if r else ((count, q),)
+        expected = stage_times(BatchComposition(tuple(chunks), decodes), spec, hardware, tp, pp, params)
+        expected = (tuple(expected[0]), tuple(expected[1]))
+        assert source.composition_stages(count, total, chunks) == expected
+        if not chunks:
+            assert source.decode_stages_fn(count)(total) == expected
+            contexts = [total // count + (i < total % count) for i in range(count)] if count else []
+            out = SchedulerOutput(step=1, req_ids=[str(i) for i in range(count)], num_computed_tokens=contexts,
+                                  num_new_tokens=[1] * count, is_prefill=[False] * count)
+            if count:
+                assert source.stage_times(out) == expected

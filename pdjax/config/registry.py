@@ -123,8 +123,8 @@ for _info in (
         PolicyInfo("vllm_v1", chunking=True, stall_free=True, decode_run=True, min_prefill_tokens=True),
         PolicyInfo("prefill_only", chunking=True, colocated=False, role_base=True, role="prefill",
                    decode_batches=True),
-        # decode_only qualifies for decode runs while no KV has landed unadmitted (decode_run checks `_kv_ready`):
-        # its schedule() is then Sarathi's; the disaggregated simulator bounds a run by the next KV landing.
+        # decode_only qualifies for decode runs: its schedule() is Sarathi's plus the admission of landed KV, which
+        # a run's first step takes (_run_kv_admissions); the disaggregated simulator bounds a run by the next landing.
         PolicyInfo("decode_only", chunking=True, stall_free=True, decode_run=True, colocated=False, role_base=True,
                    role="decode", decode_batches=True)):
     add_policy(_info)

@@ -49,7 +49,7 @@ from pdjax.config.scheduler import SchedulerConfig
 from pdjax.scheduler.block_manager import BlockManager, extend_page_keys
 from pdjax.scheduler.output import SchedulerOutput
 from pdjax.scheduler.request import Request, RequestStatus
-from pdjax.scheduler.runs import DecodeRun
+from pdjax.scheduler.runs import DecodeRun, continued_run
 
 WAITING = RequestStatus.WAITING
 RUNNING = RequestStatus.RUNNING
@@ -105,6 +105,7 @@ class Scheduler:
         self._floor = 0            # this step: requests with sched_step > _floor are in flight (or just emitted)
         self.num_preemptions = 0
         self.num_swaps = 0
+        self._run_after = None     # decode runs: (step, applied step, running, ...) after the last (runs.py)
         # hot-path constants
         self._ps = config.page_size
         self._budget = config.token_budget
@@ -325,7 +326,7 @@ class Scheduler:
         if type(self) not in self.DECODE_RUN_CLASSES or not self._decode_run_policy_ok():
             return None
         running = self.running
-        if (not running or self.swapped or self._kv_ready or self._caching
+        if ((not running and not self._kv_ready) or self.swapped or self._caching
                 or self._last_emitted > self._applied_step or self._removed_from_running):
             return None
         # Waiting requests stay waiting if running is full (for the whole run: it only shrinks in its last step);
@@ -333,6 +334,45 @@ class Scheduler:
         admit_blocked = self._admission_blocked()
         if self.waiting and not admit_blocked and not self._run_prefills:
             return None
+        after = self._run_after     # the run applied last, if nothing touched this scheduler since
+        if after is not None and after[0] == self.step and after[1] == self._applied_step and after[2] == running:
+            parts = continued_run(after, self._ps, max_steps)
+        else:
+            parts = self._run_parts(running, max_steps)
+            if parts is None:
+                return None
+        decoders, prefills, crossings, lefts, total, limit = parts
+        if len(decoders) > self._run_decode_budget(bool(prefills or self.waiting)):
+            return None
+        bm = self.block_manager
+        free = len(bm._free) + len(bm._free_cached)
+        admitted = ()
+        if self._kv_ready:      # handed-off requests whose KV landed: the first step may admit some (decode_only)
+            if prefills or (self.waiting and not admit_blocked):
+                return None
+            admitted = self._run_kv_admissions(len(running), len(decoders), free - crossings.count(0))
+            if admitted is None:
+                return None
+            for req, need in admitted:
+                left = min(req.max_tokens - len(req.output_token_ids), self._max_len - len(req.all_token_ids))
+                if left < limit:
+                    limit = left
+                decoders.append(req)
+                crossings.append(need * self._ps - req.num_computed_tokens)
+                lefts.append(left)
+                total += req.num_computed_tokens
+                free -= need
+            if not decoders or len(decoders) > self._run_decode_budget(bool(self.waiting)):
+                return None
+        if limit < 1:
+            return None
+        return DecodeRun(self, decoders, prefills, crossings, lefts, total, limit, free,
+                         self._budget - len(decoders), bool(self.waiting) and not admit_blocked, admitted,
+                         bool(self._kv_ready))
+
+    def _run_parts(self, running: List[Request], max_steps: int) -> Optional[tuple]:
+        """decode_run's reading of the running requests: (decoders, prefills, crossings, lefts, total, limit) or
+        None when one of them rules a run out (pdjax.scheduler.runs.DecodeRun's arguments)."""
         ps = self._ps
         max_len = self._max_len
         limit = max_steps
@@ -365,11 +405,7 @@ class Scheduler:
             crossings.append(j)
             lefts.append(left)
             total += c
-        if limit < 1 or len(decoders) > self._run_decode_budget(bool(prefills or self.waiting)):
-            return None
-        bm = self.block_manager
-        return DecodeRun(self, decoders, prefills, crossings, lefts, total, limit, len(bm._free) + len(bm._free_cached),
-                         self._budget - len(decoders), bool(self.waiting) and not admit_blocked)
+        return decoders, prefills, crossings, lefts, total, limit
 
     # policy hooks of decode runs
     _run_prefills = False    # the policy's step in a run also runs its prefill pass over running prefills
@@ -385,6 +421,12 @@ class Scheduler:
     def _decode_run_policy_ok(self) -> bool:
         """The policy's own conditions for a decode run (see decode_run_limit)."""
         return True
+
+    def _run_kv_admissions(self, running: int, decodes: int, free: int) -> Optional[list]:
+        """The handed-off requests whose KV landed (`_kv_ready`) that a decode run's first step admits after its
+        decode pass ([(request, pages it is given)]), with `running` requests running, `decodes` decodes in the
+        step and `free` pages left by their page growth; None: no run (a policy without such admissions)."""
+        return None
 
     def _after_decode_run(self) -> None:
         """The policy state its decode steps leave (see apply_decode_run)."""

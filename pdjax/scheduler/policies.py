@@ -465,6 +465,26 @@ class DecodeOnlyScheduler(SarathiScheduler):
             raise KeyError(f"mark_kv_arrived({request_id!r}): no handed-off request is waiting for its KV")
         self._kv_ready.append(req)
 
+    def _run_kv_admissions(self, running: int, decodes: int, free: int) -> list:
+        """_schedule's admissions from `_kv_ready` in a decode run's first step (no preemption, nothing waiting
+        to admit, no prefill): the budget left by the decodes, a sequence slot, pages for the context plus the
+        watermark, in arrival-mark order up to the first that does not fit. Those left stay unadmitted for the
+        whole run: slots, budget and free pages only shrink until its last step."""
+        budget = self._budget - decodes
+        ps = self._ps
+        admitted = []
+        for req in self._kv_ready:
+            if running >= self._max_seqs or budget <= 0:
+                break
+            need = -(-(req.num_computed_tokens + 1) // ps)
+            if free - need < self._watermark_pages:
+                break
+            free -= need
+            running += 1
+            budget -= 1
+            admitted.append((req, need))
+        return admitted
+
     def _schedule(self, out: SchedulerOutput, now: float) -> int:
         budget = super()._schedule(out, now)
         if not self._kv_ready or self._preempted_this_step:

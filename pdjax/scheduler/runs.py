@@ -19,7 +19,16 @@ decode budget. Waiting requests are allowed only where they certainly stay waiti
 budget (a step that leaves some is not taken). A run ends (its last step included) at the first step in which a
 request finishes or a prefill completes its prompt (it then samples and becomes a decoder: the next run takes
 it as one), and before a step whose page growth the free pages at the start of the run cannot cover (that step
-would preempt).
+would preempt). Handed-off requests whose KV landed (decode_only's `_kv_ready`) do not stop a run: its first step
+admits those decode_only's schedule() would (after the decode pass: a sequence slot, the budget, pages for the
+context plus the watermark, in landing order; they decode from that step on, `admitted`), and the rest stay
+waiting for the whole run (slots, budget and free pages only shrink until its last step). A run that follows the
+last one with nothing touching the scheduler in between (same step counters, same running list) reads its
+decoders from that run (`continued_run`) instead of from every request.
+
+Pair runs (`PairRun`, `pair_run`): an instance with two batches in flight whose running requests form two groups
+taking turns (each is scheduled again when its batch is collected, the other group's batch being in flight),
+decoders and, for a policy with a prefill pass, prefills getting their chunks; see the class.
 
 Per step, with D decoders whose contexts sum to `total` (it grows by D per step): the decode pass allocates a page
 to each decoder whose computed tokens reach its table's end (decoders in running order), then the prefill pass
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
+from pdjax.scheduler.output import SchedulerOutput
 from pdjax.scheduler.request import RequestStatus
 
 PLACEHOLDER = 0   # pdjax.scheduler.base.PLACEHOLDER_TOKEN (the simulator's sampled id)
@@ -42,10 +52,11 @@ class DecodeRun:
     applies the first len(starts) planned ones."""
 
     __slots__ = ("sched", "decoders", "prefills", "count", "total", "limit", "steps", "_free", "_first", "_active",
-                 "_p_state", "_plan", "_done", "_left", "_admits", "_crossings", "_lefts")
+                 "_p_state", "_plan", "_done", "_left", "_admits", "_crossings", "_lefts", "admitted", "_kv_waits")
 
     def __init__(self, sched, decoders: list, prefills: list, crossings: List[int], lefts: List[int], total: int,
-                 limit: int, free: int, budget_left: int, admits: bool = False):
+                 limit: int, free: int, budget_left: int, admits: bool = False,
+                 admitted: Sequence[Tuple[object, int]] = (), kv_waits: bool = False):
         self.sched = sched
         self.decoders = decoders          # running order
         self.prefills = prefills          # running order
@@ -63,6 +74,10 @@ class DecodeRun:
         self._done = False                # the last planned step completes a prefill: the run ends there
         self._left = budget_left          # tokens each step leaves the prefill pass
         self._admits = admits             # requests wait and would be admitted from any budget a step leaves
+        # (request, pages) of handed-off requests whose KV landed, admitted in the first step after its decode pass
+        # (decode_only; the last len(admitted) decoders); kv_waits: such requests wait (admitted or not)
+        self.admitted = admitted
+        self._kv_waits = kv_waits
 
     def plan_decode_steps(self) -> int:
         """For a run without prefills: plan every step it can take at once (no chunks to plan) and return how
@@ -153,7 +168,7 @@ class DecodeRun:
         """No prefill in the run, and nobody waiting could be admitted in any of its steps (nobody waits, or
         admission is blocked: running is full): a schedule() between its steps, with every running request in
         flight, returns nothing."""
-        return not self.prefills and not self._admits
+        return not self.prefills and not self._admits and not self._kv_waits
 
     def apply(self, starts: Sequence[float], ends: Sequence[float], schedules: int = 1) -> list:
         """Apply the first len(starts) planned steps, step j scheduled at starts[j] and updated at ends[j];
@@ -169,6 +184,8 @@ class DecodeRun:
         if not k:
             return []
         decoders, prefills = self.decoders, self.prefills
+        if self.admitted:
+            self._admit_kv(starts[0])
         self._grow_pages(k)
         first_step = sched.step
         step = first_step + 1 + schedules * (k - 1)     # the last step's number (schedules == 1: first_step + k)
@@ -187,6 +204,19 @@ class DecodeRun:
             self._advance_prefills(k, starts, ends, first_step, finished)
         _set_step_counters(sched, step, k, schedules)
         sched._preempted_this_step = False
+        # The next run starts from this one's decoders k steps on (those that go on running), unless the scheduler
+        # is touched in between
+        if prefills:
+            sched._run_after = None
+        elif finished:
+            keep = [i for i, left in enumerate(self._lefts) if left != k]
+            crossings, lefts = self._crossings, self._lefts
+            sched._run_after = (sched.step, sched._applied_step, [decoders[i] for i in keep],
+                                [crossings[i] for i in keep], [lefts[i] for i in keep],
+                                self.total - sum(req.num_computed_tokens - k for req in finished), k)
+        else:
+            sched._run_after = (sched.step, sched._applied_step, decoders, self._crossings, self._lefts, self.total,
+                                k)
         if finished:
             now = ends[-1]
             free = sched.block_manager.free
@@ -198,14 +228,38 @@ class DecodeRun:
         sched._after_decode_run()
         return finished
 
+    def _admit_kv(self, now: float) -> None:
+        """The first step's admissions of handed-off requests (`admitted`): running, as _start_running at `now`;
+        their pages are given by _grow_pages."""
+        sched = self.sched
+        for req, _ in self.admitted:
+            sched._start_running(req, now)
+        del sched._kv_ready[:len(self.admitted)]
+
     def _grow_pages(self, k: int) -> None:
         """The page growth of the first k steps, in the order the steps allocate: by step, the decode pass (running
-        order) before the prefill pass."""
+        order) before the prefill pass, and in the first step the pages of the admitted handed-off requests
+        last."""
         sched = self.sched
         ps = sched._ps
         decoders, prefills = self.decoders, self.prefills
         crossings = self._crossings
         plan = self._plan
+        if self.admitted:     # their pages after the first step's decode pass (their own growth starts later)
+            if k <= ps:
+                grown = sorted((j, i) for i, j in enumerate(crossings) if j < k)
+                first = sum(1 for j, _ in grown if j == 0)
+                grants = [(decoders[i].page_table, 1) for _, i in grown]
+                grants[first:first] = [(req.page_table, need) for req, need in self.admitted]
+            else:
+                grow = [(j + m, 0, i, 1) for i, j in enumerate(crossings) for m in range(0, k - j, ps)]
+                grow += [(0, 1, i, need) for i, (_, need) in enumerate(self.admitted)]
+                grow.sort()
+                admitted = self.admitted
+                grants = [(admitted[i][0].page_table, need) if kind else (decoders[i].page_table, 1)
+                          for _, kind, i, need in grow]
+            sched.block_manager.allocate_each(grants)
+            return
         if not prefills and k <= ps:     # each decoder grows at most once: by step, then running order
             grown = [i for i, j in enumerate(crossings) if j < k]
             if grown:
@@ -253,6 +307,19 @@ class DecodeRun:
 
 
 
+def continued_run(after: tuple, page_size: int, max_steps: int) -> tuple:
+    """Scheduler.decode_run's reading of the running requests when they are the decoders of the run applied last
+    and nothing touched the scheduler since (`after`: (step, applied step, decoders, crossings, lefts, total, k)
+    as DecodeRun.apply leaves it, k the steps it applied): the same (decoders, [], crossings, lefts, total,
+    limit) as reading them afresh. A decoder that first grew at step j grows next at (j - k) mod page_size steps
+    on (j - k if it had not grown yet); each has k fewer steps left; their contexts grew by k each."""
+    _, _, decoders, crossings, lefts, total, k = after
+    crossings = [j - k if j >= k else (j - k) % page_size for j in crossings]
+    lefts = [left - k for left in lefts]
+    limit = min(lefts) if lefts else max_steps
+    return list(decoders), [], crossings, lefts, total + k * len(decoders), min(limit, max_steps)
+
+
 def _set_step_counters(sched, step: int, k: int, schedules: int) -> None:
     """The scheduler's step counters after a run of k steps whose last one is step `step`, `schedules` schedule()
     calls per step (DecodeRun.apply): with one, all at that step; with more, the empty schedule() calls after the
@@ -273,3 +340,261 @@ def _pages_grown(crossings: Sequence[int], steps: int, page_size: int) -> int:
         if j < steps:
             n += 1 + (steps - 1 - j) // page_size
     return n
+
+
+class PairRun:
+    """Two groups of running requests taking turns on an instance with two batches in flight (the simulator's fast
+    path for pipelined instances, where one group's batch is in flight while the other is scheduled; `pair_run`
+    builds it).
+
+    At the start, group 1 (`out`'s requests) is in flight in batch `out` and group 0 (every other running request)
+    was just applied. Half-step h = 0, 1, 2, ...: at h >= 1 the oldest batch (h = 1: `out`, else batch h - 2)
+    is collected and applied (update), then, unless the run ends there, batch h of group h % 2 is scheduled
+    (schedule(): the decode pass over that group's decoders, then, for a policy with a prefill pass (sarathi),
+    the next chunk of each of its prefills in what the decodes leave of the budget: every other running request
+    is in flight). A run of H half-steps ends with collect H applied and batch H - 1 in flight: `apply` leaves
+    the scheduler exactly as those H schedule() and H update() calls would, and `in_flight_output` is batch
+    H - 1's SchedulerOutput for the caller's batch queue. The caller plans it (`can_collect`, `schedule_next`,
+    `completes`, and no schedule at or after the next arrival) so that nobody is preempted, admitted, or left out
+    of its group's batch within it, and only the last collect finishes requests (`finished`: pages freed, in
+    batch order) or completes a prompt (the request samples its first token there and is a decoder of its group
+    from then on)."""
+
+    __slots__ = ("sched", "groups", "prefills", "out", "counts", "totals", "lefts", "updates", "chunks", "completes",
+                 "ends_completing", "finished", "_crossings", "_first", "_active", "_passes", "_p_state", "_admits",
+                 "_left_lists")
+
+    def __init__(self, sched, groups: Tuple[list, list], prefills: Tuple[list, list], out,
+                 crossings: Tuple[List[int], List[int]], totals: List[int], left_lists: Tuple[List[int], List[int]],
+                 admits: bool):
+        self.sched = sched
+        self.groups = groups              # per group: its decoders, in running order
+        self.prefills = prefills          # per group: its requests in the prefill phase, in running order
+        self.out = out                    # group 1's batch in flight
+        self.counts = (len(groups[0]), len(groups[1]))
+        self.totals = totals              # per group: its decoders' context sum at its next schedule
+        self._left_lists = left_lists     # per group and decoder: the update (1: its first in the run) finishing it
+        self.lefts = [min(x, default=1 << 62) for x in left_lists]     # per group: the first of them
+        self.finished: list = []          # apply: the requests the last collect finished, in batch order
+        self.updates = [0, 0]             # per group: updates planned so far
+        self.chunks: List[list] = []      # per planned batch: [(prefill index, tokens, pages)]
+        # the last planned batch completes a prompt: 1, its first token finishing nobody; 2, finishing one
+        self.completes = 0
+        self.ends_completing = False      # set by the caller's plan: its last collect completes a prompt or finishes
+        self._crossings = crossings       # per group and decoder: its first pass (0: the group's first) that grows
+        self._admits = admits             # requests wait and would be admitted from any budget a batch leaves
+        ps = sched._ps
+        self._first = []
+        for cross in crossings:           # per group: how many decoders first grow at each of its passes
+            first: dict = {}
+            for c in cross:
+                first[c] = first.get(c, 0) + 1
+            self._first.append(first)
+        self._active = ([0] * ps, [0] * ps)
+        self._passes = [0, 0]
+        # per group and prefill: [tokens computed by its next schedule, prompt tokens, pages held]
+        pending = {id(r): n for r, n in zip(out.reqs, out.num_new_tokens)} if prefills[1] else {}
+        self._p_state = tuple([[r.num_computed_tokens + pending.get(id(r), 0), len(r.all_token_ids),
+                                len(r.page_table)] for r in group] for group in prefills)
+
+    def can_collect(self, group: int) -> bool:
+        """The next update of `group` finishes nobody (one that does may only be the run's last collect)."""
+        return self.updates[group] + 1 < self.lefts[group]
+
+    def schedule_next(self, group: int, free: int) -> Optional[Tuple[int, list]]:
+        """Plan `group`'s next batch with `free` free pages: (pages it grows into, its prefill chunks [(tokens,
+        context before them)] in batch order), or None when the run cannot take it (too few pages, a prefill
+        left without a chunk, budget left for a waiting request). Sets `completes`."""
+        j = self._passes[group]
+        ps = self.sched._ps
+        active = self._active[group]
+        started = self._first[group].get(j)
+        if started:
+            active[j % ps] += started
+        pages = active[j % ps]
+        chunks, plan = [], []
+        left = self.sched._budget - self.counts[group]
+        done = 0
+        for k, (c, tokens, held) in enumerate(self._p_state[group]):
+            n = self.sched._chunk_size(c, tokens, left) if left > 0 else 0
+            if n <= 0:
+                return None
+            need = -(-(c + n) // ps) - held
+            if need < 0:
+                need = 0
+            pages += need
+            plan.append((k, n, need))
+            chunks.append((n, c))
+            left -= n
+            if c + n == tokens:
+                req = self.prefills[group][k]
+                done = max(done, 2 if (len(req.output_token_ids) + 1 >= req.max_tokens
+                                       or tokens + 1 >= self.sched._max_len) else 1)
+        if pages > free or (self._admits and left > 0):
+            return None
+        self._passes[group] = j + 1
+        for k, n, need in plan:
+            state = self._p_state[group][k]
+            state[0] += n
+            state[2] += need
+        self.chunks.append(plan)
+        self.completes = done
+        return pages, chunks
+
+    def apply(self, times: Sequence[float], half_steps: int) -> None:
+        """Apply half-steps 0 .. H - 1's schedules and collects 1 .. H (H = half_steps >= 2); times[h]: the time of
+        half-step h (its collect, then its schedule)."""
+        H = half_steps
+        if H < 2 or H > len(self.chunks):
+            raise ValueError(f"PairRun.apply: {H} half-steps, expected 2 .. {len(self.chunks)} (planned)")
+        sched = self.sched
+        s0 = sched.step
+        self._grow_pages(H)
+        for g, reqs in enumerate(self.groups):
+            starts = times[g:H:2]                     # its schedules: half-steps g, g + 2, ... < H
+            ends = times[2 - g:H + 1:2]               # its collects: group 1's first is `out`'s, at half-step 1
+            k = len(ends)
+            tokens = [PLACEHOLDER] * k
+            step = s0 + 1 + g + 2 * (len(starts) - 1)    # its last batch's step
+            for req in reqs:
+                req.num_computed_tokens += k
+                req.output_token_ids += tokens
+                req.all_token_ids += tokens
+                req.token_times += ends
+                req.schedule_times += starts
+                req.sched_step = step
+            if self.prefills[g]:
+                self._advance_prefills(g, starts, H, step, times[H])
+        sched.step = s0 + H
+        sched._last_emitted = s0 + H
+        sched._applied_step = s0 + H - 1
+        sched._floor = s0 + H - 2
+        sched._preempted_this_step = False
+        sched._run_after = None
+        sched._after_decode_run()
+        g = H % 2                                     # the group of the last collect
+        k = len(range(2 - g, H + 1, 2))
+        self.finished = [req for req, left in zip(self.groups[g], self._left_lists[g]) if left == k]
+        if self.finished:     # as update(): in batch order, pages freed one request after the other
+            free = sched.block_manager.free
+            for req in self.finished:
+                free(req.page_table)
+                req.page_table = []
+                sched._finish(req, "length", times[H])
+            sched.running = [r for r in sched.running if r.status is RUNNING]
+
+    def _advance_prefills(self, g: int, starts: Sequence[float], H: int, step: int, now: float) -> None:
+        """Group g's prefills: a chunk in each of its schedules; the tokens of the collected ones (`out`'s
+        included) computed; one whose prompt the last collect (at `now`) completes samples its first token."""
+        pending = {id(r): n for r, n in zip(self.out.reqs, self.out.num_new_tokens)} if g else {}
+        collected = range(g, H - 1, 2)                # its batches collected in the run (not the one in flight)
+        for k, req in enumerate(self.prefills[g]):
+            c = req.num_computed_tokens + pending.get(id(req), 0) + sum(
+                n for h in collected for q, n, _ in self.chunks[h] if q == k)
+            req.num_computed_tokens = c
+            req.schedule_times += starts
+            req.sched_step = step
+            if c == len(req.all_token_ids):         # completed by the last collect (PairRun docstring)
+                req.output_token_ids.append(PLACEHOLDER)
+                req.all_token_ids.append(PLACEHOLDER)
+                req.token_times.append(now)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+
+    def _grow_pages(self, H: int) -> None:
+        """The page growth, in the order the schedules allocate: by half-step, the decode pass (running order)
+        before the prefill chunks."""
+        ps = self.sched._ps
+        grants = []
+        for g, reqs in enumerate(self.groups):
+            passes = len(range(g, H, 2))
+            grants += [(2 * (j + m) + g, 0, i, 1, reqs[i].page_table) for i, j in enumerate(self._crossings[g])
+                       for m in range(0, passes - j, ps)]
+        for h in range(H):
+            prefills = self.prefills[h % 2]
+            grants += [(h, 1, k, need, prefills[k].page_table) for k, _, need in self.chunks[h] if need]
+        if grants:
+            grants.sort()           # (half-step, decode pass before chunks, index) is unique: tables never compared
+            self.sched.block_manager.allocate_each([(table, need) for _, _, _, need, table in grants])
+
+    def in_flight_output(self, half_steps: int):
+        """Batch H - 1's SchedulerOutput (applied: its schedule; not: its update), after `apply`."""
+        g = (half_steps - 1) % 2
+        out = SchedulerOutput(step=self.sched.step)
+        out.num_decode_tokens = self.sched._emit_decodes(out, self.groups[g])
+        prefills = self.prefills[g]
+        for k, n, _ in self.chunks[half_steps - 1]:
+            req = prefills[k]
+            c = req.num_computed_tokens
+            out.reqs.append(req)
+            out.req_ids.append(req.request_id)
+            out.token_ids.append(req.all_token_ids[c:c + n])
+            out.num_computed_tokens.append(c)
+            out.num_new_tokens.append(n)
+            out.page_tables.append(req.page_table)
+            out.do_sample.append(c + n == len(req.all_token_ids))
+            out.sampling.append(req.sampling)
+            out.is_prefill.append(True)
+            out.num_prefill_tokens += n
+        return out
+
+
+def pair_run(sched, out) -> Optional[PairRun]:
+    """The PairRun of `sched` with batch `out` in flight (PairRun), or None when its state does not allow one:
+    the policy's decode runs (Scheduler.decode_run's conditions: its class, nothing swapped, landed or cached),
+    exactly one batch in flight (`out`, none of whose prompts it completes or requests it finishes), prefills
+    only for a policy with a prefill pass, nobody waiting who could be admitted but from a budget left over (the
+    chunks of a long prompt take it all), both groups' decodes within the decode budget."""
+    if (type(sched) not in sched.DECODE_RUN_CLASSES or not sched._decode_run_policy_ok() or sched.swapped
+            or sched._kv_ready or sched._caching or sched._removed_from_running or sched.handoff_after_prefill
+            or out.step != sched._last_emitted or out.step != sched.step):
+        return None
+    blocked = sched._admission_blocked()
+    if sched.waiting and not blocked and not sched._run_prefills:
+        return None
+    if out.num_prefill_tokens and True in [p and s for p, s in zip(out.is_prefill, out.do_sample)]:
+        return None                   # collecting `out` completes a prompt
+    parts = _pair_parts(sched)
+    if parts is None:
+        return None
+    groups, prefills, crossings, totals, lefts = parts
+    if 1 in lefts[1] or (not groups[0] and not prefills[0]) or len(groups[1]) + len(prefills[1]) != len(out.reqs):
+        return None
+    if (prefills[0] or prefills[1]) and not sched._run_prefills:
+        return None
+    budget = sched._run_decode_budget(bool(prefills[0] or prefills[1] or sched.waiting))
+    if len(groups[0]) > budget or len(groups[1]) > budget:
+        return None
+    return PairRun(sched, groups, prefills, out, crossings, totals, lefts, bool(sched.waiting) and not blocked)
+
+
+def _pair_parts(sched) -> Optional[tuple]:
+    """pair_run's reading of the running requests: per group (0: applied, 1: in flight) its decoders, prefills,
+    decoders' first growing pass, context sum and first finishing update; None when one rules a run out."""
+    applied = sched._applied_step
+    ps, max_len = sched._ps, sched._max_len
+    groups, prefills, crossings = ([], []), ([], []), ([], [])
+    totals, lefts = [0, 0], ([], [])
+    for req in sched.running:
+        if req.status is not RUNNING or PLACEHOLDER in req.stop_ids:
+            return None
+        g = req.sched_step > applied    # True (1): in flight in `out`
+        c = req.num_computed_tokens
+        if c < req.prefill_end:
+            prefills[g].append(req)
+            continue
+        if req.first_token_time is None:
+            return None
+        c += g                          # group 1: after `out` is applied
+        j = len(req.page_table) * ps - c
+        if j < 0:
+            return None
+        left = req.max_tokens - len(req.output_token_ids)
+        if max_len - len(req.all_token_ids) < left:
+            left = max_len - len(req.all_token_ids)
+        lefts[g].append(left)
+        groups[g].append(req)
+        crossings[g].append(j)
+        totals[g] += c
+    return groups, prefills, crossings, totals, lefts
+

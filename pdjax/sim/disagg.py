@@ -80,7 +80,9 @@ sequence of named steps at each event time t:
                        a decode instance first applies its decode runs (Simulation.decode_run: the steps that end
                        before any other event, in bulk, as for colocated instances, and, with one decode instance
                        or round robin, the step across that event too: the handoffs and KV landings meanwhile
-                       touch only its KV queues; bit-identical records, tests/test_decode_runs.py;
+                       touch only its KV queues; past the arrivals that come while every other instance is
+                       blocked on a step: Simulation.cross_limit; its first step admits landed KV;
+                       bit-identical records, tests/test_decode_runs.py;
                        `decode_runs=False` turns them off)
 Instances are pdjax.sim.simulator.SimInstance in their role (`DisaggSimInstance` builds one); transfers are
 pdjax.scheduler.instances.TransferRecord, the engine's record too.

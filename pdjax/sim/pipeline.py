@@ -213,6 +213,28 @@ class StagePipeline:
         self._active_since = starts[-1]
         self.queue.num_pushed += len(starts)
 
+    def run_pair(self, times: Sequence[float], ends: Sequence[float], stages: Sequence[Sequence[float]],
+                 last_free: Sequence[float], last_out) -> None:
+        """The accounting of a pair run (pdjax.scheduler.runs.PairRun) of H = len(stages) half-steps with one
+        batch in flight at its start: batch h dispatched at times[h] (h < H), taking stages[h] per stage and
+        leaving the last stage at ends[h]; the oldest batch collected at times[h] for h = 1 .. H (the batch in
+        flight at the start, then batch h - 2); last_free: each stage's free time after batch H - 1, which stays
+        in flight as `last_out`. Bit-identical to dispatch() and collect() for each, without the
+        SchedulerOutputs."""
+        H = len(stages)
+        _, (first_start, _) = self.queue.pop()
+        busy = self.stage_busy
+        for seconds in stages:
+            for s, d in enumerate(seconds):
+                busy[s] += d
+        in_flight = self.in_flight_s + (times[1] - first_start)
+        for h in range(2, H + 1):
+            in_flight += times[h] - times[h - 2]
+        self.in_flight_s = in_flight
+        self.stage_free[:] = last_free
+        self.queue.push(last_out, (times[H - 1], ends[H - 1]))
+        self.queue.num_pushed += H - 1
+
     def collect(self, t: float) -> Tuple[Any, float, float]:
         """Pop the oldest batch, collected (applied) at t >= its end; returns (out, dispatch time, end time)."""
         out, (start, end) = self.queue.pop()

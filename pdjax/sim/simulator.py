@@ -60,8 +60,12 @@ They need the synchronous loop, a step-time function exact for such steps from t
 pdjax.sim.step_cost's sources without padding, step context or noise), the placeholder tokens, and no
 on_schedule / observe_step. An instance with pipeline stages or batches in flight takes runs of decoders only that
 admit nobody, one batch at a time through its stages (`plan_stage_clock`: the schedule() after each dispatch finds
-every running request in flight and returns nothing); while it keeps two batches of different requests in flight
-(new requests' prefills beside the decoders, or two groups of decoders alternating) it steps one by one.
+every running request in flight and returns nothing). One colocated instance with two batches in flight of
+different requests (two groups taking turns: new prompts' chunks beside the decoders, or two groups of decoders)
+takes pair runs (`Simulation.pair_run`, pdjax.scheduler.runs.PairRun): the half-steps (collect the oldest batch,
+schedule its group again) up to the next arrival, a finish, or the collect that completes a prompt, applied in
+bulk, the last batch left in flight as its SchedulerOutput. A decode_only instance's run also takes the step that
+admits handed-off requests whose KV landed (DecodeOnlyScheduler._run_kv_admissions).
 Requests may be given as PendingRequests (pdjax.sim.build does): each becomes its scheduler Request when it
 arrives, and every request that finishes for good is turned into its RequestRecord at once and dropped
 (`SimRequests`), so a run holds the token lists of its live requests only, not of all of them
@@ -75,6 +79,7 @@ import dataclasses
 import gc
 import heapq
 import itertools
+import math
 import time
 from bisect import bisect_left
 from collections import deque
@@ -85,6 +90,7 @@ from pdjax.metrics import IterationRecord, RequestRecord, request_record
 from pdjax.scheduler.base import PLACEHOLDER_TOKEN
 from pdjax.scheduler.instances import Instance, TransferRecord
 from pdjax.scheduler.routing import InstanceRouter
+from pdjax.scheduler.runs import pair_run
 from pdjax.sim.pipeline import StagePipeline, StageTimer, StepContext, pipeline_summary  # also re-exported
 
 
@@ -318,6 +324,62 @@ def plan_stage_clock(run, stage_fn: Callable, start: float, limit: float, *, end
     return starts, ends, stage_list, free, start
 
 
+def plan_pair_clock(run, stage_fn: Callable, stage_free: Sequence[float], t: float, first_end: float,
+                    limit: float, pages: int, max_collects: int):
+    """The half-steps of pair run `run` (pdjax.scheduler.runs.PairRun) from host time t, the batch in flight
+    ending at first_end, its stages free from `stage_free`: batch h of group h % 2 dispatched at times[h] with
+    stage_fn(its decoders, their context sum, its chunks) -> (stages, sends), chained on the stages as
+    StagePipeline.run_stages; at h >= 1 the host first collects the oldest batch at times[h] = max(its end,
+    times[h - 1]). It ends (H = the half-steps) at the first h whose collect comes at or after `limit` (the next
+    arrival: the schedule there would admit it), or that finishes a request or collects a batch that completes
+    a prompt (the half-step before that collect when the first token finishes the request), or whose schedule
+    cannot be planned (PairRun.schedule_next, with `pages` free pages), takes a negative stage time or passes
+    max_collects. (times[0 .. H], ends, stages, stage free times after batch H - 1, H)."""
+    times, ends, stage_list = [t], [], []
+    counts, totals = run.counts, list(run.totals)
+    free = list(stage_free)
+    updates = run.updates
+    last = None                       # the last half-step the run may reach (a finish, a prompt completed)
+    h = 0
+    while True:
+        if h:
+            prev = first_end if h == 1 else ends[h - 2]
+            at = prev if prev > times[-1] else times[-1]
+            times.append(at)
+            updates[h % 2] += 1
+            if not at < limit or h == last:
+                break
+        if h + 1 > max_collects:
+            break
+        if not run.can_collect((h + 1) % 2):     # the next collect finishes a request: the run's last
+            last = h + 1 if last is None or h + 1 < last else last
+        g = h % 2
+        planned = run.schedule_next(g, pages)
+        if planned is None:
+            break
+        grow, chunks = planned
+        stages, sends = stage_fn(counts[g], totals[g], chunks)
+        if min(stages) < 0 or (sends and min(sends) < 0):
+            break
+        pages -= grow
+        if run.completes:     # its collect (half-step h + 2) may be the run's last, unless the first token ends it
+            end = h + 2 if run.completes == 1 else h + 1
+            last = end if last is None or end < last else last
+        ready = times[h]
+        for s, seconds in enumerate(stages):
+            if s:
+                ready = ready + sends[s - 1]
+            start = ready if ready > free[s] else free[s]
+            ready = start + seconds
+            free[s] = ready
+        ends.append(ready)
+        stage_list.append(stages)
+        totals[g] += counts[g]
+        h += 1
+    run.ends_completing = h == last   # the run ends with a completed prompt's first token or a finish
+    return times, ends, stage_list, free, h
+
+
 def apply_run(run, pipeline, requests: SimRequests, starts: Sequence[float], ends: Sequence[float],
               seconds: Sequence[float]) -> None:
     """Apply the first len(starts) planned steps of decode run `run` (pdjax.scheduler.runs.DecodeRun): its
@@ -383,6 +445,11 @@ class Simulation:
         # per instance: schedule() calls per step of its decode runs on stages (0: one stage, one batch in flight)
         self.run_schedules = [0 if inst.max_in_flight == 1 and inst.timer.stage_times is None
                               else 2 if inst.max_in_flight > 1 else 1 for inst in self.instances]
+        # per instance: pair runs (Simulation.pair_run: one colocated instance, two batches in flight)
+        self.pair_runs = [self.single and self.run_schedules[i] == 2 and inst.max_in_flight == 2
+                          for i, inst in enumerate(self.instances)]
+        self.pair_after = [0.0] * len(self.instances)    # pair_run: no run is tried before this time
+        self.pair_again = False
         self.run_again = True             # decode_run: the run it applied may be followed by another at once
         # decode_run: per instance, no run is tried while the next event is closer than this: the seconds of its
         # last run's last step, or of the first step of the last run that could not take one (steps of one
@@ -594,6 +661,7 @@ class Simulation:
         inst = self.instances[idx]
         sched, pipe, admit, on_schedule = inst.scheduler, inst.pipeline, self.admit, self.on_schedule
         runs = self.decode_runs[idx]
+        pairs = runs and self.pair_runs[idx]
         while True:
             if not sched.has_unfinished():
                 if not admit(inst, t):
@@ -610,6 +678,13 @@ class Simulation:
                             return            # the run's last step ends after the next event: blocked until then
                         t = end
                         runs = self.run_again     # a run cut short by the next event is not tried again at once
+                        continue
+                elif pairs and len(pipe) == 1:
+                    end = self.pair_run(idx, t)
+                    pairs = False             # the group collected last is scheduled one by one next,
+                    if end is not None:
+                        t = end
+                        pairs = self.pair_again   # unless the run ended with a prompt's completion
                         continue
                 out = sched.schedule(t)
                 if not out.is_empty:
@@ -674,6 +749,53 @@ class Simulation:
             self.waking[idx] = False
         return end
 
+    def pair_run(self, idx: int, t: float) -> Optional[float]:
+        """Run instance `idx`'s next half-steps at once while they are a pair run (pdjax.scheduler.runs.PairRun: two
+        groups of running requests taking turns through the stages, one batch in flight at t; one colocated
+        instance), up to the first collect at or after the next arrival, or the collect that finishes a request or
+        completes a prompt (plan_pair_clock): the scheduler state, stage accounting and records of one schedule() /
+        update() at a time, the last batch left in flight as its SchedulerOutput. Returns the time of the last
+        collect (the loop goes on from there, scheduling the group collected then); None when fewer than 3
+        half-steps qualify."""
+        if t < self.pair_after[idx]:
+            return None
+        inst = self.instances[idx]
+        pipe = inst.pipeline
+        out, first_start, first_end = pipe.peek()
+        run = pair_run(inst.scheduler, out)
+        if run is None:
+            self.pair_after[idx] = math.nextafter(t, math.inf)    # not at once again
+            return None
+        pending = self.pending
+        limit = pending[self.next_arrival].arrival_time if self.next_arrival < len(pending) else float("inf")
+        bm = inst.scheduler.block_manager
+        step_time = inst.timer.step_time
+        times, ends, stages, free, H = plan_pair_clock(
+            run, step_time.composition_stages, pipe.stage_free, t, first_end, limit,
+            len(bm._free) + len(bm._free_cached), self.max_iterations - len(self.iterations))
+        if H < 3:
+            # what cut it short (a finish, a prompt's end, an arrival) is still ahead until the last half-step
+            # planned: no run is tried before then (one not tried is only slower, never different)
+            self.pair_after[idx] = times[-1] if times[-1] > t else math.nextafter(t, math.inf)
+            return None
+        run.apply(times, H)
+        if run.finished:
+            self.requests.finished(run.finished, inst.scheduler)
+        pipe.run_pair(times, ends, stages, free, run.in_flight_output(H))
+        its, name, counts = self.iterations, self.names[idx], run.counts
+        step = len(its) if self.global_steps else inst.num_steps
+        inst.num_steps += H
+        its.append(IterationRecord(step, first_start, times[1], out.num_prefill_tokens, out.num_decode_tokens,
+                                   len(out.req_ids), name))
+        for h in range(2, H + 1):
+            chunks, n = run.chunks[h - 2], counts[h % 2]
+            its.append(IterationRecord(step + h - 1, times[h - 2], times[h], sum(c[1] for c in chunks), n,
+                                       n + len(chunks), name))
+        self.route_arrivals(times[H])     # arrived while the host waited on the stages
+        self.waking[idx] = False
+        self.pair_again = run.ends_completing   # the group collected last may go on in a pair run at once
+        return times[H]
+
     def run_limit(self, idx: int, t: float) -> Optional[float]:
         """The time instance `idx`'s decode run at t plans up to (decode_run): the next arrival (one colocated
         instance) or the next event; None when no run is to be tried (an instance after it still has to run its
@@ -686,10 +808,26 @@ class Simulation:
         if idx + 1 < len(waking) and any(waking[j] and not self.instances[j].busy
                                          for j in range(idx + 1, len(waking))):
             return None
+        if self.cross[idx]:
+            return self.cross_limit(idx)
         limit = self.next_event_time()
-        if limit - t < self.short_gap[idx] and not self.cross[idx]:
+        if limit - t < self.short_gap[idx]:
             return None
         return limit
+
+    def cross_limit(self, idx: int) -> float:
+        """The next event that can touch cross instance `idx` (a disaggregated decode instance whose state nothing
+        reads between its steps, pdjax.sim.disagg): the next step end or KV landing; an arrival too unless every
+        other instance is blocked on a step (then an arrival only joins a scheduler's queue, and no step it could
+        start, hence no handoff or landing, comes before the next step end)."""
+        inst_busy = [inst.in_flight is not None for j, inst in enumerate(self.instances) if j != idx]
+        if False in inst_busy:
+            return self.next_event_time()
+        inf = float("inf")
+        t_done = self.completions[0][0] if self.completions else inf
+        if self.kv_arrivals and self.kv_arrivals[0][0] < t_done:
+            t_done = self.kv_arrivals[0][0]
+        return t_done
 
     def apply_decode_run(self, inst: SimInstance, run, t: float, limit: float, *, ends_before: bool,
                          schedules: int):

@@ -361,6 +361,7 @@ class CachedStageTimes:
         self._by_tokens: dict = {}
         self._head: dict = {}
         self._kernels: dict = {}
+        self._decode_fns: dict = {}
 
     def _token_terms(self, tokens: int):
         terms = self._by_tokens.get(tokens)
@@ -407,6 +408,48 @@ class CachedStageTimes:
         stages = cm.stage_device_times(self.counts, layer, embedding, head, host, p.launch_overhead_s,
                                        per_layer_kernels)
         return tuple(stages), sends
+
+    def decode_fn(self, count: int) -> Callable[[int], Tuple[Tuple[float, ...], Tuple[float, ...]]]:
+        """total_context -> `self(composition)` of `count` one-token decodes whose contexts sum to total_context
+        (compact_composition's form), bit-identical without building the composition: the count's terms once,
+        per call only the decode attention, `cost_model.decode_attention_terms`' arithmetic aggregated by the
+        mean context as `layer_attention_time` adds it (tests check the equality)."""
+        fn = self._decode_fns.get(count)
+        if fn is not None:
+            return fn
+        if count == 0:
+            empty = self(BatchComposition((), ()))
+            fn = self._decode_fns[count] = lambda total_context: empty
+            return fn
+        p, plan = self.params, self.plan
+        host = cm.host_time(p, count, self.tp * self.pp)
+        layer, comm, embedding, sends = self._token_terms(count)
+        c, mem = cm._lm_head_terms(count, plan, p)
+        head = self._head.setdefault(count, (c if c > mem else mem) + p.kernel_fixed_s)
+        kernels = self._kernels.get((False, True))
+        if kernels is None:
+            kernels = self._kernels[(False, True)] = cm.kernels_per_iteration(plan.shapes, 1, self.tp, False,
+                                                                              True) - 3
+        s = plan.shapes
+        kv_heads, head_dim, dtype_bytes = s.kv_heads, s.head_dim, s.dtype_bytes
+        flops_per_visible = 4.0 * s.heads * head_dim * count       # decode_attention_terms: flops, left to right
+        q_bytes = 2 * s.heads * head_dim
+        flops_rate = plan.peak * p.attn_flops_efficiency
+        bytes_rate = plan.bandwidth * p.attn_bandwidth_efficiency
+        per_item = count * s.heads * p.attn_seq_head_s
+        fixed, launch, counts = p.attn_decode_fixed_s, p.launch_overhead_s, self.counts
+
+        def fn(total_context: int):
+            visible = total_context / count + 1
+            c = flops_per_visible * visible / flops_rate
+            mem = count * (visible * 2 * kv_heads * head_dim + q_bytes) * dtype_bytes / bytes_rate
+            total = layer + ((0.0 + ((c if c > mem else mem) + per_item)) + fixed)
+            if comm is not None:
+                total += comm
+            return tuple(cm.stage_device_times(counts, total, embedding, head, host, launch, kernels)), sends
+
+        self._decode_fns[count] = fn
+        return fn
 
 
 class _ContextCost:
@@ -492,7 +535,11 @@ class PipelineStepTime(StepTimeBase):
             # host per-sequence cost counts the real sequences (see make_step_time); it sits on stage 0
             extra = self._per_seq * (len(out.num_new_tokens) - batch.num_seqs)
         else:
-            stages, sends = self._stages(compact_composition(out))
+            news = out.num_new_tokens
+            if True not in out.is_prefill and news.count(1) == len(news):     # decodes only
+                stages, sends = self._stages.decode_fn(len(news))(sum(out.num_computed_tokens))
+            else:
+                stages, sends = self._stages(compact_composition(out))
             extra = 0.0
         if self._context.active:
             extra += self._context(out, ctx)
@@ -517,14 +564,20 @@ class PipelineStepTime(StepTimeBase):
         """total_context -> `stage_times(out)` of a decode-only step of `count` one-token decodes whose
         num_computed_tokens sum to total_context, without padding, step context or noise (the same compact
         composition, compact_composition's, through the same CachedStageTimes)."""
-        stages = self._stages
-        if not count:
-            return lambda total_context: stages(BatchComposition((), ()))
+        return self._stages.decode_fn(count)
 
-        def fn(total_context: int):
+    def composition_stages(self, count: int, total_context: int,
+                           chunks: Sequence[Tuple[int, int]]) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
+        """`stage_times(out)` of a step of prefill `chunks` ((tokens, context before them), in batch order) and
+        `count` one-token decodes whose num_computed_tokens sum to total_context, without padding, step context
+        or noise (compact_composition's composition of such a step)."""
+        if not chunks:
+            return self.decode_stages_fn(count)(total_context)
+        decodes = ()
+        if count:
             q, r = divmod(total_context, count)
-            return stages(BatchComposition((), ((count - r, q), (r, q + 1)) if r else ((count, q),)))
-        return fn
+            decodes = ((count - r, q), (r, q + 1)) if r else ((count, q),)
+        return self._stages(BatchComposition(tuple(chunks), decodes))
 
     def decode_fn(self, count: int) -> Callable[[int], float]:
         """total_context -> seconds of such a step through the whole pipeline (`self(out)`)."""

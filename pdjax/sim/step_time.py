@@ -55,6 +55,9 @@ class StepTime(Protocol):
 
     def decode_stages_fn(self, count: int) -> Callable[[int], Tuple[Sequence[float], Sequence[float]]]: ...
 
+    def composition_stages(self, count: int, total_context: int,
+                           chunks: Sequence[Tuple[int, int]]) -> Tuple[Sequence[float], Sequence[float]]: ...
+
 
 class StepTimeBase:
     """Every StepTime member at its default: one stage, called without a context, no decode runs. Subclasses
@@ -84,6 +87,19 @@ class StepTimeBase:
                                       "own stage times")
         decode = self.decode_fn(count)
         return lambda total_context: ((decode(total_context),), ())
+
+    def composition_stages(self, count: int, total_context: int,
+                           chunks: Sequence[Tuple[int, int]]) -> Tuple[Sequence[float], Sequence[float]]:
+        """One stage: `stage_times` of a step of prefill `chunks` ((tokens, context before them), in batch order)
+        after `count` one-token decodes whose contexts sum to total_context: ((composition(...),), ()), or
+        decode_stages_fn's without chunks. Read when decode_only_exact, for the pair runs of an instance with
+        two batches in flight (pdjax.sim.simulator.Simulation.pair_run)."""
+        if self.pp != 1:
+            raise NotImplementedError(f"{type(self).__name__}.composition_stages: a source with pp={self.pp} gives "
+                                      "its own stage times")
+        if not chunks:
+            return self.decode_stages_fn(count)(total_context)
+        return (self.composition(count, total_context, chunks),), ()
 
 
 class PlainStepTime(StepTimeBase):
