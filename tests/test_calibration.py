@@ -147,7 +147,8 @@ def _grid():
 
 # A fixed CPU-like spec (not measured, so the test is deterministic).
 CPU_LIKE = get_hardware_spec("l4").replace(name="cpu-like", kind="cpu", peak_flops_bf16=2e11, peak_flops_fp16=2e11,
-                                           peak_flops_fp32=2e11, hbm_bandwidth=2e10, compute_units=4)
+                                           peak_flops_fp32=2e11, peak_flops_tf32=0.0, hbm_bandwidth=2e10,
+                                           compute_units=4)   # a CPU: no TF32 tensor cores
 
 
 def test_fit_cost_params_recovers_known_parameters():
