@@ -39,7 +39,8 @@ def test_the_derived_name_lists_are_the_tables():
     assert POLICIES.names(chunking=True) == ("sarathi", "chunked_only", "chunked_prefill_first", "vllm_v1",
                                              "prefill_only", "decode_only")
     assert POLICIES.names(stall_free=True) == ("sarathi", "vllm_v1", "decode_only")
-    assert tuple(ROUTERS) == ("round_robin", "least_loaded") and all(ROUTERS[r].pick for r in ROUTERS)
+    assert tuple(ROUTERS) == ("round_robin", "least_loaded", "prefix_affinity", "kv_centric") and \
+        all(ROUTERS[r].pick for r in ROUTERS)
     assert tuple(STACKS) == ("pdjax", "distserve", "distserve-vllm", "vllm-eager")
     from pdjax.sim.placement import COLOCATED_POLICIES
     from pdjax.sim.provision import COLOCATED_POLICIES as PROVISION_COLOCATED

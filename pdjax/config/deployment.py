@@ -74,6 +74,9 @@ _NAME_PREFIX = {"colocated": "replica", "prefill": "prefill", "decode": "decode"
 # Keys a group no longer has -> what replaces them (deployment_from_dict names it).
 REMOVED_GROUP_KEYS = {"dp": "num_instances"}
 SCHEDULER_BLOCKS_VALUE = "(0 = the scheduler block's value)"
+HOST_KV_POOLS = ("local", "shared")          # pdjax.scheduler.kv_tier (the scheduler layer imports config)
+HOST_KV_EVICTIONS = ("lru", "lfu")
+CACHE_AWARE_ROUTERS = ("prefix_affinity", "kv_centric")   # read the request's cached prefix per instance
 
 
 def check_role(role: str) -> str:
@@ -112,9 +115,14 @@ class InstanceGroupConfig:
     devices: Tuple[int, ...] = ()
     stack: str = text("pdjax", expected=f"one of {STACKS} or a stack file (.json)")
     hardware: str = text("", expected="a hardware name ('' = sim.hardware)")
+    host_kv_blocks: int = nonneg_int(0, note="(pages of the host-memory KV tier per instance; 0 = none)")
+    host_kv_gib: float = number(0.0, low=0, expected="GiB >= 0 of the host-memory KV tier per instance (0 = none)")
 
     def __post_init__(self):
         check_fields(self)
+        if self.host_kv_blocks and self.host_kv_gib:
+            raise ValueError(f"host_kv_blocks={self.host_kv_blocks} and host_kv_gib={self.host_kv_gib}: give the "
+                             "host KV tier's size one way, expected one of them 0")
         if not is_stack(self.stack):
             raise FieldError("stack", self.stack, f"one of {STACKS} or a stack file (.json, written by "
                              "pdjax.sim.stack.save_stack)")
@@ -178,6 +186,15 @@ class DeploymentConfig:
     rebalance_decode_load: float = number(0.9, low=0, low_open=True)
     rebalance_window_s: float = number(2.0, low=0)
     rebalance_flip_s: float = number(0.0, low=0)
+    # KV-cache-centric scheduling (issue 30; pdjax.scheduler.kv_tier, pdjax.scheduler.routing): check_kv_centric
+    host_kv_pool: str = one_of("local", HOST_KV_POOLS, expected=(
+        f"one of {HOST_KV_POOLS} ('local': each instance its own host KV tier; 'shared': one pool of every "
+        "instance's host tiers, Mooncake's)"))
+    host_kv_eviction: str = one_of("lru", HOST_KV_EVICTIONS)
+    partial_transfer: bool = flag(False)
+    router_cache_threshold: float = number(0.5, low=0, high=1, expected="a fraction in [0, 1] (prefix_affinity)")
+    router_balance_abs: int = nonneg_int(32, note="(prefix_affinity: live-request gap that counts as imbalance)")
+    router_balance_rel: float = number(1.0001, low=1, expected="a ratio >= 1 (prefix_affinity)")
 
     def __post_init__(self):
         if self.router == "least_outstanding_tokens":
@@ -198,6 +215,7 @@ class DeploymentConfig:
             raise ValueError(f"deployment.mixed_pool='borrow' with deployment.kind={self.kind!r}: the mixed pool "
                              "borrows prefill and decode machines; expected kind='disaggregated' or "
                              "mixed_pool='dedicated'")
+        check_kv_centric(self)
         if self.mixed_pool == "borrow" and self.mixed.num_instances:
             raise ValueError(f"deployment.mixed_pool='borrow' with deployment.mixed.num_instances="
                              f"{self.mixed.num_instances}: a borrowing mixed pool has no machines of its own; "
@@ -264,6 +282,40 @@ class DeploymentConfig:
             for i, name in enumerate(self.instance_names(role)):
                 out[name] = tuple(devices[i * k:(i + 1) * k])
         return out
+
+
+def check_kv_centric(dep: "DeploymentConfig") -> None:
+    """The KV-cache-centric keys where they apply: cache-aware routers without a mixed pool (which routes by its
+    own thresholds), no host KV tier on the mixed group, partial transfer on a disaggregated deployment. The
+    scheduler block's side (prefix caching on) is pdjax.config.validate.check_cross_block's."""
+    if dep.router in CACHE_AWARE_ROUTERS and (dep.has_mixed_pool or dep.borrows):
+        raise ValueError(f"deployment.router={dep.router!r} with a mixed pool: the mixed pool routes by its own "
+                         "load thresholds; expected 'round_robin' or 'least_loaded' (or no mixed pool)")
+    if (dep.has_mixed_pool or dep.borrows) and (uses_host_kv(dep) or dep.partial_transfer):
+        raise ValueError("deployment.<group>.host_kv_blocks / host_kv_gib / partial_transfer with a mixed pool: its "
+                         "machines change role, their KV tiers are not modelled; expected no mixed pool or none of "
+                         "these keys")
+    if dep.mixed.host_kv_blocks or dep.mixed.host_kv_gib:
+        raise ValueError("deployment.mixed.host_kv_blocks / host_kv_gib: a mixed instance changes role, its host KV "
+                         "tier is not modelled; expected 0")
+    if getattr(dep, "rebalance", False) and (dep.router in CACHE_AWARE_ROUTERS or uses_host_kv(dep)
+                                             or dep.partial_transfer):
+        raise ValueError(f"deployment.rebalance=True with router={dep.router!r} / host KV tiers / partial_transfer: "
+                         "a rebalanced instance changes role, which the KV-cache-centric features do not follow; "
+                         "expected rebalance=False or none of them")
+    if dep.partial_transfer and dep.kind != "disaggregated":
+        raise ValueError(f"deployment.partial_transfer=True with deployment.kind={dep.kind!r}: only a "
+                         "disaggregated deployment transfers KV; expected kind='disaggregated' or False")
+
+
+def uses_host_kv(dep: "DeploymentConfig") -> bool:
+    """Some group of this kind has a host KV tier."""
+    return any(dep.group(r).host_kv_blocks or dep.group(r).host_kv_gib for r in dep.roles)
+
+
+def uses_kv_centric(dep: "DeploymentConfig") -> bool:
+    """A cache-aware router, a host KV tier or partial transfer is on (the builders then attach them)."""
+    return dep.router in CACHE_AWARE_ROUTERS or uses_host_kv(dep) or dep.partial_transfer
 
 
 def check_group_against_model(role: str, group: InstanceGroupConfig, spec) -> None:

@@ -184,7 +184,7 @@ class RouterInfo:
 
 
 ROUTERS = Registry("router")
-for _name in ("round_robin", "least_loaded"):
+for _name in ("round_robin", "least_loaded", "prefix_affinity", "kv_centric"):
     ROUTERS.add(_name, RouterInfo(_name))
 
 

@@ -29,7 +29,8 @@ import json
 import pathlib
 from typing import Dict, Optional, Tuple
 
-from pdjax.config.deployment import check_group_against_model, instance_scheduler_config, validate_deployment
+from pdjax.config.deployment import (check_group_against_model, instance_scheduler_config, uses_host_kv,
+                                     validate_deployment)
 from pdjax.config.files import REPO_ROOT
 from pdjax.config.model_specs import MODEL_SPECS, ModelSpec, RopeScaling, get_model_spec
 from pdjax.config.parse import FieldError
@@ -85,6 +86,20 @@ def check_group_hardware(dep, device_kind: str) -> None:
                              "setting for other machines)")
 
 
+def check_kv_centric_blocks(cfg) -> None:
+    """A host KV tier and partial transfer need the prefix cache (scheduler.enable_prefix_caching): both key the
+    KV they keep by it."""
+    dep = cfg.deployment
+    if cfg.scheduler.enable_prefix_caching:
+        return
+    if uses_host_kv(dep):
+        raise ValueError("deployment.<group>.host_kv_blocks / host_kv_gib with scheduler.enable_prefix_caching="
+                         "False: the host KV tier keeps prefix-cached pages; expected enable_prefix_caching=True")
+    if dep.partial_transfer:
+        raise ValueError("deployment.partial_transfer=True with scheduler.enable_prefix_caching=False: the decode "
+                         "side finds the prefix it holds in its prefix cache; expected enable_prefix_caching=True")
+
+
 def check_cross_block(cfg) -> None:
     """The cross-block rules of the module docstring for a ServeConfig; ValueError naming the keys and values."""
     dep, engine, policy = cfg.deployment, cfg.engine, cfg.scheduler.policy
@@ -108,6 +123,7 @@ def check_cross_block(cfg) -> None:
             raise ValueError(f"engine.async_scheduling=True with model.eos_token_id={cfg.model.eos_token_id}: async "
                              "scheduling needs requests that finish at max_tokens (no stop token); expected "
                              "model.eos_token_id=-1 or engine.async_scheduling=False")
+    check_kv_centric_blocks(cfg)
     if cfg.backend == "real":
         for role in dep.roles:
             if dep.group(role).stack != "pdjax":

@@ -182,6 +182,8 @@ class Scheduler:
         elif st is WAITING_FOR_KV:
             if self._kv_pending.pop(request_id, None) is None:
                 self._kv_ready.remove(req)
+            if req.page_table:           # the prefix it reused here (DecodeOnlyScheduler.reuse_prefix)
+                self.block_manager.free(req.page_table)
         req.page_table = []
         self._finish(req, "aborted", now)
         return req
@@ -204,6 +206,8 @@ class Scheduler:
         # those already emitted in this step). Nothing in flight: _floor = this step, the test never fires.
         self._floor = self._applied_step if self._last_emitted > self._applied_step else self.step
         self._schedule(out, now)
+        if out.req_ids and self.block_manager.host_tier is not None:
+            self.block_manager.drain_tier_copies(out)
         if self._preempted_this_step:
             self.running = [r for r in self.running if r.status is RUNNING]
         if out.req_ids:
@@ -683,6 +687,8 @@ class Scheduler:
             if len(req.page_keys) < max_hit:
                 extend_page_keys(req.page_keys, req.all_token_ids, ps, max_hit)
             hits = bm.match_prefix(req.page_keys, max_hit)
+            if bm.host_tier is not None:
+                return self._admit_tiered(out, req, budget_left, now, hits, max_hit)
         req.num_computed_tokens = len(hits) * ps
         n = self._prefill_chunk(req, budget_left)
         if n <= 0:
@@ -702,6 +708,36 @@ class Scheduler:
         bm.allocate(req.page_table, need)
         req.num_cached_tokens = len(hits) * ps
         req.num_registered_pages = len(hits)
+        req.is_long_prefill = bool(self._long) and (len(req.all_token_ids) - req.num_computed_tokens) > self._long
+        self._start_running(req, now)
+        self._emit(out, req, n, now)
+        return n
+
+    def _admit_tiered(self, out: SchedulerOutput, req: Request, budget_left: int, now: float, hits: list,
+                      max_hit: int) -> int:
+        """_admit with a host KV tier (pdjax.scheduler.kv_tier): the device hits, then the run of pages the host
+        tier holds after them, loaded back into fresh pages (host -> device copies before the step), both counted
+        as computed. The same rules as _admit otherwise; the host slots are looked up only once the request fits."""
+        bm, ps = self.block_manager, self._ps
+        host = bm.host_tier.count_prefix(req.page_keys, len(hits), max_hit)
+        req.num_computed_tokens = (len(hits) + host) * ps
+        n = self._prefill_chunk(req, budget_left)
+        if n <= 0:
+            req.num_computed_tokens = 0
+            return 0
+        need = -(-(req.num_computed_tokens + n) // ps) - len(hits)
+        need_check = -(-len(req.all_token_ids) // ps) - len(hits) if self._full_isl else need
+        wm = self._watermark_pages if (self.running or not self._watermark_if_running) else 0
+        if bm.num_free_pages - need_check - (bm.num_free_among(hits) if hits else 0) < wm:
+            req.num_computed_tokens = 0
+            return 0
+        if hits:
+            bm.take_cached(req.page_table, hits)
+        if host:
+            bm.load_from_host(req.page_table, req.page_keys, bm.match_host(req.page_keys, len(hits), len(hits) + host))
+        bm.allocate(req.page_table, need - host)
+        req.num_cached_tokens = (len(hits) + host) * ps
+        req.num_registered_pages = len(hits) + host
         req.is_long_prefill = bool(self._long) and (len(req.all_token_ids) - req.num_computed_tokens) > self._long
         self._start_running(req, now)
         self._emit(out, req, n, now)

@@ -18,6 +18,10 @@ Choices:
   head.
 - Host swap slots are ints in [0, num_host_pages) on a stack; `swap_out` returns the (host_slot,
   device_page) copies for the runner.
+- Host KV tier (`host_tier`, a pdjax.scheduler.kv_tier.HostKVTier, None by default): a prefix-cached page evicted
+  from the device is offloaded to it (a (slot, page) copy in `pending_swap_out`), and `load_from_host` brings
+  a run of host pages back into fresh device pages (copies in `pending_swap_in`); the scheduler moves both into
+  its next non-empty SchedulerOutput (`drain_tier_copies`). `tier_owner` names this instance in the tier.
 """
 from __future__ import annotations
 
@@ -57,6 +61,12 @@ class BlockManager:
         self._free_host: List[int] = list(range(num_host_pages - 1, -1, -1))
         self.num_cache_hit_pages = 0
         self.num_evictions = 0
+        self.host_tier = None            # pdjax.scheduler.kv_tier.HostKVTier (module docstring)
+        self.tier_owner = ""
+        self.pending_swap_out: List[Tuple[object, int]] = []
+        self.pending_swap_in: List[Tuple[object, int]] = []
+        self.num_host_hit_pages = 0
+        self.num_remote_hit_pages = 0
 
     # ---- counts
     @property
@@ -102,6 +112,8 @@ class BlockManager:
                 p = next(iter(self._free_cached))
                 del self._free_cached[p]
                 del self._key_to_page[self.page_key[p]]
+                if self.host_tier is not None:
+                    self._offload(p)
                 self.page_key[p] = None
                 self.num_evictions += 1
             ref[p] = 1
@@ -176,6 +188,38 @@ class BlockManager:
                 break
             hits.append(p)
         return hits
+
+    # ---- host KV tier
+    def _offload(self, page: int) -> None:
+        slot = self.host_tier.offload(self.page_key[page], self.tier_owner)
+        if slot is not None:
+            self.pending_swap_out.append((slot, page))
+
+    def match_host(self, keys: Sequence, start: int, max_pages: int) -> list:
+        """Host-tier slots of the longest run keys[start:max_pages] (after a device match of `start` pages)."""
+        if self.host_tier is None or start >= max_pages:
+            return []
+        return self.host_tier.lookup(keys, start, max_pages, self.tier_owner)
+
+    def load_from_host(self, table: List[int], keys: Sequence, slots: Sequence) -> None:
+        """Append one fresh page per host slot to `table` (they hold keys[len(table) - ...]: the pages right after
+        the table's current ones), register them in the prefix cache and record the host -> device copies. The
+        caller checks `num_free_pages >= len(slots)`."""
+        start = len(table)
+        self.allocate(table, len(slots))
+        self.register(table, keys, start, start + len(slots))
+        self.pending_swap_in += zip(slots, table[start:])
+        self.num_host_hit_pages += len(slots)
+        self.num_remote_hit_pages += sum(1 for s in slots if s[0] != self.tier_owner)
+
+    def drain_tier_copies(self, out) -> None:
+        """Move the pending host-tier copies into SchedulerOutput `out` (the runner makes them before its step)."""
+        if self.pending_swap_out:
+            out.swap_out += self.pending_swap_out
+            self.pending_swap_out = []
+        if self.pending_swap_in:
+            out.swap_in += self.pending_swap_in
+            self.pending_swap_in = []
 
     def num_free_among(self, pages: Iterable[int]) -> int:
         """How many of `pages` are free (cached, refcount 0): taking them lowers the free count."""

@@ -329,10 +329,10 @@ class MixedPool:
 
     def _pick(self, phase: str, req: Request, now: float, router: InstanceRouter, overloaded, load):
         if not self.mixed:
-            return router.pick()
+            return router.pick(req)
         self.return_idle(now)
         if not all(overloaded(inst, req) for inst in router.instances):
-            return router.pick()
+            return router.pick(req)
         active = [m for m in self.in_phase(phase) if not overloaded(m, req)]
         if active:
             return min(active, key=load)

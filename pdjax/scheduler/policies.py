@@ -51,6 +51,7 @@ from typing import Type
 
 from pdjax.config.registry import POLICIES, PolicyInfo, add_policy
 from pdjax.config.scheduler import SchedulerConfig
+from pdjax.scheduler.block_manager import extend_page_keys
 from pdjax.scheduler.base import FINISHED, RUNNING, WAITING_FOR_KV, Scheduler
 from pdjax.scheduler.output import SchedulerOutput
 from pdjax.scheduler.request import Request
@@ -424,6 +425,7 @@ class PrefillOnlyScheduler(SarathiScheduler):
 class DecodeOnlyScheduler(SarathiScheduler):
     """Decode instance of a disaggregated deployment (protocol in the module docstring)."""
     name = "decode_only"
+    reuse_prefix = False     # deployment.partial_transfer: take the KV prefix this instance holds (add_handoff)
 
     def add_request(self, req: Request) -> bool:
         raise TypeError("a 'decode_only' scheduler takes requests through add_handoff(req, now) after their "
@@ -455,9 +457,32 @@ class DecodeOnlyScheduler(SarathiScheduler):
         req.host_slots = []
         req.num_registered_pages = 0
         req.prefill_end = req.num_computed_tokens   # the next token fed is a decode
+        req.num_kv_local_pages = 0
+        if self.reuse_prefix and self._caching:
+            self._reuse_local_prefix(req)
         self._live[req.request_id] = req
         self._kv_pending[req.request_id] = req
         return True
+
+    def _reuse_local_prefix(self, req: Request) -> None:
+        """Transfer only what is missing: the leading full pages of req's KV this instance holds already (its
+        prefix cache, then its host KV tier, loaded back) are taken into its page table now (pinned until it
+        runs); the transfer moves the rest (`num_kv_local_pages`). Taken only when the pages fit above the
+        watermark, else the whole KV moves as without reuse."""
+        bm, ps = self.block_manager, self._ps
+        full = req.num_computed_tokens // ps
+        if len(req.page_keys) < full:
+            extend_page_keys(req.page_keys, req.all_token_ids, ps, full)
+        hits = bm.match_prefix(req.page_keys, full)
+        host = bm.host_tier.count_prefix(req.page_keys, len(hits), full) if bm.host_tier is not None else 0
+        if not hits and not host:
+            return
+        if bm.num_free_pages - bm.num_free_among(hits) - host < self._watermark_pages + 1:
+            return
+        bm.take_cached(req.page_table, hits)
+        if host:
+            bm.load_from_host(req.page_table, req.page_keys, bm.match_host(req.page_keys, len(hits), len(hits) + host))
+        req.num_kv_local_pages = req.num_registered_pages = len(req.page_table)
 
     def mark_kv_arrived(self, request_id: str) -> None:
         req = self._kv_pending.pop(request_id, None)
@@ -495,7 +520,7 @@ class DecodeOnlyScheduler(SarathiScheduler):
         for req in self._kv_ready:
             if len(self.running) >= self._max_seqs or budget <= 0:
                 break
-            need = -(-(req.num_computed_tokens + 1) // ps)
+            need = -(-(req.num_computed_tokens + 1) // ps) - len(req.page_table)   # minus a reused prefix
             if bm.num_free_pages - need < self._watermark_pages:
                 break
             bm.allocate(req.page_table, need)

@@ -54,7 +54,7 @@ class Request:
         "reject_reason", "num_cached_tokens", "output_logprobs",
         # internal
         "page_table", "prefill_end", "page_keys", "num_registered_pages", "host_slots", "admit_seq",
-        "sched_step", "stop_ids", "max_tokens", "is_long_prefill", "token_bound",
+        "sched_step", "stop_ids", "max_tokens", "is_long_prefill", "token_bound", "num_kv_local_pages",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
@@ -89,6 +89,7 @@ class Request:
         self.stop_ids = frozenset(getattr(sampling, "stop_token_ids", ()) or ())
         self.max_tokens = getattr(sampling, "max_tokens", 0)
         self.is_long_prefill = False
+        self.num_kv_local_pages = 0          # decode_only: leading pages its instance held already at the handoff
         self.token_bound: Optional[Tuple[int, int]] = None  # (lo, hi): every prompt id in [lo, hi] (see below)
 
     @property

@@ -12,6 +12,20 @@ An instance is anything with `.scheduler` (a pdjax Scheduler) and, unless the ro
                already computed (a recompute preemption adds its lost tokens back). This is the work queued on the
                replica, which sets when a new request's prefill completes.
   Loads are recomputed at each pick (O(requests held) per pick).
+- 'prefix_affinity' (the SGLang router's cache-aware rule): when the loads (live requests: running, waiting and
+  routed) are imbalanced, max - min > `balance_abs` and max > min x `balance_rel`, the least loaded instance;
+  else the instance holding the longest prefix of the request (device prefix cache, then its host KV tier,
+  pdjax.scheduler.kv_tier) when that prefix covers more than `cache_threshold` of the prompt, else the instance
+  with the most free KV pages (SGLang: the smallest radix tree). Ties to the lowest index.
+- 'kv_centric' (Mooncake's Conductor): for each instance, predicted TTFT = queue time + prefill time of the
+  tokens it does not hold + time to load the held pages from host memory (its own tier, or the shared pool's
+  pages another instance offloaded: a remote fetch); the minimum wins. Times come from `cost(new_tokens,
+  cached_tokens) -> seconds` (the simulator passes its own step cost, the engine the same or a measured
+  estimate; default: one second per token, a ranking by tokens) and `fetch(local_pages, remote_pages) ->
+  seconds` (default 0); the queue time is cost(tokens still to prefill on the instance, 0). A decode instance
+  (role 'decode') is picked by load and free KV instead: the least (live requests / max_num_seqs + pages in
+  use / pages), among those with room for the request's pages if any has.
+  Both read the request (`pick(request)`); without one they pick as 'least_loaded'.
 Each router is a row of the router table (pdjax.config.registry.ROUTERS, which `deployment.router` is checked
 against) with its pick function, `(InstanceRouter) -> instance`: `register_router(name, pick)` adds one.
 A router is callable as `router(request, instances)` too, the simulator's routing protocol (the request does not
@@ -23,10 +37,11 @@ above (prefill_load for the prefill pool's overload test).
 from __future__ import annotations
 
 import itertools
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 from pdjax.config.deployment import ROLES
 from pdjax.config.registry import ROUTERS, RouterInfo
+from pdjax.scheduler.block_manager import extend_page_keys
 
 __all__ = ["ROUTERS", "InstanceRouter", "register_router"]
 
@@ -38,7 +53,8 @@ def _remaining_tokens(req) -> int:
 class InstanceRouter:
     """Picks an instance of one role for a new request (colocated, prefill) or a handed-off one (decode)."""
 
-    def __init__(self, policy: str, instances: Sequence, role: Optional[str] = None):
+    def __init__(self, policy: str, instances: Sequence, role: Optional[str] = None, *, cost=None, fetch=None,
+                 balance_abs: int = 32, balance_rel: float = 1.0001, cache_threshold: float = 0.5):
         if policy not in ROUTERS:
             raise ValueError(f"router={policy!r}, expected one of {ROUTERS}")
         if not instances:
@@ -56,6 +72,10 @@ class InstanceRouter:
         self._cycle = itertools.cycle(self.instances)
         self._load = {"prefill": self.prefill_load, "decode": self.decode_load,
                       "colocated": self.colocated_load}[self.role]
+        self.request = None           # the request being routed (cache-aware routers read it)
+        self.cost = cost if cost is not None else _tokens_cost
+        self.fetch = fetch if fetch is not None else _no_fetch
+        self.balance_abs, self.balance_rel, self.cache_threshold = balance_abs, balance_rel, cache_threshold
 
     @staticmethod
     def prefill_load(inst) -> int:
@@ -76,11 +96,12 @@ class InstanceRouter:
     def load(self, inst) -> int:
         return self._load(inst)
 
-    def pick(self):
+    def pick(self, request=None):
+        self.request = request
         return self._pick(self)
 
     def __call__(self, request=None, instances=None):
-        return self.pick()
+        return self.pick(request)
 
 
 def _round_robin(router: InstanceRouter):
@@ -91,6 +112,90 @@ def _least_loaded(router: InstanceRouter):
     if len(router.instances) == 1:
         return next(router._cycle)
     return min(router.instances, key=router._load)   # min keeps the first of equals: deterministic
+
+
+def _tokens_cost(new_tokens: int, cached_tokens: int) -> float:
+    return float(new_tokens)
+
+
+def _no_fetch(local_pages: int, remote_pages: int) -> float:
+    return 0.0
+
+
+def live_requests(inst) -> int:
+    """Requests an instance holds: running, waiting (incl. swapped and KV-pending) and routed not yet admitted."""
+    s = inst.scheduler
+    return s.num_running + s.num_waiting + len(getattr(inst, "inbox", ()))
+
+
+def cached_prefix(inst, req) -> Tuple[int, int, int]:
+    """(device pages, local host pages, remote host pages) of the longest prefix of req's prompt that `inst`
+    holds: its prefix cache, then its host KV tier (remote: pages of a shared pool another instance offloaded).
+    At most (prompt - 1) // page_size pages, as admission takes (one token is always computed)."""
+    bm = inst.scheduler.block_manager
+    if not bm.enable_prefix_caching:
+        return 0, 0, 0
+    ps = bm.page_size
+    max_hit = (len(req.all_token_ids) - 1) // ps
+    if len(req.page_keys) < max_hit:
+        extend_page_keys(req.page_keys, req.all_token_ids, ps, max_hit)
+    device = len(bm.match_prefix(req.page_keys, max_hit))
+    if bm.host_tier is None:
+        return device, 0, 0
+    owners = bm.host_tier.owners(req.page_keys, device, max_hit)
+    local = sum(1 for o in owners if o == bm.tier_owner)
+    return device, local, len(owners) - local
+
+
+def _prefix_affinity(router: InstanceRouter):
+    req, instances = router.request, router.instances
+    if req is None or len(instances) == 1:
+        return _least_loaded(router)
+    loads = [live_requests(i) for i in instances]
+    low, high = min(loads), max(loads)
+    if high - low > router.balance_abs and high > low * router.balance_rel:
+        return instances[loads.index(low)]
+    best, best_pages = None, 0
+    for inst in instances:
+        pages = sum(cached_prefix(inst, req))
+        if pages > best_pages:
+            best, best_pages = inst, pages
+    ps = instances[0].scheduler.block_manager.page_size
+    if best is not None and best_pages * ps > router.cache_threshold * len(req.all_token_ids):
+        return best
+    return max(instances, key=lambda i: i.scheduler.block_manager.num_free_pages)   # max keeps the first
+
+
+def queued_prefill_tokens(inst) -> int:
+    """Prompt tokens still to prefill on an instance: its running and waiting requests' and its inbox's."""
+    s = inst.scheduler
+    held = itertools.chain(s.running, s.waiting, getattr(inst, "inbox", ()))
+    return sum(max(0, r.prefill_end - r.num_computed_tokens) for r in held)
+
+
+def predicted_ttft(router: InstanceRouter, inst, req) -> float:
+    """kv_centric's TTFT of `req` on `inst`: queue time + prefill of the tokens it does not hold + host loads."""
+    device, local, remote = cached_prefix(inst, req)
+    cached = (device + local + remote) * inst.scheduler.block_manager.page_size
+    queued = queued_prefill_tokens(inst)
+    queue_s = router.cost(queued, 0) if queued else 0.0
+    return queue_s + router.cost(len(req.all_token_ids) - cached, cached) + router.fetch(local, remote)
+
+
+def _kv_centric(router: InstanceRouter):
+    req, instances = router.request, router.instances
+    if req is None or len(instances) == 1:
+        return _least_loaded(router)
+    if router.role == "decode":
+        need = -(-(len(req.all_token_ids) + 1) // instances[0].scheduler.block_manager.page_size)
+        fits = [i for i in instances if i.scheduler.block_manager.num_free_pages >= need] or instances
+
+        def score(inst):
+            s = inst.scheduler
+            bm = s.block_manager
+            return (s.num_running + s.num_waiting) / s.config.max_num_seqs + 1 - bm.num_free_pages / bm.num_pages
+        return min(fits, key=score)
+    return min(instances, key=lambda inst: predicted_ttft(router, inst, req))
 
 
 def register_router(name: str, pick, *, replace: bool = False) -> None:
@@ -104,7 +209,10 @@ def register_router(name: str, pick, *, replace: bool = False) -> None:
 
 register_router("round_robin", _round_robin)
 register_router("least_loaded", _least_loaded)
-ROUTERS.check_complete("pick", {"round_robin": _round_robin, "least_loaded": _least_loaded},
+register_router("prefix_affinity", _prefix_affinity)
+register_router("kv_centric", _kv_centric)
+ROUTERS.check_complete("pick", {"round_robin": _round_robin, "least_loaded": _least_loaded,
+                                "prefix_affinity": _prefix_affinity, "kv_centric": _kv_centric},
                        "pdjax.scheduler.routing's pick functions")
 
 

@@ -222,7 +222,7 @@ class ClusterEngine:
     def _route_arrival(self, req: Request) -> bool:
         """An arrival: a colocated replica (router), or a prefill / prefill-phase mixed instance (MixedPool)."""
         if self.pool is None:
-            return self.entry_router.pick().scheduler.add_request(req)
+            return self.entry_router.pick(req).scheduler.add_request(req)
         inst = self.pool.pick_prefill(req, self._local_time())
         return inst is not None and inst.scheduler.add_request(req)   # None: rejected at arrival (admission)
 

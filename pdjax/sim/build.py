@@ -55,7 +55,7 @@ import zlib
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from pdjax.config.buckets import engine_buckets
-from pdjax.config.deployment import instance_scheduler_config
+from pdjax.config.deployment import instance_scheduler_config, uses_kv_centric
 from pdjax.config.model_specs import ModelSpec, spec_at_dtype
 from pdjax.config.validate import check_against_model, model_spec_for
 from pdjax.scheduler import make_scheduler, request_from_workload
@@ -67,6 +67,7 @@ from pdjax.sim.cost_model import CostParams, kv_bytes, kv_cache_capacity_tokens,
 from pdjax.sim.disagg import kv_link_between, make_transfer_time
 from pdjax.sim.eager import EagerHostStack  # noqa: F401 (registers the 'vllm-eager' stack before check_stacks)
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
+from pdjax.sim.kv_tier import apply_kv_centric, configure_router, router_options
 from pdjax.sim.simulator import PendingRequest, SimInstance
 from pdjax.sim.profile import Profile, profile_for
 from pdjax.sim.step_cost import EnginePadding, StepNoise, padding_from_profile
@@ -118,6 +119,7 @@ class SimSetup:
     step_noise: Tuple[float, ...] = ()         # the profile's StepNoise quantiles when sim.step_noise (else ())
     seed: int = 0                              # the run's seed: seeds the step noise
     overload: Any = None                       # the DeploymentConfig when early rejection / rebalancing is on
+    kv: Any = None      # the DeploymentConfig when a KV-cache-centric key is on (pdjax.sim.kv_tier), else None
 
     # The colocated group's parts, for the common one-group case.
     def _colocated(self) -> GroupSetup:
@@ -264,7 +266,8 @@ def build_setup(cfg, hardware: Optional[HardwareSpec] = None) -> SimSetup:
                     mixed_decode_load=float(dep.mixed_decode_load),
                     mixed_pool=dep.mixed_pool if dep.kind == "disaggregated" else "dedicated",
                     step_noise=profile.step_noise if profile is not None and cfg.sim.step_noise else (),
-                    seed=int(cfg.seed), overload=dep if has_overload(dep) else None)
+                    seed=int(cfg.seed), overload=dep if has_overload(dep) else None,
+                    kv=dep if uses_kv_centric(dep) else None)
 
 
 # --------------------------------------------------------------------------------------------------- parts
@@ -305,12 +308,15 @@ def build_instances(setup: SimSetup) -> Dict[str, List[Any]]:
                 make = overload_scheduler_maker(setup.overload)
             out[role] = [SimInstance(name, make(role, g.scheduler_config), step_time, role=role)
                          for name in g.names]
+    if setup.kv is not None:
+        apply_kv_centric(setup, out)
     return out
 
 
 def build_router(setup: SimSetup, instances: List[Any]) -> InstanceRouter:
     """The colocated replicas' router (`simulate` calls it as router(request, instances))."""
-    return InstanceRouter(setup.router, instances, role="colocated")
+    options = {} if setup.kv is None else router_options(setup, "colocated", instances[0].step_time)
+    return InstanceRouter(setup.router, instances, role="colocated", **options)
 
 
 def build_transfer_time(setup: SimSetup) -> Callable[[SimInstance, SimInstance, int], float]:
@@ -339,11 +345,20 @@ def disaggregated_kwargs(setup: SimSetup, instances: Dict[str, List[Any]]) -> Di
     """Keyword arguments of pdjax.sim.disagg.simulate_disaggregated for a disaggregated `setup` and its built
     `instances` (build_instances): KV bytes, router, transfer serialization, and the mixed pool (its instances
     and thresholds; none without a 'mixed' group)."""
-    return {"kv_bytes_of": kv_bytes_fn(setup), "router": setup.router,
-            "serialize_transfers": setup.serialize_transfers, "mixed": instances.get("mixed", []),
-            "mixed_prefill_queue_tokens": setup.mixed_prefill_queue_tokens,
-            "mixed_decode_load": setup.mixed_decode_load, "mixed_pool": setup.mixed_pool,
-            "pool_factory": None if setup.overload is None else overload_pool_factory(setup.overload)}
+    kwargs = {"kv_bytes_of": kv_bytes_fn(setup), "router": setup.router,
+              "serialize_transfers": setup.serialize_transfers, "mixed": instances.get("mixed", []),
+              "mixed_prefill_queue_tokens": setup.mixed_prefill_queue_tokens,
+              "mixed_decode_load": setup.mixed_decode_load, "mixed_pool": setup.mixed_pool,
+              "pool_factory": None if setup.overload is None else overload_pool_factory(setup.overload)}
+    if setup.kv is not None:      # the cache-aware routers' options, and partial transfer (pdjax.sim.kv_tier)
+        options = {role: router_options(setup, role, instances[role][0].timer.step_time)
+                   for role in ("prefill", "decode")}
+
+        def configure(pool):
+            configure_router(pool.prefill_router, options["prefill"])
+            configure_router(pool.decode_router, options["decode"])
+        kwargs.update(configure_routers=configure, partial_transfer=setup.kv.partial_transfer)
+    return kwargs
 
 
 def build_pending_requests(cfg, workload=None) -> list:

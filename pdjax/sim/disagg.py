@@ -224,7 +224,9 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[SimInstance],
                            max_iterations: int = 50_000_000, mixed: Sequence[SimInstance] = (),
                            mixed_prefill_queue_tokens: int = 8192,
                            mixed_decode_load: float = 1.0, mixed_pool: str = "dedicated",
-                           decode_runs: bool = True, pool_factory: Optional[Callable] = None) -> DisaggSimResult:
+                           decode_runs: bool = True, pool_factory: Optional[Callable] = None,
+                           configure_routers: Optional[Callable] = None, partial_transfer: bool = False
+                           ) -> DisaggSimResult:
     """Serve `requests` (scheduler Requests, arrival_time in seconds) on prefill and decode instances, and the
     mixed pool's instances (role 'mixed', MixedScheduler; thresholds as deployment.mixed_prefill_queue_tokens /
     mixed_decode_load), until all finish (module docstring). mixed_pool='borrow' (deployment.mixed_pool): no
@@ -237,6 +239,10 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[SimInstance],
     instances through schedule() and update() (the same results, slower: pdjax.sim.simulator.Simulation.decode_run).
     pool_factory(prefill, decode) -> cluster pool: overload handling (pdjax.scheduler.overload: early rejection,
     online rebalancing) instead of make_pool; it reads loads at every event, so decode runs are off with it.
+    configure_routers(pool): called once the pool is built (pdjax.sim.kv_tier: the cache-aware routers' options).
+    partial_transfer: decode instances take the prefix they hold on a handoff (their schedulers' reuse_prefix) and
+    the transfer moves the rest; their decode runs then never take a step across the next event (a handoff
+    changes their page pool).
     """
     prefill, decode, mixed = list(prefill), list(decode), list(mixed)
     _check_instances(prefill, decode, mixed)
@@ -247,6 +253,8 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[SimInstance],
              and mixed_pool == "dedicated" and pool_factory is None)
     pool = (make_pool(mixed_pool, router, prefill, decode, mixed, prefill_queue_tokens=mixed_prefill_queue_tokens,
                       decode_load=mixed_decode_load) if pool_factory is None else pool_factory(prefill, decode))
+    if configure_routers is not None:
+        configure_routers(pool)
     instances = prefill + decode + mixed
     c = Simulation(requests, instances, pool.pick_prefill, direct=True, sample=sample, on_schedule=on_schedule,
                    max_iterations=max_iterations, pool=pool,
@@ -257,7 +265,7 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[SimInstance],
     # A decode instance's run may end with a step across the next event (Simulation.decode_run) when nothing else
     # reads its state before that step ends: the decode router picks it without reading loads (one decode
     # instance, or round robin); the handoffs and KV landings in between touch only its KV queues.
-    blind = len(decode) == 1 or router == "round_robin"
+    blind = (len(decode) == 1 or router == "round_robin") and not partial_transfer
     c.cross = [runs and blind and c.run_schedules[i] == 0 for i, runs in enumerate(c.decode_runs)]
     now = c.run()
     duration = max((it.end_time for it in c.iterations), default=0.0)

@@ -590,7 +590,8 @@ class Simulation:
     def start_transfer(self, src_idx: int, dst_idx: int, req, t: float) -> None:
         """Queue req's KV on the (src, dst) link (FIFO when serialized) and schedule its arrival."""
         src, dst = self.instances[src_idx], self.instances[dst_idx]
-        tokens = req.num_computed_tokens
+        # Partial transfer (DecodeOnlyScheduler.reuse_prefix): the leading pages dst holds already stay put.
+        tokens = req.num_computed_tokens - req.num_kv_local_pages * dst.scheduler.config.page_size
         link = (src_idx, dst_idx)
         start = max(t, self.link_free.get(link, t)) if self.serialize_transfers else t
         end = start + self.transfer_time(src, dst, tokens)

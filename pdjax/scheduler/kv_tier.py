@@ -1,0 +1,158 @@
+"""Host-memory KV tier: prefix-cached pages evicted from an instance's device pool live on in host memory (no JAX).
+
+Mooncake (FAST'25) keeps a KV cache pool in host DRAM: a block the device drops is kept in host memory, and a
+later request whose prefix hits it loads it back instead of recomputing it. pdjax's reading:
+- A `HostKVTier` holds up to `capacity` pages (blocks of page_size tokens) keyed by their prefix-cache key
+  (pdjax.scheduler.block_manager: `(hash of the parent key, tuple of the page's token ids)`, so a hit compares the
+  page's token ids exactly and a hash collision alone never serves another prompt's KV). Each entry has a slot
+  `(owner, index)`: `owner` the name of the instance that offloaded it (whose host memory holds it), `index` its
+  place in the tier. Slots are tuples so they never collide with the int slots of swap preemption; the runner's
+  host store keeps both (pdjax.runtime.runner.ModelRunner.swap).
+- Eviction: 'lru' (least recently offloaded or hit first) or 'lfu' (fewest hits first, ties least recent).
+- A tier is local (one per instance: `deployment.host_kv_pool='local'`) or shared by every instance of a
+  deployment ('shared': Mooncake's global pool; a hit on a page another instance offloaded is a remote fetch over
+  the KV link, priced by the simulator as such, pdjax.sim.kv_tier).
+- The tier is inclusive: a page loaded back keeps its host copy (a later eviction of the device page costs no
+  second copy: `offload` only touches the entry).
+The block manager calls `offload(key, owner)` for every prefix-cached page it evicts and `lookup(keys, start,
+stop)` after a device prefix match; the copies it records go into the next SchedulerOutput's swap_out / swap_in.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Dict, List, Optional, Sequence, Tuple
+
+
+from pdjax.config.deployment import HOST_KV_EVICTIONS, HOST_KV_POOLS
+
+__all__ = ["HOST_KV_EVICTIONS", "HOST_KV_POOLS", "HostKVTier", "host_kv_blocks"]
+
+
+class HostKVTier:
+    """Up to `capacity` host pages keyed by prefix-cache key; `eviction` 'lru' or 'lfu' (module docstring).
+    Counters: offloads (copies made), hits (pages found by lookup), remote_hits (found in another owner's
+    memory, for a shared tier), evictions."""
+
+    def __init__(self, capacity: int, eviction: str = "lru"):
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"host KV tier capacity={capacity!r}, expected a positive number of pages")
+        if eviction not in HOST_KV_EVICTIONS:
+            raise ValueError(f"host KV tier eviction={eviction!r}, expected one of {HOST_KV_EVICTIONS}")
+        self.capacity, self.eviction = capacity, eviction
+        self._slot: Dict[object, Tuple[str, int]] = {}    # key -> slot; LRU: least recent first (dict order)
+        self._hits: Dict[object, int] = {}                 # lfu: key -> hit count
+        self._heap: list = []                              # lfu: (hits, tick, key), stale entries skipped
+        self._tick = itertools.count()
+        self._free: List[int] = list(range(capacity - 1, -1, -1))
+        self.num_offloads = self.num_hits = self.num_remote_hits = self.num_evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def __contains__(self, key) -> bool:
+        return key in self._slot
+
+    def _touch(self, key) -> None:
+        if self.eviction == "lru":
+            self._slot[key] = self._slot.pop(key)
+        else:
+            self._hits[key] += 1
+            heapq.heappush(self._heap, (self._hits[key], next(self._tick), key))
+
+    def _evict_one(self) -> int:
+        if self.eviction == "lru":
+            key = next(iter(self._slot))
+        else:
+            while True:
+                hits, _, key = heapq.heappop(self._heap)
+                if key in self._slot and self._hits[key] == hits:
+                    break
+            del self._hits[key]
+        self.num_evictions += 1
+        return self._slot.pop(key)[1]
+
+    def offload(self, key, owner: str) -> Optional[Tuple[str, int]]:
+        """A device page with prefix key `key` is evicted on instance `owner`: the slot to copy it into, or None
+        when the tier holds the key already (the entry is touched, nothing is copied)."""
+        if key in self._slot:
+            self._touch(key)
+            return None
+        index = self._free.pop() if self._free else self._evict_one()
+        slot = (owner, index)
+        self._slot[key] = slot
+        if self.eviction == "lfu":
+            self._hits[key] = 0
+            heapq.heappush(self._heap, (0, next(self._tick), key))
+        self.num_offloads += 1
+        return slot
+
+    def lookup(self, keys: Sequence, start: int, stop: int, owner: str = "") -> List[Tuple[str, int]]:
+        """Slots of the longest run keys[start:stop] held here (each hit is touched and counted; a slot of another
+        owner than `owner` counts as a remote hit)."""
+        get = self._slot.get
+        slots = []
+        for i in range(start, min(stop, len(keys))):
+            slot = get(keys[i])
+            if slot is None:
+                break
+            self._touch(keys[i])
+            slots.append(slot)
+            self.num_remote_hits += slot[0] != owner
+        self.num_hits += len(slots)
+        return slots
+
+    def count_prefix(self, keys: Sequence, start: int, stop: int) -> int:
+        """How many of keys[start:stop] (a consecutive run from start) are held, touching nothing (routers)."""
+        n = 0
+        slot = self._slot
+        for i in range(start, min(stop, len(keys))):
+            if keys[i] not in slot:
+                break
+            n += 1
+        return n
+
+    def owners(self, keys: Sequence, start: int, stop: int) -> List[str]:
+        """The owner of each page of the run count_prefix counts (routers price remote pages)."""
+        return [self._slot[keys[i]][0] for i in range(start, start + self.count_prefix(keys, start, stop))]
+
+
+def host_kv_blocks(blocks: int, gib: float, page_bytes: int) -> int:
+    """Pages of a host tier given as `blocks` pages or `gib` GiB (one of them non-zero) of pages of `page_bytes`
+    bytes each (all layers, K and V, one instance's share)."""
+    if blocks:
+        return blocks
+    if gib <= 0:
+        return 0
+    if page_bytes <= 0:
+        raise ValueError(f"host KV tier of {gib} GiB: page size of {page_bytes} bytes, expected > 0")
+    return max(1, int(gib * 2 ** 30 // page_bytes))
+
+
+def attach_host_tiers(groups: Dict[str, Sequence], dep, page_bytes: int) -> List[HostKVTier]:
+    """Give the instances of each group (role -> instances; the deployment's groups of its kind) the host KV tier
+    `dep` (a DeploymentConfig) asks for: `deployment.<group>.host_kv_blocks` (or `host_kv_gib`, of pages of
+    `page_bytes` bytes) pages per instance, each its own tier ('local') or one tier of all their pages ('shared'),
+    `host_kv_eviction` order. Decode instances take the prefix they hold on a handoff when
+    `dep.partial_transfer` (pdjax.scheduler.policies.DecodeOnlyScheduler.reuse_prefix). Returns the tiers made."""
+    sizes = {}
+    for role, instances in groups.items():
+        g = dep.group(role)
+        blocks = host_kv_blocks(g.host_kv_blocks, g.host_kv_gib, page_bytes)
+        if blocks:
+            sizes.update((id(inst), (inst, blocks)) for inst in instances)
+        if dep.partial_transfer and role == "decode":
+            for inst in instances:
+                inst.scheduler.reuse_prefix = True
+    if not sizes:
+        return []
+    if dep.host_kv_pool == "shared":
+        tiers = [HostKVTier(sum(b for _, b in sizes.values()), dep.host_kv_eviction)]
+        members = [(inst, tiers[0]) for inst, _ in sizes.values()]
+    else:
+        members = [(inst, HostKVTier(b, dep.host_kv_eviction)) for inst, b in sizes.values()]
+        tiers = [t for _, t in members]
+    for inst, tier in members:
+        bm = inst.scheduler.block_manager
+        bm.host_tier, bm.tier_owner = tier, inst.name
+    return tiers
