@@ -24,9 +24,9 @@ from typing import List, Optional, Sequence
 import jax
 
 from pdjax.config.buckets import Buckets, engine_buckets
-from pdjax.config.deployment import instance_scheduler_config
+from pdjax.config.deployment import instance_scheduler_config, uses_kv_centric
 from pdjax.config.serving import ServeConfig
-from pdjax.config.validate import check_against_model, check_group_hardware
+from pdjax.config.validate import check_against_model, check_group_hardware, model_spec_for
 from pdjax.errors import user_errors
 from pdjax.models.checkpoint import load_model
 from pdjax.runtime import aot
@@ -40,6 +40,7 @@ from pdjax.scheduler.overload import has_overload, overload_pool_factory, overlo
 from pdjax.serving.cluster import ClusterEngine, Instance
 from pdjax.serving.disagg import DisaggregatedEngine
 from pdjax.serving.engine import ColocatedEngine, TokenCallback
+from pdjax.serving.kv_tier import attach_engine_kv, router_options
 from pdjax.workload import make_workload
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -171,6 +172,8 @@ def build_engine(cfg: ServeConfig, *, devices: Optional[Sequence] = None, params
 def _build_engine(cfg: ServeConfig, *, devices, params, spec, on_token, compile_counter):
     dep, ec = cfg.deployment, cfg.engine
     instances = build_instances(cfg, devices=devices, params=params, spec=spec)
+    if uses_kv_centric(dep):     # host KV tiers, partial transfer (issue 30; pdjax.serving.kv_tier)
+        attach_engine_kv(instances, dep, spec if spec is not None else model_spec_for(cfg, simulator=False))
     common = dict(on_token=on_token, compile_counter=compile_counter, fail_on_compile=ec.fail_on_compile)
     if dep.kind == "colocated" and len(instances) == 1:
         (inst,) = instances
@@ -180,9 +183,11 @@ def _build_engine(cfg: ServeConfig, *, devices, params, spec, on_token, compile_
                                max_in_flight=in_flight, **common)
     # Multi-instance loop: each instance keeps up to its runner's pp batches in flight (max_in_flight=None).
     if dep.kind == "colocated":
-        return ClusterEngine(instances, router=dep.router, overlap=ec.overlap, **common)
+        return ClusterEngine(instances, router=dep.router, overlap=ec.overlap, router_options=router_options(dep),
+                             **common)
     return DisaggregatedEngine([i for i in instances if i.role == "prefill"],
                                [i for i in instances if i.role == "decode"], router=dep.router,
+                               router_options=router_options(dep),
                                overlap=ec.overlap, mixed=[i for i in instances if i.role == "mixed"],
                                mixed_prefill_queue_tokens=dep.mixed_prefill_queue_tokens,
                                mixed_decode_load=float(dep.mixed_decode_load), mixed_pool=dep.mixed_pool,

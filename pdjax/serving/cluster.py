@@ -154,7 +154,8 @@ class ClusterEngine:
                  fail_on_compile: bool = False, async_transfer: bool = True, coordinator=None,
                  mixed: Sequence[Instance] = (), mixed_prefill_queue_tokens: int = 8192,
                  mixed_decode_load: float = 1.0, max_in_flight: Optional[int] = None,
-                 mixed_pool: str = "dedicated", pool_factory: Optional[Callable] = None):
+                 mixed_pool: str = "dedicated", pool_factory: Optional[Callable] = None,
+                 router_options: Optional[dict] = None):
         if max_in_flight is not None and (isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int)
                                           or max_in_flight < 1):
             raise ValueError(f"max_in_flight={max_in_flight!r}, expected None (each runner's pp) or a positive int")
@@ -180,7 +181,7 @@ class ClusterEngine:
             if mixed_pool != "dedicated":
                 raise ValueError(f"mixed_pool={mixed_pool!r} with colocated instances: the mixed pool is part of a "
                                  "disaggregated cluster; expected 'dedicated'")
-            self.entry_router = InstanceRouter(router, self.colocated)
+            self.entry_router = InstanceRouter(router, self.colocated, **(router_options or {}))
             self.pool = self.decode_router = None
         elif pool_factory is not None:   # early rejection / rebalancing (pdjax.scheduler.overload)
             if self.mixed or mixed_pool != "dedicated":
@@ -191,6 +192,10 @@ class ClusterEngine:
             self.pool = make_pool(mixed_pool, router, self.prefill, self.decode, self.mixed,
                                   prefill_queue_tokens=mixed_prefill_queue_tokens, decode_load=mixed_decode_load)
             self.entry_router, self.decode_router = self.pool.prefill_router, self.pool.decode_router
+        if not self.colocated:
+            for r in (self.entry_router, self.decode_router):    # the cache-aware routers' options (issue 30)
+                for key, value in (router_options or {}).items():
+                    setattr(r, key, value)
         self.mixed_pool = mixed_pool
         self.any_pair = mixed_pool == "borrow" or getattr(self.pool, "flips", None) is not None  # KV between any two
         self._t0 = 0.0
@@ -276,8 +281,18 @@ class ClusterEngine:
             src.scheduler.release(rid)
             return False
         start = now()
-        staged = self.transfer(src.runner.kv_stages, src.scheduler.held_page_table(rid), dst.runner.kv_stage_meshes,
-                               num_tokens=req.num_computed_tokens, wait=not self.async_transfer)
+        local = req.num_kv_local_pages     # partial transfer: the leading pages dst holds already stay put
+        if local and local * src.scheduler.config.page_size >= req.num_computed_tokens:
+            self._staged[rid] = None       # nothing is missing: landed at once
+            dst.scheduler.mark_kv_arrived(rid)
+            src.scheduler.release(rid)
+            transfers.append(TransferRecord(request_id=rid, src=src.name, dst=dst.name, num_tokens=0, kv_bytes=0,
+                                            ready_time=start, start_time=start, end_time=start))
+            return True
+        staged = self.transfer(src.runner.kv_stages, src.scheduler.held_page_table(rid)[local:],
+                               dst.runner.kv_stage_meshes,
+                               num_tokens=req.num_computed_tokens - local * src.scheduler.config.page_size,
+                               wait=not self.async_transfer)
         record = TransferRecord(
             request_id=rid, src=src.name, dst=dst.name, num_tokens=staged.num_tokens, num_pages=staged.num_pages,
             kv_bytes=staged.kv_bytes, moved_bytes=staged.moved_bytes, ready_time=start, start_time=start,
@@ -339,10 +354,15 @@ class ClusterEngine:
         runner = inst.runner
         index = {rid: i for i, rid in enumerate(out.req_ids)}
         for rid in out.kv_handoff_req_ids:
+            if rid in self._staged and self._staged[rid] is None:    # partial transfer with nothing missing
+                del self._staged[rid]
+                continue
             staged = self._staged.pop(rid, None)
             if staged is None:
                 raise RuntimeError(f"{inst.name}: request {rid!r} was admitted with no staged KV")
-            runner.kv_stages = scatter_kv_pages(runner.kv_stages, out.page_tables[index[rid]], staged)
+            i = index[rid]
+            local = out.reqs[i].num_kv_local_pages if out.reqs else 0   # pages it held already (partial transfer)
+            runner.kv_stages = scatter_kv_pages(runner.kv_stages, out.page_tables[i][local:], staged)
 
     def _fill(self, inst: Instance, queue: BatchQueue, now: Callable[[], float]) -> None:
         """Schedule and dispatch `inst`'s batches while its queue is not full and schedule(now) is non-empty

@@ -23,7 +23,7 @@ import jax
 from tqdm import tqdm
 
 import pdjax
-from pdjax.config.deployment import instance_name
+from pdjax.config.deployment import instance_name, uses_host_kv
 from pdjax.config.serving import ServeConfig
 from pdjax.scheduler.admission import admission_report
 from pdjax.scheduler.overload import has_overload
@@ -75,7 +75,7 @@ def _warm_up(engine, cfg: ServeConfig, cancelled: Callable[[], bool] = lambda: F
     prefill/decode pair (every source stage's gather, every destination stage's scatter). Seconds taken.
     WarmupCancelled after the shape during which `cancelled()` turned true."""
     runners = [runner for _, _, runner, _, _ in _instances(engine)]
-    swap = cfg.scheduler.preemption_mode == "swap"
+    swap = cfg.scheduler.preemption_mode == "swap" or uses_host_kv(cfg.deployment)   # host KV tier: swap copies
     bar = progress_bar(cfg, sum(r.buckets.num_shapes for r in runners), "warm-up", "shape")
 
     def progress(n: int) -> None:

@@ -54,8 +54,8 @@ class HostLoadStepTime(StepTimeBase):
             raise ValueError(f"instance {owner!r}: a host KV tier with pp={base.pp} pipeline stages is not "
                              "simulated; expected deployment.<group>.pp=1 or no host KV tier")
         self.base, self.owner, self.local_s, self.remote_s = base, owner, local_s, remote_s
-        self.takes_context = base.takes_context
-        self.decode_only_exact = base.decode_only_exact
+        self.takes_context = bool(getattr(base, "takes_context", False))
+        self.decode_only_exact = bool(getattr(base, "decode_only_exact", False))
 
     def load_seconds(self, swap_in: Sequence) -> float:
         remote = sum(1 for slot, _ in swap_in if slot.__class__ is tuple and slot[0] != self.owner)
