@@ -349,9 +349,14 @@ class ClusterEngine:
         if out.swap_out or out.swap_in:
             inst.runner.collect(inst.runner.dispatch(out))
 
-    def _load_handoffs(self, inst: Instance, out) -> None:
-        """Before a decode step: write each newly admitted request's staged KV into its page table."""
+    def _load_handoffs(self, inst: Instance, out):
+        """Before a decode step: write each newly admitted request's staged KV into its page table. Returns the
+        batch to dispatch: `out`, or, when it carries host KV tier copies (a page offloaded may be one the staged
+        KV is written into), `out` without them, made here first (device pages read before the scatter)."""
         runner = inst.runner
+        if out.swap_out or out.swap_in:
+            runner.swap(out.swap_out, out.swap_in)
+            out = dataclasses.replace(out, swap_out=[], swap_in=[])
         index = {rid: i for i, rid in enumerate(out.req_ids)}
         for rid in out.kv_handoff_req_ids:
             if rid in self._staged and self._staged[rid] is None:    # partial transfer with nothing missing
@@ -363,6 +368,7 @@ class ClusterEngine:
             i = index[rid]
             local = out.reqs[i].num_kv_local_pages if out.reqs else 0   # pages it held already (partial transfer)
             runner.kv_stages = scatter_kv_pages(runner.kv_stages, out.page_tables[i][local:], staged)
+        return out
 
     def _fill(self, inst: Instance, queue: BatchQueue, now: Callable[[], float]) -> None:
         """Schedule and dispatch `inst`'s batches while its queue is not full and schedule(now) is non-empty
@@ -374,9 +380,10 @@ class ClusterEngine:
             if out.is_empty:
                 self._copies_only(inst, out)
                 return
+            run = out
             if out.kv_handoff_req_ids:
-                self._load_handoffs(inst, out)
-            handle = inst.runner.dispatch(out) if self.overlap else None
+                run = self._load_handoffs(inst, out)
+            handle = inst.runner.dispatch(run) if self.overlap else run   # not overlapped: dispatched at collect
             queue.push(out, (start, handle))
 
     def abort(self, request_id: str, now: float) -> bool:
@@ -487,7 +494,7 @@ class ClusterEngine:
             self._poll_transfers(self._now)
             self._fill(inst, queue, self._now)
         out, (start, handle) = queue.pop()     # the oldest batch: wait for it, apply it
-        handle = handle if self.overlap else inst.runner.dispatch(out)
+        handle = handle if self.overlap else inst.runner.dispatch(handle)   # not overlapped: `handle` is the batch
         sampled = self.coordinator.collect(inst.runner, handle)
         end = self._now()
         sampled, aborted, pages = fail_nonfinite(inst.scheduler, out, sampled, end,
