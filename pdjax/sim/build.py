@@ -315,7 +315,7 @@ def build_instances(setup: SimSetup) -> Dict[str, List[Any]]:
 
 def build_router(setup: SimSetup, instances: List[Any]) -> InstanceRouter:
     """The colocated replicas' router (`simulate` calls it as router(request, instances))."""
-    options = {} if setup.kv is None else router_options(setup, "colocated", instances[0].step_time)
+    options = {} if setup.kv is None else router_options(setup, "colocated", instances[0].timer.step_time)
     return InstanceRouter(setup.router, instances, role="colocated", **options)
 
 

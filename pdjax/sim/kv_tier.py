@@ -121,7 +121,7 @@ def apply_kv_centric(setup, instances: Dict[str, List[Any]]) -> None:
         for inst in group:
             if inst.scheduler.block_manager.host_tier is None:
                 continue
-            inst.step_time = HostLoadStepTime(inst.step_time, inst.name, local_s, remote_s)
+            inst.step_time = HostLoadStepTime(inst.timer.step_time, inst.name, local_s, remote_s)
             inst.timer = StageTimer(inst.step_time, None)
 
 
@@ -132,7 +132,7 @@ def router_options(setup, role: str, step_time) -> Dict[str, Any]:
     pb = page_bytes(setup)
     hw = hardware_of(setup, role)
     local_s, remote_s = pb / host_link_bandwidth(hw), pb / remote_fetch_bandwidth(hw)
-    base = getattr(step_time, "base", step_time)
+    base = step_time.base if isinstance(step_time, HostLoadStepTime) else step_time
     return {"cost": prefill_cost(base, setup.groups[role].scheduler_config.token_budget),
             "fetch": lambda local, remote: local * local_s + remote * remote_s,
             "balance_abs": dep.router_balance_abs, "balance_rel": dep.router_balance_rel,

@@ -1,0 +1,182 @@
+"""KV-cache-centric scheduling experiments (issue 30, Mooncake FAST'25), in the simulator. The command line is
+experiments/kv_cache.py; each part returns JSON rows.
+
+Setting (Mooncake's simulated one, at a size this machine runs in minutes): Llama-2-70B dimensions
+('llama-2-70b-16k': the 70B model with a 16k context, so the long Mooncake prompts fit; prompts clipped to 15,000
+tokens, outputs to 1,000) on A100-80GB SXM (or H100) nodes, TP4 per instance, Sarathi chunked prefill (budget
+2048), prefix caching on (page 16). Colocated: 4 instances; disaggregated: 2 prefill + 2 decode (16 GPUs each).
+Traces: the Mooncake conversation and synthetic traces (shared data/traces/mooncake_fast25_*.csv, their hash_ids
+become shared token blocks: pdjax.workload), the first `num_requests` rows, arrivals from the trace scaled to the
+asked rate.
+
+Parts:
+- `hit_ratio`: prefix-cache hit ratio (prompt tokens served from a device prefix cache or a host KV tier /
+  prompt tokens of served requests) vs host capacity per instance (0, then multiples of the device's KV pages),
+  local host tiers vs one shared pool, under round_robin and kv_centric routing; colocated, at `rate`.
+- `routers`: TTFT / TBT percentiles at `rate`, and the highest rate of `rates` meeting the SLOs (attainment >=
+  `min_attainment`: TTFT <= `slo_ttft`, TPOT <= `slo_tpot`), for round_robin / least_loaded / prefix_affinity /
+  kv_centric, colocated and disaggregated (partial transfer and host tiers on for every router, so the routers
+  are what differs).
+- `speed`: simulated iterations per wall second on a chat10k-size run (configs/sim/chat10k.py, 10,000 requests)
+  spread over 4 replicas with prefix caching, round_robin vs kv_centric with host tiers.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from pdjax.config.files import REPO_ROOT, config_file
+from pdjax.config.serving import serve_config_from_dict
+from pdjax.metrics import summarize_run
+from pdjax.sim.build import build_pending_requests, build_setup
+from pdjax.sim.run import simulate_setup
+from pdjax.workload.traces import load_trace
+
+TRACES = {"conversation": "mooncake_fast25_conversation.csv", "synthetic": "mooncake_fast25_synthetic.csv"}
+ROUTERS = ("round_robin", "least_loaded", "prefix_affinity", "kv_centric")
+KINDS = ("colocated", "disaggregated")
+
+
+def trace_path(trace: str) -> str:
+    return os.path.normpath(os.path.join(REPO_ROOT, os.pardir, "shared", "data", "traces", TRACES[trace]))
+
+
+def base_config(trace: str, *, kind: str = "colocated", router: str = "round_robin", num_requests: int = 1000,
+                time_scale: float = 1.0, hardware: str = "a100-80gb-sxm", host_blocks: int = 0,
+                host_pool: str = "local", num_pages: int = 0) -> Dict[str, Any]:
+    """The serve config dict of one simulated run (module docstring). host_blocks: host KV tier pages per instance;
+    num_pages: device KV pages per instance (0: what the GPUs hold, the cost model's capacity)."""
+    group = {"tp": 4, "host_kv_blocks": host_blocks, "num_pages": num_pages}
+    return {
+        "backend": "sim", "seed": 0,
+        "model": {"checkpoint": "llama-2-70b-16k"},
+        "engine": {"mode": "online", "progress": False},
+        "scheduler": {"policy": "sarathi", "token_budget": 2048, "max_num_seqs": 128, "max_model_len": 16384,
+                      "page_size": 16, "num_pages": 4096, "enable_prefix_caching": True},
+        "workload": {"kind": "trace", "trace_path": trace_path(trace), "arrival": "trace", "num_requests": num_requests,
+                     "trace_time_scale": time_scale, "max_prompt_len": 15000, "max_output_len": 1000,
+                     "vocab_size": 32000},
+        "slo": {},
+        "sim": {"hardware": hardware},
+        "deployment": {"kind": kind, "router": router, "host_kv_pool": host_pool,
+                       "partial_transfer": kind == "disaggregated",
+                       "colocated": {"num_instances": 4, **group},
+                       "prefill": {"num_instances": 2, **group}, "decode": {"num_instances": 2, **group}},
+    }
+
+
+def simulate_dict(config: Dict[str, Any]):
+    """(SimResult, {role: instances}, wall seconds) of one config dict."""
+    cfg = serve_config_from_dict(config)
+    setup = build_setup(cfg)
+    held = {}
+    start = time.perf_counter()
+    result = simulate_setup(setup, build_pending_requests(cfg), adjust_instances=held.update)
+    return result, held, time.perf_counter() - start
+
+
+def hit_stats(result, instances: Dict[str, List[Any]]) -> Dict[str, Any]:
+    """Prompt tokens served from a device cache / a host tier (local, remote) over the prompt tokens of the
+    requests that were admitted (prefill side only for a disaggregated run)."""
+    roles = ("colocated", "prefill")
+    bms = [i.scheduler.block_manager for r in roles for i in instances.get(r, ())]
+    ps = bms[0].page_size
+    prompt = sum(r.num_prompt_tokens for r in result.requests if r.first_scheduled_time is not None)
+    device = sum(b.num_cache_hit_pages for b in bms) * ps
+    host = sum(b.num_host_hit_pages for b in bms) * ps
+    remote = sum(b.num_remote_hit_pages for b in bms) * ps
+    return {"prompt_tokens": prompt, "device_hit_tokens": device, "host_hit_tokens": host,
+            "remote_hit_tokens": remote, "hit_ratio": (device + host) / prompt if prompt else 0.0}
+
+
+def device_pages(config: Dict[str, Any]) -> int:
+    """KV pages per instance the cost model gives the config's group (its GPUs' memory)."""
+    setup = build_setup(serve_config_from_dict(config))
+    return next(iter(setup.groups.values())).scheduler_config.num_pages
+
+
+def time_scale_for(trace: str, rate: float, num_requests: int) -> float:
+    """trace_time_scale that replays the trace's first rows at `rate` requests/s on average."""
+    rows = load_trace(trace_path(trace)).rows[:num_requests]
+    span = rows[-1].arrival_time - rows[0].arrival_time
+    return (len(rows) / rate) / span if span > 0 else 1.0
+
+
+def hit_ratio(traces: Sequence[str], num_requests: int, rate: float, host_multiples: Sequence[float],
+              routers: Sequence[str] = ("round_robin", "kv_centric"), hardware: str = "a100-80gb-sxm",
+              num_pages: int = 0) -> List[Dict[str, Any]]:
+    """Rows of part `hit_ratio` (module docstring)."""
+    rows = []
+    for trace in traces:
+        scale = time_scale_for(trace, rate, num_requests)
+        pages = num_pages or device_pages(base_config(trace, num_requests=num_requests, hardware=hardware))
+        for router in routers:
+            for pool in ("local", "shared"):
+                for m in host_multiples:
+                    if pool == "shared" and not m:
+                        continue                        # no host memory: nothing to share
+                    host = int(m * pages)
+                    config = base_config(trace, router=router, num_requests=num_requests, time_scale=scale,
+                                         hardware=hardware, host_blocks=host, host_pool=pool, num_pages=num_pages)
+                    result, instances, wall = simulate_dict(config)
+                    rows.append({"trace": trace, "router": router, "pool": pool, "device_pages": pages,
+                                 "host_pages": host, "host_multiple": m, "rate": rate, "wall_s": round(wall, 2),
+                                 **hit_stats(result, instances)})
+    return rows
+
+
+def _latency(summary: Dict[str, Any]) -> Dict[str, Any]:
+    pick = lambda d: {k: (round(v, 4) if v is not None else None) for k, v in d.items() if k != "mean"}  # noqa: E731
+    return {"ttft": pick(summary["ttft"]), "tbt": pick(summary["tbt"]), "slo_attainment": summary["slo_attainment"]}
+
+
+def routers(traces: Sequence[str], num_requests: int, rate: float, rates: Sequence[float],
+            kinds: Sequence[str] = KINDS, routers_: Sequence[str] = ROUTERS, hardware: str = "a100-80gb-sxm",
+            host_multiple: float = 1.0, slo_ttft: float = 30.0, slo_tpot: float = 0.1,
+            min_attainment: float = 0.9) -> List[Dict[str, Any]]:
+    """Rows of part `routers` (module docstring): per (trace, kind, router) the latencies at `rate` and the
+    highest of `rates` whose SLO attainment reaches `min_attainment`."""
+    rows = []
+    slos = {"ttft": slo_ttft, "tpot": slo_tpot}
+    for trace in traces:
+        pages = device_pages(base_config(trace, num_requests=num_requests, hardware=hardware))
+        for kind in kinds:
+            for router in routers_:
+                row: Dict[str, Any] = {"trace": trace, "kind": kind, "router": router, "rate": rate,
+                                       "slo": slos, "host_pages": int(host_multiple * pages)}
+                best: Optional[float] = None
+                for r in sorted(set(rates) | {rate}):
+                    config = base_config(trace, kind=kind, router=router, num_requests=num_requests,
+                                         time_scale=time_scale_for(trace, r, num_requests), hardware=hardware,
+                                         host_blocks=int(host_multiple * pages))
+                    result, instances, wall = simulate_dict(config)
+                    summary = summarize_run(result.requests, result.iterations, slos)
+                    if r == rate:
+                        row.update(_latency(summary), wall_s=round(wall, 2), **hit_stats(result, instances))
+                    if r in rates and (summary["slo_attainment"] or 0) >= min_attainment:
+                        best = r if best is None else max(best, r)
+                row["max_slo_rate"] = best
+                rows.append(row)
+    return rows
+
+
+def speed(num_requests: int = 10_000, replicas: int = 4) -> List[Dict[str, Any]]:
+    """Rows of part `speed`: configs/sim/chat10k.py over `replicas` replicas at replicas x its rate, prefix caching
+    on, round_robin vs kv_centric with a host tier (as many pages as the device)."""
+    rows = []
+    for router, host in (("round_robin", 0), ("kv_centric", 1)):
+        config = copy.deepcopy(config_file(os.path.join(REPO_ROOT, "configs", "sim", "chat10k.py"), "chat10k.py").to_dict())
+        config["workload"].update(num_requests=num_requests, rate=config["workload"]["rate"] * replicas)
+        config["scheduler"]["enable_prefix_caching"] = True
+        config["deployment"].update(kind="colocated", router=router)
+        config["deployment"]["colocated"].update(num_instances=replicas)
+        if host:
+            pages = device_pages(config)
+            config["deployment"]["colocated"]["host_kv_blocks"] = pages
+        result, _, wall = simulate_dict(config)
+        rows.append({"router": router, "host_kv_blocks": config["deployment"]["colocated"].get("host_kv_blocks", 0),
+                     "num_requests": num_requests, "replicas": replicas, "num_iterations": result.num_iterations,
+                     "wall_s": round(wall, 2), "iterations_per_s": round(result.num_iterations / wall)})
+    return rows

@@ -1,0 +1,34 @@
+"""Smoke test of the KV-cache-centric experiments (pdjax.experiment.kv_cache, experiments/kv_cache.py) at their
+smallest size: each part runs and its rows say what they should."""
+import pytest
+
+from pdjax.experiment import kv_cache
+
+
+@pytest.fixture
+def mooncake(shared_data):
+    if not (shared_data / "traces" / kv_cache.TRACES["conversation"]).is_file():
+        pytest.skip("Mooncake trace not present")
+
+
+def test_hit_ratio_rows(mooncake):
+    rows = kv_cache.hit_ratio(["conversation"], num_requests=40, rate=2.0, host_multiples=[0, 8],
+                              routers=("round_robin",), num_pages=1100)
+    assert [(r["pool"], r["host_multiple"]) for r in rows] == [("local", 0), ("local", 8), ("shared", 8)]
+    assert all(0 <= r["hit_ratio"] <= 1 and r["prompt_tokens"] > 0 for r in rows)
+    assert rows[0]["host_hit_tokens"] == 0
+    assert rows[1]["hit_ratio"] >= rows[0]["hit_ratio"]
+
+
+def test_router_rows(mooncake):
+    rows = kv_cache.routers(["conversation"], num_requests=30, rate=1.0, rates=[1.0], kinds=["disaggregated"],
+                            routers_=["kv_centric"])
+    (row,) = rows
+    assert row["router"] == "kv_centric" and row["ttft"]["p50"] > 0 and row["tbt"]["p99"] > 0
+    assert row["max_slo_rate"] in (None, 1.0)
+
+
+def test_speed_rows():
+    rows = kv_cache.speed(num_requests=40, replicas=2)
+    assert [r["router"] for r in rows] == ["round_robin", "kv_centric"]
+    assert all(r["num_iterations"] > 0 and r["iterations_per_s"] > 0 for r in rows)
