@@ -161,6 +161,17 @@ class DeploymentConfig:
       machines move into the mixed pool and back; needs mixed.num_instances=0 and kind='disaggregated').
     Module docstring and pdjax.scheduler.mixed: what a mixed machine then does.
     admission*, rebalance*: early rejection and online XpYd rebalancing (pdjax.config.overload; all off by default)."""
+    KV-cache-centric keys (issue 30, Mooncake's; all off by default; `check_kv_centric` and, for what needs the
+    scheduler block, pdjax.config.validate.check_kv_centric_blocks):
+    router 'prefix_affinity' / 'kv_centric' (pdjax.scheduler.routing; not with a mixed pool or rebalancing);
+    router_cache_threshold / router_balance_abs / router_balance_rel: prefix_affinity's thresholds (the SGLang
+      router's rule);
+    `<group>.host_kv_blocks` (pages) or `<group>.host_kv_gib`: a host-memory KV tier per instance
+      (pdjax.scheduler.kv_tier; needs scheduler.enable_prefix_caching; not on the mixed group);
+    host_kv_pool: 'local' (each instance its own tier) or 'shared' (one pool of all their pages, Mooncake's);
+    host_kv_eviction: 'lru' or 'lfu';
+    partial_transfer: a decode instance that holds a prefix of a handed-off request's KV (device or host tier)
+      receives only the rest (disaggregated only; needs prefix caching)."""
     kind: str = one_of("colocated", DEPLOYMENT_KINDS)
     router: str = one_of("round_robin", ROUTERS)
     colocated: InstanceGroupConfig = InstanceGroupConfig()

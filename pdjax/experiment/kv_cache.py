@@ -167,7 +167,8 @@ def speed(num_requests: int = 10_000, replicas: int = 4) -> List[Dict[str, Any]]
     on, round_robin vs kv_centric with a host tier (as many pages as the device)."""
     rows = []
     for router, host in (("round_robin", 0), ("kv_centric", 1)):
-        config = copy.deepcopy(config_file(os.path.join(REPO_ROOT, "configs", "sim", "chat10k.py"), "chat10k.py").to_dict())
+        chat10k = os.path.join(REPO_ROOT, "configs", "sim", "chat10k.py")
+        config = copy.deepcopy(config_file(chat10k, "chat10k.py").to_dict())
         config["workload"].update(num_requests=num_requests, rate=config["workload"]["rate"] * replicas)
         config["scheduler"]["enable_prefix_caching"] = True
         config["deployment"].update(kind="colocated", router=router)
