@@ -79,8 +79,10 @@ def _host_hits(engine):
     return sum(i.scheduler.block_manager.num_host_hit_pages for i in engine.instances)
 
 
-@pytest.mark.parametrize("router", ["prefix_affinity", "kv_centric"])
-@pytest.mark.parametrize("pool", ["local", "shared"])
+@pytest.mark.parametrize("router,pool", [
+    ("prefix_affinity", "local"), ("kv_centric", "shared"),
+    pytest.param("kv_centric", "local", marks=pytest.mark.slow),
+    pytest.param("prefix_affinity", "shared", marks=pytest.mark.slow)])
 def test_colocated_cache_aware_routers_and_host_tier_match_one_instance(model, waves, reference, router, pool):
     from pdjax.serving.build import build_engine
     spec, params = model
