@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
 
@@ -40,7 +41,9 @@ class HostKVTier:
         if eviction not in HOST_KV_EVICTIONS:
             raise ValueError(f"host KV tier eviction={eviction!r}, expected one of {HOST_KV_EVICTIONS}")
         self.capacity, self.eviction = capacity, eviction
-        self._slot: Dict[object, Tuple[str, int]] = {}    # key -> slot; LRU: least recent first (dict order)
+        # key -> slot, least recent first: an OrderedDict, whose first entry is O(1) however many were removed
+        # before it (a dict's next(iter(d)) skips the holes its front deletions leave)
+        self._slot: "OrderedDict[object, Tuple[str, int]]" = OrderedDict()
         self._hits: Dict[object, int] = {}                 # lfu: key -> hit count
         self._heap: list = []                              # lfu: (hits, tick, key), stale entries skipped
         self._tick = itertools.count()
@@ -55,21 +58,20 @@ class HostKVTier:
 
     def _touch(self, key) -> None:
         if self.eviction == "lru":
-            self._slot[key] = self._slot.pop(key)
+            self._slot.move_to_end(key)
         else:
             self._hits[key] += 1
             heapq.heappush(self._heap, (self._hits[key], next(self._tick), key))
 
     def _evict_one(self) -> int:
-        if self.eviction == "lru":
-            key = next(iter(self._slot))
-        else:
-            while True:
-                hits, _, key = heapq.heappop(self._heap)
-                if key in self._slot and self._hits[key] == hits:
-                    break
-            del self._hits[key]
         self.num_evictions += 1
+        if self.eviction == "lru":
+            return self._slot.popitem(last=False)[1][1]
+        while True:
+            hits, _, key = heapq.heappop(self._heap)
+            if key in self._slot and self._hits[key] == hits:
+                break
+        del self._hits[key]
         return self._slot.pop(key)[1]
 
     def offload(self, key, owner: str) -> Optional[Tuple[str, int]]:
