@@ -15,7 +15,7 @@ def test_hit_ratio_rows(mooncake):
     rows = kv_cache.hit_ratio(["conversation"], num_requests=16, rate=2.0, host_multiples=[0, 8],
                               routers=("round_robin",), num_pages=1100)
     assert [(r["pool"], r["host_multiple"]) for r in rows] == [("local", 0), ("local", 8), ("shared", 8)]
-    assert all(0 <= r["hit_ratio"] <= 1 and r["prompt_tokens"] > 0 for r in rows)
+    assert all(0 <= r["hit_ratio"] <= 1 and r["queried_tokens"] > 0 for r in rows)
     assert rows[0]["host_hit_tokens"] == 0
     assert rows[1]["hit_ratio"] >= rows[0]["hit_ratio"]
 

@@ -78,17 +78,19 @@ def simulate_dict(config: Dict[str, Any]):
 
 
 def hit_stats(result, instances: Dict[str, List[Any]]) -> Dict[str, Any]:
-    """Prompt tokens served from a device cache / a host tier (local, remote) over the prompt tokens of the
-    requests that were admitted (prefill side only for a disaggregated run)."""
+    """Prompt tokens served from a device cache / a host tier (local, remote) over the prompt tokens every
+    admission looked up (a request re-admitted after a preemption looks up again; prefill side only for a
+    disaggregated run: the decode side's reuse is partial transfer's)."""
     roles = ("colocated", "prefill")
     bms = [i.scheduler.block_manager for r in roles for i in instances.get(r, ())]
     ps = bms[0].page_size
-    prompt = sum(r.num_prompt_tokens for r in result.requests if r.first_scheduled_time is not None)
+    queried = sum(b.num_query_pages for b in bms) * ps
     device = sum(b.num_cache_hit_pages for b in bms) * ps
     host = sum(b.num_host_hit_pages for b in bms) * ps
     remote = sum(b.num_remote_hit_pages for b in bms) * ps
-    return {"prompt_tokens": prompt, "device_hit_tokens": device, "host_hit_tokens": host,
-            "remote_hit_tokens": remote, "hit_ratio": (device + host) / prompt if prompt else 0.0}
+    return {"queried_tokens": queried, "device_hit_tokens": device, "host_hit_tokens": host,
+            "remote_hit_tokens": remote, "hit_ratio": (device + host) / queried if queried else 0.0,
+            "num_preemptions": sum(r.num_preemptions for r in result.requests)}
 
 
 def device_pages(config: Dict[str, Any]) -> int:

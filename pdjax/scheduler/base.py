@@ -703,6 +703,8 @@ class Scheduler:
         if bm.num_free_pages - need_check - (bm.num_free_among(hits) if hits else 0) < wm:
             req.num_computed_tokens = 0
             return 0
+        if self._caching:
+            bm.num_query_pages += (len(req.all_token_ids) - 1) // ps
         if hits:
             bm.take_cached(req.page_table, hits)
         bm.allocate(req.page_table, need)
@@ -731,6 +733,7 @@ class Scheduler:
         if bm.num_free_pages - need_check - (bm.num_free_among(hits) if hits else 0) < wm:
             req.num_computed_tokens = 0
             return 0
+        bm.num_query_pages += max_hit
         if hits:
             bm.take_cached(req.page_table, hits)
         if host:

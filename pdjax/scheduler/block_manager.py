@@ -60,6 +60,7 @@ class BlockManager:
         self._key_to_page: dict = {}
         self._free_host: List[int] = list(range(num_host_pages - 1, -1, -1))
         self.num_cache_hit_pages = 0
+        self.num_query_pages = 0         # pages admissions looked up in the prefix cache (the hit ratio's base)
         self.num_evictions = 0
         self.host_tier = None            # pdjax.scheduler.kv_tier.HostKVTier (module docstring)
         self.tier_owner = ""
