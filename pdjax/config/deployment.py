@@ -160,7 +160,7 @@ class DeploymentConfig:
     mixed_pool: 'dedicated' (the `mixed` group is the mixed pool) or 'borrow' (Splitwise's: prefill and decode
       machines move into the mixed pool and back; needs mixed.num_instances=0 and kind='disaggregated').
     Module docstring and pdjax.scheduler.mixed: what a mixed machine then does.
-    admission*, rebalance*: early rejection and online XpYd rebalancing (pdjax.config.overload; all off by default)."""
+    admission*, rebalance*: early rejection and online XpYd rebalancing (pdjax.config.overload; all off by default).
     KV-cache-centric keys (issue 30, Mooncake's; all off by default; `check_kv_centric` and, for what needs the
     scheduler block, pdjax.config.validate.check_kv_centric_blocks):
     router 'prefix_affinity' / 'kv_centric' (pdjax.scheduler.routing; not with a mixed pool or rebalancing);

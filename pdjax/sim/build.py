@@ -357,7 +357,7 @@ def disaggregated_kwargs(setup: SimSetup, instances: Dict[str, List[Any]]) -> Di
         def configure(pool):
             configure_router(pool.prefill_router, options["prefill"])
             configure_router(pool.decode_router, options["decode"])
-        kwargs.update(configure_routers=configure, partial_transfer=setup.kv.partial_transfer)
+        kwargs.update(configure=configure, partial_transfer=setup.kv.partial_transfer)
     return kwargs
 
 

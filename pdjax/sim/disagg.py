@@ -225,8 +225,7 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[SimInstance],
                            mixed_prefill_queue_tokens: int = 8192,
                            mixed_decode_load: float = 1.0, mixed_pool: str = "dedicated",
                            decode_runs: bool = True, pool_factory: Optional[Callable] = None,
-                           configure_routers: Optional[Callable] = None, partial_transfer: bool = False
-                           ) -> DisaggSimResult:
+                           configure: Optional[Callable] = None, partial_transfer: bool = False) -> DisaggSimResult:
     """Serve `requests` (scheduler Requests, arrival_time in seconds) on prefill and decode instances, and the
     mixed pool's instances (role 'mixed', MixedScheduler; thresholds as deployment.mixed_prefill_queue_tokens /
     mixed_decode_load), until all finish (module docstring). mixed_pool='borrow' (deployment.mixed_pool): no
@@ -239,10 +238,8 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[SimInstance],
     instances through schedule() and update() (the same results, slower: pdjax.sim.simulator.Simulation.decode_run).
     pool_factory(prefill, decode) -> cluster pool: overload handling (pdjax.scheduler.overload: early rejection,
     online rebalancing) instead of make_pool; it reads loads at every event, so decode runs are off with it.
-    configure_routers(pool): called once the pool is built (pdjax.sim.kv_tier: the cache-aware routers' options).
-    partial_transfer: decode instances take the prefix they hold on a handoff (their schedulers' reuse_prefix) and
-    the transfer moves the rest; their decode runs then never take a step across the next event (a handoff
-    changes their page pool).
+    configure(pool): called once the pool is built (pdjax.sim.kv_tier: the cache-aware routers' options).
+    partial_transfer: decode instances take the KV prefix they hold, transfers move the rest (no run crosses events).
     """
     prefill, decode, mixed = list(prefill), list(decode), list(mixed)
     _check_instances(prefill, decode, mixed)
@@ -253,8 +250,8 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[SimInstance],
              and mixed_pool == "dedicated" and pool_factory is None)
     pool = (make_pool(mixed_pool, router, prefill, decode, mixed, prefill_queue_tokens=mixed_prefill_queue_tokens,
                       decode_load=mixed_decode_load) if pool_factory is None else pool_factory(prefill, decode))
-    if configure_routers is not None:
-        configure_routers(pool)
+    if configure is not None:
+        configure(pool)
     instances = prefill + decode + mixed
     c = Simulation(requests, instances, pool.pick_prefill, direct=True, sample=sample, on_schedule=on_schedule,
                    max_iterations=max_iterations, pool=pool,
