@@ -6,6 +6,8 @@ greedy tokens of one big instance; and the engine's per-step schedules equal the
 The requests come in waves (one `engine.run` per wave on the same engine: schedulers, prefix caches and host tiers
 persist), so which pages are cached, evicted and offloaded when a wave starts is the same whatever the CPU's
 speed: the host-tier hits are deterministic."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -231,3 +233,28 @@ def test_colocated_engine_with_host_tier_equals_the_simulator_with_decode_runs()
     assert [r.__dict__ for r in sim.requests] == [r.__dict__ for r in result.requests]
     assert sim_sched.block_manager.num_host_hit_pages == sched.block_manager.num_host_hit_pages > 0
     assert any(s[6] for s in log)          # some step loaded host pages
+
+
+def test_disaggregated_engine_routers_get_the_deployments_options():
+    """kv_centric and prefix_affinity on a disaggregated ClusterEngine: the deployment's thresholds reach both
+    routers and kv_centric keeps a working cost (tokens unless one is given): an arrival goes to the prefill
+    instance that holds its prefix."""
+    import random
+    from pdjax.config.deployment import deployment_from_dict
+    from pdjax.scheduler import Request, make_scheduler
+    from pdjax.scheduler.fake_runner import drive
+    from pdjax.serving.cluster import ClusterEngine, Instance
+    from pdjax.serving.kv_tier import router_options
+    rng = random.Random(1)
+    cfg = SchedulerConfig(policy="prefill_only", token_budget=64, max_num_seqs=8, max_model_len=256, page_size=16,
+                          num_pages=64, enable_prefix_caching=True)
+    prompt = [rng.randrange(1, 200) for _ in range(80)]
+    for router in ("kv_centric", "prefix_affinity"):
+        dep = deployment_from_dict({"kind": "disaggregated", "router": router, "router_balance_abs": 7})
+        prefill = [Instance(f"prefill{i}", "prefill", None, make_scheduler(cfg)) for i in range(2)]
+        decode = [Instance("decode0", "decode", None, make_scheduler(dataclasses.replace(cfg, policy="decode_only")))]
+        drive(prefill[1].scheduler, [(0.0, Request("warm", prompt + [1], SamplingParams(max_tokens=1), 0.0))])
+        engine = ClusterEngine(prefill + decode, router=router, router_options=router_options(dep))
+        assert engine.entry_router.balance_abs == engine.decode_router.balance_abs == 7
+        req = Request("r", prompt + [2], SamplingParams(max_tokens=2), 0.0)
+        assert engine.entry_router.pick(req) is prefill[1], router

@@ -64,5 +64,8 @@ def attach_engine_kv(instances: Sequence, dep, spec) -> None:
 
 def router_options(dep, cost: Optional[Callable[[int, int], float]] = None) -> dict:
     """InstanceRouter keyword arguments of the cache-aware routers for the engine (module docstring)."""
-    return {"cost": cost, "balance_abs": dep.router_balance_abs, "balance_rel": dep.router_balance_rel,
-            "cache_threshold": dep.router_cache_threshold}
+    options = {"balance_abs": dep.router_balance_abs, "balance_rel": dep.router_balance_rel,
+               "cache_threshold": dep.router_cache_threshold}
+    if cost is not None:       # else the router's own default (tokens)
+        options["cost"] = cost
+    return options
