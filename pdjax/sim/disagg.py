@@ -259,6 +259,10 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[SimInstance],
     # instance, or round robin); the handoffs and KV landings in between touch only its KV queues.
     blind = len(decode) == 1 or router == "round_robin"
     c.cross = [runs and blind and c.run_schedules[i] == 0 for i, runs in enumerate(c.decode_runs)]
+    # One decode instance, every instance one stage with one batch in flight: its runs go on past the other
+    # instances' steps and the arrivals, up to the next KV landing (Simulation.start_pending_run)
+    if len(decode) == 1 and c.cross[len(prefill)] and all(r == 0 for r in c.run_schedules):
+        c.pass_idx = len(prefill)
     now = c.run()
     duration = max((it.end_time for it in c.iterations), default=0.0)
     summary = None

@@ -399,6 +399,18 @@ class RunStep:
         self.record = record
 
 
+class PendingRun:
+    """The decode run of a disaggregated deployment's one decode instance (Simulation.pass_idx) planned from
+    starts[0] but applied only when its last step ends (Simulation.start_pending_run): other instances' steps,
+    arrivals and handoffs go on meanwhile (they touch only its KV queues); a KV landing at L (known when its
+    transfer starts) drops the planned steps starting at or after L (truncate_pending). Its iteration records
+    wait in Simulation.deferred until their place in completion order is known. seq: its completion's heap key."""
+    __slots__ = ("run", "starts", "ends", "seconds", "seq")
+
+    def __init__(self, run, starts: List[float], ends: List[float], seconds: List[float], seq: int):
+        self.run, self.starts, self.ends, self.seconds, self.seq = run, starts, ends, seconds, seq
+
+
 class Simulation:
     """The state of one simulation, colocated or disaggregated, and its steps: the one event loop of both
     deployment kinds (as the engine's pdjax.serving.cluster.ClusterEngine drives both). `colocated` /
@@ -461,6 +473,12 @@ class Simulation:
         self.link_free: Dict[Tuple[int, int], float] = {}
         self.transfer_time = self.kv_bytes_of = None
         self.serialize_transfers = True
+        # disaggregated, one decode instance (pdjax.sim.disagg sets it): its decode runs are PendingRuns, their
+        # records wait in `deferred` (in step order) until completion order places them; `stale`: the heap keys
+        # of the completions of PendingRuns shortened since
+        self.pass_idx = -1
+        self.deferred: deque = deque()
+        self.stale: set = set()
 
     @classmethod
     def colocated(cls, requests, instances, router, async_scheduling, sample, on_schedule, max_iterations,
@@ -513,6 +531,8 @@ class Simulation:
                     finish_steps(now)
                 route_arrivals(now)
                 start_steps(now)
+        self.iterations += self.deferred
+        self.deferred.clear()
         self.check_done(now)
         return now
 
@@ -523,11 +543,19 @@ class Simulation:
         """Every step ending at t: (sync) collect the oldest batch in flight and update the scheduler with it (the
         async loop updated it at dispatch), record the iteration, wake the instance, hand off or record the
         requests it finished."""
-        completions, its = self.completions, self.iterations
+        completions, its, stale, deferred = self.completions, self.iterations, self.stale, self.deferred
         while completions and completions[0][0] <= t:
-            _, _, idx = heapq.heappop(completions)
+            _, seq, idx = heapq.heappop(completions)
+            if stale and seq in stale:       # a PendingRun's completion before it was shortened
+                stale.discard(seq)
+                continue
             inst = self.instances[idx]
+            if inst.in_flight.__class__ is PendingRun:
+                self.finish_pending(idx)
+                continue
             if inst.in_flight.__class__ is RunStep:   # a decode run's last step, applied already: its record
+                if deferred:
+                    self.flush_deferred(t, inst.in_flight.record.start_time, idx)
                 its.append(inst.in_flight.record)
                 inst.in_flight = None
                 self.waking[idx] = True
@@ -540,6 +568,8 @@ class Simulation:
                 finished = inst.scheduler.update(out, self.sample(out), t)
             if self.observe_step is not None:
                 self.observe_step(inst, out)
+            if deferred:
+                self.flush_deferred(t, start, idx)
             its.append(IterationRecord(
                 step=len(its) if self.global_steps else inst.num_steps, start_time=start, end_time=t,
                 num_prefill_tokens=out.num_prefill_tokens, num_decode_tokens=out.num_decode_tokens,
@@ -600,6 +630,70 @@ class Simulation:
                                 kv_bytes=kv, ready_time=t, start_time=start, end_time=end, moved_bytes=kv)
         self.transfers.append(record)
         heapq.heappush(self.kv_arrivals, (end, next(self.seq), record, src_idx, dst_idx))
+        if dst_idx == self.pass_idx and dst.in_flight.__class__ is PendingRun:
+            self.truncate_pending(dst_idx, end)
+
+    # ------------------------------------------------------------------------------------------- pending runs
+    def start_pending_run(self, idx: int, t: float) -> Optional[float]:
+        """Plan instance `idx`'s (Simulation.pass_idx) decode run from t: every step up to the run's first finish
+        that starts before the next known KV landing, its PendingRun in flight until the last one ends (applied
+        then: finish_pending); returns that end, None when there is no run. What happens meanwhile touches only
+        its KV queues (add_handoff); a landing stops the run before the step that would admit it."""
+        inst = self.instances[idx]
+        run = inst.scheduler.decode_run(self.max_iterations - len(self.iterations) - len(self.deferred))
+        if run is None:
+            return None
+        limit = self.kv_arrivals[0][0] if self.kv_arrivals else float("inf")
+        starts, ends, seconds, chunk_lists, end = plan_run(run, inst.timer.step_time, t, limit, ends_before=False)
+        if not starts:
+            return None
+        self.deferred += self.run_records(idx, run.count, starts, ends, chunk_lists, inst.num_steps)
+        seq = next(self.seq)
+        inst.in_flight = PendingRun(run, starts, ends, seconds, seq)
+        heapq.heappush(self.completions, (end, seq, idx))
+        return end
+
+    def truncate_pending(self, idx: int, landing: float) -> None:
+        """A KV transfer to instance `idx` lands at `landing`: its PendingRun keeps the steps starting before
+        then (the step that starts at or after it would admit the request); the dropped steps' records are the
+        last of `deferred` (any flushed one started before now <= landing), its completion moves earlier."""
+        pend = self.instances[idx].in_flight
+        starts = pend.starts
+        k = next((j for j, s in enumerate(starts) if s >= landing), None)
+        if k is None:
+            return
+        if k == 0:
+            raise RuntimeError(f"pending decode run of {self.names[idx]!r} from {starts[0]} cut by a KV landing at "
+                               f"{landing}: nothing may land before the run's first step")
+        for _ in range(len(starts) - k):
+            self.deferred.pop()
+        del starts[k:], pend.ends[k:], pend.seconds[k:]
+        self.stale.add(pend.seq)
+        pend.seq = next(self.seq)
+        heapq.heappush(self.completions, (pend.ends[-1], pend.seq, idx))
+
+    def finish_pending(self, idx: int) -> None:
+        """Instance `idx`'s PendingRun ended: apply its steps (scheduler, finished requests' records, stage
+        accounting) and wake the instance; its iteration records stay in `deferred` (flush_deferred)."""
+        inst = self.instances[idx]
+        pend = inst.in_flight
+        inst.in_flight = None
+        apply_run(pend.run, inst.pipeline, self.requests, pend.starts, pend.ends, pend.seconds)
+        inst.num_steps += len(pend.starts)
+        self.waking[idx] = True
+
+    def flush_deferred(self, t: float, start: float, idx: int) -> None:
+        """Before the record of instance idx's step [start, t]: the deferred records that complete before it: an
+        earlier end, or the same end and an earlier dispatch (the completion heap's insertion order; at one
+        dispatch time instances dispatch in index order)."""
+        deferred, its, k = self.deferred, self.iterations, self.pass_idx
+        while deferred:
+            r = deferred[0]
+            end = r.end_time
+            if end < t or (end == t and (r.start_time < start or (r.start_time == start and k < idx))):
+                its.append(deferred.popleft())
+            else:
+                break
 
     def land_transfer(self, t: float) -> None:
         """The next KV arrival due at t: the decode side may admit it, the prefill side frees its pages."""
@@ -719,6 +813,8 @@ class Simulation:
         run its loop at t; an instance marked `cross` (a disaggregated decode instance whose state nothing reads
         before its step ends: pdjax.sim.disagg) also takes the step across the next event, applied at once and
         recorded at its end (RunStep: the instance is blocked until then, as collecting that step)."""
+        if idx == self.pass_idx:
+            return self.start_pending_run(idx, t)
         limit = self.run_limit(idx, t)
         if limit is None:
             return None
@@ -859,20 +955,27 @@ class Simulation:
                    chunk_lists: Optional[list]) -> None:
         """The iteration records of a decode run's steps on instance `idx` (count running requests; chunk_lists:
         per step its prefill chunks, None for a decode-only run)."""
-        inst, its, name = self.instances[idx], self.iterations, self.names[idx]
-        k = len(starts)
+        inst, its = self.instances[idx], self.iterations
         step = len(its) if self.global_steps else inst.num_steps
-        inst.num_steps += k
+        inst.num_steps += len(starts)
+        its += self.run_records(idx, count, starts, ends, chunk_lists, step)
+
+    def run_records(self, idx: int, count: int, starts: Sequence[float], ends: Sequence[float],
+                    chunk_lists: Optional[list], step: int) -> list:
+        """record_run's records, the first numbered `step`."""
+        name, k = self.names[idx], len(starts)
         if chunk_lists is None:
-            its += map(IterationRecord, range(step, step + k), starts, ends, repeat(0, k), repeat(count, k),
-                       repeat(count, k), repeat(name, k))
-            return
+            return list(map(IterationRecord, range(step, step + k), starts, ends, repeat(0, k), repeat(count, k),
+                            repeat(count, k), repeat(name, k)))
+        records = []
         for s, e, chunks in zip(starts, ends, chunk_lists):
             if chunks:
-                its.append(IterationRecord(step, s, e, sum(n for n, _ in chunks), count, count + len(chunks), name))
+                records.append(IterationRecord(step, s, e, sum(n for n, _ in chunks), count, count + len(chunks),
+                                               name))
             else:
-                its.append(IterationRecord(step, s, e, 0, count, count, name))
+                records.append(IterationRecord(step, s, e, 0, count, count, name))
             step += 1
+        return records
 
     def run_async(self, idx: int, t: float) -> None:
         """The engine's async loop of instance `idx` from host time t, until the host blocks on a step or waits.
@@ -962,7 +1065,10 @@ def gc_paused():
     """Python's cyclic garbage collector off while the block runs, as it was after (also on an error): a
     simulation keeps hundreds of thousands of objects alive (records, token times) and makes no reference
     cycles, so the collector's repeated passes over them are pure cost (about a fifth of chat10k's time).
-    Reference counting still frees everything as usual."""
+    Reference counting still frees everything as usual. On the way out the objects made meanwhile go straight to
+    the oldest generation (gc.freeze / unfreeze, unless the process froze objects itself): enabled again, the
+    collector would pass over all of them (still counted young) at the next allocation, a tenth of a second per
+    700,000 objects, only to move the survivors (the records) up a generation."""
     if not gc.isenabled():
         yield
         return
@@ -970,7 +1076,12 @@ def gc_paused():
     try:
         yield
     finally:
+        promote = gc.get_freeze_count() == 0
+        if promote:
+            gc.freeze()
         gc.enable()
+        if promote:
+            gc.unfreeze()
 
 
 def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, *,
