@@ -365,7 +365,7 @@ def run_dyadic(decode_runs: bool, num_prefill: int, seed: int, transfer_s: float
 
 @pytest.mark.parametrize("num_prefill,seed,transfer_s,decode_s", [
     (1, 0, 0.125, 0.125), (2, 1, 0.0625, 0.125), (2, 2, 0.0, 0.125), (1, 3, 0.25, 0.125), (1, 4, 0.125, 0.5),
-    (2, 6, 0.125, 0.5)])
+    (2, 6, 0.125, 0.5), (1, 14, 0.125, 0.5), (1, 16, 0.125, 0.625)])
 def test_pending_decode_runs_keep_the_order_of_ties(num_prefill, seed, transfer_s, decode_s):
     """Step ends on a 1/16 s grid: decode steps end exactly with prefill steps (the records keep the completion
     heap's order: the earlier dispatch first; decode steps shorter or longer than prefill steps put them after or

@@ -403,12 +403,16 @@ class PendingRun:
     """The decode run of a disaggregated deployment's one decode instance (Simulation.pass_idx) planned from
     starts[0] but applied only when its last step ends (Simulation.start_pending_run): other instances' steps,
     arrivals and handoffs go on meanwhile (they touch only its KV queues); a KV landing at L (known when its
-    transfer starts) drops the planned steps starting at or after L (truncate_pending). Its iteration records
-    wait in Simulation.deferred until their place in completion order is known. seq: its completion's heap key."""
-    __slots__ = ("run", "starts", "ends", "seconds", "seq")
+    transfer starts) drops the planned steps starting at or after L (truncate_pending). Its iteration records are
+    made when their place in completion order is known (Simulation.flush_deferred: the first `emitted` are out;
+    the rest wait in Simulation.deferred once it is applied), step numbers from `step`. seq: its completion's heap
+    key."""
+    __slots__ = ("run", "starts", "ends", "seconds", "chunk_lists", "step", "emitted", "seq")
 
-    def __init__(self, run, starts: List[float], ends: List[float], seconds: List[float], seq: int):
+    def __init__(self, run, starts: List[float], ends: List[float], seconds: List[float],
+                 chunk_lists: Optional[list], step: int, seq: int):
         self.run, self.starts, self.ends, self.seconds, self.seq = run, starts, ends, seconds, seq
+        self.chunk_lists, self.step, self.emitted = chunk_lists, step, 0
 
 
 class Simulation:
@@ -477,6 +481,7 @@ class Simulation:
         # records wait in `deferred` (in step order) until completion order places them; `stale`: the heap keys
         # of the completions of PendingRuns shortened since
         self.pass_idx = -1
+        self.pending_run: Optional[PendingRun] = None
         self.deferred: deque = deque()
         self.stale: set = set()
 
@@ -554,7 +559,7 @@ class Simulation:
                 self.finish_pending(idx)
                 continue
             if inst.in_flight.__class__ is RunStep:   # a decode run's last step, applied already: its record
-                if deferred:
+                if deferred or self.pending_run is not None:
                     self.flush_deferred(t, inst.in_flight.record.start_time, idx)
                 its.append(inst.in_flight.record)
                 inst.in_flight = None
@@ -568,7 +573,7 @@ class Simulation:
                 finished = inst.scheduler.update(out, self.sample(out), t)
             if self.observe_step is not None:
                 self.observe_step(inst, out)
-            if deferred:
+            if deferred or self.pending_run is not None:
                 self.flush_deferred(t, start, idx)
             its.append(IterationRecord(
                 step=len(its) if self.global_steps else inst.num_steps, start_time=start, end_time=t,
@@ -647,16 +652,15 @@ class Simulation:
         starts, ends, seconds, chunk_lists, end = plan_run(run, inst.timer.step_time, t, limit, ends_before=False)
         if not starts:
             return None
-        self.deferred += self.run_records(idx, run.count, starts, ends, chunk_lists, inst.num_steps)
         seq = next(self.seq)
-        inst.in_flight = PendingRun(run, starts, ends, seconds, seq)
+        inst.in_flight = self.pending_run = PendingRun(run, starts, ends, seconds, chunk_lists, inst.num_steps, seq)
         heapq.heappush(self.completions, (end, seq, idx))
         return end
 
     def truncate_pending(self, idx: int, landing: float) -> None:
         """A KV transfer to instance `idx` lands at `landing`: its PendingRun keeps the steps starting before
-        then (the step that starts at or after it would admit the request); the dropped steps' records are the
-        last of `deferred` (any flushed one started before now <= landing), its completion moves earlier."""
+        then (the step that starts at or after it would admit the request; any step whose record is out started
+        before now <= landing), its completion moves earlier."""
         pend = self.instances[idx].in_flight
         starts = pend.starts
         k = next((j for j, s in enumerate(starts) if s >= landing), None)
@@ -665,19 +669,22 @@ class Simulation:
         if k == 0:
             raise RuntimeError(f"pending decode run of {self.names[idx]!r} from {starts[0]} cut by a KV landing at "
                                f"{landing}: nothing may land before the run's first step")
-        for _ in range(len(starts) - k):
-            self.deferred.pop()
         del starts[k:], pend.ends[k:], pend.seconds[k:]
+        if pend.chunk_lists is not None:
+            del pend.chunk_lists[k:]
         self.stale.add(pend.seq)
         pend.seq = next(self.seq)
         heapq.heappush(self.completions, (pend.ends[-1], pend.seq, idx))
 
     def finish_pending(self, idx: int) -> None:
         """Instance `idx`'s PendingRun ended: apply its steps (scheduler, finished requests' records, stage
-        accounting) and wake the instance; its iteration records stay in `deferred` (flush_deferred)."""
+        accounting) and wake the instance; its iteration records not out yet wait in `deferred` (flush_deferred)."""
         inst = self.instances[idx]
         pend = inst.in_flight
-        inst.in_flight = None
+        inst.in_flight = self.pending_run = None
+        a = pend.emitted
+        self.deferred += self.run_records(idx, pend.run.count, pend.starts[a:], pend.ends[a:],
+                                          None if pend.chunk_lists is None else pend.chunk_lists[a:], pend.step + a)
         apply_run(pend.run, inst.pipeline, self.requests, pend.starts, pend.ends, pend.seconds)
         inst.num_steps += len(pend.starts)
         self.waking[idx] = True
@@ -685,7 +692,8 @@ class Simulation:
     def flush_deferred(self, t: float, start: float, idx: int) -> None:
         """Before the record of instance idx's step [start, t]: the deferred records that complete before it: an
         earlier end, or the same end and an earlier dispatch (the completion heap's insertion order; at one
-        dispatch time instances dispatch in index order)."""
+        dispatch time instances dispatch in index order): those of applied runs (`deferred`), then the steps of the
+        PendingRun in flight."""
         deferred, its, k = self.deferred, self.iterations, self.pass_idx
         while deferred:
             r = deferred[0]
@@ -693,7 +701,18 @@ class Simulation:
             if end < t or (end == t and (r.start_time < start or (r.start_time == start and k < idx))):
                 its.append(deferred.popleft())
             else:
-                break
+                return
+        pend = self.pending_run
+        if pend is None:
+            return
+        starts, ends, a = pend.starts, pend.ends, pend.emitted
+        j, n = a, len(starts)
+        while j < n and (ends[j] < t or (ends[j] == t and (starts[j] < start or (starts[j] == start and k < idx)))):
+            j += 1
+        if j > a:
+            its += self.run_records(k, pend.run.count, starts[a:j], ends[a:j],
+                                    None if pend.chunk_lists is None else pend.chunk_lists[a:j], pend.step + a)
+            pend.emitted = j
 
     def land_transfer(self, t: float) -> None:
         """The next KV arrival due at t: the decode side may admit it, the prefill side frees its pages."""
