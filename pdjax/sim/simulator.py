@@ -230,9 +230,13 @@ def plan_decode_clock(run, decode: Callable[[int], float], start: float, limit: 
     after). The clock runs in blocks, each step's end its start plus its seconds (accumulate adds left to right,
     as `start + d` step by step); step times >= 0 keep the starts sorted, so the first step past the limit is
     found by bisection (a negative one: the block is scanned in order)."""
-    count, total = run.count, run.total
+    return clock_steps(decode, run.count, run.total, run.plan_decode_steps(), start, limit, ends_before=ends_before)
+
+
+def clock_steps(decode: Callable[[int], float], count: int, total: int, left: int, start: float, limit: float, *,
+                ends_before: bool):
+    """plan_decode_clock's clock of `left` steps of `count` decoders whose contexts sum to `total` at the first."""
     starts, ends, seconds = [], [], []
-    left = run.plan_decode_steps()
     # First block: about the steps until the limit at the first step's time (steps only grow longer)
     first = decode(total) if left else 0.0
     gap = limit - start
@@ -406,13 +410,14 @@ class PendingRun:
     transfer starts) drops the planned steps starting at or after L (truncate_pending). Its iteration records are
     made when their place in completion order is known (Simulation.flush_deferred: the first `emitted` are out;
     the rest wait in Simulation.deferred once it is applied), step numbers from `step`. seq: its completion's heap
-    key."""
-    __slots__ = ("run", "starts", "ends", "seconds", "chunk_lists", "step", "emitted", "seq")
+    key. left: steps of the run not clocked yet (clocked up to a horizon: the next other instance's step end;
+    finish_pending clocks more unless a KV landing came meanwhile)."""
+    __slots__ = ("run", "starts", "ends", "seconds", "chunk_lists", "step", "emitted", "seq", "left")
 
     def __init__(self, run, starts: List[float], ends: List[float], seconds: List[float],
                  chunk_lists: Optional[list], step: int, seq: int):
         self.run, self.starts, self.ends, self.seconds, self.seq = run, starts, ends, seconds, seq
-        self.chunk_lists, self.step, self.emitted = chunk_lists, step, 0
+        self.chunk_lists, self.step, self.emitted, self.left = chunk_lists, step, 0, 0
 
 
 class Simulation:
@@ -649,13 +654,43 @@ class Simulation:
         if run is None:
             return None
         limit = self.kv_arrivals[0][0] if self.kv_arrivals else float("inf")
-        starts, ends, seconds, chunk_lists, end = plan_run(run, inst.timer.step_time, t, limit, ends_before=False)
+        left = 0
+        if run.prefills:
+            starts, ends, seconds, chunk_lists, end = plan_run(run, inst.timer.step_time, t, limit,
+                                                               ends_before=False)
+        else:     # clocked up to the next step end of another instance (its handoffs may land soon after)
+            horizon = self.completions[0][0] if self.completions else limit
+            left = run.plan_decode_steps()
+            starts, ends, seconds, end = clock_steps(inst.timer.step_time.decode_fn(run.count), run.count,
+                                                     run.total, left, t, min(horizon, limit), ends_before=False)
+            chunk_lists, left = None, (left - len(starts) if horizon < limit else 0)
         if not starts:
             return None
         seq = next(self.seq)
-        inst.in_flight = self.pending_run = PendingRun(run, starts, ends, seconds, chunk_lists, inst.num_steps, seq)
+        pend = inst.in_flight = self.pending_run = PendingRun(run, starts, ends, seconds, chunk_lists,
+                                                              inst.num_steps, seq)
+        pend.left = left
         heapq.heappush(self.completions, (end, seq, idx))
         return end
+
+    def extend_pending(self, idx: int, pend: PendingRun) -> bool:
+        """Clock more steps of PendingRun `pend` (no KV landing came since it was clocked) from its last end, up
+        to the next step end of another instance and the next known landing; False when none is left to clock."""
+        limit = self.kv_arrivals[0][0] if self.kv_arrivals else float("inf")
+        horizon = self.completions[0][0] if self.completions else limit
+        run, k = pend.run, len(pend.starts)
+        starts, ends, seconds, end = clock_steps(self.instances[idx].timer.step_time.decode_fn(run.count),
+                                                 run.count, run.total + k * run.count, pend.left, pend.ends[-1],
+                                                 min(horizon, limit), ends_before=False)
+        if not starts:
+            return False
+        pend.left = pend.left - len(starts) if horizon < limit else 0
+        pend.starts += starts
+        pend.ends += ends
+        pend.seconds += seconds
+        pend.seq = next(self.seq)
+        heapq.heappush(self.completions, (end, pend.seq, idx))
+        return True
 
     def truncate_pending(self, idx: int, landing: float) -> None:
         """A KV transfer to instance `idx` lands at `landing`: its PendingRun keeps the steps starting before
@@ -663,6 +698,8 @@ class Simulation:
         before now <= landing), its completion moves earlier."""
         pend = self.instances[idx].in_flight
         starts = pend.starts
+        if landing <= pend.ends[-1]:
+            pend.left = 0        # the step after the last one would see it
         k = next((j for j, s in enumerate(starts) if s >= landing), None)
         if k is None:
             return
@@ -681,6 +718,8 @@ class Simulation:
         accounting) and wake the instance; its iteration records not out yet wait in `deferred` (flush_deferred)."""
         inst = self.instances[idx]
         pend = inst.in_flight
+        if pend.left and self.extend_pending(idx, pend):
+            return
         inst.in_flight = self.pending_run = None
         a = pend.emitted
         self.deferred += self.run_records(idx, pend.run.count, pend.starts[a:], pend.ends[a:],
