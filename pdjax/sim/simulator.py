@@ -65,7 +65,10 @@ different requests (two groups taking turns: new prompts' chunks beside the deco
 takes pair runs (`Simulation.pair_run`, pdjax.scheduler.runs.PairRun): the half-steps (collect the oldest batch,
 schedule its group again) up to the next arrival, a finish, or the collect that completes a prompt, applied in
 bulk, the last batch left in flight as its SchedulerOutput. A decode_only instance's run also takes the step that
-admits handed-off requests whose KV landed (DecodeOnlyScheduler._run_kv_admissions).
+admits handed-off requests whose KV landed (DecodeOnlyScheduler._run_kv_admissions); the one decode instance of
+a disaggregated deployment takes its runs past the other instances' steps and the arrivals (`PendingRun`: applied
+when its last step ends, cut at the step that would admit a KV landing once the transfer starts; its records wait
+for their place in completion order: same end, the earlier dispatch first).
 Requests may be given as PendingRequests (pdjax.sim.build does): each becomes its scheduler Request when it
 arrives, and every request that finishes for good is turned into its RequestRecord at once and dropped
 (`SimRequests`), so a run holds the token lists of its live requests only, not of all of them
