@@ -289,6 +289,30 @@ def test_decode_runs_across_the_next_event(num_prefill, num_decode, decode_pages
     assert bool(made) == crosses
 
 
+@pytest.mark.parametrize("seed", [13, 3])
+def test_decode_runs_pass_arrivals_while_every_other_instance_is_busy(seed, monkeypatch):
+    """A decode instance whose state nothing reads between its steps (round robin over two decode instances) plans
+    its run past the arrivals that come while every other instance is blocked on a step (they only queue: no
+    step, hence no handoff or landing, can start before the next step end): the same records as one step at a
+    time."""
+    from pdjax.sim import simulator
+    passed = []
+    cross_limit = simulator.Simulation.cross_limit
+
+    def counting(self, idx):
+        limit = cross_limit(self, idx)
+        passed.append(limit > self.next_event_time())
+        return limit
+
+    args = (1, 2, 512, "round_robin", seed)
+    reference = run_disaggregated(False, *args)
+    monkeypatch.setattr(simulator.Simulation, "cross_limit", counting)
+    got = run_disaggregated(True, *args)
+    assert_same(reference, got)
+    assert [t.__dict__ for t in got[0].transfers] == [t.__dict__ for t in reference[0].transfers]
+    assert sum(passed) >= 5, "the case is meant to plan runs past arrivals"
+
+
 @pytest.mark.parametrize("num_prefill,decode_pages,seed", [(1, 512, 3), (1, 72, 3), (1, 512, 13), (2, 512, 5)])
 def test_pending_decode_runs_pass_other_events(num_prefill, decode_pages, seed, monkeypatch):
     """One decode instance: its runs go on past the prefill instances' step ends (handoffs) and the arrivals,
