@@ -22,6 +22,7 @@ from pdjax.sim.disagg import DisaggSimInstance, simulate_disaggregated
 from pdjax.sim.hardware import get_hardware_spec
 from pdjax.sim.simulator import SimInstance, simulate
 from pdjax.sim.step_cost import CachedIterationTime, CachedStageTimes, make_step_time
+from pdjax.sim.step_time import StepTimeBase
 
 MODEL, HARDWARE = get_model_spec("mistral-7b"), get_hardware_spec("a100-80gb-sxm")
 
@@ -264,12 +265,11 @@ def test_decode_runs_admit_landed_kv(decode_pages, monkeypatch):
 
 
 @pytest.mark.parametrize("num_prefill,num_decode,decode_pages,router,crosses", [
-    (1, 1, 512, "round_robin", True), (1, 2, 512, "round_robin", True), (1, 1, 72, "round_robin", True),
-    (2, 2, 512, "least_loaded", False)])
+    (1, 2, 512, "round_robin", True), (2, 2, 512, "least_loaded", False)])
 def test_decode_runs_across_the_next_event(num_prefill, num_decode, decode_pages, router, crosses, monkeypatch):
     """A decode instance's run may end with the step across the next event (simulator.RunStep: applied at once,
-    recorded at its end) only where nothing reads its state meanwhile (one decode instance or round robin; the
-    least-loaded router reads its load), and the records stay those of one step at a time."""
+    recorded at its end) only where nothing reads its state meanwhile (round robin; the least-loaded router reads
+    its load), and the records stay those of one step at a time."""
     from pdjax.sim import simulator
     made = []
 
@@ -289,10 +289,12 @@ def test_decode_runs_across_the_next_event(num_prefill, num_decode, decode_pages
     assert bool(made) == crosses
 
 
-def test_decode_runs_pass_arrivals_while_every_other_instance_is_busy(monkeypatch):
-    """A decode instance whose state nothing reads between its steps (one decode instance) plans its run past
-    the arrivals that come while every other instance is blocked on a step (they only queue: no step, hence no
-    handoff or landing, can start before the next step end): the same records as one step at a time."""
+@pytest.mark.parametrize("seed", [13, 3])
+def test_decode_runs_pass_arrivals_while_every_other_instance_is_busy(seed, monkeypatch):
+    """A decode instance whose state nothing reads between its steps (round robin over two decode instances) plans
+    its run past the arrivals that come while every other instance is blocked on a step (they only queue: no
+    step, hence no handoff or landing, can start before the next step end): the same records as one step at a
+    time."""
     from pdjax.sim import simulator
     passed = []
     cross_limit = simulator.Simulation.cross_limit
@@ -302,13 +304,105 @@ def test_decode_runs_pass_arrivals_while_every_other_instance_is_busy(monkeypatc
         passed.append(limit > self.next_event_time())
         return limit
 
-    args = (1, 1, 512, "round_robin", 13)
+    args = (1, 2, 512, "round_robin", seed)
     reference = run_disaggregated(False, *args)
     monkeypatch.setattr(simulator.Simulation, "cross_limit", counting)
     got = run_disaggregated(True, *args)
     assert_same(reference, got)
     assert [t.__dict__ for t in got[0].transfers] == [t.__dict__ for t in reference[0].transfers]
     assert sum(passed) >= 5, "the case is meant to plan runs past arrivals"
+
+
+@pytest.mark.parametrize("num_prefill,decode_pages,seed", [(1, 512, 3), (1, 72, 3), (1, 512, 13), (2, 512, 5)])
+def test_pending_decode_runs_pass_other_events(num_prefill, decode_pages, seed, monkeypatch):
+    """One decode instance: its runs go on past the prefill instances' step ends (handoffs) and the arrivals,
+    up to the next KV landing (simulator.PendingRun, applied when its last step ends; a landing whose transfer
+    starts meanwhile drops the steps from the one that would admit it); its records are merged into the
+    iteration list in completion order: the same records, transfers and page pools as one step at a time."""
+    from pdjax.sim import simulator
+    spans, cuts = [], []
+    start_pending, truncate = simulator.Simulation.start_pending_run, simulator.Simulation.truncate_pending
+
+    def starting(self, idx, t):
+        end = start_pending(self, idx, t)
+        if end is not None:
+            spans.append((self, t, end))
+        return end
+
+    def cutting(self, idx, landing):
+        before = len(self.instances[idx].in_flight.starts)
+        truncate(self, idx, landing)
+        cuts.append(before - len(self.instances[idx].in_flight.starts))
+
+    args = (num_prefill, 1, decode_pages, "round_robin", seed)
+    reference = run_disaggregated(False, *args)
+    monkeypatch.setattr(simulator.Simulation, "start_pending_run", starting)
+    monkeypatch.setattr(simulator.Simulation, "truncate_pending", cutting)
+    got = run_disaggregated(True, *args)
+    assert_same(reference, got)
+    assert [t.__dict__ for t in got[0].transfers] == [t.__dict__ for t in reference[0].transfers]
+    other_ends = sorted(i.end_time for i in got[0].iterations if i.instance.startswith("prefill"))
+    arrivals = sorted(r.arrival_time for r in got[0].requests)
+    passed = sum(1 for _, t, end in spans
+                 if any(t < e < end for e in other_ends) or any(t < a < end for a in arrivals))
+    assert passed >= 5, "the case is meant to run decode steps past other instances' steps and arrivals"
+    assert sum(1 for c in cuts if c > 0) >= 3, "the case is meant to cut pending runs at KV landings"
+
+
+class DyadicStepTime(StepTimeBase):
+    """Constant step times that are exact binary fractions: every step end falls on a grid of 1/16 s, so the
+    decode instance's steps end exactly when prefill steps do and KV lands exactly when decode steps start."""
+    decode_only_exact = True
+
+    def __init__(self, decode_s: float, prefill_s: float):
+        self.decode_s, self.prefill_s = decode_s, prefill_s
+
+    def __call__(self, out, ctx=None) -> float:
+        return self.prefill_s if out.num_prefill_tokens else self.decode_s
+
+    def decode_fn(self, count: int):
+        return lambda total: self.decode_s
+
+    def composition(self, count, total_context, chunks) -> float:
+        return self.prefill_s
+
+    def decode_stages_fn(self, count: int):
+        return lambda total: ((self.decode_s,), ())
+
+
+def run_dyadic(decode_runs: bool, num_prefill: int, seed: int, transfer_s: float, decode_s: float):
+    base = SchedulerConfig(policy="sarathi", token_budget=256, max_num_seqs=16, max_model_len=1024, page_size=16,
+                           num_pages=512)
+    made = {role: [DisaggSimInstance(f"{role}{i}", role,
+                                     make_scheduler(instance_scheduler_config(base, InstanceGroupConfig(), role)),
+                                     DyadicStepTime(decode_s, 0.25 if i % 2 else 0.375))
+                   for i in range(n)] for role, n in (("prefill", num_prefill), ("decode", 1))}
+    reqs = make_requests(60, seed, rate=6.0)
+    for r in reqs:
+        r.arrival_time = round(r.arrival_time * 16) / 16
+    result = simulate_disaggregated(reqs, made["prefill"], made["decode"], lambda src, dst, n: transfer_s,
+                                    decode_runs=decode_runs)
+    state = [(i.scheduler.step, i.num_steps, list(i.scheduler.block_manager._free),
+              list(i.scheduler.block_manager.ref_count)) for i in made["prefill"] + made["decode"]]
+    return result, state
+
+
+@pytest.mark.parametrize("num_prefill,seed,transfer_s,decode_s", [
+    (1, 0, 0.125, 0.125), (2, 1, 0.0625, 0.125), (2, 2, 0.0, 0.125), (1, 3, 0.25, 0.125), (1, 4, 0.125, 0.5),
+    (2, 6, 0.125, 0.5), (1, 14, 0.125, 0.5), (1, 16, 0.125, 0.625)])
+def test_pending_decode_runs_keep_the_order_of_ties(num_prefill, seed, transfer_s, decode_s):
+    """Step ends on a 1/16 s grid: decode steps end exactly with prefill steps (the records keep the completion
+    heap's order: the earlier dispatch first; decode steps shorter or longer than prefill steps put them after or
+    before) and KV lands exactly at a decode step's start (that step admits it): the same records as one step at
+    a time."""
+    reference = run_dyadic(False, num_prefill, seed, transfer_s, decode_s)
+    got = run_dyadic(True, num_prefill, seed, transfer_s, decode_s)
+    assert_same(reference, got)
+    assert [t.__dict__ for t in got[0].transfers] == [t.__dict__ for t in reference[0].transfers]
+    its = got[0].iterations
+    decode_ends = {i.end_time for i in its if i.instance == "decode0"}
+    ties = sum(1 for i in its if i.instance.startswith("prefill") and i.end_time in decode_ends)
+    assert ties >= 5, "the case is meant to have decode and prefill steps ending at the same time"
 
 
 def test_decode_runs_wait_for_every_instance_woken_at_the_same_time(monkeypatch):

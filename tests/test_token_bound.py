@@ -67,3 +67,21 @@ def test_gc_paused_restores_the_collector():
         assert not gc.isenabled()        # left off as it was
     finally:
         gc.enable()
+
+
+def test_gc_paused_promotes_the_run_objects_and_leaves_nothing_frozen():
+    """On the way out the objects made meanwhile go to the oldest generation (no young-generation pass over them
+    at the next allocation), nothing stays frozen, and a caller's own frozen objects stay frozen."""
+    with gc_paused():
+        made = [[i] for i in range(1000)]
+    assert gc.get_freeze_count() == 0
+    assert gc.get_count()[0] < 1000                 # the young generation does not hold them
+    assert any(obj is made for obj in gc.get_objects(generation=2))
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with gc_paused():
+            more = [[i] for i in range(10)]
+        assert gc.get_freeze_count() == frozen and more
+    finally:
+        gc.unfreeze()

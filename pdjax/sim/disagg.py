@@ -83,7 +83,11 @@ sequence of named steps at each event time t:
                        touch only its KV queues; past the arrivals that come while every other instance is
                        blocked on a step: Simulation.cross_limit; its first step admits landed KV;
                        bit-identical records, tests/test_decode_runs.py;
-                       `decode_runs=False` turns them off)
+                       `decode_runs=False` turns them off). With one decode instance and every instance one
+                       stage with one batch in flight, its runs go on past the other instances' step ends and
+                       the arrivals, up to the step that would admit the next KV landing
+                       (Simulation.start_pending_run: a PendingRun applied when its last step ends, cut short
+                       when a transfer to it starts, its records merged into the list in completion order)
 Instances are pdjax.sim.simulator.SimInstance in their role (`DisaggSimInstance` builds one); transfers are
 pdjax.scheduler.instances.TransferRecord, the engine's record too.
 No JAX.
@@ -264,6 +268,10 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[SimInstance],
     # instance, or round robin); the handoffs and KV landings in between touch only its KV queues.
     blind = (len(decode) == 1 or router == "round_robin") and not partial_transfer
     c.cross = [runs and blind and c.run_schedules[i] == 0 for i, runs in enumerate(c.decode_runs)]
+    # One decode instance, every instance one stage with one batch in flight: its runs go on past the other
+    # instances' steps and the arrivals, up to the next KV landing (Simulation.start_pending_run)
+    if len(decode) == 1 and c.cross[len(prefill)] and all(r == 0 for r in c.run_schedules):
+        c.pass_idx = len(prefill)
     now = c.run()
     duration = max((it.end_time for it in c.iterations), default=0.0)
     summary = None

@@ -65,7 +65,10 @@ different requests (two groups taking turns: new prompts' chunks beside the deco
 takes pair runs (`Simulation.pair_run`, pdjax.scheduler.runs.PairRun): the half-steps (collect the oldest batch,
 schedule its group again) up to the next arrival, a finish, or the collect that completes a prompt, applied in
 bulk, the last batch left in flight as its SchedulerOutput. A decode_only instance's run also takes the step that
-admits handed-off requests whose KV landed (DecodeOnlyScheduler._run_kv_admissions).
+admits handed-off requests whose KV landed (DecodeOnlyScheduler._run_kv_admissions); the one decode instance of
+a disaggregated deployment takes its runs past the other instances' steps and the arrivals (`PendingRun`: applied
+when its last step ends, cut at the step that would admit a KV landing once the transfer starts; its records wait
+for their place in completion order: same end, the earlier dispatch first).
 Requests may be given as PendingRequests (pdjax.sim.build does): each becomes its scheduler Request when it
 arrives, and every request that finishes for good is turned into its RequestRecord at once and dropped
 (`SimRequests`), so a run holds the token lists of its live requests only, not of all of them
@@ -230,9 +233,13 @@ def plan_decode_clock(run, decode: Callable[[int], float], start: float, limit: 
     after). The clock runs in blocks, each step's end its start plus its seconds (accumulate adds left to right,
     as `start + d` step by step); step times >= 0 keep the starts sorted, so the first step past the limit is
     found by bisection (a negative one: the block is scanned in order)."""
-    count, total = run.count, run.total
+    return clock_steps(decode, run.count, run.total, run.plan_decode_steps(), start, limit, ends_before=ends_before)
+
+
+def clock_steps(decode: Callable[[int], float], count: int, total: int, left: int, start: float, limit: float, *,
+                ends_before: bool):
+    """plan_decode_clock's clock of `left` steps of `count` decoders whose contexts sum to `total` at the first."""
     starts, ends, seconds = [], [], []
-    left = run.plan_decode_steps()
     # First block: about the steps until the limit at the first step's time (steps only grow longer)
     first = decode(total) if left else 0.0
     gap = limit - start
@@ -399,6 +406,23 @@ class RunStep:
         self.record = record
 
 
+class PendingRun:
+    """The decode run of a disaggregated deployment's one decode instance (Simulation.pass_idx) planned from
+    starts[0] but applied only when its last step ends (Simulation.start_pending_run): other instances' steps,
+    arrivals and handoffs go on meanwhile (they touch only its KV queues); a KV landing at L (known when its
+    transfer starts) drops the planned steps starting at or after L (truncate_pending). Its iteration records are
+    made when their place in completion order is known (Simulation.flush_deferred: the first `emitted` are out;
+    the rest wait in Simulation.deferred once it is applied), step numbers from `step`. seq: its completion's heap
+    key. left: steps of the run not clocked yet (clocked up to a horizon: the next other instance's step end;
+    finish_pending clocks more unless a KV landing came meanwhile)."""
+    __slots__ = ("run", "starts", "ends", "seconds", "chunk_lists", "step", "emitted", "seq", "left")
+
+    def __init__(self, run, starts: List[float], ends: List[float], seconds: List[float],
+                 chunk_lists: Optional[list], step: int, seq: int):
+        self.run, self.starts, self.ends, self.seconds, self.seq = run, starts, ends, seconds, seq
+        self.chunk_lists, self.step, self.emitted, self.left = chunk_lists, step, 0, 0
+
+
 class Simulation:
     """The state of one simulation, colocated or disaggregated, and its steps: the one event loop of both
     deployment kinds (as the engine's pdjax.serving.cluster.ClusterEngine drives both). `colocated` /
@@ -461,6 +485,13 @@ class Simulation:
         self.link_free: Dict[Tuple[int, int], float] = {}
         self.transfer_time = self.kv_bytes_of = None
         self.serialize_transfers = True
+        # disaggregated, one decode instance (pdjax.sim.disagg sets it): its decode runs are PendingRuns, their
+        # records wait in `deferred` (in step order) until completion order places them; `stale`: the heap keys
+        # of the completions of PendingRuns shortened since
+        self.pass_idx = -1
+        self.pending_run: Optional[PendingRun] = None
+        self.deferred: deque = deque()
+        self.stale: set = set()
 
     @classmethod
     def colocated(cls, requests, instances, router, async_scheduling, sample, on_schedule, max_iterations,
@@ -513,6 +544,8 @@ class Simulation:
                     finish_steps(now)
                 route_arrivals(now)
                 start_steps(now)
+        self.iterations += self.deferred
+        self.deferred.clear()
         self.check_done(now)
         return now
 
@@ -523,11 +556,19 @@ class Simulation:
         """Every step ending at t: (sync) collect the oldest batch in flight and update the scheduler with it (the
         async loop updated it at dispatch), record the iteration, wake the instance, hand off or record the
         requests it finished."""
-        completions, its = self.completions, self.iterations
+        completions, its, stale, deferred = self.completions, self.iterations, self.stale, self.deferred
         while completions and completions[0][0] <= t:
-            _, _, idx = heapq.heappop(completions)
+            _, seq, idx = heapq.heappop(completions)
+            if stale and seq in stale:       # a PendingRun's completion before it was shortened
+                stale.discard(seq)
+                continue
             inst = self.instances[idx]
+            if inst.in_flight.__class__ is PendingRun:
+                self.finish_pending(idx)
+                continue
             if inst.in_flight.__class__ is RunStep:   # a decode run's last step, applied already: its record
+                if deferred or self.pending_run is not None:
+                    self.flush_deferred(t, inst.in_flight.record.start_time, idx)
                 its.append(inst.in_flight.record)
                 inst.in_flight = None
                 self.waking[idx] = True
@@ -540,6 +581,8 @@ class Simulation:
                 finished = inst.scheduler.update(out, self.sample(out), t)
             if self.observe_step is not None:
                 self.observe_step(inst, out)
+            if deferred or self.pending_run is not None:
+                self.flush_deferred(t, start, idx)
             its.append(IterationRecord(
                 step=len(its) if self.global_steps else inst.num_steps, start_time=start, end_time=t,
                 num_prefill_tokens=out.num_prefill_tokens, num_decode_tokens=out.num_decode_tokens,
@@ -601,6 +644,118 @@ class Simulation:
                                 kv_bytes=kv, ready_time=t, start_time=start, end_time=end, moved_bytes=kv)
         self.transfers.append(record)
         heapq.heappush(self.kv_arrivals, (end, next(self.seq), record, src_idx, dst_idx))
+        if dst_idx == self.pass_idx and dst.in_flight.__class__ is PendingRun:
+            self.truncate_pending(dst_idx, end)
+
+    # ------------------------------------------------------------------------------------------- pending runs
+    def start_pending_run(self, idx: int, t: float) -> Optional[float]:
+        """Plan instance `idx`'s (Simulation.pass_idx) decode run from t: every step up to the run's first finish
+        that starts before the next known KV landing, its PendingRun in flight until the last one ends (applied
+        then: finish_pending); returns that end, None when there is no run. What happens meanwhile touches only
+        its KV queues (add_handoff); a landing stops the run before the step that would admit it."""
+        inst = self.instances[idx]
+        run = inst.scheduler.decode_run(self.max_iterations - len(self.iterations) - len(self.deferred))
+        if run is None:
+            return None
+        limit = self.kv_arrivals[0][0] if self.kv_arrivals else float("inf")
+        left = 0
+        if run.prefills:
+            starts, ends, seconds, chunk_lists, end = plan_run(run, inst.timer.step_time, t, limit,
+                                                               ends_before=False)
+        else:     # clocked up to the next step end of another instance (its handoffs may land soon after)
+            horizon = self.completions[0][0] if self.completions else limit
+            left = run.plan_decode_steps()
+            starts, ends, seconds, end = clock_steps(inst.timer.step_time.decode_fn(run.count), run.count,
+                                                     run.total, left, t, min(horizon, limit), ends_before=False)
+            chunk_lists, left = None, (left - len(starts) if horizon < limit else 0)
+        if not starts:
+            return None
+        seq = next(self.seq)
+        pend = inst.in_flight = self.pending_run = PendingRun(run, starts, ends, seconds, chunk_lists,
+                                                              inst.num_steps, seq)
+        pend.left = left
+        heapq.heappush(self.completions, (end, seq, idx))
+        return end
+
+    def extend_pending(self, idx: int, pend: PendingRun) -> bool:
+        """Clock more steps of PendingRun `pend` (no KV landing came since it was clocked) from its last end, up
+        to the next step end of another instance and the next known landing; False when none is left to clock."""
+        limit = self.kv_arrivals[0][0] if self.kv_arrivals else float("inf")
+        horizon = self.completions[0][0] if self.completions else limit
+        run, k = pend.run, len(pend.starts)
+        starts, ends, seconds, end = clock_steps(self.instances[idx].timer.step_time.decode_fn(run.count),
+                                                 run.count, run.total + k * run.count, pend.left, pend.ends[-1],
+                                                 min(horizon, limit), ends_before=False)
+        if not starts:
+            return False
+        pend.left = pend.left - len(starts) if horizon < limit else 0
+        pend.starts += starts
+        pend.ends += ends
+        pend.seconds += seconds
+        pend.seq = next(self.seq)
+        heapq.heappush(self.completions, (end, pend.seq, idx))
+        return True
+
+    def truncate_pending(self, idx: int, landing: float) -> None:
+        """A KV transfer to instance `idx` lands at `landing`: its PendingRun keeps the steps starting before
+        then (the step that starts at or after it would admit the request; any step whose record is out started
+        before now <= landing), its completion moves earlier."""
+        pend = self.instances[idx].in_flight
+        starts = pend.starts
+        if landing <= pend.ends[-1]:
+            pend.left = 0        # the step after the last one would see it
+        k = next((j for j, s in enumerate(starts) if s >= landing), None)
+        if k is None:
+            return
+        if k == 0:
+            raise RuntimeError(f"pending decode run of {self.names[idx]!r} from {starts[0]} cut by a KV landing at "
+                               f"{landing}: nothing may land before the run's first step")
+        del starts[k:], pend.ends[k:], pend.seconds[k:]
+        if pend.chunk_lists is not None:
+            del pend.chunk_lists[k:]
+        self.stale.add(pend.seq)
+        pend.seq = next(self.seq)
+        heapq.heappush(self.completions, (pend.ends[-1], pend.seq, idx))
+
+    def finish_pending(self, idx: int) -> None:
+        """Instance `idx`'s PendingRun ended: apply its steps (scheduler, finished requests' records, stage
+        accounting) and wake the instance; its iteration records not out yet wait in `deferred` (flush_deferred)."""
+        inst = self.instances[idx]
+        pend = inst.in_flight
+        if pend.left and self.extend_pending(idx, pend):
+            return
+        inst.in_flight = self.pending_run = None
+        a = pend.emitted
+        self.deferred += self.run_records(idx, pend.run.count, pend.starts[a:], pend.ends[a:],
+                                          None if pend.chunk_lists is None else pend.chunk_lists[a:], pend.step + a)
+        apply_run(pend.run, inst.pipeline, self.requests, pend.starts, pend.ends, pend.seconds)
+        inst.num_steps += len(pend.starts)
+        self.waking[idx] = True
+
+    def flush_deferred(self, t: float, start: float, idx: int) -> None:
+        """Before the record of instance idx's step [start, t]: the deferred records that complete before it: an
+        earlier end, or the same end and an earlier dispatch (the completion heap's insertion order; at one
+        dispatch time instances dispatch in index order): those of applied runs (`deferred`), then the steps of the
+        PendingRun in flight."""
+        deferred, its, k = self.deferred, self.iterations, self.pass_idx
+        while deferred:
+            r = deferred[0]
+            end = r.end_time
+            if end < t or (end == t and (r.start_time < start or (r.start_time == start and k < idx))):
+                its.append(deferred.popleft())
+            else:
+                return
+        pend = self.pending_run
+        if pend is None:
+            return
+        starts, ends, a = pend.starts, pend.ends, pend.emitted
+        j, n = a, len(starts)
+        while j < n and (ends[j] < t or (ends[j] == t and (starts[j] < start or (starts[j] == start and k < idx)))):
+            j += 1
+        if j > a:
+            its += self.run_records(k, pend.run.count, starts[a:j], ends[a:j],
+                                    None if pend.chunk_lists is None else pend.chunk_lists[a:j], pend.step + a)
+            pend.emitted = j
 
     def land_transfer(self, t: float) -> None:
         """The next KV arrival due at t: the decode side may admit it, the prefill side frees its pages."""
@@ -720,6 +875,8 @@ class Simulation:
         run its loop at t; an instance marked `cross` (a disaggregated decode instance whose state nothing reads
         before its step ends: pdjax.sim.disagg) also takes the step across the next event, applied at once and
         recorded at its end (RunStep: the instance is blocked until then, as collecting that step)."""
+        if idx == self.pass_idx:
+            return self.start_pending_run(idx, t)
         limit = self.run_limit(idx, t)
         if limit is None:
             return None
@@ -860,20 +1017,27 @@ class Simulation:
                    chunk_lists: Optional[list]) -> None:
         """The iteration records of a decode run's steps on instance `idx` (count running requests; chunk_lists:
         per step its prefill chunks, None for a decode-only run)."""
-        inst, its, name = self.instances[idx], self.iterations, self.names[idx]
-        k = len(starts)
+        inst, its = self.instances[idx], self.iterations
         step = len(its) if self.global_steps else inst.num_steps
-        inst.num_steps += k
+        inst.num_steps += len(starts)
+        its += self.run_records(idx, count, starts, ends, chunk_lists, step)
+
+    def run_records(self, idx: int, count: int, starts: Sequence[float], ends: Sequence[float],
+                    chunk_lists: Optional[list], step: int) -> list:
+        """record_run's records, the first numbered `step`."""
+        name, k = self.names[idx], len(starts)
         if chunk_lists is None:
-            its += map(IterationRecord, range(step, step + k), starts, ends, repeat(0, k), repeat(count, k),
-                       repeat(count, k), repeat(name, k))
-            return
+            return list(map(IterationRecord, range(step, step + k), starts, ends, repeat(0, k), repeat(count, k),
+                            repeat(count, k), repeat(name, k)))
+        records = []
         for s, e, chunks in zip(starts, ends, chunk_lists):
             if chunks:
-                its.append(IterationRecord(step, s, e, sum(n for n, _ in chunks), count, count + len(chunks), name))
+                records.append(IterationRecord(step, s, e, sum(n for n, _ in chunks), count, count + len(chunks),
+                                               name))
             else:
-                its.append(IterationRecord(step, s, e, 0, count, count, name))
+                records.append(IterationRecord(step, s, e, 0, count, count, name))
             step += 1
+        return records
 
     def run_async(self, idx: int, t: float) -> None:
         """The engine's async loop of instance `idx` from host time t, until the host blocks on a step or waits.
@@ -963,7 +1127,10 @@ def gc_paused():
     """Python's cyclic garbage collector off while the block runs, as it was after (also on an error): a
     simulation keeps hundreds of thousands of objects alive (records, token times) and makes no reference
     cycles, so the collector's repeated passes over them are pure cost (about a fifth of chat10k's time).
-    Reference counting still frees everything as usual."""
+    Reference counting still frees everything as usual. On the way out the objects made meanwhile go straight to
+    the oldest generation (gc.freeze / unfreeze, unless the process froze objects itself): enabled again, the
+    collector would pass over all of them (still counted young) at the next allocation, a tenth of a second per
+    700,000 objects, only to move the survivors (the records) up a generation."""
     if not gc.isenabled():
         yield
         return
@@ -971,7 +1138,12 @@ def gc_paused():
     try:
         yield
     finally:
+        promote = gc.get_freeze_count() == 0
+        if promote:
+            gc.freeze()
         gc.enable()
+        if promote:
+            gc.unfreeze()
 
 
 def simulate(requests: Sequence, instances: Sequence[SimInstance], router=None, *,
