@@ -219,6 +219,20 @@ def _check_instances(prefill: List[SimInstance], decode: List[SimInstance],
         raise ValueError(f"all instances need the same page_size (pages move whole), got {sizes}")
 
 
+def _enable_crossing_runs(c: Simulation, num_prefill: int, num_decode: int, router: str,
+                          partial_transfer: bool) -> None:
+    """Which decode runs may go past the next event. A decode instance's run may end with a step across the next
+    event (Simulation.decode_run) when nothing else reads its state before that step ends: the decode router picks
+    it without reading loads (one decode instance, or round robin); the handoffs and KV landings in between touch
+    only its KV queues (not so with partial transfer: a handoff takes the prefix the instance holds). One decode
+    instance, every instance one stage with one batch in flight: its runs go on past the other instances' steps
+    and the arrivals, up to the next KV landing (Simulation.start_pending_run)."""
+    blind = (num_decode == 1 or router == "round_robin") and not partial_transfer
+    c.cross = [runs and blind and c.run_schedules[i] == 0 for i, runs in enumerate(c.decode_runs)]
+    if num_decode == 1 and c.cross[num_prefill] and all(r == 0 for r in c.run_schedules):
+        c.pass_idx = num_prefill
+
+
 def simulate_disaggregated(requests: Sequence, prefill: Sequence[SimInstance],
                            decode: Sequence[SimInstance],
                            transfer_time: Callable[[SimInstance, SimInstance, int], float], *,
@@ -263,15 +277,7 @@ def simulate_disaggregated(requests: Sequence, prefill: Sequence[SimInstance],
     c.transfer_time, c.kv_bytes_of, c.serialize_transfers = transfer_time, kv_bytes_of, serialize_transfers
     if hasattr(pool, "bind"):
         pool.bind(c.iterations)     # early rejection learns its step rates from the run's records
-    # A decode instance's run may end with a step across the next event (Simulation.decode_run) when nothing else
-    # reads its state before that step ends: the decode router picks it without reading loads (one decode
-    # instance, or round robin); the handoffs and KV landings in between touch only its KV queues.
-    blind = (len(decode) == 1 or router == "round_robin") and not partial_transfer
-    c.cross = [runs and blind and c.run_schedules[i] == 0 for i, runs in enumerate(c.decode_runs)]
-    # One decode instance, every instance one stage with one batch in flight: its runs go on past the other
-    # instances' steps and the arrivals, up to the next KV landing (Simulation.start_pending_run)
-    if len(decode) == 1 and c.cross[len(prefill)] and all(r == 0 for r in c.run_schedules):
-        c.pass_idx = len(prefill)
+    _enable_crossing_runs(c, len(prefill), len(decode), router, partial_transfer)
     now = c.run()
     duration = max((it.end_time for it in c.iterations), default=0.0)
     summary = None
