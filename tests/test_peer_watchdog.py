@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from pdjax.serving.distributed import (ConfigMismatchError, DistributedCoordinator, DistributedSettings,
-                                       PeerWatchdog, config_differences, flat_config)
+from pdjax.serving.distributed import (ConfigMismatchError, DistributedCoordinator, DistributedError,
+                                       DistributedSettings, PeerWatchdog, config_differences, flat_config)
 
 
 class FakeService:
@@ -200,3 +200,29 @@ def test_config_differences_name_changed_added_and_removed_keys():
     a = flat_config({"a": {"b": 1, "c": [1, 2]}, "d": None})
     assert a == {"a.b": 1, "a.c": [1, 2], "d": None}
     assert config_differences(a, {"a.b": 1, "a.c": [1, 3], "e": 0}) == ["a.c", "d", "e"]
+
+
+def test_wait_for_peers_outlasts_timeout_s_with_a_note_naming_the_late_process(capsys):
+    """Regression (issue 27): process 1 compiled its warm-up ~90 s longer than process 0 (JAX's persistent cache
+    serves process 0 only on CPU), and process 0's first decode step absorbed the lag (72-293 s). The processes
+    now meet after warm-up; a late peer is waited for past timeout_s, named in a note, not failed."""
+    service = FakeService()
+    coords = [DistributedCoordinator(DistributedSettings("127.0.0.1:1", 2, i, 0.05), client=service)
+              for i in range(2)]
+    late = threading.Timer(0.3, lambda: coords[1].wait_for_peers("warmed-up", "its warm-up compiles"))
+    late.start()
+    waited = coords[0].wait_for_peers("warmed-up", "its warm-up compiles")
+    late.join()
+    assert waited >= 0.25
+    notes = capsys.readouterr().err.splitlines()
+    assert len(notes) >= 2 and notes[0].startswith(
+        "note: process 0 of 2: still waiting at 'warmed-up' for process 1 (its warm-up compiles) after ")
+
+
+def test_wait_for_peers_gives_up_at_its_limit_naming_the_process():
+    service = FakeService()
+    coord = DistributedCoordinator(DistributedSettings("127.0.0.1:1", 3, 1, 0.05), client=service)
+    service.key_value_set("pdjax/reached/warmed-up/0", "1")
+    with pytest.raises(DistributedError, match=r"^process 1 of 3: waited 0 s at 'warmed-up' for process 2 "
+                                               r"\(its warm-up compiles\); it has not got there"):
+        coord.wait_for_peers("warmed-up", "its warm-up compiles", limit_s=0.2)

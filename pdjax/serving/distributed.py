@@ -32,6 +32,13 @@ same order (same program, same decisions so far, by induction):
   (pdjax.runtime.runner.host_local).
 - `barrier(name)`: all processes reach `name` (coordination service barrier, not a device collective: a gloo
   collective while a transfer is in flight hung in tests).
+- `wait_for_peers(name, waiting_for)`: the same for a point processes reach far apart: serving starts after
+  'warmed-up' (pdjax.serving.run). On CPU, JAX's persistent compilation cache serves process 0 only (only
+  process 0 writes entries, and the cache key hashes the local client's topology, so the other processes' keys
+  never match its entries): process 1 may compile its warm-up for minutes after process 0 is done. Without this
+  wait process 0 served meanwhile, and its first step that needed process 1 (collecting a decode step of an
+  instance on process 1's devices) absorbed the whole lag (72-293 s under load), or failed after timeout_s.
+  Longer than timeout_s it prints a note per timeout_s naming the process; results.json engine.peer_warmup_wait_s.
 Broadcasts go through the coordination service's key-value store (`pdjax/<seq>` keys, set by process 0, read
 with a blocking get by the others), never through device collectives, so they cannot interleave with the
 steps' collectives. Faults end the run within about `timeout_s` (flag --distributed_timeout_s), with no
@@ -515,6 +522,11 @@ class Coordinator:
     def barrier(self, name: str) -> None:
         """Return once every process reached `name`."""
 
+    def wait_for_peers(self, name: str, waiting_for: str, limit_s: Optional[float] = None) -> float:
+        """A barrier for a point the processes reach at very different times (the end of warm-up); seconds this
+        process waited (one process: 0)."""
+        return 0.0
+
     def done(self) -> None:
         """This process is past the end-of-serving barrier: the peer watchdog stops watching it (and it others)."""
 
@@ -602,6 +614,41 @@ class DistributedCoordinator(Coordinator):
         except Exception as e:
             raise self._fail(f"waiting for process {source}'s value {key}", e) from e
         return json.loads(text)
+
+    def wait_for_peers(self, name: str, waiting_for: str, limit_s: Optional[float] = None) -> float:
+        """Every process marks `<prefix>/reached/<name>/<id>` and waits for every other's mark. Unlike `barrier`,
+        a wait past timeout_s is no fault: it prints a note naming the process waited for and goes on (a peer
+        that died meanwhile ends the run through the peer watchdog) up to limit_s (default 20 x timeout_s),
+        then raises DistributedError naming it. Returns the seconds waited."""
+        limit = 20 * self.timeout_s if limit_s is None else float(limit_s)
+        me = f"process {self.process_id} of {self.num_processes}"
+        base = f"{self.prefix}/reached/{name}"
+        try:
+            self.client.key_value_set(f"{base}/{self.process_id}", "1")
+        except Exception as e:
+            raise self._fail(f"marking {name!r}", e) from e
+        start = time.monotonic()
+        for peer in (p for p in range(self.num_processes) if p != self.process_id):
+            while True:
+                waited = time.monotonic() - start
+                slice_s = max(0.001, min(self.timeout_s, limit - waited))
+                try:
+                    self.client.blocking_key_value_get(f"{base}/{peer}", max(1, int(slice_s * 1000)))
+                    break
+                except Exception as e:  # noqa: BLE001  (a timeout: checked against the limit below)
+                    error = e
+                if time.monotonic() - start - waited < slice_s / 2:
+                    time.sleep(slice_s / 2)     # failed at once (service trouble): no busy loop
+                waited = time.monotonic() - start
+                if waited >= limit:
+                    raise DistributedError(
+                        f"{me}: waited {waited:.0f} s at {name!r} for process {peer} ({waiting_for}); it has not "
+                        f"got there (raise --distributed_timeout_s if it is only slow): "
+                        f"{str(error).splitlines()[0][:200] if str(error) else type(error).__name__}")
+                sys.stderr.write(f"note: {me}: still waiting at {name!r} for process {peer} ({waiting_for}) "
+                                 f"after {waited:.0f} s\n")
+                sys.stderr.flush()
+        return time.monotonic() - start
 
     def done(self) -> None:
         if _PEER_WATCHDOG is not None:

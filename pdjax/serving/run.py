@@ -128,6 +128,8 @@ def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str, *, wor
     num_shapes = compiles.count() - mark
     if hooks is not None:
         hooks.after_warmup(engine)
+    # Serving starts together: a peer still compiling would stall the first step that needs it (distributed).
+    peer_wait_s = coordinator.wait_for_peers("warmed-up", "its warm-up compiles")
     warm_mark = compiles.count()
     bar = progress_bar(cfg, len(requests), f"serve {cfg.scheduler.policy}", "req") if online is None else None
     startup_s = time.time() - pdjax.IMPORT_TIME
@@ -149,6 +151,8 @@ def run_real(cfg: ServeConfig, config_dict: Dict[str, Any], workdir: str, *, wor
         "compiled_during_run": sorted({e.fun_name for e in during}),
         "wall_s": time.perf_counter() - start, "host_overlap_s": result.host_overlap_s,
         "num_iterations": len(result.iterations), **_layout_info(cfg, engine, result, coordinator)}
+    if coordinator.num_processes > 1:
+        info["peer_warmup_wait_s"] = peer_wait_s     # this process waited for its peers' warm-up
     if hooks is not None:
         hooks.after_serve(engine, result)
     return _write(cfg, config_dict, workdir, result, {**(extra or {}), "engine": info}, coordinator, plots)
