@@ -7,7 +7,8 @@ iterations that compiled are flagged in iterations.csv).
 
 Multi-controller runs (`coordinator`, pdjax.serving.distributed): every process builds, warms up and serves the
 same engine (the coordinator makes their decisions identical; the request list is checked equal at the start);
-all meet at a barrier after serving, so a process that died mid-run fails the others before anything is
+all meet after warm-up (`wait_for_peers`: process 1 may compile far longer, JAX's persistent cache serving
+process 0 only) and at a barrier after serving, so a process that died mid-run fails the others before anything is
 written; then only process 0 writes the outputs (each file atomically), the others return the same summary.
 """
 from __future__ import annotations
