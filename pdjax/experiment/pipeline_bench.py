@@ -101,13 +101,16 @@ def _cpu_run(pp: int, spec, params, prompts, buckets, max_len: int, page: int, n
     processed = sum(it.num_tokens for it in result.iterations)
     mean_flight, active = mean_in_flight((it.start_time, it.end_time) for it in result.iterations)
     busy = stage_busy([(b[0] - t0, b[1], [r - t0 for r in b[2]]) for b in watch.batches], pp)
+    # the watcher thread may stamp a stage's readiness after the engine's clock stopped (a loaded machine): busy
+    # fractions are over the span both clocks cover, so each stage's disjoint busy intervals fit in it
+    span = max([wall] + [r - t0 for b in watch.batches for r in b[2]])
     return {
         "pp": pp, "max_in_flight": pp, "layers_per_stage": [b - a for a, b in runner.layer_ranges],
         "compile_s": round(compile_s, 2), "wall_s": round(wall, 3), "iterations": len(result.iterations),
         "generated_tokens_per_s": round(generated / wall, 1), "processed_tokens_per_s": round(processed / wall, 1),
         "mean_batches_in_flight": round(mean_flight, 3),
-        "stage_busy_fraction": [round(b / wall, 3) for b in busy],
-        "stage_overlap": round(sum(busy) / wall, 3),     # > 1: stages busy at the same time
+        "stage_busy_fraction": [round(b / span, 3) for b in busy],
+        "stage_overlap": round(sum(busy) / span, 3),     # > 1: stages busy at the same time
     }, tokens
 
 
