@@ -52,6 +52,15 @@ def _wait_for(proc, url, log, status, timeout=300.0):
         time.sleep(0.1)
 
 
+def _ended(proc, log) -> str:
+    """The server's whole output once it exited with status 0."""
+    status = proc.wait(120)
+    log.seek(0)
+    output = log.read()
+    assert status == 0, output[-3000:]
+    return output
+
+
 async def _stream_lines(url, prompt, on_first):
     """The SSE data lines of one streamed completion; on_first() after its first token chunk."""
     lines = []
@@ -83,12 +92,10 @@ def test_streams_past_the_drain_deadline_end_with_abort_and_done(tmp_path):
                                           for i in range(NUM_STREAMS)])
 
         streams = asyncio.run(run())
-        assert proc.wait(120) == 0
+        output = _ended(proc, log)
     finally:
         if proc.poll() is None:
             proc.kill()
-    log.seek(0)
-    output = log.read()
     assert "Traceback" not in output and "CancelledError" not in output, output[-3000:]
     for lines in streams:
         assert lines[-1] == "[DONE]"
@@ -105,12 +112,10 @@ def test_sigterm_during_warm_up_stops_the_warm_up(tmp_path):
     try:
         _wait_for(proc, url, log, "starting")
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(120) == 0
+        output = _ended(proc, log)
     finally:
         if proc.poll() is None:
             proc.kill()
-    log.seek(0)
-    output = log.read()
     assert "stopped during warm-up" in output and "Traceback" not in output, output[-3000:]
     assert "serving 'tiny-byte'" not in output         # it never served
 

@@ -93,6 +93,20 @@ class StageTimer:
         return self.stage_times(*args)
 
 
+def clock_stages(stages: Sequence[float], sends: Sequence[float], t: float, free: List[float]) -> float:
+    """The stage rule of a batch dispatched at t: stage s starts when its input arrived (stage s-1's end plus the
+    send `sends[s-1]`) and stage s is free (`free[s]`, updated in place to the batch's end there); returns when it
+    leaves the last stage (seconds)."""
+    ready = t
+    for s, seconds in enumerate(stages):
+        if s:
+            ready = ready + sends[s - 1]
+        start = ready if ready > free[s] else free[s]
+        ready = start + seconds
+        free[s] = ready
+    return ready
+
+
 class StagePipeline:
     """Per-stage free times and busy seconds of one instance, and its BatchQueue of dispatched, uncollected
     batches (payload: (dispatch time, end time)). max_in_flight: batches in flight at most (normally pp)."""
@@ -141,16 +155,10 @@ class StagePipeline:
         elif len(stages) != len(self.stage_free):
             raise ValueError(f"StagePipeline: a batch of {len(stages)} stage times on a {len(self.stage_free)}-stage "
                              "pipeline")
-        free, busy = self.stage_free, self.stage_busy
-        ready = t
+        busy = self.stage_busy
         for s, seconds in enumerate(stages):
-            if s:
-                ready = ready + sends[s - 1]
-            start = ready if ready > free[s] else free[s]
-            ready = start + seconds
-            free[s] = ready
             busy[s] += seconds
-        return ready
+        return clock_stages(stages, sends, t, self.stage_free)
 
     def dispatch(self, out, t: float, stages: Sequence[float], sends: Sequence[float] = ()) -> float:
         """Queue batch `out` dispatched at t (BatchQueue.push: the queue must not be full) and run it through the

@@ -95,6 +95,7 @@ from pdjax.scheduler.instances import Instance, TransferRecord
 from pdjax.scheduler.routing import InstanceRouter
 from pdjax.scheduler.runs import pair_run
 from pdjax.sim.pipeline import StagePipeline, StageTimer, StepContext, pipeline_summary  # also re-exported
+from pdjax.sim.pipeline import clock_stages
 
 
 
@@ -372,14 +373,7 @@ def plan_pair_clock(run, stage_fn: Callable, stage_free: Sequence[float], t: flo
         if run.completes:     # its collect (half-step h + 2) may be the run's last, unless the first token ends it
             end = h + 2 if run.completes == 1 else h + 1
             last = end if last is None or end < last else last
-        ready = times[h]
-        for s, seconds in enumerate(stages):
-            if s:
-                ready = ready + sends[s - 1]
-            start = ready if ready > free[s] else free[s]
-            ready = start + seconds
-            free[s] = ready
-        ends.append(ready)
+        ends.append(clock_stages(stages, sends, times[h], free))
         stage_list.append(stages)
         totals[g] += counts[g]
         h += 1
