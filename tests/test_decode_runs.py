@@ -197,6 +197,36 @@ def test_decode_runs_with_several_instances(router, monkeypatch):
     assert applied[0] > 0
 
 
+# Several colocated replicas: each one's runs go up to the next arrival, past the other replicas' steps (only the
+# router reads another instance's state, at an arrival); the records are put in completion order at the end.
+# "paired": identical requests in pairs, round robin: two replicas step in lockstep, their steps end at the same
+# times (ties go by instance index).
+@pytest.mark.parametrize("name,instances,router,seed,pp,max_in_flight,share", [
+    ("sarathi", 4, "least_loaded", 0, 1, None, 2), ("sarathi", 2, "round_robin", 1, 1, None, 2),
+    ("sarathi_tight_memory", 3, "least_loaded", 2, 1, None, 4), ("vllm_v0", 3, "round_robin", 4, 1, None, 2),
+    ("decode_first", 2, "least_loaded", 5, 1, None, 2), ("sarathi", 3, "least_loaded", 6, 2, 1, 4),
+    ("sarathi", 2, "round_robin", 7, 2, None, 100), ("paired", 2, "round_robin", 8, 1, None, 2)])
+def test_decode_runs_of_replicas_pass_the_other_replicas_steps(name, instances, router, seed, pp, max_in_flight,
+                                                               share, monkeypatch):
+    cfg = SchedulerConfig(max_model_len=1024, page_size=16,
+                          **{"num_pages": 512, **CONFIGS["sarathi" if name == "paired" else name]})
+
+    def requests():
+        return paired_requests(40, seed) if name == "paired" else make_requests(80, seed, rate=40.0)
+
+    reference = run(cfg, False, instances=instances, seed=seed, router=router, pp=pp, max_in_flight=max_in_flight,
+                    requests=requests())
+    applied = count_run_steps(monkeypatch)
+    got = run(cfg, True, instances=instances, seed=seed, router=router, pp=pp, max_in_flight=max_in_flight,
+              requests=requests())
+    assert_same(reference, got)
+    steps = len(got[0].iterations)
+    assert applied[0] > steps // share, f"the case is meant to run steps in runs ({applied[0]} of {steps})"
+    if name == "paired":
+        ends = [it.end_time for it in got[0].iterations]
+        assert len(set(ends)) < len(ends) * 0.75, "the case is meant to end steps of both replicas at once"
+
+
 def paired_requests(n: int, seed: int):
     """Requests in identical pairs (same arrival, prompt length and output length): with two prefill and two
     decode instances, round robin, the two decode instances step in lockstep and wake at the same times."""

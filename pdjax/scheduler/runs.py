@@ -202,6 +202,14 @@ class DecodeRun:
             finished = [req for req, left in zip(decoders, self._lefts) if left == k]
         if prefills:
             self._advance_prefills(k, starts, ends, first_step, finished)
+        self._end_apply(k, step, schedules, finished, ends[-1])
+        return finished
+
+    def _end_apply(self, k: int, step: int, schedules: int, finished: list, now: float) -> None:
+        """apply's end, its k steps' tokens applied (the last one numbered `step`): the step counters, the reading
+        a continued run starts from, the finished requests' pages and states (at `now`), the policy's state."""
+        sched = self.sched
+        decoders, prefills = self.decoders, self.prefills
         _set_step_counters(sched, step, k, schedules)
         sched._preempted_this_step = False
         # The next run starts from this one's decoders k steps on (those that go on running), unless the scheduler
@@ -218,7 +226,6 @@ class DecodeRun:
             sched._run_after = (sched.step, sched._applied_step, decoders, self._crossings, self._lefts, self.total,
                                 k)
         if finished:
-            now = ends[-1]
             free = sched.block_manager.free
             for req in finished:      # as update(): in batch order (decodes, then chunks), after the page growth
                 free(req.page_table)
@@ -226,6 +233,60 @@ class DecodeRun:
                 sched._finish(req, "length", now)
             sched.running = [r for r in sched.running if r.status is RUNNING]
         sched._after_decode_run()
+
+    def schedule_last(self, starts: Sequence[float], ends: Sequence[float]) -> None:
+        """apply() of the first len(starts) - 1 planned steps, then the schedule() side of the last one, started at
+        starts[-1] (its pages, schedule times and step counters: the state while its batch is in flight); its
+        update() side is `update_last`. A run of one stage, one batch in flight, nobody admitted."""
+        k = len(starts)
+        if not 1 <= k <= self.steps or self.admitted:
+            raise ValueError(f"DecodeRun.schedule_last: {k} steps of {self.steps} planned (admitting: "
+                             f"{bool(self.admitted)}), expected 1 to {self.steps} and nobody admitted")
+        self.apply(starts[:-1], ends[:-1])
+        sched = self.sched
+        j, ps, step = k - 1, sched._ps, sched.step + 1
+        grants = [(req.page_table, 1) for req, c in zip(self.decoders, self._crossings) if c <= j and (j - c) % ps == 0]
+        chunks = self._plan[j] if self.prefills else ()
+        grants += [(self.prefills[p].page_table, need) for p, _, need in chunks if need]
+        if grants:
+            sched.block_manager.allocate_each(grants)
+        start = starts[-1]
+        for req in self.decoders:
+            req.schedule_times.append(start)
+            req.sched_step = step
+        for p, _, _ in chunks:
+            req = self.prefills[p]
+            req.schedule_times.append(start)
+            req.sched_step = step
+        sched.step = sched._last_emitted = sched._floor = step
+        sched._preempted_this_step = False
+
+    def update_last(self, k: int, end: float) -> list:
+        """The update() side of the run's step k (1-based) at `end`, after schedule_last(its k starts): its tokens,
+        the finished requests (returned in batch order, as update()) and the state apply(k steps) leaves."""
+        sched = self.sched
+        finished = []
+        for req in self.decoders:
+            req.num_computed_tokens += 1
+            req.output_token_ids.append(PLACEHOLDER)
+            req.all_token_ids.append(PLACEHOLDER)
+            req.token_times.append(end)
+        if k == self.limit:
+            finished = [req for req, left in zip(self.decoders, self._lefts) if left == k]
+        if self.prefills:
+            max_len = sched._max_len
+            for p, n, _ in self._plan[k - 1]:
+                req = self.prefills[p]
+                c = req.num_computed_tokens = req.num_computed_tokens + n
+                if c == len(req.all_token_ids):      # its prompt is done: it samples
+                    req.output_token_ids.append(PLACEHOLDER)
+                    req.all_token_ids.append(PLACEHOLDER)
+                    req.token_times.append(end)
+                    if req.first_token_time is None:
+                        req.first_token_time = end
+                    if len(req.output_token_ids) >= req.max_tokens or len(req.all_token_ids) >= max_len:
+                        finished.append(req)
+        self._end_apply(k, sched.step, 1, finished, end)
         return finished
 
     def _admit_kv(self, now: float) -> None:

@@ -83,6 +83,7 @@ import gc
 import heapq
 import itertools
 import math
+import operator
 import time
 from bisect import bisect_left
 from collections import deque
@@ -97,6 +98,9 @@ from pdjax.scheduler.runs import pair_run
 from pdjax.sim.pipeline import StagePipeline, StageTimer, StepContext, pipeline_summary  # also re-exported
 from pdjax.sim.pipeline import clock_stages
 
+
+
+_END_TIME = operator.attrgetter("end_time")
 
 
 @dataclasses.dataclass
@@ -400,6 +404,16 @@ class RunStep:
         self.record = record
 
 
+class RunTail:
+    """The in-flight last step of a replica's decode run that ends after the next arrival (Simulation.decode_run):
+    its schedule() side applied (DecodeRun.schedule_last), its update() side due at its completion event
+    (DecodeRun.update_last), as a step scheduled one by one. k: its step in the run; chunks: its prefill chunks."""
+    __slots__ = ("run", "k", "start", "chunks")
+
+    def __init__(self, run, k: int, start: float, chunks: Optional[list]):
+        self.run, self.k, self.start, self.chunks = run, k, start, chunks
+
+
 class PendingRun:
     """The decode run of a disaggregated deployment's one decode instance (Simulation.pass_idx) planned from
     starts[0] but applied only when its last step ends (Simulation.start_pending_run): other instances' steps,
@@ -455,6 +469,10 @@ class Simulation:
         self.names = [inst.name if multi else "" for inst in self.instances]
         self.global_steps = pool is None  # colocated: iteration steps count over the run, else per instance
         self.single = pool is None and len(self.instances) == 1   # decode runs up to the next arrival
+        # several colocated replicas: each one's decode runs go up to the next arrival (only the router reads
+        # another instance's state), their records out of completion order until `run` sorts them (replica_order)
+        self.replicas = pool is None and len(self.instances) > 1 and len(set(self.names)) == len(self.names)
+        self.reordered = False            # a replica's run recorded steps ahead of the other instances' events
         self.waking = [False] * len(self.instances)     # ready to run its loop at the current time
         self.index_of = {id(inst): i for i, inst in enumerate(self.instances)}
         self.decode_runs = list(decode_runs)
@@ -540,8 +558,31 @@ class Simulation:
                 start_steps(now)
         self.iterations += self.deferred
         self.deferred.clear()
+        if self.reordered:
+            self.replica_order()
         self.check_done(now)
         return now
+
+    def replica_order(self) -> None:
+        """Several colocated replicas whose runs recorded their steps when applied, ahead of the other instances'
+        events: the records in completion order, as the event loop appends them one by one (the completion heap's
+        (end time, instance index)), and numbered in that order. Each instance's records are in its own step order
+        (its steps end one after another), so a stable sort by end time, then by instance index among equal end
+        times, is that order."""
+        its = self.iterations
+        its.sort(key=_END_TIME)
+        ends = list(map(_END_TIME, its))
+        if len(set(ends)) < len(ends):       # ties: each group of equal end times by instance index (stable)
+            rank = {name: i for i, name in enumerate(self.names)}
+            i, n = 0, len(its)
+            while i < n:
+                j = i + 1
+                while j < n and ends[j] == ends[i]:
+                    j += 1
+                if j - i > 1:
+                    its[i:j] = sorted(its[i:j], key=lambda r: rank[r.instance])
+                i = j
+        any(map(setattr, its, repeat("step"), range(len(its))))
 
     def push_completion(self, end: float, idx: int) -> None:
         heapq.heappush(self.completions, (end, idx if self.seq is None else next(self.seq), idx))
@@ -559,6 +600,9 @@ class Simulation:
             inst = self.instances[idx]
             if inst.in_flight.__class__ is PendingRun:
                 self.finish_pending(idx)
+                continue
+            if inst.in_flight.__class__ is RunTail:
+                self.finish_tail(idx, t)
                 continue
             if inst.in_flight.__class__ is RunStep:   # a decode run's last step, applied already: its record
                 if deferred or self.pending_run is not None:
@@ -587,6 +631,22 @@ class Simulation:
                 raise RuntimeError(f"simulation exceeded max_iterations={self.max_iterations}")
             if finished:
                 self.finished(idx, finished, t)
+
+    def finish_tail(self, idx: int, t: float) -> None:
+        """Instance idx's RunTail ends at t: its update() side, its record, the requests it finished."""
+        inst = self.instances[idx]
+        tail, inst.in_flight = inst.in_flight, None
+        finished = tail.run.update_last(tail.k, t)
+        count, chunks, its = tail.run.count, tail.chunks, self.iterations
+        its.append(IterationRecord(len(its) if self.global_steps else inst.num_steps, tail.start, t,
+                                   sum(n for n, _ in chunks) if chunks else 0, count,
+                                   count + len(chunks) if chunks else count, self.names[idx]))
+        inst.num_steps += 1
+        self.waking[idx] = True
+        if len(its) > self.max_iterations:
+            raise RuntimeError(f"simulation exceeded max_iterations={self.max_iterations}")
+        if finished:
+            self.finished(idx, finished, t)
 
     def finished(self, idx: int, finished: Sequence, t: float) -> None:
         """Requests instance `idx`'s step finished at t: a 'handoff' (a prefill_only scheduler's) is handed off
@@ -878,6 +938,8 @@ class Simulation:
         run = inst.scheduler.decode_run(self.max_iterations - len(self.iterations))
         if run is None:
             return None
+        if self.replicas and not self.run_schedules[idx]:
+            return self.replica_run(idx, run, t, limit)
         single = self.single
         applied = self.apply_decode_run(inst, run, t, limit, ends_before=not (single or self.cross[idx]),
                                         schedules=self.run_schedules[idx])
@@ -887,6 +949,7 @@ class Simulation:
             return None
         starts, ends, chunk_lists, end = applied
         self.record_run(idx, run.count, starts, ends, chunk_lists)
+        self.reordered = self.reordered or self.replicas
         if not single:
             self.short_gap[idx] = ends[-1] - starts[-1]
             if not end < limit:    # cross: the last step ends at or after the next event
@@ -899,6 +962,28 @@ class Simulation:
         if single and not end < limit:
             self.route_arrivals(end)     # arrived while the run's last step ran
             self.waking[idx] = False
+        return end
+
+    def replica_run(self, idx: int, run, t: float, limit: float) -> Optional[float]:
+        """decode_run of replica `idx` (one of several colocated; one stage, one batch in flight): the steps of
+        `run` that start before `limit` (the next arrival: the router reads every replica's state then). A last
+        step ending at or after it is left in flight with its schedule() side applied (RunTail), so the router
+        sees the replica as mid-step; it is updated and recorded at its completion, as one scheduled alone."""
+        inst = self.instances[idx]
+        starts, ends, seconds, chunk_lists, end = plan_run(run, inst.timer.step_time, t, limit, ends_before=False)
+        if not starts:
+            return None
+        self.reordered = True
+        if end < limit:
+            apply_run(run, inst.pipeline, self.requests, starts, ends, seconds)
+            self.record_run(idx, run.count, starts, ends, chunk_lists)
+            self.run_again = len(starts) == run.limit
+            return end
+        run.schedule_last(starts, ends)
+        inst.pipeline.run_serial(starts, ends, seconds)
+        self.record_run(idx, run.count, starts[:-1], ends[:-1], None if chunk_lists is None else chunk_lists[:-1])
+        inst.in_flight = RunTail(run, len(starts), starts[-1], None if chunk_lists is None else chunk_lists[-1])
+        self.push_completion(end, idx)
         return end
 
     def pair_run(self, idx: int, t: float) -> Optional[float]:
@@ -956,6 +1041,10 @@ class Simulation:
         if self.single:
             pending = self.pending
             return pending[self.next_arrival].arrival_time if self.next_arrival < len(pending) else float("inf")
+        if self.replicas:
+            pending = self.pending
+            limit = pending[self.next_arrival].arrival_time if self.next_arrival < len(pending) else float("inf")
+            return None if self.run_schedules[idx] and limit - t < self.short_gap[idx] else limit
         waking = self.waking
         if idx + 1 < len(waking) and any(waking[j] and not self.instances[j].busy
                                          for j in range(idx + 1, len(waking))):
