@@ -78,13 +78,13 @@ def run(cfg: SchedulerConfig, decode_runs: bool, instances: int = 1, seed: int =
 def count_run_steps(monkeypatch) -> list:
     """Patch DecodeRun.apply to count the steps applied in bulk."""
     applied = [0]
-    apply = runs_module.DecodeRun.apply
+    apply = runs_module.DecodeRun.apply_range
 
-    def counting(self, starts, ends, schedules=1):
+    def counting(self, a, starts, ends, schedules=1, scheduled=False):
         applied[0] += len(starts)
-        return apply(self, starts, ends, schedules)
+        return apply(self, a, starts, ends, schedules, scheduled)
 
-    monkeypatch.setattr(runs_module.DecodeRun, "apply", counting)
+    monkeypatch.setattr(runs_module.DecodeRun, "apply_range", counting)
     return applied
 
 

@@ -37,6 +37,7 @@ the pages its chunk needs. `apply` replays those allocations in that order.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import List, Optional, Sequence, Tuple
 
 from pdjax.scheduler.output import SchedulerOutput
@@ -52,7 +53,8 @@ class DecodeRun:
     applies the first len(starts) planned ones."""
 
     __slots__ = ("sched", "decoders", "prefills", "count", "total", "limit", "steps", "_free", "_first", "_active",
-                 "_p_state", "_plan", "_done", "_left", "_admits", "_crossings", "_lefts", "admitted", "_kv_waits")
+                 "_p_state", "_plan", "_done", "_left", "_admits", "_crossings", "_lefts", "admitted", "_kv_waits",
+                 "_base_step", "_growth")
 
     def __init__(self, sched, decoders: list, prefills: list, crossings: List[int], lefts: List[int], total: int,
                  limit: int, free: int, budget_left: int, admits: bool = False,
@@ -78,6 +80,8 @@ class DecodeRun:
         # (decode_only; the last len(admitted) decoders); kv_waits: such requests wait (admitted or not)
         self.admitted = admitted
         self._kv_waits = kv_waits
+        self._base_step = sched.step      # planned step j (0-based) is the scheduler's step _base_step + 1 + j
+        self._growth = None               # _grow_pages of later ranges: (steps, grants) of every planned step
 
     def plan_decode_steps(self) -> int:
         """For a run without prefills: plan every step it can take at once (no chunks to plan) and return how
@@ -175,20 +179,26 @@ class DecodeRun:
         returns the requests that finished (in the last step, in batch order), as update() does. schedules: the
         schedule() calls per step: 2 where the loop keeps batches in flight (after dispatching a step it schedules
         again, and gets nothing: every running request is in flight), a run of decoders only (`decoders_only`)."""
+        return self.apply_range(0, starts, ends, schedules)
+
+    def apply_range(self, a: int, starts: Sequence[float], ends: Sequence[float], schedules: int = 1,
+                    scheduled: bool = False) -> list:
+        """apply() of planned steps a .. a + len(starts) - 1 (0-based), the steps before a applied already
+        (apply_range), and step a's schedule() side too when `scheduled` (schedule_step: its pages; its schedule
+        times are set here). schedules != 1: from the run's first step only."""
         k = len(starts)
-        if k > self.steps:
-            raise ValueError(f"DecodeRun.apply: {k} steps given, {self.steps} planned")
-        if schedules != 1 and not self.decoders_only:
-            raise ValueError("DecodeRun.apply: schedules > 1 needs a run of decoders only")
-        sched = self.sched
+        b = a + k
+        if b > self.steps:
+            raise ValueError(f"DecodeRun.apply: steps {a} to {b - 1} given, {self.steps} planned")
+        if schedules != 1 and (a or not self.decoders_only):
+            raise ValueError("DecodeRun.apply: schedules > 1 needs a run of decoders only, applied from its start")
         if not k:
             return []
         decoders, prefills = self.decoders, self.prefills
-        if self.admitted:
+        if self.admitted and not a:
             self._admit_kv(starts[0])
-        self._grow_pages(k)
-        first_step = sched.step
-        step = first_step + 1 + schedules * (k - 1)     # the last step's number (schedules == 1: first_step + k)
+        self._grow_pages(a + 1 if scheduled else a, b)
+        step = self._base_step + 1 + schedules * (b - 1)     # the last step's number
         finished = []
         tokens = [PLACEHOLDER] * k
         for req in decoders:
@@ -198,12 +208,24 @@ class DecodeRun:
             req.token_times += ends
             req.schedule_times += starts
             req.sched_step = step
-        if k == self.limit:     # some decoder finishes in this step (the limit is the first finish)
-            finished = [req for req, left in zip(decoders, self._lefts) if left == k]
+        if b == self.limit:     # some decoder finishes in this step (the limit is the first finish)
+            finished = [req for req, left in zip(decoders, self._lefts) if left == b]
         if prefills:
-            self._advance_prefills(k, starts, ends, first_step, finished)
-        self._end_apply(k, step, schedules, finished, ends[-1])
+            self._advance_prefills(a, b, starts, ends, finished)
+        self._end_apply(b, step, schedules, finished, ends[-1])
         return finished
+
+    def schedule_step(self, j: int) -> None:
+        """The schedule() side of planned step j, the steps before it applied (apply_range): its pages and the
+        step counters (the state while its batch is in flight); apply_range(j, ..., scheduled=True) applies the
+        rest. A run of one stage, one batch in flight, nobody admitted."""
+        if not 0 <= j < self.steps or self.admitted:
+            raise ValueError(f"DecodeRun.schedule_step({j}) of {self.steps} planned steps (admitting: "
+                             f"{bool(self.admitted)}): expected a planned step and nobody admitted")
+        self._grow_pages(j, j + 1)
+        sched = self.sched
+        sched.step = sched._last_emitted = sched._floor = self._base_step + 1 + j
+        sched._preempted_this_step = False
 
     def _end_apply(self, k: int, step: int, schedules: int, finished: list, now: float) -> None:
         """apply's end, its k steps' tokens applied (the last one numbered `step`): the step counters, the reading
@@ -234,61 +256,6 @@ class DecodeRun:
             sched.running = [r for r in sched.running if r.status is RUNNING]
         sched._after_decode_run()
 
-    def schedule_last(self, starts: Sequence[float], ends: Sequence[float]) -> None:
-        """apply() of the first len(starts) - 1 planned steps, then the schedule() side of the last one, started at
-        starts[-1] (its pages, schedule times and step counters: the state while its batch is in flight); its
-        update() side is `update_last`. A run of one stage, one batch in flight, nobody admitted."""
-        k = len(starts)
-        if not 1 <= k <= self.steps or self.admitted:
-            raise ValueError(f"DecodeRun.schedule_last: {k} steps of {self.steps} planned (admitting: "
-                             f"{bool(self.admitted)}), expected 1 to {self.steps} and nobody admitted")
-        self.apply(starts[:-1], ends[:-1])
-        sched = self.sched
-        j, ps, step = k - 1, sched._ps, sched.step + 1
-        grants = [(req.page_table, 1) for req, c in zip(self.decoders, self._crossings) if c <= j and (j - c) % ps == 0]
-        chunks = self._plan[j] if self.prefills else ()
-        grants += [(self.prefills[p].page_table, need) for p, _, need in chunks if need]
-        if grants:
-            sched.block_manager.allocate_each(grants)
-        start = starts[-1]
-        for req in self.decoders:
-            req.schedule_times.append(start)
-            req.sched_step = step
-        for p, _, _ in chunks:
-            req = self.prefills[p]
-            req.schedule_times.append(start)
-            req.sched_step = step
-        sched.step = sched._last_emitted = sched._floor = step
-        sched._preempted_this_step = False
-
-    def update_last(self, k: int, end: float) -> list:
-        """The update() side of the run's step k (1-based) at `end`, after schedule_last(its k starts): its tokens,
-        the finished requests (returned in batch order, as update()) and the state apply(k steps) leaves."""
-        sched = self.sched
-        finished = []
-        for req in self.decoders:
-            req.num_computed_tokens += 1
-            req.output_token_ids.append(PLACEHOLDER)
-            req.all_token_ids.append(PLACEHOLDER)
-            req.token_times.append(end)
-        if k == self.limit:
-            finished = [req for req, left in zip(self.decoders, self._lefts) if left == k]
-        if self.prefills:
-            max_len = sched._max_len
-            for p, n, _ in self._plan[k - 1]:
-                req = self.prefills[p]
-                c = req.num_computed_tokens = req.num_computed_tokens + n
-                if c == len(req.all_token_ids):      # its prompt is done: it samples
-                    req.output_token_ids.append(PLACEHOLDER)
-                    req.all_token_ids.append(PLACEHOLDER)
-                    req.token_times.append(end)
-                    if req.first_token_time is None:
-                        req.first_token_time = end
-                    if len(req.output_token_ids) >= req.max_tokens or len(req.all_token_ids) >= max_len:
-                        finished.append(req)
-        self._end_apply(k, sched.step, 1, finished, end)
-        return finished
-
     def _admit_kv(self, now: float) -> None:
         """The first step's admissions of handed-off requests (`admitted`): running, as _start_running at `now`;
         their pages are given by _grow_pages."""
@@ -297,16 +264,19 @@ class DecodeRun:
             sched._start_running(req, now)
         del sched._kv_ready[:len(self.admitted)]
 
-    def _grow_pages(self, k: int) -> None:
-        """The page growth of the first k steps, in the order the steps allocate: by step, the decode pass (running
-        order) before the prefill pass, and in the first step the pages of the admitted handed-off requests
-        last."""
+    def _grow_pages(self, a: int, b: int) -> None:
+        """The page growth of planned steps a .. b - 1, in the order the steps allocate: by step, the decode pass
+        (running order) before the prefill pass, and in the first step the pages of the admitted handed-off
+        requests last."""
+        if a >= b:
+            return
         sched = self.sched
         ps = sched._ps
         decoders, prefills = self.decoders, self.prefills
         crossings = self._crossings
         plan = self._plan
-        if self.admitted:     # their pages after the first step's decode pass (their own growth starts later)
+        if self.admitted and not a:    # their pages after the first step's decode pass (their own growth later)
+            k = b
             if k <= ps:
                 grown = sorted((j, i) for i, j in enumerate(crossings) if j < k)
                 first = sum(1 for j, _ in grown if j == 0)
@@ -321,43 +291,66 @@ class DecodeRun:
                           for _, kind, i, need in grow]
             sched.block_manager.allocate_each(grants)
             return
-        if not prefills and k <= ps:     # each decoder grows at most once: by step, then running order
-            grown = [i for i, j in enumerate(crossings) if j < k]
+        if a:          # a later range of the run (apply_range / schedule_step): the run's growth list, sliced
+            growth = self._growth
+            if growth is None or len(growth[0]) != self.steps:
+                growth = self._growth = self._growth_list()
+            steps, grants = growth
+            lo, hi = bisect_left(steps, a), bisect_left(steps, b)
+            if hi > lo:
+                sched.block_manager.allocate_each(grants[lo:hi])
+            return
+        # crossings[i]: decoder i's first growth at or after step a
+        if not prefills and b - a <= ps:     # each decoder grows at most once: by step, then running order
+            grown = [i for i, j in enumerate(crossings) if j < b]
             if grown:
                 grown.sort(key=crossings.__getitem__)      # stable
                 sched.block_manager.allocate_one_each([decoders[i].page_table for i in grown])
             grow = None
-        elif k <= ps:
-            grow = [(j, 0, i, 1) for i, j in enumerate(crossings) if j < k]
+        elif b - a <= ps:
+            grow = [(j, 0, i, 1) for i, j in enumerate(crossings) if j < b]
         else:
-            grow = [(j + m, 0, i, 1) for i, j in enumerate(crossings) for m in range(0, k - j, ps)]
+            grow = [(j + m, 0, i, 1) for i, j in enumerate(crossings) for m in range(0, b - j, ps)]
         if prefills:
-            grow += [(j, 1, p, need) for j in range(k) for p, _, need in plan[j] if need]
+            grow += [(j, 1, p, need) for j in range(a, b) for p, _, need in plan[j] if need]
         if grow:
             grow.sort()
             sched.block_manager.allocate_each([((prefills if kind else decoders)[i].page_table, need)
                                                for _, kind, i, need in grow])
 
-    def _advance_prefills(self, k: int, starts, ends, first_step: int, finished: list) -> None:
-        """The prefill chunks of the first k steps: tokens computed, schedule times, and a sample (appended to
-        `finished` when it ends the request) for a prompt done in the run."""
+    def _growth_list(self) -> tuple:
+        """(steps, grants): every page grant of the planned steps in allocation order (_grow_pages), with its
+        step: ([step], [(page table, pages)])."""
+        ps, n = self.sched._ps, self.steps
+        decoders, prefills = self.decoders, self.prefills
+        grow = [(j + m, 0, i, 1) for i, j in enumerate(self._crossings) for m in range(0, n - j, ps)]
+        if prefills:
+            grow += [(j, 1, p, need) for j in range(n) for p, _, need in self._plan[j] if need]
+        grow.sort()
+        return ([j for j, _, _, _ in grow],
+                [((prefills if kind else decoders)[i].page_table, need) for _, kind, i, need in grow])
+
+    def _advance_prefills(self, a: int, b: int, starts, ends, finished: list) -> None:
+        """The prefill chunks of planned steps a .. b - 1 (starts[j - a], ends[j - a] step j's): tokens computed,
+        schedule times, and a sample (appended to `finished` when it ends the request) for a prompt done in the
+        run."""
         plan, max_len = self._plan, self.sched._max_len
         for p, req in enumerate(self.prefills):
             last = -1
             c = req.num_computed_tokens
             times = req.schedule_times
-            for j in range(k):
+            for j in range(a, b):
                 for q, n, _ in plan[j]:
                     if q == p:
                         c += n
-                        times.append(starts[j])
+                        times.append(starts[j - a])
                         last = j
             if last < 0:
                 continue
             req.num_computed_tokens = c
-            req.sched_step = first_step + 1 + last
+            req.sched_step = self._base_step + 1 + last
             if c == len(req.all_token_ids):       # its prompt is done: it samples (the run's last step)
-                now = ends[last]
+                now = ends[last - a]
                 req.output_token_ids.append(PLACEHOLDER)
                 req.all_token_ids.append(PLACEHOLDER)
                 req.token_times.append(now)
@@ -365,7 +358,6 @@ class DecodeRun:
                     req.first_token_time = now
                 if len(req.output_token_ids) >= req.max_tokens or len(req.all_token_ids) >= max_len:
                     finished.append(req)
-
 
 
 def continued_run(after: tuple, page_size: int, max_steps: int) -> tuple:

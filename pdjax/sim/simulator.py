@@ -85,7 +85,7 @@ import itertools
 import math
 import operator
 import time
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections import deque
 from itertools import accumulate, repeat
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -404,14 +404,16 @@ class RunStep:
         self.record = record
 
 
-class RunTail:
-    """The in-flight last step of a replica's decode run that ends after the next arrival (Simulation.decode_run):
-    its schedule() side applied (DecodeRun.schedule_last), its update() side due at its completion event
-    (DecodeRun.update_last), as a step scheduled one by one. k: its step in the run; chunks: its prefill chunks."""
-    __slots__ = ("run", "k", "start", "chunks")
+class LazyRun:
+    """A replica's decode run applied as time passes (Simulation.replica_run): planned steps starts/ends/seconds/
+    chunk_lists (per step its prefill chunks; None: a decoders-only run); steps before `applied` applied, step
+    `applied` scheduled too (its schedule() side: DecodeRun.schedule_step) when `scheduled`. `end`: the end of its
+    last step, when its completion event comes."""
+    __slots__ = ("run", "starts", "ends", "seconds", "chunk_lists", "applied", "scheduled", "end")
 
-    def __init__(self, run, k: int, start: float, chunks: Optional[list]):
-        self.run, self.k, self.start, self.chunks = run, k, start, chunks
+    def __init__(self, run, starts: List[float], ends: List[float], seconds: List[float], chunk_lists):
+        self.run, self.starts, self.ends, self.seconds, self.chunk_lists = run, starts, ends, seconds, chunk_lists
+        self.applied, self.scheduled, self.end = 0, False, ends[-1]
 
 
 class PendingRun:
@@ -473,6 +475,9 @@ class Simulation:
         # another instance's state), their records out of completion order until `run` sorts them (replica_order)
         self.replicas = pool is None and len(self.instances) > 1 and len(set(self.names)) == len(self.names)
         self.reordered = False            # a replica's run recorded steps ahead of the other instances' events
+        self.lazy: set = set()            # replicas with a LazyRun in flight
+        self.stateless_router = False     # the router reads no replica's state (round robin): no catch_up for it
+        self.lazy_cut: Dict[Tuple[float, int], int] = {}   # (end, replica): completions of LazyRuns cut since
         self.waking = [False] * len(self.instances)     # ready to run its loop at the current time
         self.index_of = {id(inst): i for i, inst in enumerate(self.instances)}
         self.decode_runs = list(decode_runs)
@@ -516,10 +521,12 @@ class Simulation:
         observe_step = getattr(router, "observe_step", None)
         plain = (decode_runs and not async_scheduling and on_schedule is None and observe_step is None
                  and sample is placeholder_sample)
-        return cls(requests, instances, lambda req, t: router(req, instances), direct=False, sample=sample,
-                   on_schedule=on_schedule, max_iterations=max_iterations,
-                   decode_runs=[plain and decode_run_ready(inst) for inst in instances],
-                   async_scheduling=async_scheduling, observe_step=observe_step)
+        state = cls(requests, instances, lambda req, t: router(req, instances), direct=False, sample=sample,
+                    on_schedule=on_schedule, max_iterations=max_iterations,
+                    decode_runs=[plain and decode_run_ready(inst) for inst in instances],
+                    async_scheduling=async_scheduling, observe_step=observe_step)
+        state.stateless_router = isinstance(router, InstanceRouter) and router.policy == "round_robin"
+        return state
 
     # ------------------------------------------------------------------------------------------- events
     def next_event_time(self) -> float:
@@ -592,6 +599,7 @@ class Simulation:
         async loop updated it at dispatch), record the iteration, wake the instance, hand off or record the
         requests it finished."""
         completions, its, stale, deferred = self.completions, self.iterations, self.stale, self.deferred
+        lazy_cut = self.lazy_cut
         while completions and completions[0][0] <= t:
             _, seq, idx = heapq.heappop(completions)
             if stale and seq in stale:       # a PendingRun's completion before it was shortened
@@ -601,8 +609,13 @@ class Simulation:
             if inst.in_flight.__class__ is PendingRun:
                 self.finish_pending(idx)
                 continue
-            if inst.in_flight.__class__ is RunTail:
-                self.finish_tail(idx, t)
+            if lazy_cut and (t, idx) in lazy_cut:     # the completion a LazyRun had before it was cut short
+                lazy_cut[t, idx] -= 1
+                if not lazy_cut[t, idx]:
+                    del lazy_cut[t, idx]
+                continue
+            if inst.in_flight.__class__ is LazyRun:
+                self.finish_lazy(idx, t)
                 continue
             if inst.in_flight.__class__ is RunStep:   # a decode run's last step, applied already: its record
                 if deferred or self.pending_run is not None:
@@ -632,21 +645,58 @@ class Simulation:
             if finished:
                 self.finished(idx, finished, t)
 
-    def finish_tail(self, idx: int, t: float) -> None:
-        """Instance idx's RunTail ends at t: its update() side, its record, the requests it finished."""
+    def finish_lazy(self, idx: int, t: float) -> None:
+        """Replica idx's LazyRun ends at t: its steps not applied yet, their records, the requests it finished."""
         inst = self.instances[idx]
-        tail, inst.in_flight = inst.in_flight, None
-        finished = tail.run.update_last(tail.k, t)
-        count, chunks, its = tail.run.count, tail.chunks, self.iterations
-        its.append(IterationRecord(len(its) if self.global_steps else inst.num_steps, tail.start, t,
-                                   sum(n for n, _ in chunks) if chunks else 0, count,
-                                   count + len(chunks) if chunks else count, self.names[idx]))
-        inst.num_steps += 1
+        lazy, inst.in_flight = inst.in_flight, None
+        finished = self.advance_lazy(idx, lazy, len(lazy.starts))
+        self.lazy.discard(idx)
         self.waking[idx] = True
-        if len(its) > self.max_iterations:
-            raise RuntimeError(f"simulation exceeded max_iterations={self.max_iterations}")
         if finished:
             self.finished(idx, finished, t)
+
+    def advance_lazy(self, idx: int, lazy: LazyRun, j: int) -> list:
+        """Apply LazyRun `lazy`'s steps before j (its scheduler state, records, stage accounting); returns the
+        requests they finished."""
+        a = lazy.applied
+        if j <= a:
+            return []
+        starts, ends, seconds, chunk_lists = lazy.starts[a:j], lazy.ends[a:j], lazy.seconds[a:j], lazy.chunk_lists
+        finished = lazy.run.apply_range(a, starts, ends, scheduled=lazy.scheduled)
+        lazy.applied, lazy.scheduled = j, False
+        self.instances[idx].pipeline.run_serial(starts, ends, seconds)
+        self.record_run(idx, lazy.run.count, starts, ends, None if chunk_lists is None else chunk_lists[a:j])
+        return finished
+
+    def catch_up(self, idx: int, t: float) -> None:
+        """Replica idx's LazyRun as the event loop would have it at t, before routing the arrivals at t: the steps
+        ending by t applied, the one running across t scheduled."""
+        lazy = self.instances[idx].in_flight
+        j = bisect_right(lazy.ends, t)
+        if self.advance_lazy(idx, lazy, j):
+            raise RuntimeError(f"replica {self.names[idx]!r}: a run finished a request before its last step")
+        if j < len(lazy.starts) and lazy.starts[j] < t and not lazy.scheduled:
+            lazy.run.schedule_step(j)
+            lazy.scheduled = True
+
+    def cut_lazy(self, idx: int, t: float) -> None:
+        """An arrival at t was routed to replica idx (caught up to t): its LazyRun ends with the step running across
+        t (then the loop admits it), or now when none is."""
+        inst = self.instances[idx]
+        lazy = inst.in_flight
+        n = lazy.applied + 1 if lazy.scheduled else lazy.applied
+        if n == len(lazy.starts):
+            return
+        self.lazy_cut[lazy.end, idx] = self.lazy_cut.get((lazy.end, idx), 0) + 1
+        del lazy.starts[n:], lazy.ends[n:], lazy.seconds[n:]
+        if lazy.chunk_lists is not None:
+            del lazy.chunk_lists[n:]
+        if n:
+            lazy.end = lazy.ends[-1]
+            self.push_completion(lazy.end, idx)
+            return
+        inst.in_flight = None     # nothing in flight: its loop runs at t
+        self.lazy.discard(idx)
 
     def finished(self, idx: int, finished: Sequence, t: float) -> None:
         """Requests instance `idx`'s step finished at t: a 'handoff' (a prefill_only scheduler's) is handed off
@@ -825,12 +875,21 @@ class Simulation:
         """Every arrival at t: route(request, t) picks its instance; colocated, it waits in that inbox until the
         instance's loop admits it; disaggregated, add_request at once (a rejection finishes it there)."""
         pending, direct = self.pending, self.direct
+        lazy = self.lazy
+        if (lazy and not self.stateless_router and self.next_arrival < len(pending)
+                and pending[self.next_arrival].arrival_time <= t):
+            for idx in sorted(lazy):      # the router reads every replica
+                self.catch_up(idx, t)
         while self.next_arrival < len(pending) and pending[self.next_arrival].arrival_time <= t:
             req = self.requests.arrived(self.next_arrival)
             self.next_arrival += 1
             inst = self.route(req, t)
             if inst is None:       # rejected at its arrival (pdjax.scheduler.overload.AdmittingPool)
                 continue
+            if lazy and self.index_of[id(inst)] in lazy:
+                idx = self.index_of[id(inst)]
+                self.catch_up(idx, t)
+                self.cut_lazy(idx, t)
             if direct:
                 inst.scheduler.add_request(req)
             else:
@@ -966,11 +1025,15 @@ class Simulation:
 
     def replica_run(self, idx: int, run, t: float, limit: float) -> Optional[float]:
         """decode_run of replica `idx` (one of several colocated; one stage, one batch in flight): the steps of
-        `run` that start before `limit` (the next arrival: the router reads every replica's state then). A last
-        step ending at or after it is left in flight with its schedule() side applied (RunTail), so the router
-        sees the replica as mid-step; it is updated and recorded at its completion, as one scheduled alone."""
+        `run` that start before `limit` (the next arrival) are applied at once if they all end before it; else
+        the run is planned on, up to the arrival after the next as many as there are replicas, and left in
+        flight as a LazyRun, applied as time passes: at each arrival, before the router reads the replicas
+        (catch_up), and cut at the step running across an arrival routed to it (cut_lazy); its completion event
+        applies the rest. So a replica's state is exact whenever something reads it."""
         inst = self.instances[idx]
-        starts, ends, seconds, chunk_lists, end = plan_run(run, inst.timer.step_time, t, limit, ends_before=False)
+        pending, i = self.pending, self.next_arrival + len(self.instances) - 1
+        horizon = pending[i].arrival_time if i < len(pending) else float("inf")
+        starts, ends, seconds, chunk_lists, end = plan_run(run, inst.timer.step_time, t, horizon, ends_before=False)
         if not starts:
             return None
         self.reordered = True
@@ -979,10 +1042,8 @@ class Simulation:
             self.record_run(idx, run.count, starts, ends, chunk_lists)
             self.run_again = len(starts) == run.limit
             return end
-        run.schedule_last(starts, ends)
-        inst.pipeline.run_serial(starts, ends, seconds)
-        self.record_run(idx, run.count, starts[:-1], ends[:-1], None if chunk_lists is None else chunk_lists[:-1])
-        inst.in_flight = RunTail(run, len(starts), starts[-1], None if chunk_lists is None else chunk_lists[-1])
+        inst.in_flight = LazyRun(run, starts, ends, seconds, chunk_lists)
+        self.lazy.add(idx)
         self.push_completion(end, idx)
         return end
 

@@ -45,10 +45,10 @@ def hashed_token_ids(seed: int, stream: int, key: int, length: int, vocab_size: 
         raise ValueError(f"length={length!r}, expected >= 0")
     if vocab_size < 1:
         raise ValueError(f"vocab_size={vocab_size!r}, expected >= 1")
-    with np.errstate(over="ignore"):
-        base = _mix(np.array([seed & (2**64 - 1)], dtype=np.uint64) * _GOLDEN + np.uint64(stream))
-        base = _mix(base ^ (np.uint64(key & (2**64 - 1)) * _GOLDEN))
-        x = _mix(base + (np.arange(1, length + 1, dtype=np.uint64) * _GOLDEN))
+    # one-element arrays, not numpy scalars: integer arrays wrap mod 2**64 without an overflow warning
+    base = _mix(np.array([seed & (2**64 - 1)], dtype=np.uint64) * _GOLDEN + np.uint64(stream))
+    base = _mix(base ^ (np.array([key & (2**64 - 1)], dtype=np.uint64) * _GOLDEN))
+    x = _mix(base + (np.arange(1, length + 1, dtype=np.uint64) * _GOLDEN))
     if allowed:
         table = np.asarray(allowed, dtype=np.int64)
         return table[(x % np.uint64(len(table))).astype(np.int64)].tolist()
