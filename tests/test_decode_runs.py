@@ -205,7 +205,9 @@ def test_decode_runs_with_several_instances(router, monkeypatch):
     ("sarathi", 4, "least_loaded", 0, 1, None, 2), ("sarathi", 2, "round_robin", 1, 1, None, 2),
     ("sarathi_tight_memory", 3, "least_loaded", 2, 1, None, 4), ("vllm_v0", 3, "round_robin", 4, 1, None, 2),
     ("decode_first", 2, "least_loaded", 5, 1, None, 2), ("sarathi", 3, "least_loaded", 6, 2, 1, 4),
-    ("sarathi", 2, "round_robin", 7, 2, None, 100), ("paired", 2, "round_robin", 8, 1, None, 2)])
+    ("sarathi", 2, "round_robin", 7, 2, None, 100), ("paired", 2, "round_robin", 8, 1, None, 2),
+    ("sarathi", 4, "kv_centric", 9, 1, None, 2), ("vllm_v1", 3, "prefix_affinity", 10, 1, None, 4),
+    ("sarathi_tight_memory", 4, "kv_centric", 11, 1, None, 4)])
 def test_decode_runs_of_replicas_pass_the_other_replicas_steps(name, instances, router, seed, pp, max_in_flight,
                                                                share, monkeypatch):
     cfg = SchedulerConfig(max_model_len=1024, page_size=16,

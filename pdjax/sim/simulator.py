@@ -68,7 +68,13 @@ bulk, the last batch left in flight as its SchedulerOutput. A decode_only instan
 admits handed-off requests whose KV landed (DecodeOnlyScheduler._run_kv_admissions); the one decode instance of
 a disaggregated deployment takes its runs past the other instances' steps and the arrivals (`PendingRun`: applied
 when its last step ends, cut at the step that would admit a KV landing once the transfer starts; its records wait
-for their place in completion order: same end, the earlier dispatch first).
+for their place in completion order: same end, the earlier dispatch first). Several colocated replicas
+(one stage each) take their runs past the other replicas' steps and past the arrivals routed elsewhere
+(`LazyRun`, `Simulation.replica_run`): a run is applied as time passes, caught up at each arrival before the
+router reads the replicas (the steps ended applied, the one running across the arrival scheduled: the state the
+event loop would have then), and cut at the step running across an arrival routed to it; a round-robin router
+reads nothing, so only the replica it picks is caught up. Their records are put in completion order at the end
+(`replica_order`).
 Requests may be given as PendingRequests (pdjax.sim.build does): each becomes its scheduler Request when it
 arrives, and every request that finishes for good is turned into its RequestRecord at once and dropped
 (`SimRequests`), so a run holds the token lists of its live requests only, not of all of them
