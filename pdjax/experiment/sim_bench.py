@@ -8,6 +8,8 @@ config is prepared as `experiments.serve --config.backend=sim` prepares it
     chat10k   configs/sim/chat10k.py                         colocated, Mistral-7B, Sarathi 512, 10,000 requests
     disagg    configs/sim/disagg_paper.py:1p1d-chat          1 prefill + 1 decode Llama-2-13B, 4,000 requests
     pipeline  configs/sim/paper_base.py:llama70b-chat        Llama-2-70B TP4 x PP2 (2 batches in flight), 2,000
+    replicas  configs/sim/chat10k.py:replicas-kv_centric     chat10k on 4 replicas at 4x the rate, prefix caching,
+                                                             kv_centric router, host KV tiers, 10,000 requests
 num_requests replaces every case's request count (the smoke test runs a handful).
 
 JSON: per case num_requests, num_iterations, wall_s (the simulate call alone, best of `repeat` runs),
@@ -43,6 +45,7 @@ CASES = {
     "chat10k": ("configs/sim/chat10k.py", None, 10_000),
     "disagg": ("configs/sim/disagg_paper.py", "1p1d-chat", 4_000),
     "pipeline": ("configs/sim/paper_base.py", "llama70b-chat", 2_000),
+    "replicas": ("configs/sim/chat10k.py", "replicas-kv_centric", 10_000),
 }
 RECORD_FILES = ("requests.csv", "iterations.csv", "token_times.csv")
 
