@@ -170,7 +170,7 @@ def queued_prefill_tokens(inst) -> int:
     """Prompt tokens still to prefill on an instance: its running and waiting requests' and its inbox's."""
     s = inst.scheduler
     held = itertools.chain(s.running, s.waiting, getattr(inst, "inbox", ()))
-    return sum(max(0, r.prefill_end - r.num_computed_tokens) for r in held)
+    return sum([r.prefill_end - r.num_computed_tokens for r in held if r.num_computed_tokens < r.prefill_end])
 
 
 def predicted_ttft(router: InstanceRouter, inst, req) -> float:

@@ -479,7 +479,11 @@ class Simulation:
         self.single = pool is None and len(self.instances) == 1   # decode runs up to the next arrival
         # several colocated replicas: each one's decode runs go up to the next arrival (only the router reads
         # another instance's state), their records out of completion order until `run` sorts them (replica_order)
-        self.replicas = pool is None and len(self.instances) > 1 and len(set(self.names)) == len(self.names)
+        # (not with a host KV tier shared by replicas: its LRU order follows their evictions in time order)
+        tiers = [id(inst.scheduler.block_manager.host_tier) for inst in self.instances
+                 if getattr(inst.scheduler.block_manager, "host_tier", None) is not None]
+        self.replicas = (pool is None and len(self.instances) > 1 and len(set(self.names)) == len(self.names)
+                         and len(set(tiers)) == len(tiers))
         self.reordered = False            # a replica's run recorded steps ahead of the other instances' events
         self.lazy: set = set()            # replicas with a LazyRun in flight
         self.stateless_router = False     # the router reads no replica's state (round robin): no catch_up for it
