@@ -4,9 +4,10 @@ Choices:
 - Pages are ints in [0, num_pages). Per-page state lives in flat lists indexed by page (`ref_count`,
   `page_key`), so the hot path touches no per-page objects.
 - Free pages are of two kinds: uncached ones on a stack (`_free`), and free pages that still hold a
-  prefix-cached full page, in LRU order in an insertion-ordered dict (`_free_cached`). Allocation takes an
-  uncached page first and evicts the least recently freed cached page only when none is left, so cached
-  content survives as long as possible. Both kinds count as free.
+  prefix-cached full page, in LRU order in an OrderedDict (`_free_cached`: its oldest entry is O(1) however
+  many were evicted before it; a plain dict's next(iter(d)) scans the holes its front deletions leave, which
+  made eviction quadratic). Allocation takes an uncached page first and evicts the least recently freed cached
+  page only when none is left, so cached content survives as long as possible. Both kinds count as free.
 - Prefix-cache key of full page i of a token sequence: `(hash(key of page i-1), tuple(tokens of page i))`
   (parent 0 for page 0). Keys are dict keys, so equal pages chain on the parent's hash and compare their
   tokens exactly: a false hit needs a 64-bit collision of the parent's hash AND identical page tokens.
@@ -25,9 +26,10 @@ Choices:
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from itertools import repeat as _repeat
 from operator import itemgetter as _getter
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Iterable, List, Sequence, Tuple
 
 _any = any
 
@@ -56,7 +58,7 @@ class BlockManager:
         self.ref_count: List[int] = [0] * num_pages
         self.page_key: list = [None] * num_pages
         self._free: List[int] = list(range(num_pages - 1, -1, -1))   # pop() hands out page 0 first
-        self._free_cached: Dict[int, None] = {}                       # LRU: oldest first
+        self._free_cached: "OrderedDict[int, None]" = OrderedDict()   # LRU: oldest first
         self._key_to_page: dict = {}
         self._free_host: List[int] = list(range(num_host_pages - 1, -1, -1))
         self.num_cache_hit_pages = 0
@@ -106,12 +108,12 @@ class BlockManager:
             table += pages
             _any(map(ref.__setitem__, pages, _repeat(1)))
             return
+        cached = self._free_cached
         for _ in range(n):
             if free:
                 p = free.pop()
             else:
-                p = next(iter(self._free_cached))
-                del self._free_cached[p]
+                p = cached.popitem(last=False)[0]
                 del self._key_to_page[self.page_key[p]]
                 if self.host_tier is not None:
                     self._offload(p)
