@@ -129,7 +129,7 @@ class BlockManager:
         free = self._free
         if not n:
             return
-        if self._free_cached or n > len(free):
+        if n > len(free):             # some allocation evicts a cached page
             for table in tables:
                 self.allocate(table, 1)
             return
@@ -143,7 +143,7 @@ class BlockManager:
         """`allocate(table, n)` for each (table, n) of `grants` in order (a table may repeat). The caller checks
         `num_free_pages >= sum(n)`."""
         free = self._free
-        if self._free_cached or sum(n for _, n in grants) > len(free):
+        if sum(n for _, n in grants) > len(free):     # some allocation evicts a cached page
             for table, n in grants:
                 self.allocate(table, n)
             return

@@ -37,8 +37,10 @@ the pages its chunk needs. `apply` replays those allocations in that order.
 """
 from __future__ import annotations
 
+from itertools import islice
 from typing import List, Optional, Sequence, Tuple
 
+from pdjax.scheduler.block_manager import extend_page_keys
 from pdjax.scheduler.output import SchedulerOutput
 from pdjax.scheduler.request import RequestStatus
 
@@ -186,7 +188,7 @@ class DecodeRun:
         decoders, prefills = self.decoders, self.prefills
         if self.admitted:
             self._admit_kv(starts[0])
-        self._grow_pages(k)
+        cache = self._grow_pages(k)
         first_step = sched.step
         step = first_step + 1 + schedules * (k - 1)     # the last step's number (schedules == 1: first_step + k)
         finished = []
@@ -198,6 +200,8 @@ class DecodeRun:
             req.token_times += ends
             req.schedule_times += starts
             req.sched_step = step
+        if cache is not None:   # prefix caching: the pages the k updates register, before any is freed
+            self._register_pages(*cache)
         if k == self.limit:     # some decoder finishes in this step (the limit is the first finish)
             finished = [req for req, left in zip(decoders, self._lefts) if left == k]
         if prefills:
@@ -236,11 +240,14 @@ class DecodeRun:
             sched._start_running(req, now)
         del sched._kv_ready[:len(self.admitted)]
 
-    def _grow_pages(self, k: int) -> None:
+    def _grow_pages(self, k: int) -> Optional[tuple]:
         """The page growth of the first k steps, in the order the steps allocate: by step, the decode pass (running
         order) before the prefill pass, and in the first step the pages of the admitted handed-off requests
-        last."""
+        last. With prefix caching (`_grow_pages_caching`): (the registrations of the k updates, the keys evicted
+        and the step evicting each) for `_register_pages`; else None."""
         sched = self.sched
+        if sched._caching:
+            return self._grow_pages_caching(k)
         ps = sched._ps
         decoders, prefills = self.decoders, self.prefills
         crossings = self._crossings
@@ -276,6 +283,93 @@ class DecodeRun:
             grow.sort()
             sched.block_manager.allocate_each([((prefills if kind else decoders)[i].page_table, need)
                                                for _, kind, i, need in grow])
+
+    def _grow_pages_caching(self, k: int) -> Tuple[list, dict]:
+        """_grow_pages with prefix caching: the same allocations in the same order; an allocation that finds no
+        uncached free page evicts the least recently freed cached one (BlockManager.allocate: its key dropped,
+        offloaded to a host tier). Returns (`_registrations(k)`, {key of each evicted page: the step (0: the run's
+        first) whose schedule() evicts it}), read before anything is applied."""
+        sched = self.sched
+        ps, bm = sched._ps, sched.block_manager
+        free, crossings, plan = bm._free, self._crossings, self._plan
+        registrations = self._registrations(k)
+        grow = [(j + m, 0, i, 1) for i, j in enumerate(crossings) for m in range(0, k - j, ps)]
+        grow += [(0, 1, i, need) for i, (_, need) in enumerate(self.admitted)]
+        if self.prefills:
+            grow += [(j, 2, p, need) for j in range(k) for p, _, need in plan[j] if need]
+        grow.sort()           # (step, pass, index) is unique: tables never compared
+        owners = (self.decoders, [req for req, _ in self.admitted], self.prefills)
+        evicted = {}
+        if sum(need for _, _, _, need in grow) <= len(free):     # no eviction: uncached pages only
+            bm.allocate_each([(owners[kind][i].page_table, need) for _, kind, i, need in grow])
+            return registrations, evicted
+        cached, page_key, allocate = bm._free_cached, bm.page_key, bm.allocate
+        for j, kind, i, need in grow:
+            short = need - len(free)
+            if short > 0:             # the oldest `short` cached free pages go, in LRU order
+                for p in islice(cached, short):
+                    evicted[page_key[p]] = j
+            allocate(owners[kind][i].page_table, need)
+        return registrations, evicted
+
+    def _registrations(self, k: int) -> list:
+        """The prefix-cache registrations the first k steps' update() calls make (Scheduler._register: a request
+        whose computed tokens fill pages past its registered ones offers them), read before the steps are applied:
+        [(step (0: the run's first), pass (0: decoders, 1: prefill chunks), index, full pages after it)], in update
+        order (by step, then batch order). A decoder with c computed tokens fills page b in the step that makes them
+        (b + 1) * page_size (one step before it grows into page b + 1); a chunk, the pages it completes."""
+        ps = self.sched._ps
+        events = []
+        add = events.append
+        for i, req in enumerate(self.decoders):
+            c = req.num_computed_tokens
+            m = (c + 1) // ps           # its full pages after the first step
+            if m > req.num_registered_pages:
+                add((0, 0, i, m))
+            for j in range((m + 1) * ps - c - 1, k, ps):
+                m += 1
+                add((j, 0, i, m))
+        if self.prefills:
+            plan = self._plan
+            computed = [r.num_computed_tokens for r in self.prefills]
+            registered = [r.num_registered_pages for r in self.prefills]
+            for j in range(k):
+                for p, n, _ in plan[j]:
+                    c = computed[p] = computed[p] + n
+                    if c // ps > registered[p]:
+                        registered[p] = c // ps
+                        add((j, 1, p, c // ps))
+        events.sort()
+        return events
+
+    def _register_pages(self, events: list, evicted: dict) -> None:
+        """Apply `_registrations` (after the decoders' tokens are appended: a page's key reads its tokens) as
+        update() would have, each in its step: a key is skipped while another page holds it, which a cached page
+        evicted by a later step (`evicted`) still did then. The host-tier copies the evictions recorded went into
+        the steps' SchedulerOutputs (BlockManager.drain_tier_copies), which the run builds none of: dropped."""
+        sched = self.sched
+        ps, bm = sched._ps, sched.block_manager
+        k2p, page_key = bm._key_to_page, bm.page_key
+        owners = (self.decoders, self.prefills)
+        for j, kind, i, full in events:
+            req = owners[kind][i]
+            keys = req.page_keys
+            if len(keys) < full:
+                extend_page_keys(keys, req.all_token_ids, ps, full)
+            table = req.page_table
+            if not evicted:
+                bm.register(table, keys, req.num_registered_pages, full)
+            else:
+                for b in range(req.num_registered_pages, full):
+                    p = table[b]
+                    if page_key[p] is None:
+                        key = keys[b]
+                        if key not in k2p and evicted.get(key, -1) <= j:
+                            k2p[key] = p
+                            page_key[p] = key
+            req.num_registered_pages = full
+        if bm.pending_swap_out:
+            bm.pending_swap_out = []
 
     def _advance_prefills(self, k: int, starts, ends, first_step: int, finished: list) -> None:
         """The prefill chunks of the first k steps: tokens computed, schedule times, and a sample (appended to
