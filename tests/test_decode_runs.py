@@ -5,7 +5,9 @@ shape a run (chunk caps, tiles, the prefill guard, full running lists, page pres
 instances). Also: the decode-only and chunked step costs equal the cost model's on random batches."""
 from __future__ import annotations
 
+import copy
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -657,3 +659,94 @@ def test_decode_runs_with_a_shared_host_tier_do_not_cross_events(num_prefill, se
     assert_same(reference, got)
     assert [t.__dict__ for t in got[0].transfers] == [t.__dict__ for t in reference[0].transfers]
     assert seen["evicted"] > 0, "the case is meant to evict (offload) cached pages inside runs"
+
+
+def scheduler_state(sched) -> tuple:
+    """A scheduler's whole state after some steps: counters, queues, every request's slots, the block manager's
+    and host tier's (cache_state), pending tier copies included."""
+    reqs = sched.running + sched.waiting + sched.finished
+    fields = [f for f in type(reqs[0]).__slots__ if f not in ("sampling",)] if reqs else []
+    # (vllm_v1's _chunk_cap is left out: its schedule() sets it afresh first thing, so no step reads the value a
+    # run leaves, which is what the run's last schedule() saw, not the count after its finishes)
+    return ((sched.step, sched._applied_step, sched._last_emitted, sched._floor),
+            [r.request_id for r in sched.running], [r.request_id for r in sched.waiting],
+            [r.request_id for r in sched.finished], [[getattr(r, f) for f in fields] for r in reqs],
+            cache_state([SimpleNamespace(scheduler=sched)], []))
+
+
+def planned_steps(sched, run=None) -> int:
+    """The steps (at most 40) of sched's decode run `run` (None: the one it would start now), planned."""
+    run = sched.decode_run(1 << 30) if run is None else run
+    if run is None:
+        return 0
+    if run.prefills:
+        while run.steps < 40 and run.next_step() is not None:
+            pass
+    else:
+        run.plan_decode_steps()
+    return min(run.steps, 40)
+
+
+@pytest.mark.parametrize("policy,eviction", [("sarathi", "lru"), ("vllm_v1", "lfu"), ("orca", "lru")])
+def test_a_decode_run_leaves_the_state_of_its_steps(policy, eviction):
+    """Scheduler level, prefix caching and a host tier on a small pool: at every step where a run of two or more
+    steps is possible, applying it (DecodeRun.apply) leaves a copy of the scheduler in exactly the state its steps
+    through schedule() and update() leave another copy (pending host-tier copies drained, as each step's
+    SchedulerOutput takes them)."""
+    from pdjax.scheduler.kv_tier import HostKVTier
+    cfg = SchedulerConfig(max_model_len=1024, page_size=16, enable_prefix_caching=True, watermark=0.0,
+                          num_pages=100, **{k: v for k, v in CONFIGS[policy].items() if k != "num_pages"})
+    sched = make_scheduler(cfg)
+    sched.block_manager.host_tier, sched.block_manager.tier_owner = HostKVTier(50, eviction), "i0"
+    pending = shared_prefix_requests(40, 4, rate=10.0)
+    t, compared, evicting = 0.0, 0, 0
+    while pending or sched.has_unfinished():
+        while pending and pending[0].arrival_time <= t:
+            sched.add_request(pending.pop(0))
+        # (from the first eviction on: runs on a warm pool evict)
+        if compared < 30 and sched.block_manager.num_evictions and planned_steps(sched) >= 2:
+            run_copy = copy.deepcopy(sched)
+            run = run_copy.decode_run(1 << 30)
+            k = planned_steps(run_copy, run)
+            if k >= 2:
+                ref = copy.deepcopy(sched)
+                starts, ends = [t + 0.01 * j for j in range(k)], [t + 0.01 * (j + 1) for j in range(k)]
+                for s, e in zip(starts, ends):
+                    out = ref.schedule(s)
+                    ref.update(out, [0 if x else -1 for x in out.do_sample], e)
+                evicting += ref.block_manager.num_evictions > sched.block_manager.num_evictions
+                run.apply(starts, ends)
+                assert scheduler_state(run_copy) == scheduler_state(ref)
+                compared += 1
+        if not sched.has_unfinished():
+            t = pending[0].arrival_time
+            continue
+        out = sched.schedule(t)
+        sched.update(out, [0 if x else -1 for x in out.do_sample], t + 0.01)
+        t += 0.01
+    assert compared == 30 and evicting >= 3, "the case is meant to compare many runs, some evicting"
+
+
+def test_run_registrations_follow_the_updates_one_by_one():
+    """DecodeRun._registrations against a plain replay of update()'s rule (a request registers when its computed
+    tokens fill pages past its registered ones), step by step in batch order: decoders behind or ahead of each
+    other, one that has not registered its full pages yet, prefill chunks completing pages."""
+    ps, k = 4, 11
+    decoders = [SimpleNamespace(num_computed_tokens=c, num_registered_pages=r)
+                for c, r in ((9, 2), (2, 0), (7, 1), (12, 1), (3, 0))]
+    prefills = [SimpleNamespace(num_computed_tokens=c, num_registered_pages=c // ps) for c in (0, 6)]
+    plan = [((0, 5, 0), (1, 3, 0)), (), ((1, 8, 0),), ((0, 1, 0),), ((0, 2, 0), (1, 4, 0))] + [()] * (k - 5)
+    run = runs_module.DecodeRun(SimpleNamespace(_ps=ps), decoders, prefills, [0] * 5, [99] * 5, 0, 99, 0, 0)
+    run._plan = plan
+    expected = []
+    counts = [[r.num_computed_tokens, r.num_registered_pages] for r in decoders + prefills]
+    for j in range(k):
+        batch = [(0, i, 1) for i in range(len(decoders))] + [(1, p, n) for p, n, _ in plan[j]]
+        for kind, i, n in batch:
+            state = counts[i + kind * len(decoders)]
+            state[0] += n
+            if state[0] // ps > state[1]:
+                state[1] = state[0] // ps
+                expected.append((j, kind, i, state[1]))
+    assert run._registrations(k) == expected
+    assert expected != sorted(expected, key=lambda e: e[1:3]), "the case is meant to interleave the requests"
