@@ -159,6 +159,35 @@ class BlockManager:
                 table += pages
                 _any(map(ref.__setitem__, pages, _repeat(1)))
 
+    def allocate_each_evicting(self, grants: Sequence[Tuple[List[int], int]]) -> List[Tuple[int, object]]:
+        """`allocate_each(grants)`, returning (index of the grant, prefix key) of each cached page it evicts, in
+        eviction order (pdjax.scheduler.runs replays registrations against them). The caller checks
+        `num_free_pages >= sum(n)`."""
+        free, cached, ref = self._free, self._free_cached, self.ref_count
+        page_key, k2p = self.page_key, self._key_to_page
+        if sum(n for _, n in grants) > len(free) + len(cached):
+            raise RuntimeError(f"allocate_each_evicting({sum(n for _, n in grants)}) with only "
+                               f"{self.num_free_pages} free pages")
+        evicted, pages = [], []
+        for g, (table, n) in enumerate(grants):
+            for _ in range(n):
+                if free:
+                    p = free.pop()
+                else:
+                    p = cached.popitem(last=False)[0]
+                    key = page_key[p]
+                    del k2p[key]
+                    page_key[p] = None
+                    evicted.append((g, key))
+                    pages.append(p)
+                ref[p] = 1
+                table.append(p)
+        self.num_evictions += len(evicted)
+        if self.host_tier is not None and evicted:    # the offloads, in eviction order (as _offload's)
+            slots = self.host_tier.offload_many([key for _, key in evicted], self.tier_owner)
+            self.pending_swap_out += [(s, p) for s, p in zip(slots, pages) if s is not None]
+        return evicted
+
     def free(self, table: Sequence[int]) -> None:
         """Drop one reference to every page of `table` (tail first). The caller drops the table itself."""
         ref, key = self.ref_count, self.page_key

@@ -37,7 +37,6 @@ the pages its chunk needs. `apply` replays those allocations in that order.
 """
 from __future__ import annotations
 
-from itertools import islice
 from typing import List, Optional, Sequence, Tuple
 
 from pdjax.scheduler.block_manager import extend_page_keys
@@ -299,18 +298,11 @@ class DecodeRun:
             grow += [(j, 2, p, need) for j in range(k) for p, _, need in plan[j] if need]
         grow.sort()           # (step, pass, index) is unique: tables never compared
         owners = (self.decoders, [req for req, _ in self.admitted], self.prefills)
-        evicted = {}
-        if sum(need for _, _, _, need in grow) <= len(free):     # no eviction: uncached pages only
-            bm.allocate_each([(owners[kind][i].page_table, need) for _, kind, i, need in grow])
-            return registrations, evicted
-        cached, page_key, allocate = bm._free_cached, bm.page_key, bm.allocate
-        for j, kind, i, need in grow:
-            short = need - len(free)
-            if short > 0:             # the oldest `short` cached free pages go, in LRU order
-                for p in islice(cached, short):
-                    evicted[page_key[p]] = j
-            allocate(owners[kind][i].page_table, need)
-        return registrations, evicted
+        grants = [(owners[kind][i].page_table, need) for _, kind, i, need in grow]
+        if sum(need for _, need in grants) <= len(free):     # no eviction: uncached pages only
+            bm.allocate_each(grants)
+            return registrations, {}
+        return registrations, {key: grow[g][0] for g, key in bm.allocate_each_evicting(grants)}
 
     def _registrations(self, k: int) -> list:
         """The prefix-cache registrations the first k steps' update() calls make (Scheduler._register: a request
