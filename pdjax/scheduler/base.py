@@ -326,7 +326,8 @@ class Scheduler:
     def decode_run(self, max_steps: int) -> Optional[DecodeRun]:
         """The decode run starting at the next step (pdjax.scheduler.runs: steps applied in bulk, the simulator's
         fast path; the engine never calls this), at most `max_steps` steps; None when the state does not allow
-        one."""
+        one (with prefix caching, also when `_caching_run_ok` does not hold; the run evicts and registers as the
+        steps would: pdjax.scheduler.runs)."""
         if type(self) not in self.DECODE_RUN_CLASSES or not self._decode_run_policy_ok():
             return None
         running = self.running

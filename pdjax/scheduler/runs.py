@@ -11,20 +11,22 @@ the same order, the same queues and counters, every request's tokens and timesta
 The engine never uses this; the simulator (pdjax.sim.simulator) does, where the sampled ids are placeholders.
 
 When a run is possible (Scheduler.decode_run): the policy is one of Scheduler.DECODE_RUN_CLASSES (exact classes:
-their schedule() in such a state is the decode pass over the running list, then, for a class with
-`_run_prefills` (sarathi), its prefill pass); nothing swapped, handed off or in flight; no prefix caching (it
-would register pages in update()); no request's stop tokens include the placeholder; the decodes fit the policy's
-decode budget. Waiting requests are allowed only where they certainly stay waiting: running is full
-(`_admission_blocked`; decode_first: a sealed batch), or, with a prefill pass, in steps whose chunks leave no
-budget (a step that leaves some is not taken). A run ends (its last step included) at the first step in which a
-request finishes or a prefill completes its prompt (it then samples and becomes a decoder: the next run takes
-it as one), and before a step whose page growth the free pages at the start of the run cannot cover (that step
-would preempt). Handed-off requests whose KV landed (decode_only's `_kv_ready`) do not stop a run: its first step
-admits those decode_only's schedule() would (after the decode pass: a sequence slot, the budget, pages for the
-context plus the watermark, in landing order; they decode from that step on, `admitted`), and the rest stay
-waiting for the whole run (slots, budget and free pages only shrink until its last step). A run that follows the
-last one with nothing touching the scheduler in between (same step counters, same running list) reads its
-decoders from that run (`continued_run`) instead of from every request.
+their schedule() in such a state is the decode pass over the running list, then, for a class with `_run_prefills`
+(sarathi), its prefill pass); nothing swapped, handed off or in flight; no request's stop tokens include the
+placeholder; the decodes fit the policy's decode budget. With prefix caching, also no host -> device copy pending
+(the next step would carry it, priced) and no landed handed-off request holding a reused prefix (decode_only's
+`reuse_prefix`: its admission needs fewer pages than the run reads). Waiting requests are allowed only where they
+certainly stay waiting (so no admission looks the prefix cache or host tier up within a run): running is full
+(`_admission_blocked`; decode_first: a sealed batch), or, with a prefill pass, in steps whose chunks leave no budget
+(a step that leaves some is not taken). A run ends (its last step included) at the first step in which a request
+finishes or a prefill completes its prompt (it then samples and becomes a decoder: the next run takes it as one),
+and before a step whose page growth the free pages at the start of the run cannot cover (that step would preempt).
+Handed-off requests whose KV landed (decode_only's `_kv_ready`) do not stop a run: its first step admits those
+decode_only's schedule() would (after the decode pass: a sequence slot, the budget, pages for the context plus the
+watermark, in landing order; they decode from that step on, `admitted`), and the rest stay waiting for the whole run
+(slots, budget and free pages only shrink until its last step). A run that follows the last one with nothing
+touching the scheduler in between (same step counters, same running list) reads its decoders from that run
+(`continued_run`) instead of from every request.
 
 Pair runs (`PairRun`, `pair_run`): an instance with two batches in flight whose running requests form two groups
 taking turns (each is scheduled again when its batch is collected, the other group's batch being in flight),
@@ -34,6 +36,22 @@ Per step, with D decoders whose contexts sum to `total` (it grows by D per step)
 to each decoder whose computed tokens reach its table's end (decoders in running order), then the prefill pass
 gives each prefill (running order) `Scheduler._chunk_size` of what the decodes left of the budget and allocates
 the pages its chunk needs. `apply` replays those allocations in that order.
+
+Prefix caching (`DecodeRun._grow_pages_caching`, `_registrations`, `_register_pages`): an allocation that finds
+no uncached free page evicts the least recently freed cached one (its key dropped; with a host KV tier, offloaded
+to it), and each step's update() registers the full pages its batch completed (a decoder its page b in the step
+that makes its computed tokens (b + 1) * page_size, one step before it grows into page b + 1; a chunk the pages
+it completes; keys from `all_token_ids`, placeholders included; a key another page holds is skipped). The two
+interact only through a key: a registration at step j is skipped while a cached page holds its key, i.e. unless
+that page was evicted at a step <= j. `apply` makes all the allocations in order, noting the step of each
+eviction, then the registrations in update order against those steps, then frees the finished requests' pages
+(cached ones to the LRU end), so the block manager and host tier end exactly as step by step. The host-tier
+copies of the evictions (`pending_swap_out`) would have gone into the steps' SchedulerOutputs, which the run
+builds none of: they are dropped (offloads cost no step time in the simulator, pdjax.sim.kv_tier). A run
+applied at once evicts into a host tier ahead of the other instances' steps within its span: with a tier shared
+by several instances no run may cross another instance's event (pdjax.sim.disagg._enable_crossing_runs); a
+cache-aware router reads an instance's prefix cache and free pages at each arrival, so neither may a run cross
+an arrival routed by one (colocated runs end before the next event of any instance).
 """
 from __future__ import annotations
 
