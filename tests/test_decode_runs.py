@@ -750,3 +750,39 @@ def test_run_registrations_follow_the_updates_one_by_one():
                 expected.append((j, kind, i, state[1]))
     assert run._registrations(k) == expected
     assert expected != sorted(expected, key=lambda e: e[1:3]), "the case is meant to interleave the requests"
+
+
+def iteration_rows(iterations) -> list:
+    return [(i.step, i.start_time, i.end_time, i.num_prefill_tokens, i.num_decode_tokens, i.num_seqs, i.instance)
+            for i in iterations]
+
+
+@pytest.mark.parametrize("kind,pool", [("colocated", "shared"), ("colocated", "local"), ("disaggregated", "shared")])
+def test_decode_runs_with_prefix_caching_on_the_mooncake_trace(kind, pool, shared_data, monkeypatch):
+    """The Mooncake conversation trace (prompts built from its hash_ids: shared 512-token blocks) through the
+    config path of pdjax.experiment.kv_cache: kv_centric routing, host KV tiers local or shared, partial transfer
+    for the disaggregated deployment, small device pools: the same records and caches with runs as without."""
+    from pdjax.experiment import kv_cache
+    from pdjax.sim import disagg, simulator
+    if not (shared_data / "traces" / kv_cache.TRACES["conversation"]).is_file():
+        pytest.skip("Mooncake trace not present")
+    config = kv_cache.base_config("conversation", kind=kind, router="kv_centric", num_requests=40,
+                                  time_scale=kv_cache.time_scale_for("conversation", 1.0, 40), host_blocks=600,
+                                  host_pool=pool, num_pages=1100)
+    config["deployment"]["colocated"]["num_instances"] = 2
+
+    def simulate_config(runs: bool):
+        with monkeypatch.context() as patch:
+            if not runs:      # every step through schedule() and update()
+                patch.setattr(simulator, "decode_run_ready", lambda inst: False)
+                patch.setattr(disagg, "decode_run_ready", lambda inst: False)
+            result, instances, _ = kv_cache.simulate_dict(config)
+        return result, cache_state([i for group in instances.values() for i in group], [])
+
+    ref, ref_cache = simulate_config(False)
+    seen = count_cached_runs(monkeypatch)
+    got, cache = simulate_config(True)
+    assert [r.__dict__ for r in got.requests] == [r.__dict__ for r in ref.requests]
+    assert iteration_rows(got.iterations) == iteration_rows(ref.iterations)
+    assert cache == ref_cache
+    assert seen["steps"] > 0 and seen["evicted"] > 0, "the case is meant to evict cached pages inside runs"
