@@ -162,30 +162,42 @@ class BlockManager:
     def allocate_each_evicting(self, grants: Sequence[Tuple[List[int], int]]) -> List[Tuple[int, object]]:
         """`allocate_each(grants)`, returning (index of the grant, prefix key) of each cached page it evicts, in
         eviction order (pdjax.scheduler.runs replays registrations against them). The caller checks
-        `num_free_pages >= sum(n)`."""
-        free, cached, ref = self._free, self._free_cached, self.ref_count
+        `num_free_pages >= sum(n)`. In C-level passes: the pages n pops hand out (the whole uncached stack, then
+        the oldest cached pages, their keys dropped and offloaded in that order), then dealt to the grants."""
+        free, cached = self._free, self._free_cached
+        total = sum(n for _, n in grants)
+        short = total - len(free)
+        if short <= 0:
+            self.allocate_each(grants)
+            return []
+        if short > len(cached):
+            raise RuntimeError(f"allocate_each_evicting({total}) with only {self.num_free_pages} free pages")
         page_key, k2p = self.page_key, self._key_to_page
-        if sum(n for _, n in grants) > len(free) + len(cached):
-            raise RuntimeError(f"allocate_each_evicting({sum(n for _, n in grants)}) with only "
-                               f"{self.num_free_pages} free pages")
-        evicted, pages = [], []
+        fresh = len(free)
+        pages = free[::-1]
+        del free[:]
+        pop = cached.popitem
+        out = [pop(last=False)[0] for _ in range(short)]
+        keys = list(map(page_key.__getitem__, out))
+        _any(map(k2p.__delitem__, keys))
+        _any(map(page_key.__setitem__, out, _repeat(None)))
+        pages += out
+        _any(map(self.ref_count.__setitem__, pages, _repeat(1)))
+        evicted = []
+        pos = 0
         for g, (table, n) in enumerate(grants):
-            for _ in range(n):
-                if free:
-                    p = free.pop()
-                else:
-                    p = cached.popitem(last=False)[0]
-                    key = page_key[p]
-                    del k2p[key]
-                    page_key[p] = None
-                    evicted.append((g, key))
-                    pages.append(p)
-                ref[p] = 1
-                table.append(p)
-        self.num_evictions += len(evicted)
-        if self.host_tier is not None and evicted:    # the offloads, in eviction order (as _offload's)
-            slots = self.host_tier.offload_many([key for _, key in evicted], self.tier_owner)
-            self.pending_swap_out += [(s, p) for s, p in zip(slots, pages) if s is not None]
+            end = pos + n
+            if n == 1:
+                table.append(pages[pos])
+            elif n > 0:
+                table += pages[pos:end]
+            if end > fresh:
+                evicted += [(g, keys[a - fresh]) for a in range(max(pos, fresh), end)]
+            pos = end
+        self.num_evictions += short
+        if self.host_tier is not None:    # the offloads, in eviction order (as _offload's)
+            slots = self.host_tier.offload_many(keys, self.tier_owner)
+            self.pending_swap_out += [(s, p) for s, p in zip(slots, out) if s is not None]
         return evicted
 
     def free(self, table: Sequence[int]) -> None:
