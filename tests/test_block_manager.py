@@ -208,3 +208,66 @@ def test_batched_allocation_and_free_hand_out_the_same_pages(seed):
             tables[i], ref_tables[i] = [], []
         assert tables == ref_tables and bm._free == ref.free and bm.ref_count == ref.ref
         bm.check_invariants(tables)
+
+
+def _cache_state(bm):
+    tier = bm.host_tier
+    return (list(bm._free), list(bm._free_cached), dict(bm._key_to_page), list(bm.page_key), list(bm.ref_count),
+            bm.num_evictions, list(bm.pending_swap_out), list(tier._slot.items()), list(tier._free),
+            tier.num_offloads, tier.num_evictions)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_batched_allocation_evicts_as_one_page_at_a_time(seed):
+    """With prefix caching and a host tier (LRU, and LFU through offload): allocate_each, allocate_one_each and
+    allocate_each_evicting evict the same cached pages in the same order, with the same offloads, as allocate
+    one grant at a time; allocate_each_evicting names each evicted key with the grant that evicted it."""
+    from pdjax.scheduler.kv_tier import HostKVTier
+    rng = random.Random(seed)
+    bms = []
+    for _ in range(2):
+        bm = BlockManager(60, 2, enable_prefix_caching=True)
+        bm.host_tier, bm.tier_owner = HostKVTier(20, "lru" if seed % 2 else "lfu"), "i0"
+        bms.append(bm)
+    tables = [[[] for _ in range(6)] for _ in bms]
+    tokens = [[rng.randrange(3) for _ in range(64)] for _ in range(6)]    # few ids: keys repeat across tables
+    evicting = 0
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.5:
+            grants = [(rng.randrange(6), rng.randint(0, 3)) for _ in range(rng.randint(0, 4))]
+            if sum(n for _, n in grants) > bms[0].num_free_pages:
+                continue
+            fresh = [p for p in bms[1]._free]
+            expected = []      # (grant, key) of the cached pages allocate will evict, oldest first
+            cached = list(bms[1]._free_cached)
+            for g, (_, n) in enumerate(grants):
+                for _ in range(n):
+                    if fresh:
+                        fresh.pop()
+                    else:
+                        expected.append((g, bms[1].page_key[cached.pop(0)]))
+            for i, n in grants:
+                bms[0].allocate(tables[0][i], n)
+            batch = [(tables[1][i], n) for i, n in grants]
+            if op < 0.15 and all(n == 1 for _, n in grants):
+                bms[1].allocate_one_each([t for t, _ in batch])
+            elif op < 0.3:
+                bms[1].allocate_each(batch)
+            else:
+                assert bms[1].allocate_each_evicting(batch) == expected
+            evicting += bool(expected)
+        elif op < 0.8:
+            i = rng.randrange(6)
+            keys = []
+            extend_page_keys(keys, tokens[i], 2, len(tables[0][i]))
+            for bm, t in zip(bms, tables):
+                bm.register(t[i], keys, 0, len(t[i]))
+        else:
+            i = rng.randrange(6)
+            for bm, t in zip(bms, tables):
+                bm.free(t[i])
+                t[i] = []
+        assert tables[0] == tables[1] and _cache_state(bms[0]) == _cache_state(bms[1])
+        bms[1].check_invariants(tables[1])
+    assert evicting >= 10, "the case is meant to evict cached pages"

@@ -5,7 +5,9 @@ shape a run (chunk caps, tiles, the prefill guard, full running lists, page pres
 instances). Also: the decode-only and chunked step costs equal the cost model's on random batches."""
 from __future__ import annotations
 
+import copy
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -107,12 +109,9 @@ def test_decode_runs_change_nothing(name, monkeypatch):
     applied = count_run_steps(monkeypatch)
     got = run(cfg, decode_runs=True)
     assert_same(reference, got)
-    if cfg.enable_prefix_caching:
-        assert applied[0] == 0, "prefix caching registers pages in update(): no decode runs"
-    else:
-        # under page pressure requests wait for pages (or sit swapped) most of the time: fewer runs
-        share = 20 if name in PREEMPTING else 3
-        assert applied[0] > len(got[0].iterations) // share, "the case is meant to run many steps in bulk"
+    # under page pressure requests wait for pages (or sit swapped) most of the time: fewer runs
+    share = 20 if name in PREEMPTING else 3
+    assert applied[0] > len(got[0].iterations) // share, "the case is meant to run many steps in bulk"
     if name in PREEMPTING:
         assert sum(r.num_preemptions for r in got[0].requests) > 0, "the case is meant to preempt"
 
@@ -128,7 +127,7 @@ def test_decode_runs_on_stages_change_nothing(name, pp, max_in_flight, monkeypat
     applied = count_run_steps(monkeypatch)
     got = run(cfg, decode_runs=True, pp=pp, max_in_flight=max_in_flight)
     assert_same(reference, got)
-    if not cfg.enable_prefix_caching and name not in PREEMPTING:
+    if name not in PREEMPTING:
         assert applied[0] > 0, "the case is meant to run steps in bulk"
 
 
@@ -241,9 +240,9 @@ def paired_requests(n: int, seed: int):
 
 
 def run_disaggregated(decode_runs: bool, num_prefill: int, num_decode: int, decode_pages: int, router: str,
-                      seed: int, paired: bool = False):
+                      seed: int, paired: bool = False, caching: bool = False, tier: int = 0):
     base = SchedulerConfig(policy="sarathi", token_budget=256, max_num_seqs=16, max_model_len=1024, page_size=16,
-                           num_pages=512)
+                           num_pages=512, enable_prefix_caching=caching)
     groups = {"prefill": InstanceGroupConfig(), "decode": InstanceGroupConfig(num_pages=decode_pages)}
     made = {role: [DisaggSimInstance(f"{role}{i}", role, make_scheduler(instance_scheduler_config(base, group, role)),
                                      make_step_time(MODEL, HARDWARE, 1, 1, CostParams(per_seq_overhead_s=2e-5)))
@@ -251,10 +250,17 @@ def run_disaggregated(decode_runs: bool, num_prefill: int, num_decode: int, deco
             for role, n, group in (("prefill", num_prefill, groups["prefill"]),
                                    ("decode", num_decode, groups["decode"]))}
     reqs = paired_requests(40, seed) if paired else make_requests(80, seed, rate=30.0)
+    if tier:     # one host KV tier shared by every instance
+        from pdjax.scheduler.kv_tier import HostKVTier
+        shared = HostKVTier(tier)
+        for inst in made["prefill"] + made["decode"]:
+            inst.scheduler.block_manager.host_tier, inst.scheduler.block_manager.tier_owner = shared, inst.name
     result = simulate_disaggregated(reqs, made["prefill"], made["decode"],
                                     lambda src, dst, n: 1e-4 + 2e-6 * n, router=router, decode_runs=decode_runs)
     state = [(i.scheduler.step, i.num_steps, list(i.scheduler.block_manager._free),
               list(i.scheduler.block_manager.ref_count)) for i in made["prefill"] + made["decode"]]
+    if caching:
+        state.append(cache_state(made["prefill"] + made["decode"], reqs))
     return result, state
 
 
@@ -523,3 +529,300 @@ def test_pipelined_decode_and_chunk_stages_equal_the_cost_model(model, hw, tp, p
                                   num_new_tokens=[1] * count, is_prefill=[False] * count)
             if count:
                 assert source.stage_times(out) == expected
+
+
+# ------------------------------------------------------------------------------------- decode runs with prefix caching
+def shared_prefix_requests(n: int, seed: int, rate: float = 25.0):
+    """Prompts from a few shared prefixes (32-300 tokens) plus a random tail, every fifth one an exact copy of an
+    earlier request (same prompt and output length: its placeholder pages get the same keys), 8-100 outputs:
+    prefix hits at admission, and decoders registering keys other pages hold or held."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1, 500) for _ in range(rng.randint(32, 300))] for _ in range(5)]
+    reqs, t = [], 0.0
+    for i in range(n):
+        t += rng.expovariate(rate)
+        if i % 5 == 4:
+            src = reqs[rng.randrange(len(reqs))]
+            prompt, max_tokens = list(src.prompt_token_ids), src.max_tokens
+        else:
+            prompt = rng.choice(prefixes) + [rng.randrange(1, 500) for _ in range(rng.randint(0, 200))]
+            max_tokens = rng.randint(8, 100)
+        reqs.append(Request(f"s{i:03d}", prompt, SamplingParams(max_tokens=max_tokens), t))
+    return reqs
+
+
+def cache_state(insts, requests) -> list:
+    """Everything prefix caching leaves behind: per instance the block manager's free lists in order, key map,
+    page keys, counters, pending tier copies and host tier (entries in LRU order, free slots, counters); per
+    request its page keys and registered pages."""
+    state, tiers = [], []
+    for inst in insts:
+        bm = inst.scheduler.block_manager
+        state.append((list(bm._free), list(bm._free_cached), dict(bm._key_to_page), list(bm.page_key),
+                      list(bm.ref_count), bm.num_evictions, bm.num_cache_hit_pages, bm.num_query_pages,
+                      bm.num_host_hit_pages, bm.num_remote_hit_pages, list(bm.pending_swap_out),
+                      list(bm.pending_swap_in)))
+        tier = bm.host_tier
+        if tier is not None and all(tier is not t for t in tiers):
+            tiers.append(tier)
+            state.append((list(tier._slot.items()), dict(tier._hits), list(tier._heap), list(tier._free),
+                          tier.num_offloads, tier.num_hits, tier.num_remote_hits, tier.num_evictions))
+    state.append([(r.request_id, r.page_keys, r.num_registered_pages, r.num_cached_tokens) for r in requests])
+    return state
+
+
+def run_cached(params: dict, decode_runs: bool, instances: int = 1, router: str = "round_robin",
+               tier: str = "none", seed: int = 0, n: int = 60, eviction: str = "lru", rate: float = 25.0):
+    """shared_prefix_requests on `instances` replicas with prefix caching on and a small page pool (evictions in
+    runs); tier: 'none', 'local' (one host KV tier each) or 'shared' (one for all, Mooncake's pool), host loads
+    priced (HostLoadStepTime). Returns (result, scheduler counters, cache_state, pages hit in device or host)."""
+    from pdjax.scheduler.kv_tier import HostKVTier
+    from pdjax.sim.kv_tier import HostLoadStepTime
+    cfg = SchedulerConfig(max_model_len=1024, page_size=16, enable_prefix_caching=True, watermark=0.0,
+                          **{"num_pages": 160, **params})
+    insts = []
+    shared = HostKVTier(120, eviction) if tier == "shared" else None
+    for k in range(instances):
+        step = make_step_time(MODEL, HARDWARE, 1, 1, CostParams(per_seq_overhead_s=2e-5))
+        sched = make_scheduler(cfg)
+        if tier != "none":
+            sched.block_manager.host_tier = shared or HostKVTier(40, eviction)
+            sched.block_manager.tier_owner = f"i{k}"
+            step = HostLoadStepTime(step, f"i{k}", 2e-5, 5e-5)
+        insts.append(SimInstance(f"i{k}", sched, step))
+    reqs = shared_prefix_requests(n, seed, rate)
+    result = simulate(reqs, insts, InstanceRouter(router, insts, role="colocated"), decode_runs=decode_runs)
+    state = [(i.scheduler.step, i.scheduler.num_preemptions, i.scheduler.num_swaps) for i in insts]
+    hits = sum(i.scheduler.block_manager.num_cache_hit_pages + i.scheduler.block_manager.num_host_hit_pages
+               for i in insts)
+    return result, state, cache_state(insts, reqs), hits
+
+
+def count_cached_runs(monkeypatch) -> dict:
+    """Patch DecodeRun._grow_pages_caching to count the run steps applied with prefix caching and the cached pages
+    they evicted."""
+    seen = {"steps": 0, "evicted": 0}
+    grow = runs_module.DecodeRun._grow_pages_caching
+
+    def counting(self, a, b):
+        evicted = grow(self, a, b)
+        seen["steps"] += b - a
+        seen["evicted"] += len(evicted)
+        return evicted
+
+    monkeypatch.setattr(runs_module.DecodeRun, "_grow_pages_caching", counting)
+    return seen
+
+
+def assert_same_cached(reference, got):
+    assert_same(reference[:2], got[:2])
+    assert got[2:] == reference[2:]
+
+
+CACHED_POLICIES = {name: CONFIGS[name] for name in (
+    "sarathi", "sarathi_guard_cap_tile", "sarathi_dynamic", "sarathi_full", "vllm_v0", "orca", "decode_first",
+    "chunked_only", "chunked_prefill_first", "vllm_v1", "vllm_v1_full")}
+
+
+@pytest.mark.parametrize("name", sorted(CACHED_POLICIES))
+def test_decode_runs_with_prefix_caching_change_nothing(name, monkeypatch):
+    """Prefix caching on, shared prefixes and copies, a pool small enough that runs evict cached pages: the runs
+    allocate, evict and register exactly as the steps one at a time (records, free lists in order, key map)."""
+    params = {k: v for k, v in CACHED_POLICIES[name].items() if k != "num_pages"}
+    reference = run_cached(params, False)
+    seen = count_cached_runs(monkeypatch)
+    got = run_cached(params, True)
+    assert_same_cached(reference, got)
+    assert seen["steps"] > len(got[0].iterations) // 10, "the case is meant to run steps in bulk"
+    assert seen["evicted"] > 0, "the case is meant to evict cached pages inside runs"
+    assert got[3] > 0, "the case is meant to hit the prefix cache"
+
+
+@pytest.mark.parametrize("tier", ["none", "local", "shared"])
+@pytest.mark.parametrize("router", ["round_robin", "prefix_affinity", "kv_centric"])
+@pytest.mark.parametrize("policy", ["sarathi", "vllm_v1"])
+def test_decode_runs_with_prefix_caching_on_several_instances(policy, router, tier, monkeypatch):
+    """Three replicas behind the cache-aware routers (which read each one's prefix cache and host tier at every
+    arrival), without a host tier, with one each, and with one shared: runs evict into the tiers (offload order,
+    slots, LRU order) as the steps one at a time."""
+    params = dict(CONFIGS[policy], num_pages=120)
+    args = dict(instances=3, router=router, tier=tier, seed=2, n=90, rate=6.0)
+    reference = run_cached(params, False, **args)
+    seen = count_cached_runs(monkeypatch)
+    got = run_cached(params, True, **args)
+    assert_same_cached(reference, got)
+    assert seen["steps"] > 0 and seen["evicted"] > 0, "the case is meant to evict cached pages inside runs"
+    assert got[3] > 0, "the case is meant to hit the prefix cache"
+
+
+@pytest.mark.parametrize("decode_pages", [512, 72])
+def test_decode_runs_admit_landed_kv_with_prefix_caching(decode_pages, monkeypatch):
+    """Prefix caching on both sides of a disaggregated deployment: a decode instance's runs admit landed KV (each
+    admitted request registers its full pages in its first update) and evict cached pages (72 pages) as the steps
+    one at a time."""
+    args = (1, 1, decode_pages, "round_robin", 11)
+    reference = run_disaggregated(False, *args, caching=True)
+    seen = count_cached_runs(monkeypatch)
+    admitted = []
+    admit = runs_module.DecodeRun._admit_kv
+
+    def counting(self, now):
+        admitted.extend(req.request_id for req, _ in self.admitted)
+        return admit(self, now)
+
+    monkeypatch.setattr(runs_module.DecodeRun, "_admit_kv", counting)
+    got = run_disaggregated(True, *args, caching=True)
+    assert_same(reference, got)
+    assert [t.__dict__ for t in got[0].transfers] == [t.__dict__ for t in reference[0].transfers]
+    assert len(admitted) > len(got[0].requests) // 4, "the case is meant to admit landed KV in decode runs"
+    if decode_pages == 72:
+        assert seen["evicted"] > 0, "the case is meant to evict cached pages inside runs"
+
+
+@pytest.mark.parametrize("num_prefill,seed", [(1, 3), (2, 5)])
+def test_decode_runs_with_a_shared_host_tier_do_not_cross_events(num_prefill, seed, monkeypatch):
+    """One host KV tier shared by the prefill and decode instances: the decode instance's runs offload their
+    evictions into it, which the prefill instances' admissions read, so no run goes past another instance's
+    event (pdjax.sim.disagg._enable_crossing_runs); the tier ends as with the steps one at a time."""
+    args = (num_prefill, 1, 72, "round_robin", seed)
+    reference = run_disaggregated(False, *args, caching=True, tier=60)
+    seen = count_cached_runs(monkeypatch)
+    got = run_disaggregated(True, *args, caching=True, tier=60)
+    assert_same(reference, got)
+    assert [t.__dict__ for t in got[0].transfers] == [t.__dict__ for t in reference[0].transfers]
+    assert seen["evicted"] > 0, "the case is meant to evict (offload) cached pages inside runs"
+
+
+def scheduler_state(sched) -> tuple:
+    """A scheduler's whole state after some steps: counters, queues, every request's slots, the block manager's
+    and host tier's (cache_state), pending tier copies included."""
+    reqs = sched.running + sched.waiting + sched.finished
+    fields = [f for f in type(reqs[0]).__slots__ if f not in ("sampling",)] if reqs else []
+    # (vllm_v1's _chunk_cap is left out: its schedule() sets it afresh first thing, so no step reads the value a
+    # run leaves, which is what the run's last schedule() saw, not the count after its finishes)
+    return ((sched.step, sched._applied_step, sched._last_emitted, sched._floor),
+            [r.request_id for r in sched.running], [r.request_id for r in sched.waiting],
+            [r.request_id for r in sched.finished], [[getattr(r, f) for f in fields] for r in reqs],
+            cache_state([SimpleNamespace(scheduler=sched)], []))
+
+
+def planned_steps(sched, run=None) -> int:
+    """The steps (at most 40) of sched's decode run `run` (None: the one it would start now), planned."""
+    run = sched.decode_run(1 << 30) if run is None else run
+    if run is None:
+        return 0
+    if run.prefills:
+        while run.steps < 40 and run.next_step() is not None:
+            pass
+    else:
+        run.plan_decode_steps()
+    return min(run.steps, 40)
+
+
+@pytest.mark.parametrize("policy,eviction", [("sarathi", "lru"), ("vllm_v1", "lfu"), ("orca", "lru")])
+def test_a_decode_run_leaves_the_state_of_its_steps(policy, eviction):
+    """Scheduler level, prefix caching and a host tier on a small pool: at every step where a run of two or more
+    steps is possible, applying it (DecodeRun.apply) leaves a copy of the scheduler in exactly the state its steps
+    through schedule() and update() leave another copy (pending host-tier copies drained, as each step's
+    SchedulerOutput takes them)."""
+    from pdjax.scheduler.kv_tier import HostKVTier
+    cfg = SchedulerConfig(max_model_len=1024, page_size=16, enable_prefix_caching=True, watermark=0.0,
+                          num_pages=100, **{k: v for k, v in CONFIGS[policy].items() if k != "num_pages"})
+    sched = make_scheduler(cfg)
+    sched.block_manager.host_tier, sched.block_manager.tier_owner = HostKVTier(50, eviction), "i0"
+    pending = shared_prefix_requests(40, 4, rate=10.0)
+    t, compared, evicting = 0.0, 0, 0
+    while pending or sched.has_unfinished():
+        while pending and pending[0].arrival_time <= t:
+            sched.add_request(pending.pop(0))
+        # (from the first eviction on: runs on a warm pool evict)
+        if compared < 30 and sched.block_manager.num_evictions and planned_steps(sched) >= 2:
+            run_copy = copy.deepcopy(sched)
+            run = run_copy.decode_run(1 << 30)
+            k = planned_steps(run_copy, run)
+            if k >= 2:
+                ref = copy.deepcopy(sched)
+                starts, ends = [t + 0.01 * j for j in range(k)], [t + 0.01 * (j + 1) for j in range(k)]
+                for s, e in zip(starts, ends):
+                    out = ref.schedule(s)
+                    ref.update(out, [0 if x else -1 for x in out.do_sample], e)
+                evicting += ref.block_manager.num_evictions > sched.block_manager.num_evictions
+                run.apply(starts, ends)
+                assert scheduler_state(run_copy) == scheduler_state(ref)
+                compared += 1
+        if not sched.has_unfinished():
+            t = pending[0].arrival_time
+            continue
+        out = sched.schedule(t)
+        sched.update(out, [0 if x else -1 for x in out.do_sample], t + 0.01)
+        t += 0.01
+    assert compared == 30 and evicting >= 3, "the case is meant to compare many runs, some evicting"
+
+
+def test_run_registrations_follow_the_updates_one_by_one():
+    """DecodeRun._registrations against a plain replay of update()'s rule (a request registers when its computed
+    tokens fill pages past its registered ones), step by step in batch order: decoders behind or ahead of each
+    other, one that has not registered its full pages yet, prefill chunks completing pages."""
+    ps, k = 4, 11
+    decoders = [SimpleNamespace(num_computed_tokens=c, num_registered_pages=r)
+                for c, r in ((9, 2), (2, 0), (7, 1), (12, 1), (3, 0))]
+    prefills = [SimpleNamespace(num_computed_tokens=c, num_registered_pages=c // ps) for c in (0, 6)]
+    plan = [((0, 5, 0), (1, 3, 0)), (), ((1, 8, 0),), ((0, 1, 0),), ((0, 2, 0), (1, 4, 0))] + [()] * (k - 5)
+    run = runs_module.DecodeRun(SimpleNamespace(_ps=ps, step=0), decoders, prefills, [0] * 5, [99] * 5, 0, 99, 0, 0)
+    run._plan = plan
+    expected = []
+    counts = [[r.num_computed_tokens, r.num_registered_pages] for r in decoders + prefills]
+    states = {}        # the requests' (computed, registered) before step j
+    for j in range(k):
+        states[j] = [list(c) for c in counts]
+        batch = [(0, i, 1) for i in range(len(decoders))] + [(1, p, n) for p, n, _ in plan[j]]
+        for kind, i, n in batch:
+            state = counts[i + kind * len(decoders)]
+            state[0] += n
+            if state[0] // ps > state[1]:
+                state[1] = state[0] // ps
+                expected.append((j, kind, i, state[1]))
+    assert run._registrations(0, k) == expected
+    for a in (3, 7):          # a later range (apply_range): read from the requests as the steps before a left them
+        later = [SimpleNamespace(num_computed_tokens=c, num_registered_pages=r) for c, r in states[a]]
+        run = runs_module.DecodeRun(SimpleNamespace(_ps=ps, step=0), later[:5], later[5:], [0] * 5, [99] * 5, 0,
+                                    99, 0, 0)
+        run._plan = plan
+        assert run._registrations(a, k) == [e for e in expected if e[0] >= a]
+    assert expected != sorted(expected, key=lambda e: e[1:3]), "the case is meant to interleave the requests"
+
+
+def iteration_rows(iterations) -> list:
+    return [(i.step, i.start_time, i.end_time, i.num_prefill_tokens, i.num_decode_tokens, i.num_seqs, i.instance)
+            for i in iterations]
+
+
+@pytest.mark.parametrize("kind,pool", [("colocated", "shared"), ("colocated", "local"), ("disaggregated", "shared")])
+def test_decode_runs_with_prefix_caching_on_the_mooncake_trace(kind, pool, shared_data, monkeypatch):
+    """The Mooncake conversation trace (prompts built from its hash_ids: shared 512-token blocks) through the
+    config path of pdjax.experiment.kv_cache: kv_centric routing, host KV tiers local or shared, partial transfer
+    for the disaggregated deployment, small device pools: the same records and caches with runs as without."""
+    from pdjax.experiment import kv_cache
+    from pdjax.sim import disagg, simulator
+    if not (shared_data / "traces" / kv_cache.TRACES["conversation"]).is_file():
+        pytest.skip("Mooncake trace not present")
+    config = kv_cache.base_config("conversation", kind=kind, router="kv_centric", num_requests=40,
+                                  time_scale=kv_cache.time_scale_for("conversation", 1.0, 40), host_blocks=600,
+                                  host_pool=pool, num_pages=1100)
+    config["deployment"]["colocated"]["num_instances"] = 2
+
+    def simulate_config(runs: bool):
+        with monkeypatch.context() as patch:
+            if not runs:      # every step through schedule() and update()
+                patch.setattr(simulator, "decode_run_ready", lambda inst: False)
+                patch.setattr(disagg, "decode_run_ready", lambda inst: False)
+            result, instances, _ = kv_cache.simulate_dict(config)
+        return result, cache_state([i for group in instances.values() for i in group], [])
+
+    ref, ref_cache = simulate_config(False)
+    seen = count_cached_runs(monkeypatch)
+    got, cache = simulate_config(True)
+    assert [r.__dict__ for r in got.requests] == [r.__dict__ for r in ref.requests]
+    assert iteration_rows(got.iterations) == iteration_rows(ref.iterations)
+    assert cache == ref_cache
+    assert seen["steps"] > 0 and seen["evicted"] > 0, "the case is meant to evict cached pages inside runs"

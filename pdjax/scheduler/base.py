@@ -326,12 +326,15 @@ class Scheduler:
     def decode_run(self, max_steps: int) -> Optional[DecodeRun]:
         """The decode run starting at the next step (pdjax.scheduler.runs: steps applied in bulk, the simulator's
         fast path; the engine never calls this), at most `max_steps` steps; None when the state does not allow
-        one."""
+        one (with prefix caching, also when `_caching_run_ok` does not hold; the run evicts and registers as the
+        steps would: pdjax.scheduler.runs)."""
         if type(self) not in self.DECODE_RUN_CLASSES or not self._decode_run_policy_ok():
             return None
         running = self.running
-        if ((not running and not self._kv_ready) or self.swapped or self._caching
+        if ((not running and not self._kv_ready) or self.swapped
                 or self._last_emitted > self._applied_step or self._removed_from_running):
+            return None
+        if self._caching and not self._caching_run_ok():
             return None
         # Waiting requests stay waiting if running is full (for the whole run: it only shrinks in its last step);
         # with a prefill pass, also in a step whose chunks leave no budget (DecodeRun.next_step checks that).
@@ -410,6 +413,18 @@ class Scheduler:
             lefts.append(left)
             total += c
         return decoders, prefills, crossings, lefts, total, limit
+
+    def _caching_run_ok(self) -> bool:
+        """With prefix caching: no host -> device copy pending (the next step's SchedulerOutput would carry it, and
+        the simulator prices it: pdjax.sim.kv_tier), and no handed-off request whose KV landed holding pages
+        already (a prefix reused here, DecodeOnlyScheduler.reuse_prefix: its admission needs fewer pages than the
+        run's reading of it)."""
+        if self.block_manager.pending_swap_in:
+            return False
+        for req in self._kv_ready:
+            if req.page_table:
+                return False
+        return True
 
     # policy hooks of decode runs
     _run_prefills = False    # the policy's step in a run also runs its prefill pass over running prefills

@@ -4,9 +4,10 @@ Choices:
 - Pages are ints in [0, num_pages). Per-page state lives in flat lists indexed by page (`ref_count`,
   `page_key`), so the hot path touches no per-page objects.
 - Free pages are of two kinds: uncached ones on a stack (`_free`), and free pages that still hold a
-  prefix-cached full page, in LRU order in an insertion-ordered dict (`_free_cached`). Allocation takes an
-  uncached page first and evicts the least recently freed cached page only when none is left, so cached
-  content survives as long as possible. Both kinds count as free.
+  prefix-cached full page, in LRU order in an OrderedDict (`_free_cached`: its oldest entry is O(1) however
+  many were evicted before it; a plain dict's next(iter(d)) scans the holes its front deletions leave, which
+  made eviction quadratic). Allocation takes an uncached page first and evicts the least recently freed cached
+  page only when none is left, so cached content survives as long as possible. Both kinds count as free.
 - Prefix-cache key of full page i of a token sequence: `(hash(key of page i-1), tuple(tokens of page i))`
   (parent 0 for page 0). Keys are dict keys, so equal pages chain on the parent's hash and compare their
   tokens exactly: a false hit needs a 64-bit collision of the parent's hash AND identical page tokens.
@@ -25,9 +26,10 @@ Choices:
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from itertools import repeat as _repeat
 from operator import itemgetter as _getter
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Iterable, List, Sequence, Tuple
 
 _any = any
 
@@ -56,7 +58,7 @@ class BlockManager:
         self.ref_count: List[int] = [0] * num_pages
         self.page_key: list = [None] * num_pages
         self._free: List[int] = list(range(num_pages - 1, -1, -1))   # pop() hands out page 0 first
-        self._free_cached: Dict[int, None] = {}                       # LRU: oldest first
+        self._free_cached: "OrderedDict[int, None]" = OrderedDict()   # LRU: oldest first
         self._key_to_page: dict = {}
         self._free_host: List[int] = list(range(num_host_pages - 1, -1, -1))
         self.num_cache_hit_pages = 0
@@ -106,12 +108,12 @@ class BlockManager:
             table += pages
             _any(map(ref.__setitem__, pages, _repeat(1)))
             return
+        cached = self._free_cached
         for _ in range(n):
             if free:
                 p = free.pop()
             else:
-                p = next(iter(self._free_cached))
-                del self._free_cached[p]
+                p = cached.popitem(last=False)[0]
                 del self._key_to_page[self.page_key[p]]
                 if self.host_tier is not None:
                     self._offload(p)
@@ -127,7 +129,7 @@ class BlockManager:
         free = self._free
         if not n:
             return
-        if self._free_cached or n > len(free):
+        if n > len(free):             # some allocation evicts a cached page
             for table in tables:
                 self.allocate(table, 1)
             return
@@ -141,7 +143,7 @@ class BlockManager:
         """`allocate(table, n)` for each (table, n) of `grants` in order (a table may repeat). The caller checks
         `num_free_pages >= sum(n)`."""
         free = self._free
-        if self._free_cached or sum(n for _, n in grants) > len(free):
+        if sum(n for _, n in grants) > len(free):     # some allocation evicts a cached page
             for table, n in grants:
                 self.allocate(table, n)
             return
@@ -156,6 +158,47 @@ class BlockManager:
                 del free[-n:]
                 table += pages
                 _any(map(ref.__setitem__, pages, _repeat(1)))
+
+    def allocate_each_evicting(self, grants: Sequence[Tuple[List[int], int]]) -> List[Tuple[int, object]]:
+        """`allocate_each(grants)`, returning (index of the grant, prefix key) of each cached page it evicts, in
+        eviction order (pdjax.scheduler.runs replays registrations against them). The caller checks
+        `num_free_pages >= sum(n)`. In C-level passes: the pages n pops hand out (the whole uncached stack, then
+        the oldest cached pages, their keys dropped and offloaded in that order), then dealt to the grants."""
+        free, cached = self._free, self._free_cached
+        total = sum(n for _, n in grants)
+        short = total - len(free)
+        if short <= 0:
+            self.allocate_each(grants)
+            return []
+        if short > len(cached):
+            raise RuntimeError(f"allocate_each_evicting({total}) with only {self.num_free_pages} free pages")
+        page_key, k2p = self.page_key, self._key_to_page
+        fresh = len(free)
+        pages = free[::-1]
+        del free[:]
+        pop = cached.popitem
+        out = [pop(last=False)[0] for _ in range(short)]
+        keys = list(map(page_key.__getitem__, out))
+        _any(map(k2p.__delitem__, keys))
+        _any(map(page_key.__setitem__, out, _repeat(None)))
+        pages += out
+        _any(map(self.ref_count.__setitem__, pages, _repeat(1)))
+        evicted = []
+        pos = 0
+        for g, (table, n) in enumerate(grants):
+            end = pos + n
+            if n == 1:
+                table.append(pages[pos])
+            elif n > 0:
+                table += pages[pos:end]
+            if end > fresh:
+                evicted += [(g, keys[a - fresh]) for a in range(max(pos, fresh), end)]
+            pos = end
+        self.num_evictions += short
+        if self.host_tier is not None:    # the offloads, in eviction order (as _offload's)
+            slots = self.host_tier.offload_many(keys, self.tier_owner)
+            self.pending_swap_out += [(s, p) for s, p in zip(slots, out) if s is not None]
+        return evicted
 
     def free(self, table: Sequence[int]) -> None:
         """Drop one reference to every page of `table` (tail first). The caller drops the table itself."""

@@ -89,6 +89,32 @@ class HostKVTier:
         self.num_offloads += 1
         return slot
 
+    def offload_many(self, keys: Sequence, owner: str) -> List[Optional[Tuple[str, int]]]:
+        """[offload(key, owner) for key in keys], in one pass for 'lru' (a decode run's evictions, in eviction
+        order: pdjax.scheduler.block_manager.BlockManager.allocate_each_evicting)."""
+        if self.eviction != "lru":
+            return [self.offload(key, owner) for key in keys]
+        slots, free = self._slot, self._free
+        touch, pop_oldest = slots.move_to_end, slots.popitem
+        out = []
+        add = out.append
+        evictions = 0
+        for key in keys:
+            if key in slots:
+                touch(key)
+                add(None)
+                continue
+            if free:
+                index = free.pop()
+            else:
+                index = pop_oldest(last=False)[1][1]
+                evictions += 1
+            slot = slots[key] = (owner, index)
+            add(slot)
+        self.num_evictions += evictions
+        self.num_offloads += len(out) - out.count(None)
+        return out
+
     def lookup(self, keys: Sequence, start: int, stop: int, owner: str = "") -> List[Tuple[str, int]]:
         """Slots of the longest run keys[start:stop] held here (each hit is touched and counted; a slot of another
         owner than `owner` counts as a remote hit)."""

@@ -11,20 +11,22 @@ the same order, the same queues and counters, every request's tokens and timesta
 The engine never uses this; the simulator (pdjax.sim.simulator) does, where the sampled ids are placeholders.
 
 When a run is possible (Scheduler.decode_run): the policy is one of Scheduler.DECODE_RUN_CLASSES (exact classes:
-their schedule() in such a state is the decode pass over the running list, then, for a class with
-`_run_prefills` (sarathi), its prefill pass); nothing swapped, handed off or in flight; no prefix caching (it
-would register pages in update()); no request's stop tokens include the placeholder; the decodes fit the policy's
-decode budget. Waiting requests are allowed only where they certainly stay waiting: running is full
-(`_admission_blocked`; decode_first: a sealed batch), or, with a prefill pass, in steps whose chunks leave no
-budget (a step that leaves some is not taken). A run ends (its last step included) at the first step in which a
-request finishes or a prefill completes its prompt (it then samples and becomes a decoder: the next run takes
-it as one), and before a step whose page growth the free pages at the start of the run cannot cover (that step
-would preempt). Handed-off requests whose KV landed (decode_only's `_kv_ready`) do not stop a run: its first step
-admits those decode_only's schedule() would (after the decode pass: a sequence slot, the budget, pages for the
-context plus the watermark, in landing order; they decode from that step on, `admitted`), and the rest stay
-waiting for the whole run (slots, budget and free pages only shrink until its last step). A run that follows the
-last one with nothing touching the scheduler in between (same step counters, same running list) reads its
-decoders from that run (`continued_run`) instead of from every request.
+their schedule() in such a state is the decode pass over the running list, then, for a class with `_run_prefills`
+(sarathi), its prefill pass); nothing swapped, handed off or in flight; no request's stop tokens include the
+placeholder; the decodes fit the policy's decode budget. With prefix caching, also no host -> device copy pending
+(the next step would carry it, priced) and no landed handed-off request holding a reused prefix (decode_only's
+`reuse_prefix`: its admission needs fewer pages than the run reads). Waiting requests are allowed only where they
+certainly stay waiting (so no admission looks the prefix cache or host tier up within a run): running is full
+(`_admission_blocked`; decode_first: a sealed batch), or, with a prefill pass, in steps whose chunks leave no budget
+(a step that leaves some is not taken). A run ends (its last step included) at the first step in which a request
+finishes or a prefill completes its prompt (it then samples and becomes a decoder: the next run takes it as one),
+and before a step whose page growth the free pages at the start of the run cannot cover (that step would preempt).
+Handed-off requests whose KV landed (decode_only's `_kv_ready`) do not stop a run: its first step admits those
+decode_only's schedule() would (after the decode pass: a sequence slot, the budget, pages for the context plus the
+watermark, in landing order; they decode from that step on, `admitted`), and the rest stay waiting for the whole run
+(slots, budget and free pages only shrink until its last step). A run that follows the last one with nothing
+touching the scheduler in between (same step counters, same running list) reads its decoders from that run
+(`continued_run`) instead of from every request.
 
 Pair runs (`PairRun`, `pair_run`): an instance with two batches in flight whose running requests form two groups
 taking turns (each is scheduled again when its batch is collected, the other group's batch being in flight),
@@ -34,12 +36,29 @@ Per step, with D decoders whose contexts sum to `total` (it grows by D per step)
 to each decoder whose computed tokens reach its table's end (decoders in running order), then the prefill pass
 gives each prefill (running order) `Scheduler._chunk_size` of what the decodes left of the budget and allocates
 the pages its chunk needs. `apply` replays those allocations in that order.
+
+Prefix caching (`DecodeRun._grow_pages_caching`, `_registrations`, `_register_pages`): an allocation that finds
+no uncached free page evicts the least recently freed cached one (its key dropped; with a host KV tier, offloaded
+to it), and each step's update() registers the full pages its batch completed (a decoder its page b in the step
+that makes its computed tokens (b + 1) * page_size, one step before it grows into page b + 1; a chunk the pages
+it completes; keys from `all_token_ids`, placeholders included; a key another page holds is skipped). The two
+interact only through a key: a registration at step j is skipped while a cached page holds its key, i.e. unless
+that page was evicted at a step <= j. `apply` makes all the allocations in order, noting the step of each
+eviction, then the registrations in update order against those steps, then frees the finished requests' pages
+(cached ones to the LRU end), so the block manager and host tier end exactly as step by step. The host-tier
+copies of the evictions (`pending_swap_out`) would have gone into the steps' SchedulerOutputs, which the run
+builds none of: they are dropped (offloads cost no step time in the simulator, pdjax.sim.kv_tier). A run
+applied at once evicts into a host tier ahead of the other instances' steps within its span: with a tier shared
+by several instances no run may cross another instance's event (pdjax.sim.disagg._enable_crossing_runs); a
+cache-aware router reads an instance's prefix cache and free pages at each arrival, so neither may a run cross
+an arrival routed by one (colocated runs end before the next event of any instance).
 """
 from __future__ import annotations
 
 from bisect import bisect_left
 from typing import List, Optional, Sequence, Tuple
 
+from pdjax.scheduler.block_manager import extend_page_keys
 from pdjax.scheduler.output import SchedulerOutput
 from pdjax.scheduler.request import RequestStatus
 
@@ -197,7 +216,8 @@ class DecodeRun:
         decoders, prefills = self.decoders, self.prefills
         if self.admitted and not a:
             self._admit_kv(starts[0])
-        self._grow_pages(a + 1 if scheduled else a, b)
+        registrations = self._registrations(a, b) if self.sched._caching else None
+        evicted = self._grow_pages(a + 1 if scheduled else a, b)
         step = self._base_step + 1 + schedules * (b - 1)     # the last step's number
         finished = []
         tokens = [PLACEHOLDER] * k
@@ -208,6 +228,8 @@ class DecodeRun:
             req.token_times += ends
             req.schedule_times += starts
             req.sched_step = step
+        if registrations is not None:   # prefix caching: the pages the updates register, before any is freed
+            self._register_pages(registrations, evicted)
         if b == self.limit:     # some decoder finishes in this step (the limit is the first finish)
             finished = [req for req, left in zip(decoders, self._lefts) if left == b]
         if prefills:
@@ -264,13 +286,16 @@ class DecodeRun:
             sched._start_running(req, now)
         del sched._kv_ready[:len(self.admitted)]
 
-    def _grow_pages(self, a: int, b: int) -> None:
+    def _grow_pages(self, a: int, b: int) -> Optional[dict]:
         """The page growth of planned steps a .. b - 1, in the order the steps allocate: by step, the decode pass
         (running order) before the prefill pass, and in the first step the pages of the admitted handed-off
-        requests last."""
-        if a >= b:
-            return
+        requests last. With prefix caching (`_grow_pages_caching`): {the key of each page evicted: the step whose
+        schedule() evicts it} for `_register_pages`; else None."""
         sched = self.sched
+        if sched._caching:
+            return self._grow_pages_caching(a, b)
+        if a >= b:
+            return None
         ps = sched._ps
         decoders, prefills = self.decoders, self.prefills
         crossings = self._crossings
@@ -292,14 +317,10 @@ class DecodeRun:
             sched.block_manager.allocate_each(grants)
             return
         if a:          # a later range of the run (apply_range / schedule_step): the run's growth list, sliced
-            growth = self._growth
-            if growth is None or len(growth[0]) != self.steps:
-                growth = self._growth = self._growth_list()
-            steps, grants = growth
-            lo, hi = bisect_left(steps, a), bisect_left(steps, b)
-            if hi > lo:
-                sched.block_manager.allocate_each(grants[lo:hi])
-            return
+            _, grants = self._growth_range(a, b)
+            if grants:
+                sched.block_manager.allocate_each(grants)
+            return None
         # crossings[i]: decoder i's first growth at or after step a
         if not prefills and b - a <= ps:     # each decoder grows at most once: by step, then running order
             grown = [i for i, j in enumerate(crossings) if j < b]
@@ -329,6 +350,100 @@ class DecodeRun:
         grow.sort()
         return ([j for j, _, _, _ in grow],
                 [((prefills if kind else decoders)[i].page_table, need) for _, kind, i, need in grow])
+
+    def _growth_range(self, a: int, b: int) -> Tuple[list, list]:
+        """(steps, grants) of planned steps a .. b - 1 from the run's growth list (`_growth_list`, made once)."""
+        growth = self._growth
+        if growth is None or len(growth[0]) != self.steps:
+            growth = self._growth = self._growth_list()
+        steps, grants = growth
+        lo, hi = bisect_left(steps, a), bisect_left(steps, b)
+        return steps[lo:hi], grants[lo:hi]
+
+    def _grow_pages_caching(self, a: int, b: int) -> dict:
+        """_grow_pages with prefix caching: the same allocations in the same order; an allocation that finds no
+        uncached free page evicts the least recently freed cached one (BlockManager.allocate: its key dropped,
+        offloaded to a host tier). Returns {key of each evicted page: the step (0: the run's first) whose
+        schedule() evicts it}."""
+        bm = self.sched.block_manager
+        if a >= b:
+            return {}
+        if a:
+            steps, grants = self._growth_range(a, b)
+        else:
+            ps, crossings, plan = self.sched._ps, self._crossings, self._plan
+            grow = [(j + m, 0, i, 1) for i, j in enumerate(crossings) for m in range(0, b - j, ps)]
+            grow += [(0, 1, i, need) for i, (_, need) in enumerate(self.admitted)]
+            if self.prefills:
+                grow += [(j, 2, p, need) for j in range(b) for p, _, need in plan[j] if need]
+            grow.sort()           # (step, pass, index) is unique: tables never compared
+            owners = (self.decoders, [req for req, _ in self.admitted], self.prefills)
+            steps = [g[0] for g in grow]
+            grants = [(owners[kind][i].page_table, need) for _, kind, i, need in grow]
+        if sum(need for _, need in grants) <= len(bm._free):     # no eviction: uncached pages only
+            bm.allocate_each(grants)
+            return {}
+        return {key: steps[g] for g, key in bm.allocate_each_evicting(grants)}
+
+    def _registrations(self, a: int, b: int) -> list:
+        """The prefix-cache registrations the update() calls of planned steps a .. b - 1 make (Scheduler._register:
+        a request whose computed tokens fill pages past its registered ones offers them), read before those steps
+        are applied: [(step (0: the run's first), pass (0: decoders, 1: prefill chunks), index, full pages after
+        it)], in update order (by step, then batch order). A decoder with c computed tokens fills page b in the step
+        that makes them (b + 1) * page_size (one step before it grows into page b + 1); a chunk, the pages it
+        completes."""
+        ps = self.sched._ps
+        events = []
+        add = events.append
+        for i, req in enumerate(self.decoders):
+            c = req.num_computed_tokens
+            m = (c + 1) // ps           # its full pages after step a
+            if m > req.num_registered_pages:
+                add((a, 0, i, m))
+            for j in range(a + (m + 1) * ps - c - 1, b, ps):
+                m += 1
+                add((j, 0, i, m))
+        if self.prefills:
+            plan = self._plan
+            computed = [r.num_computed_tokens for r in self.prefills]
+            registered = [r.num_registered_pages for r in self.prefills]
+            for j in range(a, b):
+                for p, n, _ in plan[j]:
+                    c = computed[p] = computed[p] + n
+                    if c // ps > registered[p]:
+                        registered[p] = c // ps
+                        add((j, 1, p, c // ps))
+        events.sort()
+        return events
+
+    def _register_pages(self, events: list, evicted: dict) -> None:
+        """Apply `_registrations` (after the decoders' tokens are appended: a page's key reads its tokens) as
+        update() would have, each in its step: a key is skipped while another page holds it, which a cached page
+        evicted by a later step (`evicted`) still did then. The host-tier copies the evictions recorded went into
+        the steps' SchedulerOutputs (BlockManager.drain_tier_copies), which the run builds none of: dropped."""
+        sched = self.sched
+        ps, bm = sched._ps, sched.block_manager
+        k2p, page_key = bm._key_to_page, bm.page_key
+        owners = (self.decoders, self.prefills)
+        for j, kind, i, full in events:
+            req = owners[kind][i]
+            keys = req.page_keys
+            if len(keys) < full:
+                extend_page_keys(keys, req.all_token_ids, ps, full)
+            table = req.page_table
+            if not evicted:
+                bm.register(table, keys, req.num_registered_pages, full)
+            else:
+                for b in range(req.num_registered_pages, full):
+                    p = table[b]
+                    if page_key[p] is None:
+                        key = keys[b]
+                        if key not in k2p and evicted.get(key, -1) <= j:
+                            k2p[key] = p
+                            page_key[p] = key
+            req.num_registered_pages = full
+        if bm.pending_swap_out:
+            bm.pending_swap_out = []
 
     def _advance_prefills(self, a: int, b: int, starts, ends, finished: list) -> None:
         """The prefill chunks of planned steps a .. b - 1 (starts[j - a], ends[j - a] step j's): tokens computed,

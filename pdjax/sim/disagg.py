@@ -224,11 +224,14 @@ def _enable_crossing_runs(c: Simulation, num_prefill: int, num_decode: int, rout
     """Which decode runs may go past the next event. A decode instance's run may end with a step across the next
     event (Simulation.decode_run) when nothing else reads its state before that step ends: the decode router picks
     it without reading loads (one decode instance, or round robin); the handoffs and KV landings in between touch
-    only its KV queues (not so with partial transfer: a handoff takes the prefix the instance holds). One decode
-    instance, every instance one stage with one batch in flight: its runs go on past the other instances' steps
-    and the arrivals, up to the next KV landing (Simulation.start_pending_run)."""
+    only its KV queues (not so with partial transfer: a handoff takes the prefix the instance holds; nor with a host
+    KV tier it shares with other instances: its runs offload their evictions into it, which the others read).
+    One decode instance, every instance one stage with one batch in flight: its runs go on past the other
+    instances' steps and the arrivals, up to the next KV landing (Simulation.start_pending_run)."""
     blind = (num_decode == 1 or router == "round_robin") and not partial_transfer
-    c.cross = [runs and blind and c.run_schedules[i] == 0 for i, runs in enumerate(c.decode_runs)]
+    tiers = [inst.scheduler.block_manager.host_tier for inst in c.instances]
+    shared = [t is not None and sum(1 for u in tiers if u is t) > 1 for t in tiers]
+    c.cross = [runs and blind and not shared[i] and c.run_schedules[i] == 0 for i, runs in enumerate(c.decode_runs)]
     if num_decode == 1 and c.cross[num_prefill] and all(r == 0 for r in c.run_schedules):
         c.pass_idx = num_prefill
 

@@ -10,7 +10,8 @@ cache-aware routers read, and how a built setup gets them (no JAX).
   (`swap_in`: host-tier hits loaded back at admission, and swap preemption's resumes) takes
   pages x page bytes / bandwidth longer (the load is on the step's critical path: the step's attention reads
   those pages; offloads, device -> host, go in the background as Mooncake's do and cost no step time). Decode runs
-  (pdjax.sim.simulator) are unchanged: their steps admit nobody, so they load nothing.
+  (pdjax.sim.simulator) are unchanged: their steps admit nobody, so they load nothing (a run waits while a load
+  is pending: Scheduler._caching_run_ok), and the offloads of the cached pages they evict cost nothing.
 - `prefill_cost(step_time, budget)`: `(new_tokens, cached_tokens) -> seconds`, the kv_centric router's prefill
   time from the instance group's own step cost: ceil(new / budget) chunks, each a step of one `budget`-token chunk
   at the mean context (one composition call, memoized), as the chunked prefill runs it when alone.
