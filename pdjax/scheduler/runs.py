@@ -523,19 +523,35 @@ class PairRun:
     is in flight). A run of H half-steps ends with collect H applied and batch H - 1 in flight: `apply` leaves
     the scheduler exactly as those H schedule() and H update() calls would, and `in_flight_output` is batch
     H - 1's SchedulerOutput for the caller's batch queue. The caller plans it (`can_collect`, `schedule_next`,
-    `completes`, and no schedule at or after the next arrival) so that nobody is preempted, admitted, or left out
-    of its group's batch within it, and only the last collect finishes requests (`finished`: pages freed, in
-    batch order) or completes a prompt (the request samples its first token there and is a decoder of its group
-    from then on)."""
+    `completes`, and no schedule at or after the next arrival unless the run admits) so that nobody is preempted
+    or left out of its group's batch within it, and only the last collect finishes requests (`finished`: pages
+    freed, in batch order) or completes a prompt (the request samples its first token there and is a decoder of
+    its group from then on). The first collect (`out`'s) may complete prompts too (`completing`, for a policy with
+    a prefill pass): those requests are decoders of group 1 from the run's start, their first token sampled at
+    that collect.
+
+    Admission (`queue` not None: sarathi's FIFO waiting queue): the requests waiting at the start, then those the
+    caller adds as they arrive (`queue.extend` at the collect where the engine's loop would add them, validated),
+    are admitted as schedule() admits them, after the group's chunks (`_admit`'s rules: a chunk of what the batch
+    leaves of the budget, a free sequence slot, pages for it above the watermark; queue order, the first that
+    does not fit ends the admissions of that batch). An admitted request is a prefill of the group whose batch
+    admitted it from then on (`admitted`: (half-step, request), in order); `apply` admits them from
+    `sched.waiting`, which the caller has given every arrival up to the last schedule (add_request)."""
 
     __slots__ = ("sched", "groups", "prefills", "out", "counts", "totals", "lefts", "updates", "chunks", "completes",
                  "ends_completing", "finished", "_crossings", "_first", "_active", "_passes", "_p_state", "_admits",
-                 "_left_lists")
+                 "_left_lists", "_completing", "queue", "admitted", "_taken", "_running", "_since")
 
     def __init__(self, sched, groups: Tuple[list, list], prefills: Tuple[list, list], out,
                  crossings: Tuple[List[int], List[int]], totals: List[int], left_lists: Tuple[List[int], List[int]],
-                 admits: bool):
+                 admits: bool, completing: Sequence[Tuple[object, int]] = (), queue: Optional[list] = None):
         self.sched = sched
+        self.queue = queue                # admission: the waiting requests in queue order (None: nobody admitted)
+        self.admitted: List[Tuple[int, object]] = []    # (half-step, request) of each admission, in order
+        self._taken = 0                   # queue entries admitted so far
+        self._running = len(sched.running)
+        self._since = ({}, {})            # per group: prefill index -> the half-step that admitted it
+        self._completing = completing     # group 1's requests whose prompt `out` completes: (request, its chunk)
         self.groups = groups              # per group: its decoders, in running order
         self.prefills = prefills          # per group: its requests in the prefill phase, in running order
         self.out = out                    # group 1's batch in flight
@@ -595,19 +611,66 @@ class PairRun:
             chunks.append((n, c))
             left -= n
             if c + n == tokens:
-                req = self.prefills[group][k]
-                done = max(done, 2 if (len(req.output_token_ids) + 1 >= req.max_tokens
-                                       or tokens + 1 >= self.sched._max_len) else 1)
-        if pages > free or (self._admits and left > 0):
+                done = max(done, self._completion(self.prefills[group][k], tokens))
+        admits = ()
+        if self.queue is not None:
+            if left > 0 and self._taken < len(self.queue):
+                admits, pages, left, done = self._admissions(group, chunks, plan, pages, free, left, done)
+        elif self._admits and left > 0:
+            return None
+        if pages > free:
             return None
         self._passes[group] = j + 1
+        states = self._p_state[group]
+        for req, tokens in admits:
+            self._since[group][len(states)] = len(self.chunks)
+            states.append([0, tokens, 0])
+            self.prefills[group].append(req)
+            self.admitted.append((len(self.chunks), req))
+        self._taken += len(admits)
+        self._running += len(admits)
         for k, n, need in plan:
-            state = self._p_state[group][k]
+            state = states[k]
             state[0] += n
             state[2] += need
         self.chunks.append(plan)
         self.completes = done
         return pages, chunks
+
+    def _completion(self, req, tokens: int) -> int:
+        """A chunk completing the prompt of `tokens` tokens of `req`: 2 if its first token finishes it, else 1."""
+        return 2 if len(req.output_token_ids) + 1 >= req.max_tokens or tokens + 1 >= self.sched._max_len else 1
+
+    def _admissions(self, group: int, chunks: list, plan: list, pages: int, free: int, left: int, done: int):
+        """The queue's requests the batch of `group` admits after its chunks (`_admit_waiting` and `_admit`, no
+        prefix cache), appended to `chunks` and `plan` (the batch's pages so far `pages` of `free`, budget `left`):
+        ([(request, prompt tokens)], pages, left, done)."""
+        sched, queue = self.sched, self.queue
+        ps = sched._ps
+        k = len(self._p_state[group])
+        admits = []
+        i, running = self._taken, self._running
+        while i < len(queue) and running < sched._max_seqs and left > 0:
+            req = queue[i]
+            tokens = len(req.all_token_ids)
+            n = sched._chunk_size(0, tokens, left)
+            if n <= 0:
+                break
+            need = -(-n // ps)
+            check = -(-tokens // ps) if sched._full_isl else need
+            if free - pages - check < sched._watermark_pages:    # running: the watermark applies
+                break
+            admits.append((req, tokens))
+            plan.append((k, n, need))
+            chunks.append((n, 0))
+            pages += need
+            left -= n
+            if n == tokens:
+                done = max(done, self._completion(req, tokens))
+            k += 1
+            i += 1
+            running += 1
+        return admits, pages, left, done
 
     def apply(self, times: Sequence[float], half_steps: int) -> None:
         """Apply half-steps 0 .. H - 1's schedules and collects 1 .. H (H = half_steps >= 2); times[h]: the time of
@@ -633,6 +696,12 @@ class PairRun:
                 req.sched_step = step
             if self.prefills[g]:
                 self._advance_prefills(g, starts, H, step, times[H])
+        for req, n in self._completing:               # the chunk before the first token, sampled at times[1]
+            req.num_computed_tokens += n - 1
+            if req.first_token_time is None:
+                req.first_token_time = times[1]
+        if self.admitted:
+            self._admit(times, H)
         sched.step = s0 + H
         sched._last_emitted = s0 + H
         sched._applied_step = s0 + H - 1
@@ -651,16 +720,40 @@ class PairRun:
                 sched._finish(req, "length", times[H])
             sched.running = [r for r in sched.running if r.status is RUNNING]
 
+    def _admit(self, times: Sequence[float], H: int) -> None:
+        """The admissions of half-steps < H (`_admit` then `_start_running` at their half-step's time), from the
+        front of sched.waiting, in order."""
+        sched = self.sched
+        waiting = sched.waiting
+        admitted = [(h, req) for h, req in self.admitted if h < H]
+        k = len(admitted)
+        if [id(r) for r in waiting[:k]] != [id(r) for _, r in admitted]:
+            raise ValueError("PairRun.apply: the waiting queue does not start with the planned admissions")
+        del waiting[:k]
+        long = sched._long
+        for h, req in admitted:
+            req.num_cached_tokens = 0
+            req.num_registered_pages = 0
+            req.is_long_prefill = bool(long) and len(req.all_token_ids) - req.num_computed_tokens > long
+            sched._start_running(req, times[h])
+
     def _advance_prefills(self, g: int, starts: Sequence[float], H: int, step: int, now: float) -> None:
         """Group g's prefills: a chunk in each of its schedules; the tokens of the collected ones (`out`'s
         included) computed; one whose prompt the last collect (at `now`) completes samples its first token."""
         pending = {id(r): n for r, n in zip(self.out.reqs, self.out.num_new_tokens)} if g else {}
         collected = range(g, H - 1, 2)                # its batches collected in the run (not the one in flight)
+        since = self._since[g]
         for k, req in enumerate(self.prefills[g]):
+            if k in since:                            # admitted in the run
+                if since[k] >= H:                     # planned past the run's end: not admitted
+                    break
+                first = since[k]
+                req.schedule_times += starts[(first - g) // 2:]
+            else:
+                req.schedule_times += starts
             c = req.num_computed_tokens + pending.get(id(req), 0) + sum(
                 n for h in collected for q, n, _ in self.chunks[h] if q == k)
             req.num_computed_tokens = c
-            req.schedule_times += starts
             req.sched_step = step
             if c == len(req.all_token_ids):         # completed by the last collect (PairRun docstring)
                 req.output_token_ids.append(PLACEHOLDER)
@@ -707,12 +800,14 @@ class PairRun:
         return out
 
 
-def pair_run(sched, out) -> Optional[PairRun]:
+def pair_run(sched, out, admit: bool = False) -> Optional[PairRun]:
     """The PairRun of `sched` with batch `out` in flight (PairRun), or None when its state does not allow one:
     the policy's decode runs (Scheduler.decode_run's conditions: its class, nothing swapped, landed or cached),
-    exactly one batch in flight (`out`, none of whose prompts it completes or requests it finishes), prefills
-    only for a policy with a prefill pass, nobody waiting who could be admitted but from a budget left over (the
-    chunks of a long prompt take it all), both groups' decodes within the decode budget."""
+    exactly one batch in flight (`out`, none of whose requests it finishes; the prompts it completes, and
+    prefills, only for a policy with a prefill pass), nobody waiting who could be admitted but from a budget left
+    over (the chunks of a long prompt take it all), both groups' decodes within the decode budget. admit: the
+    caller can feed the run its arrivals (PairRun.queue); the run admits, as schedule() would, when the policy
+    has a prefill pass and a FIFO queue and both groups' decodes fit the budget beside prefill work."""
     if (type(sched) not in sched.DECODE_RUN_CLASSES or not sched._decode_run_policy_ok() or sched.swapped
             or sched._kv_ready or sched._caching or sched._removed_from_running or sched.handoff_after_prefill
             or out.step != sched._last_emitted or out.step != sched.step):
@@ -720,9 +815,13 @@ def pair_run(sched, out) -> Optional[PairRun]:
     blocked = sched._admission_blocked()
     if sched.waiting and not blocked and not sched._run_prefills:
         return None
-    if out.num_prefill_tokens and True in [p and s for p, s in zip(out.is_prefill, out.do_sample)]:
-        return None                   # collecting `out` completes a prompt
-    parts = _pair_parts(sched)
+    completing = {}                   # collecting `out` completes these prompts: id(request) -> its chunk
+    if out.num_prefill_tokens:
+        completing = {id(r): n for r, n, p, s in zip(out.reqs, out.num_new_tokens, out.is_prefill, out.do_sample)
+                      if p and s}
+        if completing and not sched._run_prefills:
+            return None
+    parts = _pair_parts(sched, completing)
     if parts is None:
         return None
     groups, prefills, crossings, totals, lefts = parts
@@ -730,15 +829,22 @@ def pair_run(sched, out) -> Optional[PairRun]:
         return None
     if (prefills[0] or prefills[1]) and not sched._run_prefills:
         return None
-    budget = sched._run_decode_budget(bool(prefills[0] or prefills[1] or sched.waiting))
+    # a prompt completed by `out` is still prefill work at half-step 0's schedule
+    budget = sched._run_decode_budget(bool(prefills[0] or prefills[1] or sched.waiting or completing))
     if len(groups[0]) > budget or len(groups[1]) > budget:
         return None
-    return PairRun(sched, groups, prefills, out, crossings, totals, lefts, bool(sched.waiting) and not blocked)
+    done = [(r, completing[id(r)]) for r in groups[1] if id(r) in completing] if completing else ()
+    if admit and sched._run_prefills and not sched._priority:
+        budget = sched._run_decode_budget(True)      # a waiting request is prefill work
+        if len(groups[0]) <= budget and len(groups[1]) <= budget:
+            return PairRun(sched, groups, prefills, out, crossings, totals, lefts, False, done, list(sched.waiting))
+    return PairRun(sched, groups, prefills, out, crossings, totals, lefts, bool(sched.waiting) and not blocked, done)
 
 
-def _pair_parts(sched) -> Optional[tuple]:
+def _pair_parts(sched, completing: dict) -> Optional[tuple]:
     """pair_run's reading of the running requests: per group (0: applied, 1: in flight) its decoders, prefills,
-    decoders' first growing pass, context sum and first finishing update; None when one rules a run out."""
+    decoders' first growing pass, context sum and first finishing update; None when one rules a run out.
+    completing: id(request) -> chunk of the group 1 prompts that `out` completes (decoders from its collect on)."""
     applied = sched._applied_step
     ps, max_len = sched._ps, sched._max_len
     groups, prefills, crossings = ([], []), ([], []), ([], [])
@@ -749,11 +855,14 @@ def _pair_parts(sched) -> Optional[tuple]:
         g = req.sched_step > applied    # True (1): in flight in `out`
         c = req.num_computed_tokens
         if c < req.prefill_end:
-            prefills[g].append(req)
-            continue
-        if req.first_token_time is None:
+            if not g or id(req) not in completing:
+                prefills[g].append(req)
+                continue
+            c += completing[id(req)]    # its prompt, computed by `out`'s collect, which samples its first token
+        elif req.first_token_time is None:
             return None
-        c += g                          # group 1: after `out` is applied
+        else:
+            c += g                      # group 1: after `out` is applied
         j = len(req.page_table) * ps - c
         if j < 0:
             return None

@@ -205,6 +205,13 @@ class SimRequests:
         self._records: List[Optional[RequestRecord]] = [None] * len(self.pending)
         self._slot: dict = {}           # id(Request) -> its index, while it is live
 
+    def made(self, i: int):
+        """Request i, made if it has not arrived yet (the same object `arrived(i)` returns later)."""
+        req = self.pending[i]
+        if req.__class__ is PendingRequest:
+            req = self.pending[i] = req.make()
+        return req
+
     def arrived(self, i: int):
         req = self.pending[i]
         if req.__class__ is PendingRequest:
@@ -343,7 +350,7 @@ def plan_stage_clock(run, stage_fn: Callable, start: float, limit: float, *, end
 
 
 def plan_pair_clock(run, stage_fn: Callable, stage_free: Sequence[float], t: float, first_end: float,
-                    limit: float, pages: int, max_collects: int):
+                    limit: float, pages: int, max_collects: int, arrive: Optional[Callable] = None):
     """The half-steps of pair run `run` (pdjax.scheduler.runs.PairRun) from host time t, the batch in flight
     ending at first_end, its stages free from `stage_free`: batch h of group h % 2 dispatched at times[h] with
     stage_fn(its decoders, their context sum, its chunks) -> (stages, sends), chained on the stages as
@@ -352,7 +359,9 @@ def plan_pair_clock(run, stage_fn: Callable, stage_free: Sequence[float], t: flo
     arrival: the schedule there would admit it), or that finishes a request or collects a batch that completes
     a prompt (the half-step before that collect when the first token finishes the request), or whose schedule
     cannot be planned (PairRun.schedule_next, with `pages` free pages), takes a negative stage time or passes
-    max_collects. (times[0 .. H], ends, stages, stage free times after batch H - 1, H)."""
+    max_collects. A run that admits (`run.queue`) goes on past arrivals: arrive(at, queue) appends the requests
+    arrived by `at` to the queue and returns the next arrival time (None: one the run cannot take, the end).
+    (times[0 .. H], ends, stages, stage free times after batch H - 1, H)."""
     times, ends, stage_list = [t], [], []
     counts, totals = run.counts, list(run.totals)
     free = list(stage_free)
@@ -365,8 +374,12 @@ def plan_pair_clock(run, stage_fn: Callable, stage_free: Sequence[float], t: flo
             at = prev if prev > times[-1] else times[-1]
             times.append(at)
             updates[h % 2] += 1
-            if not at < limit or h == last:
+            if h == last:
                 break
+            if not at < limit:
+                limit = arrive(at, run.queue) if arrive is not None and run.queue is not None else None
+                if limit is None:
+                    break
         if h + 1 > max_collects:
             break
         if not run.can_collect((h + 1) % 2):     # the next collect finishes a request: the run's last
@@ -1070,7 +1083,8 @@ class Simulation:
         inst = self.instances[idx]
         pipe = inst.pipeline
         out, first_start, first_end = pipe.peek()
-        run = pair_run(inst.scheduler, out)
+        sched = inst.scheduler
+        run = pair_run(sched, out, admit=not inst.inbox)
         if run is None:
             self.pair_after[idx] = math.nextafter(t, math.inf)    # not at once again
             return None
@@ -1080,12 +1094,16 @@ class Simulation:
         step_time = inst.timer.step_time
         times, ends, stages, free, H = plan_pair_clock(
             run, step_time.composition_stages, pipe.stage_free, t, first_end, limit,
-            len(bm._free) + len(bm._free_cached), self.max_iterations - len(self.iterations))
+            len(bm._free) + len(bm._free_cached), self.max_iterations - len(self.iterations),
+            self.pair_arrivals(sched))
         if H < 3:
             # what cut it short (a finish, a prompt's end, an arrival) is still ahead until the last half-step
             # planned: no run is tried before then (one not tried is only slower, never different)
             self.pair_after[idx] = times[-1] if times[-1] > t else math.nextafter(t, math.inf)
             return None
+        self.route_arrivals(times[H])     # arrived while the host waited on the stages
+        if run.admitted:
+            self.admit(inst, times[H - 1])    # the arrivals the loop adds to the queue before the run's schedules
         run.apply(times, H)
         if run.finished:
             self.requests.finished(run.finished, inst.scheduler)
@@ -1099,10 +1117,30 @@ class Simulation:
             chunks, n = run.chunks[h - 2], counts[h % 2]
             its.append(IterationRecord(step + h - 1, times[h - 2], times[h], sum(c[1] for c in chunks), n,
                                        n + len(chunks), name))
-        self.route_arrivals(times[H])     # arrived while the host waited on the stages
         self.waking[idx] = False
         self.pair_again = run.ends_completing   # the group collected last may go on in a pair run at once
         return times[H]
+
+    def pair_arrivals(self, sched) -> Callable:
+        """plan_pair_clock's `arrive(at, queue)` for a pair run of `sched` (the one colocated instance's, its inbox
+        empty): the requests arriving by `at` after those given before, made (SimRequests.made) but not routed,
+        appended to `queue`; returns the next arrival time, or None at a request add_request would reject."""
+        pending, requests = self.pending, self.requests
+        cursor = [self.next_arrival]
+        ids: set = set()
+
+        def arrive(at: float, queue: list) -> Optional[float]:
+            i = cursor[0]
+            while i < len(pending) and pending[i].arrival_time <= at:
+                req = requests.made(i)
+                if req.request_id in ids or sched._validate_request(req) is not None:
+                    return None
+                ids.add(req.request_id)
+                queue.append(req)
+                i += 1
+            cursor[0] = i
+            return pending[i].arrival_time if i < len(pending) else float("inf")
+        return arrive
 
     def run_limit(self, idx: int, t: float) -> Optional[float]:
         """The time instance `idx`'s decode run at t plans up to (decode_run): the next arrival (one colocated
