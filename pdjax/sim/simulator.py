@@ -349,11 +349,12 @@ def plan_stage_clock(run, stage_fn: Callable, start: float, limit: float, *, end
     return starts, ends, stage_list, free, start
 
 
-def plan_pair_clock(run, stage_fn: Callable, stage_free: Sequence[float], t: float, first_end: float,
+def plan_pair_clock(run, stage_fns: Sequence[Callable], stage_free: Sequence[float], t: float, first_end: float,
                     limit: float, pages: int, max_collects: int, arrive: Optional[Callable] = None):
     """The half-steps of pair run `run` (pdjax.scheduler.runs.PairRun) from host time t, the batch in flight
-    ending at first_end, its stages free from `stage_free`: batch h of group h % 2 dispatched at times[h] with
-    stage_fn(its decoders, their context sum, its chunks) -> (stages, sends), chained on the stages as
+    ending at first_end, its stages free from `stage_free`: batch h of group g = h % 2 dispatched at times[h]
+    with stage_fns[g](its decoders' context sum, its chunks) -> (stages, sends) (the source's
+    composition_stages_fn of the group's decoder count), chained on the stages as
     StagePipeline.run_stages; at h >= 1 the host first collects the oldest batch at times[h] = max(its end,
     times[h - 1]). It ends (H = the half-steps) at the first h whose collect comes at or after `limit` (the next
     arrival: the schedule there would admit it), or that finishes a request or collects a batch that completes
@@ -389,7 +390,7 @@ def plan_pair_clock(run, stage_fn: Callable, stage_free: Sequence[float], t: flo
         if planned is None:
             break
         grow, chunks = planned
-        stages, sends = stage_fn(counts[g], totals[g], chunks)
+        stages, sends = stage_fns[g](totals[g], chunks)
         if min(stages) < 0 or (sends and min(sends) < 0):
             break
         pages -= grow
@@ -1092,8 +1093,9 @@ class Simulation:
         limit = pending[self.next_arrival].arrival_time if self.next_arrival < len(pending) else float("inf")
         bm = inst.scheduler.block_manager
         step_time = inst.timer.step_time
+        stage_fns = [step_time.composition_stages_fn(count) for count in run.counts]
         times, ends, stages, free, H = plan_pair_clock(
-            run, step_time.composition_stages, pipe.stage_free, t, first_end, limit,
+            run, stage_fns, pipe.stage_free, t, first_end, limit,
             len(bm._free) + len(bm._free_cached), self.max_iterations - len(self.iterations),
             self.pair_arrivals(sched))
         if H < 3:

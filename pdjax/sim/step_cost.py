@@ -362,6 +362,7 @@ class CachedStageTimes:
         self._head: dict = {}
         self._kernels: dict = {}
         self._decode_fns: dict = {}
+        self._mixed_fns: dict = {}
 
     def _token_terms(self, tokens: int):
         terms = self._by_tokens.get(tokens)
@@ -449,6 +450,59 @@ class CachedStageTimes:
             return tuple(cm.stage_device_times(counts, total, embedding, head, host, launch, kernels)), sends
 
         self._decode_fns[count] = fn
+        return fn
+
+    def mixed_fn(self, count: int) -> Callable[[int, Sequence[Tuple[int, int]]], Tuple[Tuple[float, ...],
+                                                                                 Tuple[float, ...]]]:
+        """(total_context, chunks) -> `self(composition)` of prefill `chunks` ((tokens, context before them), in
+        batch order) beside `count` one-token decodes whose contexts sum to total_context (compact_composition's
+        form; decode_fn's without chunks), bit-identical without building the composition: `__call__`'s terms
+        and `cost_model.layer_attention_time`'s arithmetic in their order (tests check the equality)."""
+        fn = self._mixed_fns.get(count)
+        if fn is not None:
+            return fn
+        decode = self.decode_fn(count)
+        p, plan, counts, token_terms, heads_of = self.params, self.plan, self.counts, self._token_terms, self._head
+        s = plan.shapes
+        shape = (s.heads, s.kv_heads, s.head_dim, s.dtype_bytes, plan.peak, plan.bandwidth, p)
+        prefill_terms, decode_terms, host_time, device_times = (cm.prefill_attention_terms, cm.decode_attention_terms,
+                                                                cm.host_time, cm.stage_device_times)
+        kinds = (True, bool(count))
+        kernels = self._kernels.get(kinds)
+        if kernels is None:
+            kernels = self._kernels[kinds] = cm.kernels_per_iteration(s, 1, self.tp, *kinds) - 3
+        workers, launch = self.tp * self.pp, p.launch_overhead_s
+        prefill_fixed, decode_fixed = p.attn_prefill_fixed_s, p.attn_decode_fixed_s
+
+        def fn(total_context: int, chunks: Sequence[Tuple[int, int]]):
+            if not chunks:
+                return decode(total_context)
+            seqs = len(chunks) + count
+            tokens = count
+            for n, _ in chunks:
+                tokens += n
+            layer, comm, embedding, sends = token_terms(tokens)
+            attention = 0.0
+            for chunk, context in chunks:
+                c, mem = prefill_terms(chunk, context, *shape)
+                attention += c + mem
+            if count:
+                c, mem, per_item = decode_terms(count, total_context / count, *shape)
+                attention += (c if c > mem else mem) + per_item
+            attention += prefill_fixed
+            if count:
+                attention += decode_fixed
+            layer += attention
+            if comm is not None:
+                layer += comm
+            head = heads_of.get(seqs)
+            if head is None:
+                c, mem = cm._lm_head_terms(seqs, plan, p)
+                head = heads_of[seqs] = (c if c > mem else mem) + p.kernel_fixed_s
+            return tuple(device_times(counts, layer, embedding, head, host_time(p, seqs, workers), launch,
+                                      kernels)), sends
+
+        self._mixed_fns[count] = fn
         return fn
 
 
@@ -571,13 +625,12 @@ class PipelineStepTime(StepTimeBase):
         """`stage_times(out)` of a step of prefill `chunks` ((tokens, context before them), in batch order) and
         `count` one-token decodes whose num_computed_tokens sum to total_context, without padding, step context
         or noise (compact_composition's composition of such a step)."""
-        if not chunks:
-            return self.decode_stages_fn(count)(total_context)
-        decodes = ()
-        if count:
-            q, r = divmod(total_context, count)
-            decodes = ((count - r, q), (r, q + 1)) if r else ((count, q),)
-        return self._stages(BatchComposition(tuple(chunks), decodes))
+        return self._stages.mixed_fn(count)(total_context, chunks)
+
+    def composition_stages_fn(self, count: int) -> Callable[[int, Sequence[Tuple[int, int]]],
+                                                            Tuple[Tuple[float, ...], Tuple[float, ...]]]:
+        """(total_context, chunks) -> `composition_stages(count, total_context, chunks)`."""
+        return self._stages.mixed_fn(count)
 
     def decode_fn(self, count: int) -> Callable[[int], float]:
         """total_context -> seconds of such a step through the whole pipeline (`self(out)`)."""

@@ -16,6 +16,9 @@ of the `StepTime` protocol and nothing else:
     decode_stages_fn   `decode_stages_fn(count)(total_context)`: `stage_times` of such a decode-only step (one stage:
                        decode_fn's seconds); read when decode_only_exact, for the decode runs of an instance with
                        pipeline stages or batches in flight
+    composition_stages, composition_stages_fn   `composition_stages(count, total_context, chunks)` ==
+                       `composition_stages_fn(count)(total_context, chunks)`: the stages of a step with prefill
+                       chunks (decode_stages_fn's without); read when decode_only_exact, for the pair runs
 
 `StepTimeBase` gives every member its default (one stage, no context, no decode runs), so a new source is a
 subclass with `__call__` and whatever it overrides. A plain function `(out) -> seconds` (tests, quick studies) is
@@ -57,6 +60,9 @@ class StepTime(Protocol):
 
     def composition_stages(self, count: int, total_context: int,
                            chunks: Sequence[Tuple[int, int]]) -> Tuple[Sequence[float], Sequence[float]]: ...
+
+    def composition_stages_fn(self, count: int) -> Callable[[int, Sequence[Tuple[int, int]]],
+                                                            Tuple[Sequence[float], Sequence[float]]]: ...
 
 
 class StepTimeBase:
@@ -100,6 +106,11 @@ class StepTimeBase:
         if not chunks:
             return self.decode_stages_fn(count)(total_context)
         return (self.composition(count, total_context, chunks),), ()
+
+    def composition_stages_fn(self, count: int) -> Callable[[int, Sequence[Tuple[int, int]]],
+                                                            Tuple[Sequence[float], Sequence[float]]]:
+        """(total_context, chunks) -> composition_stages(count, total_context, chunks)."""
+        return lambda total_context, chunks: self.composition_stages(count, total_context, chunks)
 
 
 class PlainStepTime(StepTimeBase):
