@@ -100,7 +100,7 @@ from pdjax.metrics import IterationRecord, RequestRecord, request_record
 from pdjax.scheduler.base import PLACEHOLDER_TOKEN
 from pdjax.scheduler.instances import Instance, TransferRecord
 from pdjax.scheduler.routing import InstanceRouter
-from pdjax.scheduler.runs import pair_run
+from pdjax.scheduler.pair_runs import pair_run
 from pdjax.sim.pipeline import StagePipeline, StageTimer, StepContext, pipeline_summary  # also re-exported
 from pdjax.sim.pipeline import clock_stages
 
@@ -349,33 +349,30 @@ def plan_stage_clock(run, stage_fn: Callable, start: float, limit: float, *, end
     return starts, ends, stage_list, free, start
 
 
-def plan_pair_clock(run, stage_fns: Sequence[Callable], stage_free: Sequence[float], t: float, first_end: float,
+def plan_pair_clock(run, stage_fn: Callable, stage_free: Sequence[float], t: float, first_end: float,
                     limit: float, pages: int, max_collects: int, arrive: Optional[Callable] = None):
-    """The half-steps of pair run `run` (pdjax.scheduler.runs.PairRun) from host time t, the batch in flight
-    ending at first_end, its stages free from `stage_free`: batch h of group g = h % 2 dispatched at times[h]
-    with stage_fns[g](its decoders' context sum, its chunks) -> (stages, sends) (the source's
-    composition_stages_fn of the group's decoder count), chained on the stages as
-    StagePipeline.run_stages; at h >= 1 the host first collects the oldest batch at times[h] = max(its end,
-    times[h - 1]). It ends (H = the half-steps) at the first h whose collect comes at or after `limit` (the next
-    arrival: the schedule there would admit it), or that finishes a request or collects a batch that completes
-    a prompt (the half-step before that collect when the first token finishes the request), or whose schedule
-    cannot be planned (PairRun.schedule_next, with `pages` free pages), takes a negative stage time or passes
-    max_collects. A run that admits (`run.queue`) goes on past arrivals: arrive(at, queue) appends the requests
-    arrived by `at` to the queue and returns the next arrival time (None: one the run cannot take, the end).
+    """The half-steps of pair run `run` (pdjax.scheduler.pair_runs.PairRun) from host time t, the batch in flight
+    ending at first_end, its stages free from `stage_free`: batch h of group h % 2 dispatched at times[h] with
+    stage_fn(its decodes)(their context sum, its chunks) -> (stages, sends) (the source's composition_stages_fn),
+    chained on the stages as StagePipeline.run_stages; at h >= 1 the host first collects the oldest batch at
+    times[h] = max(its end, times[h - 1]) (run.collect: the pages its finishes free). It ends (H = the
+    half-steps) at the first h whose collect comes at or after `limit` (the next arrival) unless the run admits
+    (`run.queue`: arrive(at, queue) appends the requests arrived by `at` and returns the next arrival time, None at
+    one the run cannot take), or whose collect ends the run (`run.stops`), or whose schedule cannot be planned
+    (PairRun.schedule_next, with `pages` free pages), takes a negative stage time or passes max_collects.
     (times[0 .. H], ends, stages, stage free times after batch H - 1, H)."""
     times, ends, stage_list = [t], [], []
-    counts, totals = run.counts, list(run.totals)
     free = list(stage_free)
-    updates = run.updates
-    last = None                       # the last half-step the run may reach (a finish, a prompt completed)
+    fns: dict = {}
     h = 0
     while True:
         if h:
             prev = first_end if h == 1 else ends[h - 2]
             at = prev if prev > times[-1] else times[-1]
             times.append(at)
-            updates[h % 2] += 1
-            if h == last:
+            pages += run.collect(h)
+            if run.stops:
+                run.ends_completing = True
                 break
             if not at < limit:
                 limit = arrive(at, run.queue) if arrive is not None and run.queue is not None else None
@@ -383,25 +380,20 @@ def plan_pair_clock(run, stage_fns: Sequence[Callable], stage_free: Sequence[flo
                     break
         if h + 1 > max_collects:
             break
-        if not run.can_collect((h + 1) % 2):     # the next collect finishes a request: the run's last
-            last = h + 1 if last is None or h + 1 < last else last
-        g = h % 2
-        planned = run.schedule_next(g, pages)
+        planned = run.schedule_next(h % 2, pages)
         if planned is None:
             break
-        grow, chunks = planned
-        stages, sends = stage_fns[g](totals[g], chunks)
+        grow, chunks, count, total = planned
+        fn = fns.get(count)
+        if fn is None:
+            fn = fns[count] = stage_fn(count)
+        stages, sends = fn(total, chunks)
         if min(stages) < 0 or (sends and min(sends) < 0):
             break
         pages -= grow
-        if run.completes:     # its collect (half-step h + 2) may be the run's last, unless the first token ends it
-            end = h + 2 if run.completes == 1 else h + 1
-            last = end if last is None or end < last else last
         ends.append(clock_stages(stages, sends, times[h], free))
         stage_list.append(stages)
-        totals[g] += counts[g]
         h += 1
-    run.ends_completing = h == last   # the run ends with a completed prompt's first token or a finish
     return times, ends, stage_list, free, h
 
 
@@ -1093,9 +1085,8 @@ class Simulation:
         limit = pending[self.next_arrival].arrival_time if self.next_arrival < len(pending) else float("inf")
         bm = inst.scheduler.block_manager
         step_time = inst.timer.step_time
-        stage_fns = [step_time.composition_stages_fn(count) for count in run.counts]
         times, ends, stages, free, H = plan_pair_clock(
-            run, stage_fns, pipe.stage_free, t, first_end, limit,
+            run, step_time.composition_stages_fn, pipe.stage_free, t, first_end, limit,
             len(bm._free) + len(bm._free_cached), self.max_iterations - len(self.iterations),
             self.pair_arrivals(sched))
         if H < 3:
@@ -1110,13 +1101,13 @@ class Simulation:
         if run.finished:
             self.requests.finished(run.finished, inst.scheduler)
         pipe.run_pair(times, ends, stages, free, run.in_flight_output(H))
-        its, name, counts = self.iterations, self.names[idx], run.counts
+        its, name, counts = self.iterations, self.names[idx], run.batch_counts
         step = len(its) if self.global_steps else inst.num_steps
         inst.num_steps += H
         its.append(IterationRecord(step, first_start, times[1], out.num_prefill_tokens, out.num_decode_tokens,
                                    len(out.req_ids), name))
         for h in range(2, H + 1):
-            chunks, n = run.chunks[h - 2], counts[h % 2]
+            chunks, n = run.chunks[h - 2], counts[h - 2]
             its.append(IterationRecord(step + h - 1, times[h - 2], times[h], sum(c[1] for c in chunks), n,
                                        n + len(chunks), name))
         self.waking[idx] = False
