@@ -99,7 +99,7 @@ class PairRun:
         self._p_since = ([0] * len(prefills[0]), [1] * len(prefills[1]))   # per prefill: its first half-step
         self._p_done = ([NEVER] * len(prefills[0]), [NEVER] * len(prefills[1]))   # ... and its completing one
         for g in (0, 1):
-            for rank, first, end, context, cross, pages, pre, req in members[g]:
+            for _, first, end, context, cross, pages, _, _ in members[g]:
                 self._enter(g, first, end, context, cross, pages, True)
 
     def _enter(self, g: int, first: int, end: int, context: int, cross: int, pages: int, now: bool) -> None:
@@ -350,7 +350,7 @@ class PairRun:
         scheduled = len(range(g, H, 2))
         collected = len(range(2 + g, H + 1, 2))
         ps = self._ps
-        for rank, first, end, context, cross, pages, pre, req in self.members[g]:
+        for rank, first, end, _, cross, _, pre, req in self.members[g]:
             s = end if end < scheduled else scheduled
             c = end if end < collected else collected
             k = c - first if c > first else 0

@@ -59,7 +59,6 @@ from bisect import bisect_left
 from typing import List, Optional, Sequence, Tuple
 
 from pdjax.scheduler.block_manager import extend_page_keys
-from pdjax.scheduler.output import SchedulerOutput
 from pdjax.scheduler.request import RequestStatus
 
 PLACEHOLDER = 0   # pdjax.scheduler.base.PLACEHOLDER_TOKEN (the simulator's sampled id)
@@ -510,5 +509,4 @@ def _pages_grown(crossings: Sequence[int], steps: int, page_size: int) -> int:
     return n
 
 
-# Pair runs live in pdjax.scheduler.pair_runs (re-exported here).
-from pdjax.scheduler.pair_runs import PairRun, pair_run  # noqa: E402 (after DecodeRun, which they do not use)
+from pdjax.scheduler.pair_runs import PairRun, pair_run  # noqa: E402, F401 (re-exported: callers and tests name runs.PairRun)

@@ -1,0 +1,87 @@
+"""Pair runs (pdjax.scheduler.pair_runs, Simulation.pair_run) through the events that change their groups change
+nothing: prompts completed mid-run (and by the in-flight batch's collect), requests finishing mid-run (their pages
+freed between the schedules' allocations), requests admitted from the waiting queue as they arrive (budget, sequence
+slots, the watermark), first tokens that finish a request, identical arrival times. The same simulation with
+decode_runs=False is the reference, compared record for record with scheduler counters and page pools
+(test_decode_runs.assert_same); each case also checks that the runs it means to exercise happened."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_decode_runs import assert_same, run
+
+from pdjax.config.sampling import SamplingParams
+from pdjax.config.scheduler import SchedulerConfig
+from pdjax.scheduler import Request
+from pdjax.scheduler import pair_runs
+
+
+def mixed_requests(n: int, seed: int, rate: float, ties: bool):
+    """Prompts of 1 .. 700 tokens (one chunk or several at the budgets below), outputs of 1 .. 80 tokens (1: the
+    first token finishes the request); ties: arrivals in bunches at one instant."""
+    rng = random.Random(seed)
+    reqs, t = [], 0.0
+    for i in range(n):
+        if not ties or i % 3 == 0:
+            t += rng.expovariate(rate)
+        prompt = [rng.randrange(1, 500) for _ in range(rng.choice([1, 2, rng.randint(3, 700)]))]
+        max_tokens = rng.choice([1, 2, 3, rng.randint(4, 80)])
+        reqs.append(Request(f"m{i:03d}", prompt, SamplingParams(max_tokens=max_tokens), t))
+    return reqs
+
+
+# (scheduler config, arrival rate, ties): room for everyone; few sequence slots (admission waits for a finish);
+# a watermark over a small pool (admission waits for pages); the prefill guard, chunk cap and tiles; dynamic chunks.
+CASES = {
+    "roomy": (dict(policy="sarathi", token_budget=256, max_num_seqs=32), 60.0, False),
+    "few_slots": (dict(policy="sarathi", token_budget=256, max_num_seqs=5), 60.0, True),
+    "watermark": (dict(policy="sarathi", token_budget=128, max_num_seqs=32, num_pages=160, watermark=0.1), 60.0,
+                  False),
+    "guard_cap_tile": (dict(policy="sarathi", token_budget=256, max_num_seqs=32, min_prefill_tokens=32,
+                            long_prefill_token_threshold=96, tile_size=16), 60.0, True),
+    "dynamic": (dict(policy="sarathi", token_budget=256, max_num_seqs=32, dynamic_chunking=True,
+                     dynamic_chunk_ref_context=256, dynamic_chunk_min_tokens=32), 60.0, False),
+}
+
+
+def count_pair_events(monkeypatch) -> dict:
+    """Patch PairRun.apply to count what the applied runs did: half-steps, admissions, requests finished before
+    the run's last collect, prompts completed before it."""
+    seen = {"half_steps": 0, "admitted": 0, "finished_mid_run": 0, "completed_mid_run": 0}
+    apply = pair_runs.PairRun.apply
+
+    def counting(self, times, half_steps):
+        apply(self, times, half_steps)
+        seen["half_steps"] += half_steps
+        seen["admitted"] += sum(1 for h, _ in self.admitted if h < half_steps)
+        seen["finished_mid_run"] += sum(1 for r in self.finished if r.finish_time < times[half_steps])
+        seen["completed_mid_run"] += sum(1 for done in self._p_done for h in done if h + 2 < half_steps)
+
+    monkeypatch.setattr(pair_runs.PairRun, "apply", counting)
+    return seen
+
+
+@pytest.mark.parametrize("seed", [2, 3])
+@pytest.mark.parametrize("pp,max_in_flight", [(2, None), (1, 2)])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_pair_runs_through_group_changes_change_nothing(name, pp, max_in_flight, seed, monkeypatch):
+    params, rate, ties = CASES[name]
+    cfg = SchedulerConfig(max_model_len=1024, page_size=16, **{"num_pages": 1024, **params})
+    reference = run(cfg, False, pp=pp, max_in_flight=max_in_flight, requests=mixed_requests(40, seed, rate, ties))
+    seen = count_pair_events(monkeypatch)
+    got = run(cfg, True, pp=pp, max_in_flight=max_in_flight, requests=mixed_requests(40, seed, rate, ties))
+    assert_same(reference, got)
+    assert seen["half_steps"] > len(got[0].iterations) // 3, "the case is meant to run many half-steps in bulk"
+    assert seen["admitted"] > 0 and seen["finished_mid_run"] > 0 and seen["completed_mid_run"] > 0, seen
+
+
+def test_pair_runs_cover_a_long_steady_run(monkeypatch):
+    """Many requests at a steady rate: most half-steps in bulk, in a few long runs (the bench's shape)."""
+    cfg = SchedulerConfig(policy="sarathi", token_budget=256, max_num_seqs=64, max_model_len=1024, page_size=16,
+                          num_pages=2048)
+    reference = run(cfg, False, pp=2, requests=mixed_requests(120, 5, 60.0, False))
+    seen = count_pair_events(monkeypatch)
+    got = run(cfg, True, pp=2, requests=mixed_requests(120, 5, 60.0, False))
+    assert_same(reference, got)
+    assert seen["half_steps"] > 0.75 * len(got[0].iterations)
