@@ -15,6 +15,8 @@ from pdjax.config.sampling import SamplingParams
 from pdjax.config.scheduler import SchedulerConfig
 from pdjax.scheduler import Request
 from pdjax.scheduler import pair_runs
+from pdjax.sim.cost_model import stage_device_times
+from pdjax.sim.step_cost import stage_times_fn
 
 
 def mixed_requests(n: int, seed: int, rate: float, ties: bool):
@@ -85,3 +87,16 @@ def test_pair_runs_cover_a_long_steady_run(monkeypatch):
     got = run(cfg, True, pp=2, requests=mixed_requests(120, 5, 60.0, False))
     assert_same(reference, got)
     assert seen["half_steps"] > 0.75 * len(got[0].iterations)
+
+
+@pytest.mark.parametrize("counts", [(40, 40), (1, 79), (3,), (10, 10, 20)])
+def test_stage_times_fn_equals_the_cost_model(counts):
+    """step_cost.stage_times_fn (the decode and chunk stage functions' last step) == cost_model.stage_device_times
+    bit for bit, launch floors binding or not."""
+    rng = random.Random(len(counts))
+    for _ in range(500):
+        launch = rng.choice([0.0, 1e-7, 1e-5, 1e-3])
+        kernels = rng.randint(1, 12)
+        args = (rng.uniform(0, 2e-3), rng.uniform(0, 1e-3), rng.uniform(0, 1e-3), rng.uniform(0, 1e-3))
+        fn = stage_times_fn(counts, launch, kernels)
+        assert fn(*args) == tuple(stage_device_times(counts, *args, launch, kernels))

@@ -142,11 +142,15 @@ class PairRun:
         request the run does not admit)."""
         j = self._passes[g]
         ps = self._ps
-        self._pass_events(g, j)
+        if j in self._leaves[g] or j in self._joins[g]:
+            self._pass_events(g, j)
+        active = self._active[g]
+        started = self._starts[g].pop(j, 0)
+        if started:
+            active[j % ps] += started
         count = self._count[g]
         if count > self._budget:
             return None
-        active = self._active[g]
         pages = active[j % ps]
         sched = self.sched
         chunks, plan, done = [], [], []
@@ -177,11 +181,19 @@ class PairRun:
         total = self._total[g]
         self._total[g] = total + count
         self.batch_counts.append(count)
-        self._commit(g, j, plan, admits, done)
+        if admits or done:
+            self._commit(g, j, plan, admits, done)
+        else:
+            for k, n, need in plan:
+                state = states[k]
+                state[0] += n
+                state[2] += need
+            self.chunks.append(plan)
+            self._passes[g] = j + 1
         return pages, chunks, count, total
 
     def _pass_events(self, g: int, j: int) -> None:
-        """Group g's decoders at pass j: those leaving before it out, those joining at it in, growth started."""
+        """Group g's decoders at pass j: those leaving before it out, those joining at it in."""
         ps = self._ps
         active, starts = self._active[g], self._starts[g]
         for context, first, cross in self._leaves[g].pop(j, ()):
@@ -195,9 +207,6 @@ class PairRun:
             self._count[g] += 1
             self._total[g] += context
             starts[cross] = starts.get(cross, 0) + 1
-        started = starts.pop(j, 0)
-        if started:
-            active[j % ps] += started
 
     def _commit(self, g: int, j: int, plan: list, admits: Sequence, done: Sequence) -> None:
         """Record group g's pass j as planned: admissions, chunks, prompts completed (their decode phases)."""
@@ -380,7 +389,7 @@ class PairRun:
         """Replay the page events in the order the schedules and updates make them: by half-step, the finishes of
         its collect (batch order: pages freed one request after the other), then its schedule's decode pass
         (running order), then its chunks and admissions."""
-        events.sort(key=_event_key)
+        events.sort()         # (half-step, phase, part, rank) is unique: the requests are never compared
         sched = self.sched
         bm = sched.block_manager
         grants = []
@@ -420,10 +429,6 @@ class PairRun:
             out.is_prefill.append(True)
             out.num_prefill_tokens += n
         return out
-
-
-def _event_key(event: tuple) -> tuple:
-    return event[:4]
 
 
 def _rank(member: tuple) -> int:

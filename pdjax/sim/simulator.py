@@ -349,6 +349,11 @@ def plan_stage_clock(run, stage_fn: Callable, start: float, limit: float, *, end
     return starts, ends, stage_list, free, start
 
 
+# Half-steps a pair run plans at most: its requests' records wait for its end (memory), and a longer run saves
+# nothing measurable (one ordinary half-step and one reading of the running list per run).
+PAIR_RUN_LENGTH = 1024
+
+
 def plan_pair_clock(run, stage_fn: Callable, stage_free: Sequence[float], t: float, first_end: float,
                     limit: float, pages: int, max_collects: int, arrive: Optional[Callable] = None):
     """The half-steps of pair run `run` (pdjax.scheduler.pair_runs.PairRun) from host time t, the batch in flight
@@ -1087,7 +1092,7 @@ class Simulation:
         step_time = inst.timer.step_time
         times, ends, stages, free, H = plan_pair_clock(
             run, step_time.composition_stages_fn, pipe.stage_free, t, first_end, limit,
-            len(bm._free) + len(bm._free_cached), self.max_iterations - len(self.iterations),
+            len(bm._free) + len(bm._free_cached), min(self.max_iterations - len(self.iterations), PAIR_RUN_LENGTH),
             self.pair_arrivals(sched))
         if H < 3:
             # what cut it short (a finish, a prompt's end, an arrival) is still ahead until the last half-step

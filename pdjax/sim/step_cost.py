@@ -347,6 +347,30 @@ class CachedIterationTime:
         return attention * plan.layers_per_stage
 
 
+def stage_times_fn(counts: Sequence[int], launch_overhead_s: float, per_layer_kernels: int) -> Callable:
+    """(layer, embedding, head, host) -> tuple(cost_model.stage_device_times(counts, layer, embedding, head, host,
+    launch_overhead_s, per_layer_kernels)), bit-identical: two stages written out (the same expressions in the same
+    order, the launch floors computed once), other counts through the function itself."""
+    if len(counts) != 2:
+        return lambda layer, embedding, head, host: tuple(cm.stage_device_times(
+            counts, layer, embedding, head, host, launch_overhead_s, per_layer_kernels))
+    floors = launch_overhead_s > 0
+    n0, n1 = counts
+    floor0 = launch_overhead_s * (n0 * per_layer_kernels + 1 + 0)
+    floor1 = launch_overhead_s * (n1 * per_layer_kernels + 0 + 2)
+
+    def two(layer, embedding, head, host):
+        d0 = n0 * layer + embedding + 0.0
+        d1 = n1 * layer + 0.0 + head
+        if floors:
+            if floor0 > d0:
+                d0 = floor0
+            if floor1 > d1:
+                d1 = floor1
+        return (d0 + host, d1)
+    return two
+
+
 class CachedStageTimes:
     """`cost_model.stage_times(batch, model, hw, tp, pp, params)`, bit-identical, faster: the terms that depend on
     the token count (a layer's GEMMs and element-wise kernels, its TP all-reduces, the embedding, the sends) or
@@ -438,7 +462,8 @@ class CachedStageTimes:
         flops_rate = plan.peak * p.attn_flops_efficiency
         bytes_rate = plan.bandwidth * p.attn_bandwidth_efficiency
         per_item = count * s.heads * p.attn_seq_head_s
-        fixed, launch, counts = p.attn_decode_fixed_s, p.launch_overhead_s, self.counts
+        fixed = p.attn_decode_fixed_s
+        device_times = stage_times_fn(self.counts, p.launch_overhead_s, kernels)
 
         def fn(total_context: int):
             visible = total_context / count + 1
@@ -447,7 +472,7 @@ class CachedStageTimes:
             total = layer + ((0.0 + ((c if c > mem else mem) + per_item)) + fixed)
             if comm is not None:
                 total += comm
-            return tuple(cm.stage_device_times(counts, total, embedding, head, host, launch, kernels)), sends
+            return device_times(total, embedding, head, host), sends
 
         self._decode_fns[count] = fn
         return fn
@@ -462,16 +487,16 @@ class CachedStageTimes:
         if fn is not None:
             return fn
         decode = self.decode_fn(count)
-        p, plan, counts, token_terms, heads_of = self.params, self.plan, self.counts, self._token_terms, self._head
+        p, plan, token_terms, heads_of = self.params, self.plan, self._token_terms, self._head
         s = plan.shapes
         shape = (s.heads, s.kv_heads, s.head_dim, s.dtype_bytes, plan.peak, plan.bandwidth, p)
-        prefill_terms, decode_terms, host_time, device_times = (cm.prefill_attention_terms, cm.decode_attention_terms,
-                                                                cm.host_time, cm.stage_device_times)
+        prefill_terms, decode_terms, host_time = cm.prefill_attention_terms, cm.decode_attention_terms, cm.host_time
         kinds = (True, bool(count))
         kernels = self._kernels.get(kinds)
         if kernels is None:
             kernels = self._kernels[kinds] = cm.kernels_per_iteration(s, 1, self.tp, *kinds) - 3
-        workers, launch = self.tp * self.pp, p.launch_overhead_s
+        device_times = stage_times_fn(self.counts, p.launch_overhead_s, kernels)
+        workers = self.tp * self.pp
         prefill_fixed, decode_fixed = p.attn_prefill_fixed_s, p.attn_decode_fixed_s
 
         def fn(total_context: int, chunks: Sequence[Tuple[int, int]]):
@@ -499,8 +524,7 @@ class CachedStageTimes:
             if head is None:
                 c, mem = cm._lm_head_terms(seqs, plan, p)
                 head = heads_of[seqs] = (c if c > mem else mem) + p.kernel_fixed_s
-            return tuple(device_times(counts, layer, embedding, head, host_time(p, seqs, workers), launch,
-                                      kernels)), sends
+            return device_times(layer, embedding, head, host_time(p, seqs, workers)), sends
 
         self._mixed_fns[count] = fn
         return fn
