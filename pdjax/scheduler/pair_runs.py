@@ -58,7 +58,7 @@ class PairRun:
     first token there), else 0. prefills[g] / ranks[g]: group g's requests in the prefill phase and their ranks,
     admitted ones appended."""
 
-    __slots__ = ("sched", "members", "prefills", "ranks", "out", "chunks", "batch_counts", "queue", "admitted",
+    __slots__ = ("sched", "members", "prefills", "ranks", "out", "chunks", "batch_counts", "batch_tokens", "queue", "admitted",
                  "finished", "ends_completing", "_ps", "_count", "_total", "_active", "_starts", "_leaves",
                  "_joins", "_passes", "_p_state", "_p_live", "_p_since", "_p_done", "_frees", "_running", "_taken",
                  "_budget", "_admits", "_stop_at_finish", "_stops", "_completing")
@@ -73,6 +73,7 @@ class PairRun:
         self.queue = queue
         self.chunks: List[list] = []         # per planned batch: [(prefill index, tokens, pages)]
         self.batch_counts: List[int] = []    # per planned batch: its decodes
+        self.batch_tokens: List[int] = []    # per planned batch: its prefill tokens
         self.admitted: List[Tuple[int, object]] = []    # (half-step, request) of each admission, in order
         self.finished: list = []             # apply: the requests the run finished, in the order update() does
         self.ends_completing = False         # the run ends at a finish that may let a waiting request in
@@ -181,6 +182,7 @@ class PairRun:
         total = self._total[g]
         self._total[g] = total + count
         self.batch_counts.append(count)
+        self.batch_tokens.append(sched._budget - count - left)
         if admits or done:
             self._commit(g, j, plan, admits, done)
         else:

@@ -1106,15 +1106,14 @@ class Simulation:
         if run.finished:
             self.requests.finished(run.finished, inst.scheduler)
         pipe.run_pair(times, ends, stages, free, run.in_flight_output(H))
-        its, name, counts = self.iterations, self.names[idx], run.batch_counts
+        its, name, counts, tokens, chunks = self.iterations, self.names[idx], run.batch_counts, run.batch_tokens, \
+            run.chunks
         step = len(its) if self.global_steps else inst.num_steps
         inst.num_steps += H
         its.append(IterationRecord(step, first_start, times[1], out.num_prefill_tokens, out.num_decode_tokens,
                                    len(out.req_ids), name))
-        for h in range(2, H + 1):
-            chunks, n = run.chunks[h - 2], counts[h - 2]
-            its.append(IterationRecord(step + h - 1, times[h - 2], times[h], sum(c[1] for c in chunks), n,
-                                       n + len(chunks), name))
+        its += [IterationRecord(step + h - 1, times[h - 2], times[h], tokens[h - 2], counts[h - 2],
+                                counts[h - 2] + len(chunks[h - 2]), name) for h in range(2, H + 1)]
         self.waking[idx] = False
         self.pair_again = run.ends_completing   # the group collected last may go on in a pair run at once
         return times[H]
