@@ -61,7 +61,7 @@ class PairRun:
     __slots__ = ("sched", "members", "prefills", "ranks", "out", "chunks", "batch_counts", "batch_tokens", "queue", "admitted",
                  "finished", "ends_completing", "_ps", "_count", "_total", "_active", "_starts", "_leaves",
                  "_joins", "_passes", "_p_state", "_p_live", "_p_since", "_p_done", "_frees", "_running", "_taken",
-                 "_budget", "_admits", "_stop_at_finish", "_stops", "_completing")
+                 "_budget", "_admits", "_stop_at_finish", "stops", "_completing")
 
     def __init__(self, sched, members: Tuple[list, list], prefills: Tuple[list, list], ranks: Tuple[list, list],
                  out, queue: Optional[list], admits: bool, completing: dict, budget: int):
@@ -81,7 +81,7 @@ class PairRun:
         self._budget = budget                # decodes a batch takes at most
         self._admits = admits                # no queue: a batch leaving budget would admit (the run cannot take it)
         self._stop_at_finish = queue is None and bool(sched.waiting)
-        self._stops = False
+        self.stops = False                   # the last collect ends the run (a finish may let a waiting one in)
         self._completing = completing        # id(request) -> chunk: group 1's prompts `out` completes
         self._running = len(sched.running)
         self._taken = 0                      # queue entries admitted so far
@@ -128,13 +128,8 @@ class PairRun:
             return 0
         self._running -= free[1]
         if self._stop_at_finish:
-            self._stops = True
+            self.stops = True
         return free[0]
-
-    @property
-    def stops(self) -> bool:
-        """The last collect ends the run (a finish with requests waiting and no admission)."""
-        return self._stops
 
     def schedule_next(self, g: int, free: int) -> Optional[Tuple[int, list, int, int]]:
         """Plan group g's next batch with `free` free pages: (pages it takes, its prefill chunks [(tokens, context
@@ -154,10 +149,13 @@ class PairRun:
             return None
         pages = active[j % ps]
         sched = self.sched
-        chunks, plan, done = [], [], []
+        chunks = plan = done = ()                   # no prefill work: shared empty tuples
         left = sched._budget - count
         states = self._p_state[g]
-        for k in self._p_live[g]:
+        live = self._p_live[g]
+        if live:
+            chunks, plan, done = [], [], []
+        for k in live:
             c, tokens, held = states[k]
             n = sched._chunk_size(c, tokens, left) if left > 0 else 0
             if n <= 0:
@@ -174,6 +172,8 @@ class PairRun:
         admits = ()
         if self.queue is not None:
             if left > 0 and self._taken < len(self.queue):
+                if not live:
+                    chunks, plan, done = [], [], []
                 admits, pages, left = self._admissions(g, chunks, plan, pages, free, left, done)
         elif self._admits and left > 0:
             return None

@@ -369,13 +369,16 @@ def plan_pair_clock(run, stage_fn: Callable, stage_free: Sequence[float], t: flo
     times, ends, stage_list = [t], [], []
     free = list(stage_free)
     fns: dict = {}
+    collect, schedule_next = run.collect, run.schedule_next
+    at = t
     h = 0
     while True:
         if h:
             prev = first_end if h == 1 else ends[h - 2]
-            at = prev if prev > times[-1] else times[-1]
+            if prev > at:
+                at = prev
             times.append(at)
-            pages += run.collect(h)
+            pages += collect(h)
             if run.stops:
                 run.ends_completing = True
                 break
@@ -385,7 +388,7 @@ def plan_pair_clock(run, stage_fn: Callable, stage_free: Sequence[float], t: flo
                     break
         if h + 1 > max_collects:
             break
-        planned = run.schedule_next(h % 2, pages)
+        planned = schedule_next(h % 2, pages)
         if planned is None:
             break
         grow, chunks, count, total = planned
