@@ -58,8 +58,8 @@ class PairRun:
     first token there), else 0. prefills[g] / ranks[g]: group g's requests in the prefill phase and their ranks,
     admitted ones appended."""
 
-    __slots__ = ("sched", "members", "prefills", "ranks", "out", "chunks", "batch_counts", "batch_tokens", "queue", "admitted",
-                 "finished", "ends_completing", "_ps", "_count", "_total", "_active", "_starts", "_leaves",
+    __slots__ = ("sched", "members", "prefills", "ranks", "out", "chunks", "batch_counts", "batch_tokens", "queue",
+                 "admitted", "finished", "ends_completing", "_ps", "_count", "_total", "_active", "_starts", "_leaves",
                  "_joins", "_passes", "_p_state", "_p_live", "_p_since", "_p_done", "_frees", "_running", "_taken",
                  "_budget", "_admits", "_stop_at_finish", "stops", "_completing")
 
@@ -138,16 +138,10 @@ class PairRun:
         request the run does not admit)."""
         j = self._passes[g]
         ps = self._ps
-        if j in self._leaves[g] or j in self._joins[g]:
-            self._pass_events(g, j)
-        active = self._active[g]
-        started = self._starts[g].pop(j, 0)
-        if started:
-            active[j % ps] += started
+        pages = self._pass_start(g, j)
         count = self._count[g]
         if count > self._budget:
             return None
-        pages = active[j % ps]
         sched = self.sched
         chunks = plan = done = ()                   # no prefill work: shared empty tuples
         left = sched._budget - count
@@ -193,6 +187,17 @@ class PairRun:
             self.chunks.append(plan)
             self._passes[g] = j + 1
         return pages, chunks, count, total
+
+    def _pass_start(self, g: int, j: int) -> int:
+        """Group g's decoders at pass j (`_count`, `_total`): those leaving before it out, those joining at it in;
+        returns the pages their decode pass grows into."""
+        if j in self._leaves[g] or j in self._joins[g]:
+            self._pass_events(g, j)
+        active = self._active[g]
+        started = self._starts[g].pop(j, 0)
+        if started:
+            active[j % self._ps] += started
+        return active[j % self._ps]
 
     def _pass_events(self, g: int, j: int) -> None:
         """Group g's decoders at pass j: those leaving before it out, those joining at it in."""

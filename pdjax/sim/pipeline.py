@@ -223,7 +223,7 @@ class StagePipeline:
 
     def run_pair(self, times: Sequence[float], ends: Sequence[float], stages: Sequence[Sequence[float]],
                  last_free: Sequence[float], last_out) -> None:
-        """The accounting of a pair run (pdjax.scheduler.runs.PairRun) of H = len(stages) half-steps with one
+        """The accounting of a pair run (pdjax.scheduler.pair_runs.PairRun) of H = len(stages) half-steps with one
         batch in flight at its start: batch h dispatched at times[h] (h < H), taking stages[h] per stage and
         leaving the last stage at ends[h]; the oldest batch collected at times[h] for h = 1 .. H (the batch in
         flight at the start, then batch h - 2); last_free: each stage's free time after batch H - 1, which stays

@@ -62,11 +62,13 @@ on_schedule / observe_step. An instance with pipeline stages or batches in fligh
 admit nobody, one batch at a time through its stages (`plan_stage_clock`: the schedule() after each dispatch finds
 every running request in flight and returns nothing). One colocated instance with two batches in flight of
 different requests (two groups taking turns: new prompts' chunks beside the decoders, or two groups of decoders)
-takes pair runs (`Simulation.pair_run`, pdjax.scheduler.runs.PairRun): the half-steps (collect the oldest batch,
-schedule its group again) up to the next arrival, a finish, or the collect that completes a prompt, applied in
-bulk, the last batch left in flight as its SchedulerOutput. A decode_only instance's run also takes the step that
-admits handed-off requests whose KV landed (DecodeOnlyScheduler._run_kv_admissions); the one decode instance of
-a disaggregated deployment takes its runs past the other instances' steps and the arrivals (`PendingRun`: applied
+takes pair runs (`Simulation.pair_run`, pdjax.scheduler.pair_runs.PairRun): the half-steps (collect the oldest
+batch, schedule its group again), through prompts completing, requests finishing and (sarathi) arrivals admitted as
+schedule() admits them, up to a schedule the run cannot take (a preemption, an empty batch ...) or PAIR_RUN_LENGTH
+half-steps, applied in bulk, the last batch left in flight as its SchedulerOutput. A decode_only instance's run
+also takes the step that admits handed-off requests whose KV landed (DecodeOnlyScheduler._run_kv_admissions); the
+one decode instance of a disaggregated deployment takes its runs past the other instances' steps and the arrivals
+(`PendingRun`: applied
 when its last step ends, cut at the step that would admit a KV landing once the transfer starts; its records wait
 for their place in completion order: same end, the earlier dispatch first). Several colocated replicas
 (one stage each) take their runs past the other replicas' steps and past the arrivals routed elsewhere
@@ -1072,13 +1074,14 @@ class Simulation:
         return end
 
     def pair_run(self, idx: int, t: float) -> Optional[float]:
-        """Run instance `idx`'s next half-steps at once while they are a pair run (pdjax.scheduler.runs.PairRun: two
-        groups of running requests taking turns through the stages, one batch in flight at t; one colocated
-        instance), up to the first collect at or after the next arrival, or the collect that finishes a request or
-        completes a prompt (plan_pair_clock): the scheduler state, stage accounting and records of one schedule() /
-        update() at a time, the last batch left in flight as its SchedulerOutput. Returns the time of the last
-        collect (the loop goes on from there, scheduling the group collected then); None when fewer than 3
-        half-steps qualify."""
+        """Run instance `idx`'s next half-steps at once while they are a pair run (pdjax.scheduler.pair_runs.PairRun:
+        two groups of running requests taking turns through the stages, one batch in flight at t; one colocated
+        instance), as far as plan_pair_clock takes it (the arrivals fed to a run that admits, pair_arrivals): the
+        scheduler state, stage accounting and records of one schedule() / update() at a time, the last batch left in
+        flight as its SchedulerOutput; the arrivals up to the last collect routed, those up to the last schedule
+        added to the scheduler's queue (as the loop's admit does) before the run's admissions are applied. Returns
+        the time of the last collect (the loop goes on from there, scheduling the group collected then); None when
+        fewer than 3 half-steps qualify."""
         if t < self.pair_after[idx]:
             return None
         inst = self.instances[idx]
