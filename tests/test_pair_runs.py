@@ -100,3 +100,62 @@ def test_stage_times_fn_equals_the_cost_model(counts):
         args = (rng.uniform(0, 2e-3), rng.uniform(0, 1e-3), rng.uniform(0, 1e-3), rng.uniform(0, 1e-3))
         fn = stage_times_fn(counts, launch, kernels)
         assert fn(*args) == tuple(stage_device_times(counts, *args, launch, kernels))
+
+
+def edge_requests(n: int, seed: int, rate: float, max_len: int):
+    """Bunched arrivals; prompts of 1, 2, 16, 128, 256 (== max_model_len for some cases) or up to max_len - 1
+    tokens; outputs of 1 .. 100 tokens or max_len (then max_model_len ends the request)."""
+    rng = random.Random(seed)
+    reqs, t = [], 0.0
+    for i in range(n):
+        if rng.random() < 0.7:
+            t += rng.expovariate(rate)
+        length = rng.choice([1, 2, 16, 128, 256, rng.randint(3, max_len - 1)])
+        max_tokens = rng.choice([1, 2, 3, rng.randint(4, 100), max_len])
+        prompt = [rng.randrange(1, 500) for _ in range(length)]
+        reqs.append(Request(f"s{i:03d}", prompt, SamplingParams(max_tokens=max_tokens), t))
+    return reqs
+
+
+def random_case(seed: int):
+    """(SchedulerConfig or None where it is invalid, pp, max_in_flight, requests) drawn from seed: budgets, slots,
+    small page pools (preemption), watermarks, the guard, tiles, chunk caps, a few vllm_v0 / decode_first cases;
+    max_model_len 256 .. 1024."""
+    rng = random.Random(1000 + seed)
+    params = dict(policy="sarathi", token_budget=rng.choice([32, 64, 128, 256, 512]),
+                  max_num_seqs=rng.choice([2, 3, 5, 8, 32]), num_pages=rng.choice([64, 100, 160, 400, 1024]),
+                  watermark=rng.choice([0.0, 0.01, 0.1]))
+    if rng.random() < 0.3:
+        params["min_prefill_tokens"] = 16
+    if rng.random() < 0.3:
+        params["tile_size"] = 16
+    if rng.random() < 0.2:
+        params["long_prefill_token_threshold"] = 48
+    if rng.random() < 0.15:
+        params = dict(policy=rng.choice(["vllm_v0", "decode_first"]), token_budget=2048,
+                      max_num_seqs=rng.choice([3, 8, 16]), num_pages=rng.choice([100, 1024]))
+    max_len = rng.choice([256, 512, 1024])
+    try:
+        cfg = SchedulerConfig(max_model_len=max_len, page_size=16, **params)
+    except ValueError:                 # a pool too small for one max-length request
+        cfg = None
+    pp, max_in_flight = rng.choice([(2, None), (1, 2), (3, None)])
+    rate = rng.choice([20.0, 60.0, 200.0])
+    return cfg, pp, max_in_flight, edge_requests(rng.choice([20, 50]), seed, rate, max_len)
+
+
+def test_pair_runs_on_random_configs_change_nothing(monkeypatch):
+    """40 random cases (random_case), among them prompts of exactly max_model_len tokens whose first token ends
+    them, completed by the in-flight batch after a preemption (seed 194)."""
+    seen = count_pair_events(monkeypatch)
+    ran = 0
+    for seed in range(170, 210):
+        cfg, pp, max_in_flight, _ = random_case(seed)
+        if cfg is None:
+            continue
+        reference = run(cfg, False, pp=pp, max_in_flight=max_in_flight, requests=random_case(seed)[3])
+        got = run(cfg, True, pp=pp, max_in_flight=max_in_flight, requests=random_case(seed)[3])
+        assert_same(reference, got)
+        ran += 1
+    assert ran >= 35
+    assert seen["half_steps"] > 10_000 and seen["admitted"] > 300 and seen["finished_mid_run"] > 300, seen

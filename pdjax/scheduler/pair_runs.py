@@ -508,6 +508,8 @@ def _pair_parts(sched, completing: dict) -> Optional[tuple]:
         left = req.max_tokens - len(req.output_token_ids)
         if max_len - len(req.all_token_ids) < left:
             left = max_len - len(req.all_token_ids)
+        if left < 1:                      # a prompt of max_model_len tokens: its first token finishes it
+            left = 1
         # leaves at pass `left` (group 0: its left-th token is at pass left - 1) or left - 1 (group 1: `out` first)
         members[g].append((rank, 0, left - g, c, cross, pages, pre, req))
     return members, prefills, ranks
