@@ -82,7 +82,7 @@ class PairRun:
         self._admits = admits                # no queue: a batch leaving budget would admit (the run cannot take it)
         self._stop_at_finish = queue is None and bool(sched.waiting)
         self.stops = False                   # the last collect ends the run (a finish may let a waiting one in)
-        self._completing = completing        # id(request) -> chunk: group 1's prompts `out` completes
+        self._completing = completing        # id(request) -> (request, chunk): the prompts `out` completes
         self._running = len(sched.running)
         self._taken = 0                      # queue entries admitted so far
         self._passes = [0, 0]
