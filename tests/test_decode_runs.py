@@ -90,6 +90,19 @@ def count_run_steps(monkeypatch) -> list:
     return applied
 
 
+def count_kv_admissions(monkeypatch) -> list:
+    """Patch DecodeRun._admit_kv to list the handed-off requests runs admit."""
+    admitted = []
+    admit = runs_module.DecodeRun._admit_kv
+
+    def counting(self, now):
+        admitted.extend(req.request_id for req, _ in self.admitted)
+        return admit(self, now)
+
+    monkeypatch.setattr(runs_module.DecodeRun, "_admit_kv", counting)
+    return admitted
+
+
 def assert_same(reference, got):
     (ref, ref_state), (res, state) = reference, got
     assert [r.__dict__ for r in res.requests] == [r.__dict__ for r in ref.requests]
@@ -289,14 +302,7 @@ def test_decode_runs_admit_landed_kv(decode_pages, monkeypatch):
     waiting (72 pages: backpressure) stay waiting through the run: the same records as one step at a time."""
     args = (1, 1, decode_pages, "round_robin", 11)
     reference = run_disaggregated(False, *args)
-    admitted = []
-    admit = runs_module.DecodeRun._admit_kv
-
-    def counting(self, now):
-        admitted.extend(req.request_id for req, _ in self.admitted)
-        return admit(self, now)
-
-    monkeypatch.setattr(runs_module.DecodeRun, "_admit_kv", counting)
+    admitted = count_kv_admissions(monkeypatch)
     got = run_disaggregated(True, *args)
     assert_same(reference, got)
     assert len(admitted) > len(got[0].requests) // 2, "the case is meant to admit landed KV in decode runs"
@@ -663,14 +669,7 @@ def test_decode_runs_admit_landed_kv_with_prefix_caching(decode_pages, monkeypat
     args = (1, 1, decode_pages, "round_robin", 11)
     reference = run_disaggregated(False, *args, caching=True)
     seen = count_cached_runs(monkeypatch)
-    admitted = []
-    admit = runs_module.DecodeRun._admit_kv
-
-    def counting(self, now):
-        admitted.extend(req.request_id for req, _ in self.admitted)
-        return admit(self, now)
-
-    monkeypatch.setattr(runs_module.DecodeRun, "_admit_kv", counting)
+    admitted = count_kv_admissions(monkeypatch)
     got = run_disaggregated(True, *args, caching=True)
     assert_same(reference, got)
     assert [t.__dict__ for t in got[0].transfers] == [t.__dict__ for t in reference[0].transfers]
