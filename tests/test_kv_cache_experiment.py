@@ -29,6 +29,8 @@ def test_router_rows(mooncake):
 
 
 def test_speed_rows():
-    rows = kv_cache.speed(num_requests=40, replicas=2)
-    assert [r["router"] for r in rows] == ["round_robin", "kv_centric"]
-    assert all(r["num_iterations"] > 0 and r["iterations_per_s"] > 0 for r in rows)
+    cases = (("round_robin", False, False), ("kv_centric", True, True))
+    rows = kv_cache.speed(num_requests=40, replicas=2, cases=cases)
+    assert [(r["router"], r["prefix_caching"], r["host_kv_blocks"] > 0) for r in rows] == \
+        [("round_robin", False, False), ("kv_centric", True, True)]
+    assert all(r["num_iterations"] > 0 and r["iterations_per_s"] > 0 and r["iterations_per_cpu_s"] > 0 for r in rows)

@@ -17,8 +17,9 @@ Parts:
   `min_attainment`: TTFT <= `slo_ttft`, TPOT <= `slo_tpot`), for round_robin / least_loaded / prefix_affinity /
   kv_centric, colocated and disaggregated (partial transfer and host tiers on for every router, so the routers
   are what differs).
-- `speed`: simulated iterations per wall second on a chat10k-size run (configs/sim/chat10k.py, 10,000 requests)
-  spread over 4 replicas with prefix caching, round_robin vs kv_centric with host tiers.
+- `speed`: simulated iterations per second of the simulation alone on a chat10k-size run (configs/sim/chat10k.py,
+  10,000 requests) spread over 4 replicas: each router without prefix caching, round_robin and kv_centric with it,
+  kv_centric with it and host tiers (`SPEED_CASES`).
 """
 from __future__ import annotations
 
@@ -164,26 +165,36 @@ def routers(traces: Sequence[str], num_requests: int, rate: float, rates: Sequen
     return rows
 
 
-def speed(num_requests: int = 10_000, replicas: int = 4) -> List[Dict[str, Any]]:
-    """Rows of part `speed`: configs/sim/chat10k.py over `replicas` replicas at replicas x its rate, prefix caching
-    on, round_robin vs kv_centric with a host tier (as many pages as the device)."""
+# speed's rows: (router, prefix caching, host KV tier as large as each device)
+SPEED_CASES = (("round_robin", False, False), ("least_loaded", False, False), ("prefix_affinity", False, False),
+               ("kv_centric", False, False), ("round_robin", True, False), ("kv_centric", True, False),
+               ("kv_centric", True, True))
+
+
+def speed(num_requests: int = 10_000, replicas: int = 4,
+          cases: Sequence[tuple] = SPEED_CASES) -> List[Dict[str, Any]]:
+    """Rows of part `speed`: configs/sim/chat10k.py over `replicas` replicas at replicas x its rate, per case of
+    `cases` (router, prefix caching, a host tier with as many pages as the device); wall and CPU seconds of the
+    simulation alone (the config, instances and requests built first)."""
     rows = []
-    for router, host in (("round_robin", 0), ("kv_centric", 1)):
+    for router, caching, host in cases:
         chat10k = os.path.join(REPO_ROOT, "configs", "sim", "chat10k.py")
         config = copy.deepcopy(config_file(chat10k, "chat10k.py").to_dict())
         config["workload"].update(num_requests=num_requests, rate=config["workload"]["rate"] * replicas)
-        config["scheduler"]["enable_prefix_caching"] = True
+        config["scheduler"]["enable_prefix_caching"] = caching
         config["deployment"].update(kind="colocated", router=router)
         config["deployment"]["colocated"].update(num_instances=replicas)
         if host:
-            pages = device_pages(config)
-            config["deployment"]["colocated"]["host_kv_blocks"] = pages
+            config["deployment"]["colocated"]["host_kv_blocks"] = device_pages(config)
+        cfg = serve_config_from_dict(config)
+        setup, requests = build_setup(cfg), build_pending_requests(cfg)
         cpu = time.process_time()
-        result, _, wall = simulate_dict(config)
-        cpu = time.process_time() - cpu       # steadier than wall time on a shared machine (includes the build)
-        rows.append({"router": router, "host_kv_blocks": config["deployment"]["colocated"].get("host_kv_blocks", 0),
+        result = simulate_setup(setup, requests)
+        cpu = time.process_time() - cpu       # steadier than wall time on a shared machine
+        rows.append({"router": router, "prefix_caching": caching,
+                     "host_kv_blocks": config["deployment"]["colocated"].get("host_kv_blocks", 0),
                      "num_requests": num_requests, "replicas": replicas, "num_iterations": result.num_iterations,
-                     "wall_s": round(wall, 2), "iterations_per_s": round(result.num_iterations / wall),
+                     "wall_s": round(result.wall_s, 2), "iterations_per_s": round(result.iterations_per_s),
                      "cpu_s": round(cpu, 2), "iterations_per_cpu_s": round(result.num_iterations / max(cpu, 1e-9)),
                      "load_average": os.getloadavg()[0]})
     return rows
