@@ -16,7 +16,10 @@ An instance is anything with `.scheduler` (a pdjax Scheduler) and, unless the ro
   routed) are imbalanced, max - min > `balance_abs` and max > min x `balance_rel`, the least loaded instance;
   else the instance holding the longest prefix of the request (device prefix cache, then its host KV tier,
   pdjax.scheduler.kv_tier) when that prefix covers more than `cache_threshold` of the prompt, else the instance
-  with the most free KV pages (SGLang: the smallest radix tree). Ties to the lowest index.
+  with the most free KV pages (SGLang: the smallest radix tree). Ties to the lowest index. The rule and its
+  defaults (32, 1.0001, 0.5) are the sgl-router's (`--balance-abs-threshold`, `--balance-rel-threshold`,
+  `--cache-threshold`, as its README states them; its load is the worker's pending requests, here the live ones);
+  SGLang matches a prefix in an approximate tree of the text it routed, pdjax in the instance's own cache.
 - 'kv_centric' (Mooncake's Conductor): for each instance, predicted TTFT = queue time + prefill time of the
   tokens it does not hold + time to load the held pages from host memory (its own tier, or the shared pool's
   pages another instance offloaded: a remote fetch); the minimum wins. Times come from `cost(new_tokens,
