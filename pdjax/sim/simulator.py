@@ -627,7 +627,7 @@ class Simulation:
         completions, its, stale, deferred = self.completions, self.iterations, self.stale, self.deferred
         lazy_cut = self.lazy_cut
         while completions and completions[0][0] <= t:
-            _, seq, idx = heapq.heappop(completions)
+            end, seq, idx = heapq.heappop(completions)
             if stale and seq in stale:       # a PendingRun's completion before it was shortened
                 stale.discard(seq)
                 continue
@@ -635,10 +635,10 @@ class Simulation:
             if inst.in_flight.__class__ is PendingRun:
                 self.finish_pending(idx)
                 continue
-            if lazy_cut and (t, idx) in lazy_cut:     # the completion a LazyRun had before it was cut short
-                lazy_cut[t, idx] -= 1
-                if not lazy_cut[t, idx]:
-                    del lazy_cut[t, idx]
+            if lazy_cut and (end, idx) in lazy_cut:     # the completion a LazyRun had before it was cut short
+                lazy_cut[end, idx] -= 1
+                if not lazy_cut[end, idx]:
+                    del lazy_cut[end, idx]
                 continue
             if inst.in_flight.__class__ is LazyRun:
                 self.finish_lazy(idx, t)
@@ -1066,7 +1066,7 @@ class Simulation:
         if end < limit:
             apply_run(run, inst.pipeline, self.requests, starts, ends, seconds)
             self.record_run(idx, run.count, starts, ends, chunk_lists)
-            self.run_again = len(starts) == run.limit
+            self.run_again = True     # it ended on its own (a finish, a prompt completed ...): another may follow
             return end
         inst.in_flight = LazyRun(run, starts, ends, seconds, chunk_lists)
         self.lazy.add(idx)
