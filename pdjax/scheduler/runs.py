@@ -50,8 +50,9 @@ copies of the evictions (`pending_swap_out`) would have gone into the steps' Sch
 builds none of: they are dropped (offloads cost no step time in the simulator, pdjax.sim.kv_tier). A run
 applied at once evicts into a host tier ahead of the other instances' steps within its span: with a tier shared
 by several instances no run may cross another instance's event (pdjax.sim.disagg._enable_crossing_runs); a
-cache-aware router reads an instance's prefix cache and free pages at each arrival, so neither may a run cross
-an arrival routed by one (colocated runs end before the next event of any instance).
+cache-aware router reads an instance's prefix cache and free pages at each arrival, so a run that crosses an
+arrival is applied up to it first (a colocated replica's run is caught up at every arrival: `apply_range` of the
+steps ended, `schedule_step` of the one running across it; pdjax.sim.simulator's LazyRun).
 """
 from __future__ import annotations
 
