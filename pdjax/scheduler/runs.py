@@ -100,7 +100,7 @@ class DecodeRun:
         self.admitted = admitted
         self._kv_waits = kv_waits
         self._base_step = sched.step      # planned step j (0-based) is the scheduler's step _base_step + 1 + j
-        self._growth = None               # _grow_pages of later ranges: (steps, grants) of every planned step
+        self._growth = None               # _growth_range: (planned steps, [step], [grant]) of every planned step
 
     def plan_decode_steps(self) -> int:
         """For a run without prefills: plan every step it can take at once (no chunks to plan) and return how
@@ -296,67 +296,48 @@ class DecodeRun:
             return self._grow_pages_caching(a, b)
         if a >= b:
             return None
-        ps = sched._ps
-        decoders, prefills = self.decoders, self.prefills
-        crossings = self._crossings
-        plan = self._plan
-        if self.admitted and not a:    # their pages after the first step's decode pass (their own growth later)
-            k = b
-            if k <= ps:
-                grown = sorted((j, i) for i, j in enumerate(crossings) if j < k)
-                first = sum(1 for j, _ in grown if j == 0)
-                grants = [(decoders[i].page_table, 1) for _, i in grown]
-                grants[first:first] = [(req.page_table, need) for req, need in self.admitted]
-            else:
-                grow = [(j + m, 0, i, 1) for i, j in enumerate(crossings) for m in range(0, k - j, ps)]
-                grow += [(0, 1, i, need) for i, (_, need) in enumerate(self.admitted)]
-                grow.sort()
-                admitted = self.admitted
-                grants = [(admitted[i][0].page_table, need) if kind else (decoders[i].page_table, 1)
-                          for _, kind, i, need in grow]
-            sched.block_manager.allocate_each(grants)
-            return
-        if a:          # a later range of the run (apply_range / schedule_step): the run's growth list, sliced
+        if a or self.admitted:    # a later range (apply_range / schedule_step), or landed KV admitted in step 0
             _, grants = self._growth_range(a, b)
             if grants:
                 sched.block_manager.allocate_each(grants)
             return None
-        # crossings[i]: decoder i's first growth at or after step a
-        if not prefills and b - a <= ps:     # each decoder grows at most once: by step, then running order
+        # A run applied from its start (the common case): its grants built for these steps alone
+        ps = sched._ps
+        decoders, prefills = self.decoders, self.prefills
+        crossings = self._crossings
+        if not prefills and b <= ps:     # each decoder grows at most once: by step, then running order
             grown = [i for i, j in enumerate(crossings) if j < b]
             if grown:
                 grown.sort(key=crossings.__getitem__)      # stable
                 sched.block_manager.allocate_one_each([decoders[i].page_table for i in grown])
-            grow = None
-        elif b - a <= ps:
+            return None
+        if b <= ps:
             grow = [(j, 0, i, 1) for i, j in enumerate(crossings) if j < b]
         else:
             grow = [(j + m, 0, i, 1) for i, j in enumerate(crossings) for m in range(0, b - j, ps)]
         if prefills:
-            grow += [(j, 1, p, need) for j in range(a, b) for p, _, need in plan[j] if need]
+            plan = self._plan
+            grow += [(j, 1, p, need) for j in range(b) for p, _, need in plan[j] if need]
         if grow:
             grow.sort()
             sched.block_manager.allocate_each([((prefills if kind else decoders)[i].page_table, need)
                                                for _, kind, i, need in grow])
-
-    def _growth_list(self) -> tuple:
-        """(steps, grants): every page grant of the planned steps in allocation order (_grow_pages), with its
-        step: ([step], [(page table, pages)])."""
-        ps, n = self.sched._ps, self.steps
-        decoders, prefills = self.decoders, self.prefills
-        grow = [(j + m, 0, i, 1) for i, j in enumerate(self._crossings) for m in range(0, n - j, ps)]
-        if prefills:
-            grow += [(j, 1, p, need) for j in range(n) for p, _, need in self._plan[j] if need]
-        grow.sort()
-        return ([j for j, _, _, _ in grow],
-                [((prefills if kind else decoders)[i].page_table, need) for _, kind, i, need in grow])
+        return None
 
     def _growth_range(self, a: int, b: int) -> Tuple[list, list]:
-        """(steps, grants) of planned steps a .. b - 1 from the run's growth list (`_growth_list`, made once)."""
-        growth = self._growth
-        if growth is None or len(growth[0]) != self.steps:
-            growth = self._growth = self._growth_list()
-        steps, grants = growth
+        """([step], [(page table, pages)]) of every page grant of planned steps a .. b - 1 in allocation order
+        (_grow_pages: by step, then decoders, the handed-off requests admitted in step 0, prefill chunks), sliced
+        from the list of all planned steps' grants, made once per plan."""
+        if self._growth is None or self._growth[0] != self.steps:
+            ps, n = self.sched._ps, self.steps
+            grow = [(j + m, 0, i, 1) for i, j in enumerate(self._crossings) for m in range(0, n - j, ps)]
+            grow += [(0, 1, i, need) for i, (_, need) in enumerate(self.admitted)]
+            if self.prefills:
+                grow += [(j, 2, p, need) for j in range(n) for p, _, need in self._plan[j] if need]
+            grow.sort()           # (step, pass, index) is unique: tables never compared
+            owners = (self.decoders, [req for req, _ in self.admitted], self.prefills)
+            self._growth = (n, [g[0] for g in grow], [(owners[kind][i].page_table, need) for _, kind, i, need in grow])
+        _, steps, grants = self._growth
         lo, hi = bisect_left(steps, a), bisect_left(steps, b)
         return steps[lo:hi], grants[lo:hi]
 
@@ -365,21 +346,10 @@ class DecodeRun:
         uncached free page evicts the least recently freed cached one (BlockManager.allocate: its key dropped,
         offloaded to a host tier). Returns {key of each evicted page: the step (0: the run's first) whose
         schedule() evicts it}."""
-        bm = self.sched.block_manager
         if a >= b:
             return {}
-        if a:
-            steps, grants = self._growth_range(a, b)
-        else:
-            ps, crossings, plan = self.sched._ps, self._crossings, self._plan
-            grow = [(j + m, 0, i, 1) for i, j in enumerate(crossings) for m in range(0, b - j, ps)]
-            grow += [(0, 1, i, need) for i, (_, need) in enumerate(self.admitted)]
-            if self.prefills:
-                grow += [(j, 2, p, need) for j in range(b) for p, _, need in plan[j] if need]
-            grow.sort()           # (step, pass, index) is unique: tables never compared
-            owners = (self.decoders, [req for req, _ in self.admitted], self.prefills)
-            steps = [g[0] for g in grow]
-            grants = [(owners[kind][i].page_table, need) for _, kind, i, need in grow]
+        bm = self.sched.block_manager
+        steps, grants = self._growth_range(a, b)
         if sum(need for _, need in grants) <= len(bm._free):     # no eviction: uncached pages only
             bm.allocate_each(grants)
             return {}
