@@ -500,8 +500,6 @@ class Simulation:
                  if getattr(inst.scheduler.block_manager, "host_tier", None) is not None]
         self.replicas = (pool is None and len(self.instances) > 1 and len(set(self.names)) == len(self.names)
                          and len(set(tiers)) == len(tiers))
-        self.reordered = False            # a replica's run recorded steps ahead of the other instances' events
-        self.lazy: set = set()            # replicas with a LazyRun in flight
         self.stateless_router = False     # the router reads no replica's state (round robin): no catch_up for it
         self.lazy_cut: Dict[Tuple[float, int], int] = {}   # (end, replica): completions of LazyRuns cut since
         self.waking = [False] * len(self.instances)     # ready to run its loop at the current time
@@ -591,7 +589,7 @@ class Simulation:
                 start_steps(now)
         self.iterations += self.deferred
         self.deferred.clear()
-        if self.reordered:
+        if self.replicas:         # runs recorded steps ahead of the other replicas' events
             self.replica_order()
         self.check_done(now)
         return now
@@ -676,7 +674,6 @@ class Simulation:
         inst = self.instances[idx]
         lazy, inst.in_flight = inst.in_flight, None
         finished = self.advance_lazy(idx, lazy, len(lazy.starts))
-        self.lazy.discard(idx)
         self.waking[idx] = True
         if finished:
             self.finished(idx, finished, t)
@@ -722,7 +719,6 @@ class Simulation:
             self.push_completion(lazy.end, idx)
             return
         inst.in_flight = None     # nothing in flight: its loop runs at t
-        self.lazy.discard(idx)
 
     def finished(self, idx: int, finished: Sequence, t: float) -> None:
         """Requests instance `idx`'s step finished at t: a 'handoff' (a prefill_only scheduler's) is handed off
@@ -901,18 +897,19 @@ class Simulation:
         """Every arrival at t: route(request, t) picks its instance; colocated, it waits in that inbox until the
         instance's loop admits it; disaggregated, add_request at once (a rejection finishes it there)."""
         pending, direct = self.pending, self.direct
-        lazy = self.lazy
-        if (lazy and not self.stateless_router and self.next_arrival < len(pending)
+        replicas = self.replicas
+        if (replicas and not self.stateless_router and self.next_arrival < len(pending)
                 and pending[self.next_arrival].arrival_time <= t):
-            for idx in sorted(lazy):      # the router reads every replica
-                self.catch_up(idx, t)
+            for idx, inst in enumerate(self.instances):      # the router reads every replica
+                if inst.in_flight.__class__ is LazyRun:
+                    self.catch_up(idx, t)
         while self.next_arrival < len(pending) and pending[self.next_arrival].arrival_time <= t:
             req = self.requests.arrived(self.next_arrival)
             self.next_arrival += 1
             inst = self.route(req, t)
             if inst is None:       # rejected at its arrival (pdjax.scheduler.overload.AdmittingPool)
                 continue
-            if lazy and self.index_of[id(inst)] in lazy:
+            if replicas and inst.in_flight.__class__ is LazyRun:
                 idx = self.index_of[id(inst)]
                 self.catch_up(idx, t)
                 self.cut_lazy(idx, t)
@@ -1034,7 +1031,6 @@ class Simulation:
             return None
         starts, ends, chunk_lists, end = applied
         self.record_run(idx, run.count, starts, ends, chunk_lists)
-        self.reordered = self.reordered or self.replicas
         if not single:
             self.short_gap[idx] = ends[-1] - starts[-1]
             if not end < limit:    # cross: the last step ends at or after the next event
@@ -1062,14 +1058,12 @@ class Simulation:
         starts, ends, seconds, chunk_lists, end = plan_run(run, inst.timer.step_time, t, horizon, ends_before=False)
         if not starts:
             return None
-        self.reordered = True
         if end < limit:
             apply_run(run, inst.pipeline, self.requests, starts, ends, seconds)
             self.record_run(idx, run.count, starts, ends, chunk_lists)
             self.run_again = True     # it ended on its own (a finish, a prompt completed ...): another may follow
             return end
         inst.in_flight = LazyRun(run, starts, ends, seconds, chunk_lists)
-        self.lazy.add(idx)
         self.push_completion(end, idx)
         return end
 
