@@ -29,3 +29,22 @@ def shared_data():
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+def _tiny_model(name: str):
+    from pdjax.config.model_specs import get_model_spec
+    from pdjax.models.llama import init_params
+    spec = get_model_spec(name)
+    return spec, init_params(spec, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """(spec, params) of tiny-llama, seed 0: the engine tests' model, made once per session."""
+    return _tiny_model("tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_mha():
+    """(spec, params) of tiny-mha, seed 0, made once per session."""
+    return _tiny_model("tiny-mha")

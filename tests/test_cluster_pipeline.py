@@ -7,7 +7,6 @@ schedule and every collect."""
 import numpy as np
 import pytest
 
-from pdjax.config.model_specs import get_model_spec
 from pdjax.config.sampling import SamplingParams
 from pdjax.config.scheduler import SchedulerConfig
 
@@ -20,10 +19,8 @@ MAX_TOKENS = (4, 1, 6, 3, 5, 7)
 
 
 @pytest.fixture(scope="module")
-def model():
-    from pdjax.models.llama import init_params
-    spec = get_model_spec("tiny-mha")
-    return spec, init_params(spec, seed=0)
+def model(tiny_mha):
+    return tiny_mha
 
 
 def _buckets():

@@ -70,10 +70,8 @@ def test_start_up_validation_against_model_and_machine():
 
 # ---------------------------------------------------------------------------------------------- real engine
 @pytest.fixture(scope="module")
-def model():
-    from pdjax.models.llama import init_params
-    spec = get_model_spec("tiny-mha")
-    return spec, init_params(spec, seed=0)
+def model(tiny_mha):
+    return tiny_mha
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,6 @@ import pytest
 
 from pdjax.config.serving import serve_config_from_dict
 from pdjax.errors import UserError
-from pdjax.models.llama import init_params
-from pdjax.config.model_specs import get_model_spec
 from pdjax.runtime import aot
 from pdjax.serving.build import build_engine, build_instances
 
@@ -23,9 +21,8 @@ def _cfg(num_pages, tp=1, utilization=0.9):
 
 
 @pytest.fixture(scope="module")
-def model():
-    spec = get_model_spec("tiny-mha")
-    return spec, init_params(spec, seed=0)
+def model(tiny_mha):
+    return tiny_mha
 
 
 def test_num_pages_zero_on_cpu_names_the_fix(model):

@@ -6,7 +6,6 @@ import json
 import numpy as np
 import pytest
 
-from pdjax.config.model_specs import get_model_spec
 from pdjax.config.sampling import SamplingParams
 from pdjax.config.serving import serve_config_from_dict
 
@@ -28,10 +27,8 @@ def _config(deployment, **engine):
 
 
 @pytest.fixture(scope="module")
-def model():
-    from pdjax.models.llama import init_params
-    spec = get_model_spec("tiny-llama")
-    return spec, init_params(spec, seed=0)
+def model(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")
