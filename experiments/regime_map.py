@@ -5,9 +5,11 @@ python -m experiments.regime_map --model=opt-13b --hardware=a100-80gb-sxm --budg
     --workloads=1:2,1:1,4:1,16:1,64:1 --slo_scales=0.5,0.7,1,1.4,2 --links=nvlink,infiniband,ethernet-25g \
     --ttft=0.25 --tpot=0.1 --num_requests=200 --workers=2 --out_dir=workdirs/regime_map
 
-Workloads: 'P:O' prompt:output mean-length ratios at --total_tokens mean tokens, or named traces (presets: chat,
-code, conv, arxiv, ...). SLO point s: TTFT = s x --ttft, TPOT = s x --tpot. Links: nvlink (one node), infiniband,
-ethernet-25g, or 'NNgbps'. Writes regime_map.csv (one row per point), regime_map.png (heatmap of the disaggregated
+Workloads: 'P:O' prompt:output mean-length ratios at --total_tokens mean tokens, 'P:O>P2:O2' (the mix shifts
+halfway through the requests), or named traces (presets: chat, code, conv, arxiv, ...). --rebalance: the
+disaggregated side also searches online XpYd rebalancing (--rebalance_* thresholds); the CSV then says which design
+won that side (disagg_design) and the best of each. SLO point s: TTFT = s x --ttft, TPOT = s x --tpot. Links:
+nvlink (one node), infiniband, ethernet-25g, or 'NNgbps'. Writes regime_map.csv (one row per point), regime_map.png (heatmap of the disaggregated
 / colocated per-GPU goodput ratio, one facet per link, winner marked) and regime_map.json (grid, timing, where
 disaggregation wins) to --out_dir, atomically; prints the JSON summary without the per-point detail.
 """
@@ -51,6 +53,13 @@ flags.DEFINE_integer("max_pp", 8, "Largest pipeline degree of a layout.")
 flags.DEFINE_float("rel_tol", 0.05, "Rate search: stop when the bracket is within this fraction of its low end.")
 flags.DEFINE_integer("max_probes", 14, "Rate search: most simulations per (point, candidate).")
 flags.DEFINE_integer("max_num_seqs", 256, "Sequences per instance (Sarathi's budget is at least this).")
+flags.DEFINE_bool("rebalance", False, "Also search online XpYd rebalancing on the disaggregated side (every "
+                  "swappable placement again with deployment.rebalance=True); rows say which design won.")
+flags.DEFINE_integer("rebalance_prefill_queue_tokens", 8192, "Rebalancing: prompt tokens queued per prefill instance "
+                     "over which the prefill side is overloaded.")
+flags.DEFINE_float("rebalance_decode_load", 0.9, "Rebalancing: mean decode load over which the decode side is.")
+flags.DEFINE_float("rebalance_window_s", 2.0, "Rebalancing: seconds a side must stay over before a flip.")
+flags.DEFINE_float("rebalance_flip_s", 0.0, "Rebalancing: seconds a drained instance takes to change role.")
 flags.DEFINE_integer("workers", 2, "Processes.")
 flags.DEFINE_bool("cache", True, "Share simulations across SLO points and colocated results across links "
                   "(--nocache: every point and candidate through placement.evaluate on its own; same numbers).")
@@ -80,7 +89,10 @@ def main(argv):
                           stack=FLAGS.stack, colocated_stack=FLAGS.colocated_stack, disagg_stack=FLAGS.disagg_stack,
                           colocated=tuple(FLAGS.colocated), profile=FLAGS.profile, slo_rule=FLAGS.slo_rule,
                           max_pp=FLAGS.max_pp, rel_tol=FLAGS.rel_tol, max_probes=FLAGS.max_probes,
-                          max_num_seqs=FLAGS.max_num_seqs)
+                          max_num_seqs=FLAGS.max_num_seqs, rebalance=FLAGS.rebalance,
+                          rebalance_prefill_queue_tokens=FLAGS.rebalance_prefill_queue_tokens,
+                          rebalance_decode_load=FLAGS.rebalance_decode_load,
+                          rebalance_window_s=FLAGS.rebalance_window_s, rebalance_flip_s=FLAGS.rebalance_flip_s)
     except (ValueError, OSError) as e:
         raise cli.UserError(cli.one_line(e)) from None
     start = time.perf_counter()

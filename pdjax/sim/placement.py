@@ -46,6 +46,15 @@ What this module does with that (a GPU budget instead of a traffic rate, and who
   problem's model, scheduler knobs, workload, hardware and profile) through pdjax.sim.run.simulate_config, the
   function `--config.backend=sim` runs, and its KV links are the simulator's (pdjax.sim.disagg.kv_link); so a
   ranked placement's numbers are what `experiments.serve --config.backend=sim` reports for that config.
+- Online XpYd rebalancing (`rebalance=True` of enumerate_placements / search / slo_scale_search; off by default):
+  every disaggregated candidate whose instances could swap roles gets a second design, the same placement with
+  `deployment.rebalance=True` (pdjax.scheduler.rebalance: an instance flips between prefill and decode when one
+  side's queue stays over a threshold for a window; thresholds from the problem's `rebalance_*` fields, the
+  deployment's defaults unless set). Swappable (`swappable`): what pdjax.config.overload requires of the two groups
+  (one layout, and so the same devices per instance; one stack; equal token budget and sequence limit, `role_budgets`)
+  and a side with two instances (a flip needs a donor that keeps one; 1P1D could never flip). A flipped instance
+  sends or receives KV on links the fixed design never uses, so a variant's key also holds every ordered pair's link
+  (`pair_links`). Its name ends in ' +rebalance', its rows say `"rebalance": true`.
 Not modelled here: Splitwise's mixed pool; DistServe's online re-planning. No JAX.
 """
 from __future__ import annotations
@@ -70,6 +79,8 @@ from pdjax.sim.stack import get_stack
 from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 
 AFFINITIES = ("high", "low")
+REBALANCE_THRESHOLDS = ("rebalance_prefill_queue_tokens", "rebalance_decode_load", "rebalance_window_s",
+                        "rebalance_flip_s")
 COLOCATED_POLICIES = BASELINE_POLICIES    # the policy table's colocated baselines (live): ('sarathi', 'vllm_v0')
 
 
@@ -104,6 +115,20 @@ class NodeType:
                           **changes) if changes else hw
 
 
+def _check_rebalance_thresholds(problem) -> None:
+    """The rebalancing thresholds as deployment.rebalance_* accepts them (pdjax.config.deployment), in one line."""
+    q, load = problem.rebalance_prefill_queue_tokens, problem.rebalance_decode_load
+    window, flip = problem.rebalance_window_s, problem.rebalance_flip_s
+    if not (isinstance(q, int) and not isinstance(q, bool) and q >= 1):
+        raise ValueError(f"rebalance_prefill_queue_tokens={q!r}, expected an int >= 1 (prompt tokens queued per "
+                         "prefill instance)")
+    for key, value, low_open in (("rebalance_decode_load", load, True), ("rebalance_window_s", window, False),
+                                 ("rebalance_flip_s", flip, False)):
+        ok = isinstance(value, (int, float)) and math.isfinite(value) and (value > 0 if low_open else value >= 0)
+        if not ok:
+            raise ValueError(f"{key}={value!r}, expected a number {'> 0' if low_open else '>= 0'}")
+
+
 @dataclasses.dataclass(frozen=True)
 class PlacementProblem:
     """What to place. workload: a WorkloadConfig dict (its `rate` is replaced by the probed rates). SLOs in
@@ -130,6 +155,11 @@ class PlacementProblem:
     decode_stack: str = "pdjax"
     slo_rule: str = "pdjax"             # 'pdjax': attainment (both SLOs per request) >= target; 'distserve': the
                                         # target quantile of TTFT and of TPOT each within its SLO (computed apart)
+    # online XpYd rebalancing's thresholds (deployment.rebalance_*; used by the rebalance variants only)
+    rebalance_prefill_queue_tokens: int = 8192
+    rebalance_decode_load: float = 0.9
+    rebalance_window_s: float = 2.0
+    rebalance_flip_s: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.gpu_budget, int) or self.gpu_budget < 1:
@@ -144,6 +174,7 @@ class PlacementProblem:
                 raise ValueError(f"{key}={getattr(self, key)!r}, expected one of {STACKS} or a stack file (.json)")
         if self.slo_rule not in SLO_RULES:
             raise ValueError(f"slo_rule={self.slo_rule!r}, expected one of {SLO_RULES}")
+        _check_rebalance_thresholds(self)
         hardware = get_hardware_spec(self.node.hardware).name
         for role in ("colocated", "prefill", "decode"):   # a side no candidate can use would vanish from the ranking
             if not any(self.fits_stack(role, Layout(tp, 1)) for tp in range(1, self.gpu_budget + 1)):
@@ -153,6 +184,10 @@ class PlacementProblem:
 
     def stack(self, role: str) -> str:
         return getattr(self, f"{role}_stack")
+
+    def rebalance_keys(self) -> Dict[str, Any]:
+        """The deployment block's rebalancing keys of a rebalance variant (pdjax.config.overload)."""
+        return {"rebalance": True, **{k: getattr(self, k) for k in REBALANCE_THRESHOLDS}}
 
     def fits_stack(self, role: str, layout: "Layout") -> bool:
         """Whether the role's stack times this layout (`Stack.check`: a step-fit stack times only the TP degrees
@@ -182,7 +217,8 @@ class Placement:
     """One candidate. kind: 'high' | 'low' (disaggregated) or 'colocated' (policy sarathi / vllm_v0; `prefill`
     is its layout and `num_prefill` its replicas). devices: per instance (prefill ones, then decode ones), the
     device indices in stage-major order (stage 0's TP group first). links: per (prefill i, decode j) the KV
-    transfer's (bandwidth, latency, streams)."""
+    transfer's (bandwidth, latency, streams). rebalance: online XpYd rebalancing on (`rebalance_variant`);
+    pair_links: then the link of every ordered pair of its instances (pair_links()), which flips may use."""
     kind: str
     policy: str
     prefill: Layout
@@ -191,6 +227,8 @@ class Placement:
     num_decode: int
     devices: Tuple[Tuple[int, ...], ...]
     links: Tuple[Tuple[float, float, int], ...] = ()
+    rebalance: bool = False
+    pair_links: Tuple[Tuple[float, float, int], ...] = ()
 
     @property
     def num_gpus(self) -> int:
@@ -200,7 +238,8 @@ class Placement:
     def name(self) -> str:
         if self.kind == "colocated":
             return f"colocated-{self.policy} {self.num_prefill}x{self.prefill}"
-        return f"disagg-{self.kind} P {self.num_prefill}x{self.prefill} + D {self.num_decode}x{self.decode}"
+        name = f"disagg-{self.kind} P {self.num_prefill}x{self.prefill} + D {self.num_decode}x{self.decode}"
+        return name + " +rebalance" if self.rebalance else name
 
     def deployment(self, problem: Optional["PlacementProblem"] = None) -> Dict[str, Any]:
         """This placement as a serve config's `deployment` block (pdjax.config.deployment), so that
@@ -218,14 +257,18 @@ class Placement:
         if self.kind == "colocated":
             return {"kind": "colocated", "router": "round_robin",
                     "colocated": group(self.prefill, 0, self.num_prefill, "colocated")}
-        return {"kind": "disaggregated", "router": "round_robin",
-                "prefill": group(self.prefill, 0, self.num_prefill, "prefill"),
-                "decode": group(self.decode, self.num_prefill, self.num_decode, "decode")}
+        block = {"kind": "disaggregated", "router": "round_robin",
+                 "prefill": group(self.prefill, 0, self.num_prefill, "prefill"),
+                 "decode": group(self.decode, self.num_prefill, self.num_decode, "decode")}
+        if self.rebalance:
+            block.update(problem.rebalance_keys() if problem is not None else {"rebalance": True})
+        return block
 
     def key(self) -> tuple:
         """What the simulation depends on (candidates with equal keys simulate identically)."""
-        return (self.kind == "colocated", self.policy, self.prefill, self.num_prefill, self.decode, self.num_decode,
-                self.links)
+        key = (self.kind == "colocated", self.policy, self.prefill, self.num_prefill, self.decode, self.num_decode,
+               self.links)
+        return key + (self.pair_links,) if self.rebalance else key
 
 
 # --------------------------------------------------------------------------------------------------- enumeration
@@ -293,9 +336,56 @@ def _links(hw, devices, num_prefill, prefill: Layout, decode: Layout) -> Tuple[T
                  for i in range(num_prefill) for j in range(num_prefill, len(devices)))
 
 
+def pair_links(hw, devices: Sequence[Tuple[int, ...]], layout: Layout) -> Tuple[Tuple[float, float, int], ...]:
+    """The KV link (pdjax.sim.disagg.kv_link) of every ordered pair (i, j), i != j, of instances of one `layout`
+    on `devices`, in (i, j) order: what a rebalanced deployment's transfers may use once instances flip."""
+    return tuple(kv_link(hw, devices[i], devices[j], layout.pp, layout.pp)
+                 for i in range(len(devices)) for j in range(len(devices)) if i != j)
+
+
+def swappable(problem: PlacementProblem, p: Placement) -> bool:
+    """Whether `p`'s prefill and decode instances can swap roles online (module docstring): disaggregated, one
+    layout, one stack, equal role budgets (pdjax.config.overload.SAME_MACHINE_KEYS), and two instances on a side."""
+    if p.kind == "colocated" or p.prefill != p.decode or problem.prefill_stack != problem.decode_stack:
+        return False
+    if role_budgets(problem, "prefill", p.policy) != role_budgets(problem, "decode", p.policy):
+        return False
+    return max(p.num_prefill, p.num_decode) >= 2
+
+
+def rebalance_variant(problem: PlacementProblem, p: Placement) -> Placement:
+    """`p` (swappable) with online XpYd rebalancing on: same instances and devices, `pair_links` on the problem's
+    node type. Raises ValueError naming the placement when it is not swappable."""
+    if not swappable(problem, p):
+        raise ValueError(f"placement {p.name!r} cannot rebalance: expected a disaggregated placement whose prefill "
+                         "and decode instances share layout, stack and budgets, with two instances on a side")
+    return dataclasses.replace(p, rebalance=True, pair_links=pair_links(problem.node.spec(), p.devices, p.prefill))
+
+
+def check_rebalance_option(rebalance: bool, affinities: Sequence[str]) -> None:
+    """rebalance=True needs a disaggregated family to vary (colocated candidates have no roles to flip)."""
+    if rebalance and not any(a in AFFINITIES for a in affinities):
+        raise ValueError(f"rebalance=True with affinities={tuple(affinities)!r}: online rebalancing flips the "
+                         f"instances of disaggregated placements; expected some of {AFFINITIES} or rebalance=False")
+
+
 def enumerate_placements(problem: PlacementProblem, affinities: Sequence[str] = AFFINITIES,
-                         colocated: Sequence[str] = COLOCATED_POLICIES) -> List[Placement]:
-    """Every candidate of the module docstring, deduplicated, in a deterministic order."""
+                         colocated: Sequence[str] = COLOCATED_POLICIES, rebalance: bool = False) -> List[Placement]:
+    """Every candidate of the module docstring, deduplicated, in a deterministic order; rebalance=True: then
+    each swappable disaggregated candidate's rebalance variant, in the same order."""
+    check_rebalance_option(rebalance, affinities)
+    found = _enumerate_fixed(problem, affinities, colocated)
+    if rebalance:
+        for p in list(found.values()):
+            if swappable(problem, p):
+                q = rebalance_variant(problem, p)
+                found.setdefault(q.key(), q)
+    return list(found.values())
+
+
+def _enumerate_fixed(problem: PlacementProblem, affinities: Sequence[str],
+                     colocated: Sequence[str]) -> Dict[tuple, Placement]:
+    """The fixed-design candidates by key (enumerate_placements without rebalancing)."""
     model, hw = get_model_spec(problem.model), problem.node.spec()
     per_node, budget = hw.devices_per_node, problem.gpu_budget
     options = layouts(model, hw, problem)
@@ -346,7 +436,7 @@ def enumerate_placements(problem: PlacementProblem, affinities: Sequence[str] = 
                 devices = _place_instances([layout] * r, budget, per_node)
                 if devices is not None:
                     add(Placement("colocated", policy, layout, r, None, 0, tuple(devices)))
-    return list(found.values())
+    return found
 
 
 # --------------------------------------------------------------------------------------------------- simulation
@@ -420,6 +510,11 @@ def slo_rule_passes(records: Sequence[Any], ttft_s: float, tpot_s: float, rule: 
     return share >= attainment, share
 
 
+def _design(p: Placement) -> Dict[str, Any]:
+    """A ranking row's mark of a rebalance variant (absent on fixed designs: their rows are as before)."""
+    return {"rebalance": True} if p.rebalance else {}
+
+
 @dataclasses.dataclass(frozen=True)
 class Evaluation:
     placement: Placement
@@ -438,7 +533,7 @@ class Evaluation:
                 "devices": [list(d) for d in p.devices], "deployment": p.deployment(problem),
                 "kv_link_gbps": sorted({round(bw / 1e9, 1) for bw, _, _ in p.links}) or None,
                 "goodput_rps": round(self.goodput_rps, 4), "per_gpu_goodput_rps": round(self.per_gpu_rps, 4),
-                "num_probes": len(self.probes), "wall_s": round(self.wall_s, 2)}
+                "num_probes": len(self.probes), "wall_s": round(self.wall_s, 2), **_design(p)}
 
 
 def rate_search(ok: Callable[[float], Tuple[bool, float]], num_gpus: int, rel_tol: float,
@@ -476,18 +571,21 @@ class _Evaluate:
 
 
 def rank(evaluations: Sequence[Evaluation]) -> List[Evaluation]:
-    """Best per-GPU goodput first; ties: fewer GPUs, then name."""
-    return sorted(evaluations, key=lambda e: (-round(e.per_gpu_rps, 9), e.placement.num_gpus, e.placement.name))
+    """Best per-GPU goodput first; ties: fewer GPUs, then a fixed design before a rebalancing one (no flips for
+    the same goodput), then name."""
+    return sorted(evaluations, key=lambda e: (-round(e.per_gpu_rps, 9), e.placement.num_gpus, e.placement.rebalance,
+                                              e.placement.name))
 
 
 def _candidates(problem: PlacementProblem, affinities: Sequence[str], colocated: Sequence[str],
-                placements: Optional[Sequence[Placement]]) -> Sequence[Placement]:
-    """`placements`, or every candidate of the families asked for; refuses an unknown family or an empty set."""
+                placements: Optional[Sequence[Placement]], rebalance: bool = False) -> Sequence[Placement]:
+    """`placements`, or every candidate of the families asked for (with rebalance variants: `rebalance`); refuses
+    an unknown family, rebalancing without a disaggregated family, or an empty set."""
     bad = [a for a in affinities if a not in AFFINITIES]
     if bad:
         raise ValueError(f"affinities {bad}: expected some of {AFFINITIES}")
     if placements is None:
-        placements = enumerate_placements(problem, affinities, colocated)
+        placements = enumerate_placements(problem, affinities, colocated, rebalance=rebalance)
     if not placements:
         raise ValueError(f"no placement of {problem.model} fits {problem.gpu_budget} GPU(s) of "
                          f"{problem.node.hardware} (weights + one {problem.max_model_len}-token request)")
@@ -496,12 +594,12 @@ def _candidates(problem: PlacementProblem, affinities: Sequence[str], colocated:
 
 def search(problem: PlacementProblem, *, workers: int = 1, affinities: Sequence[str] = AFFINITIES,
            colocated: Sequence[str] = COLOCATED_POLICIES,
-           placements: Optional[Sequence[Placement]] = None) -> Dict[str, Any]:
-    """Evaluate every candidate (`placements`, default `enumerate_placements`) on `workers` processes (1: in this
-    process) and return {"ranking": [row, ...], "best_disaggregated", "best_colocated", "num_candidates",
-    "wall_s", "workers"}."""
+           placements: Optional[Sequence[Placement]] = None, rebalance: bool = False) -> Dict[str, Any]:
+    """Evaluate every candidate (`placements`, default `enumerate_placements`, with the rebalance variants when
+    `rebalance`) on `workers` processes (1: in this process) and return {"ranking": [row, ...],
+    "best_disaggregated", "best_colocated", "num_candidates", "wall_s", "workers"}."""
     start = time.perf_counter()
-    placements = _candidates(problem, affinities, colocated, placements)
+    placements = _candidates(problem, affinities, colocated, placements, rebalance)
     ranked = rank(parallel_map(_Evaluate(problem), placements, workers=workers))
     rows = [e.row(problem) for e in ranked]
     disagg = [r for r in rows if r["kind"] != "colocated"]
@@ -578,7 +676,7 @@ class ScaleEvaluation:
                 "rate_rps": round(self.rate_rps, 4), "tightest_slo_scale": rnd(self.tightest_scale),
                 "passes_at_scale_1": self.passes_at_1, "attainment_at_scale_1": round(self.attainment_at_1, 4),
                 "ttft_quantile_s": rnd(self.ttft_q_s), "tpot_quantile_s": rnd(self.tpot_q_s),
-                "wall_s": round(self.wall_s, 2)}
+                "wall_s": round(self.wall_s, 2), **_design(p)}
 
 
 def evaluate_slo_scale(problem: PlacementProblem, placement: Placement, per_gpu_rate: float) -> ScaleEvaluation:
@@ -606,22 +704,22 @@ class _EvaluateScale:
 
 
 def rank_by_scale(evaluations: Sequence[ScaleEvaluation]) -> List[ScaleEvaluation]:
-    """Tightest SLO scale first (None last); ties: fewer GPUs, then name."""
+    """Tightest SLO scale first (None last); ties: fewer GPUs, a fixed design before a rebalancing one, name."""
     return sorted(evaluations, key=lambda e: (e.tightest_scale is None, round(e.tightest_scale or 0.0, 9),
-                                              e.placement.num_gpus, e.placement.name))
+                                              e.placement.num_gpus, e.placement.rebalance, e.placement.name))
 
 
 def slo_scale_search(problem: PlacementProblem, per_gpu_rate: float, *, workers: int = 1,
                      affinities: Sequence[str] = AFFINITIES, colocated: Sequence[str] = COLOCATED_POLICIES,
-                     placements: Optional[Sequence[Placement]] = None) -> Dict[str, Any]:
+                     placements: Optional[Sequence[Placement]] = None, rebalance: bool = False) -> Dict[str, Any]:
     """DistServe's other axis: at a fixed per-GPU rate (each candidate simulated once at per_gpu_rate x its GPUs),
-    the tightest factor on both SLOs each candidate holds (evaluate_slo_scale). Returns {"ranking": [row, ...]
-    (tightest first), "best_disaggregated", "best_colocated" (per policy), "per_gpu_rate", "num_candidates",
-    "wall_s", "workers"}."""
+    the tightest factor on both SLOs each candidate holds (evaluate_slo_scale); `rebalance` as in `search`.
+    Returns {"ranking": [row, ...] (tightest first), "best_disaggregated", "best_colocated" (per policy),
+    "per_gpu_rate", "num_candidates", "wall_s", "workers"}."""
     start = time.perf_counter()
     if not (per_gpu_rate > 0 and math.isfinite(per_gpu_rate)):
         raise ValueError(f"per_gpu_rate={per_gpu_rate!r}, expected req/s per GPU > 0")
-    placements = _candidates(problem, affinities, colocated, placements)
+    placements = _candidates(problem, affinities, colocated, placements, rebalance)
     evaluations = parallel_map(_EvaluateScale(problem, per_gpu_rate), placements, workers=workers)
     rows = [e.row(problem) for e in rank_by_scale(evaluations)]
     held = [r for r in rows if r["tightest_slo_scale"] is not None]

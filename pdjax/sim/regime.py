@@ -7,7 +7,10 @@ At each grid point (workload w, SLO scale s, KV link k):
 - Workload: 'P:O' is a prompt:output mean-length ratio at a fixed mean total (`total_tokens`): prompt lengths
   uniform on [m/2, 3m/2] around their mean m (the same for outputs), Poisson arrivals; a preset name (chat, code,
   conv, arxiv, ...: pdjax.workload.presets, a real trace's length distributions) is that trace's lengths scaled onto
-  max_model_len (`fit_to_model`, which keeps its prompt:output shape).
+  max_model_len (`fit_to_model`, which keeps its prompt:output shape). 'P:O>P2:O2' is a mix that shifts halfway:
+  the first half of the requests drawn as 'P:O', the second as 'P2:O2', replayed in that order with Poisson
+  arrivals (`shifting_trace`: a trace CSV written once under the temp directory); the workload online
+  rebalancing is for (a stationary mix has one best fixed split).
 - Best colocated: every colocated candidate of the placement search (policies x layouts x replicas within the
   budget), each evaluated as `placement.evaluate` does (highest rate meeting the attainment target, per GPU).
   Sarathi's token budget is chosen from the TPOT target as Sarathi-Serve sizes it (the largest budget whose
@@ -20,6 +23,11 @@ At each grid point (workload w, SLO scale s, KV link k):
   the nodes after them; TP groups still inside a node), the node type's inter-node link set to that bandwidth
   per GPU per direction (placement.NodeType overrides), so every KV transfer crosses it (pdjax.sim.disagg.kv_link).
   Low-affinity segments (prefill and decode stages sharing a node) do not exist there by construction.
+- Online XpYd rebalancing (`rebalance=True`; off by default): the disaggregated side also gets the placement
+  search's rebalance variants (pdjax.sim.placement.rebalance_variant: every swappable candidate again with
+  `deployment.rebalance=True`, thresholds `rebalance_*`; with separate pools its pair links are recomputed there,
+  so a flipped instance's transfers cross the network too). Each row then says which design won that side
+  (`disagg_design`: 'fixed' | 'rebalance'; a tie goes to the fixed one) and the best of each (REBALANCE_COLUMNS).
 - Both sides run on one serving stack by default (`stack`, pdjax.sim.stack; 'pdjax': the cost model).
 - Winner: the side with the higher per-GPU goodput ('tie' when equal, 'neither' when both are 0); ratio =
   disaggregated / colocated per-GPU goodput (None when the colocated one is 0).
@@ -42,11 +50,14 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
+import hashlib
 import io
 import json
 import math
 import os
 import re
+import tempfile
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -61,9 +72,9 @@ from pdjax.procs import parallel_map
 from pdjax.scheduler.output import SchedulerOutput
 from pdjax.sim.build import build_setup, group_step_time
 from pdjax.sim.disagg import kv_link
-from pdjax.sim.placement import (COLOCATED_POLICIES, Layout, NodeType, Placement, PlacementProblem,
-                                 enumerate_placements, evaluate, rate_search, serve_config, simulate_placement,
-                                 slo_rule_passes)
+from pdjax.sim.placement import (COLOCATED_POLICIES, REBALANCE_THRESHOLDS, Layout, NodeType, Placement,
+                                 PlacementProblem, enumerate_placements, evaluate, pair_links, rate_search,
+                                 serve_config, simulate_placement, slo_rule_passes)
 from pdjax.workload.config import WorkloadConfig
 from pdjax.workload.generate import make_workload
 from pdjax.workload.presets import PRESETS
@@ -109,7 +120,12 @@ def kv_link_preset(name: str) -> KVLink:
 
 
 def parse_workload(label: str) -> Tuple[str, Any]:
-    """('ratio', (prompt share, output share)) for 'P:O' (both > 0), ('preset', name) for a preset name."""
+    """('ratio', (prompt share, output share)) for 'P:O' (both > 0), ('shift', ((P, O), (P2, O2))) for 'P:O>P2:O2',
+    ('preset', name) for a preset name."""
+    if label.count(">") == 1:
+        first, second = (parse_workload(part) for part in label.split(">"))
+        if first[0] == second[0] == "ratio":
+            return "shift", (first[1], second[1])
     m = _RATIO.match(label)
     if m:
         p, o = float(m.group(1)), float(m.group(2))
@@ -117,8 +133,39 @@ def parse_workload(label: str) -> Tuple[str, Any]:
             return "ratio", (p, o)
     if label in PRESETS:
         return "preset", label
-    raise ValueError(f"workload {label!r}: expected a prompt:output ratio 'P:O' with P, O > 0 (e.g. '4:1') or a "
-                     f"named trace ({', '.join(sorted(PRESETS))})")
+    raise ValueError(f"workload {label!r}: expected a prompt:output ratio 'P:O' with P, O > 0 (e.g. '4:1'), a shift "
+                     f"'P:O>P2:O2' (e.g. '1:4>16:1') or a named trace ({', '.join(sorted(PRESETS))})")
+
+
+def ratio_lengths(p: float, o: float, total_tokens: int) -> Dict[str, Any]:
+    """A 'P:O' workload's length distributions: prompt and output uniform on [m/2, 3m/2] around their means
+    (total_tokens split P:O)."""
+    means = (total_tokens * p / (p + o), total_tokens * o / (p + o))
+    dists = [{"kind": "uniform", "low": max(1, math.ceil(m / 2)), "high": max(1, math.floor(1.5 * m))}
+             for m in means]
+    return {"kind": "synthetic", "arrival": "poisson", "prompt_len": dists[0], "output_len": dists[1]}
+
+
+@functools.lru_cache(maxsize=None)
+def shifting_trace(phases: Tuple[Tuple[float, float], ...], num_requests: int, seed: int, total_tokens: int,
+                   max_model_len: int) -> str:
+    """A trace CSV ('simple' format: prompt_tokens,output_tokens; no times) whose prompt:output mix shifts: the
+    requests split evenly over `phases` in order, each phase's lengths drawn as its 'P:O' workload's (seed + phase
+    index). Written once (atomically) to a path named by its content's hash under the temp directory; a 'trace'
+    workload replays its rows in order with Poisson arrivals at the probed rate. Returns the path."""
+    lines = ["prompt_tokens,output_tokens"]
+    for i, (p, o) in enumerate(phases):
+        n = num_requests // len(phases) + (i < num_requests % len(phases))
+        cfg = WorkloadConfig.from_dict({**ratio_lengths(p, o, total_tokens), "num_requests": n, "seed": seed + i,
+                                        "max_model_len": max_model_len})
+        lines += [f"{len(r.prompt_token_ids)},{r.max_tokens}" for r in make_workload(cfg, cfg.seed)]
+    text = "\n".join(lines) + "\n"
+    folder = os.path.join(tempfile.gettempdir(), "pdjax-regime-traces")
+    path = os.path.join(folder, f"shift-{hashlib.sha256(text.encode()).hexdigest()[:16]}.csv")
+    if not os.path.exists(path):
+        os.makedirs(folder, exist_ok=True)
+        atomic_write_text(path, text)
+    return path
 
 
 # --------------------------------------------------------------------------------------------------- the grid
@@ -152,6 +199,11 @@ class RegimeGrid:
     rel_tol: float = 0.05
     max_probes: int = 14
     max_num_seqs: int = 256              # sequences per instance (every role; Sarathi's budget is at least this)
+    rebalance: bool = False              # also search online XpYd rebalancing on the disaggregated side
+    rebalance_prefill_queue_tokens: int = 8192      # its thresholds (deployment.rebalance_*)
+    rebalance_decode_load: float = 0.9
+    rebalance_window_s: float = 2.0
+    rebalance_flip_s: float = 0.0
 
     def __post_init__(self):
         for name in ("workloads", "slo_scales", "links", "colocated"):
@@ -206,11 +258,10 @@ class RegimeGrid:
         base = {"num_requests": self.num_requests, "seed": self.seed, "max_model_len": self.max_model_len}
         if kind == "preset":
             return {**base, "preset": value, "fit_to_model": True}
-        p, o = value
-        means = (self.total_tokens * p / (p + o), self.total_tokens * o / (p + o))
-        dists = [{"kind": "uniform", "low": max(1, math.ceil(m / 2)), "high": max(1, math.floor(1.5 * m))}
-                 for m in means]
-        return {**base, "kind": "synthetic", "arrival": "poisson", "prompt_len": dists[0], "output_len": dists[1]}
+        if kind == "shift":
+            path = shifting_trace(value, self.num_requests, self.seed, self.total_tokens, self.max_model_len)
+            return {**base, "kind": "trace", "arrival": "poisson", "trace_path": path}
+        return {**base, **ratio_lengths(*value, self.total_tokens)}
 
     def slo(self, scale: float) -> Tuple[float, float]:
         return scale * self.base_ttft_s, scale * self.base_tpot_s
@@ -226,7 +277,8 @@ class RegimeGrid:
                                 max_model_len=self.max_model_len, sarathi_token_budget=sarathi_budget,
                                 max_pp=self.max_pp, rel_tol=self.rel_tol, max_probes=self.max_probes,
                                 colocated_stack=coloc, prefill_stack=disagg, decode_stack=disagg,
-                                slo_rule=self.slo_rule, decode_max_num_seqs=self.max_num_seqs)
+                                slo_rule=self.slo_rule, decode_max_num_seqs=self.max_num_seqs,
+                                **{k: getattr(self, k) for k in REBALANCE_THRESHOLDS})
 
     @property
     def points(self) -> List[Tuple[str, float, str]]:
@@ -266,16 +318,18 @@ def separate_pools(p: Placement, problem: PlacementProblem) -> Placement:
     last = max(d // per_node for devices in pre for d in devices)
     dec = _first_fit([p.decode] * p.num_decode, per_node, last + 1)
     links = tuple(kv_link(hw, a, b, p.prefill.pp, p.decode.pp) for a in pre for b in dec)
-    return dataclasses.replace(p, kind="high", devices=tuple(pre + dec), links=links)
+    pairs = pair_links(hw, pre + dec, p.prefill) if p.rebalance else ()
+    return dataclasses.replace(p, kind="high", devices=tuple(pre + dec), links=links, pair_links=pairs)
 
 
 def disaggregated_candidates(grid: RegimeGrid, link: str) -> List[Placement]:
-    """The disaggregated candidates at KV link `link` (module docstring), deduplicated, in the search's order."""
+    """The disaggregated candidates at KV link `link` (module docstring), deduplicated, in the search's order;
+    with grid.rebalance, the rebalance variants of the swappable ones too (pdjax.sim.placement.swappable)."""
     problem = grid.problem("disaggregated", grid.workloads[0], grid.slo_scales[0], link)
     if not kv_link_preset(link).separate:
-        return enumerate_placements(problem, colocated=())
+        return enumerate_placements(problem, colocated=(), rebalance=grid.rebalance)
     found: Dict[tuple, Placement] = {}
-    for p in enumerate_placements(problem, affinities=("high",), colocated=()):
+    for p in enumerate_placements(problem, affinities=("high",), colocated=(), rebalance=grid.rebalance):
         q = separate_pools(p, problem)
         found.setdefault(q.key(), q)
     return list(found.values())
@@ -376,20 +430,34 @@ def run_task(task: Task) -> TaskResult:
 
 
 # --------------------------------------------------------------------------------------------------- the map
-def _rank_key(name: str, num_gpus: int, per_gpu: float) -> tuple:
-    """placement.rank's order: best per-GPU goodput first; ties: fewer GPUs, then name."""
-    return (-round(per_gpu, 9), num_gpus, name)
+def _rank_key(name: str, num_gpus: int, per_gpu: float, rebalance: bool = False) -> tuple:
+    """placement.rank's order: best per-GPU goodput first; ties: fewer GPUs, a fixed design before a rebalancing
+    one, then name."""
+    return (-round(per_gpu, 9), num_gpus, rebalance, name)
 
 
 def _best(entries: Sequence[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-    return min(entries, key=lambda e: _rank_key(e["placement"], e["num_gpus"], e["per_gpu_goodput_rps"]),
-               default=None)
+    return min(entries, key=lambda e: _rank_key(e["placement"], e["num_gpus"], e["per_gpu_goodput_rps"],
+                                                e.get("rebalance", False)), default=None)
 
 
 def _entry(placement: Placement, goodput: float, probes: int, **extra) -> Dict[str, Any]:
+    design = {"rebalance": True} if placement.rebalance else {}     # as placement's rows mark it
     return {"placement": placement.name, "kind": placement.kind, "policy": placement.policy,
             "num_gpus": placement.num_gpus, "goodput_rps": goodput, "per_gpu_goodput_rps": goodput / placement.num_gpus,
-            "num_probes": probes, **extra}
+            "num_probes": probes, **design, **extra}
+
+
+def _design_columns(entries: Sequence[Dict[str, Any]], best: Dict[str, Any]) -> Dict[str, Any]:
+    """A rebalancing grid's row columns: which design won the disaggregated side ('fixed' | 'rebalance'), and the
+    best of each design (None: the design has no candidate, e.g. no swappable placement)."""
+    fixed = _best([e for e in entries if not e.get("rebalance")])
+    rebal = _best([e for e in entries if e.get("rebalance")])
+    return {"disagg_design": "rebalance" if best.get("rebalance") else "fixed",
+            "best_fixed_disaggregated": fixed and fixed["placement"],
+            "fixed_disagg_per_gpu_rps": fixed and fixed["per_gpu_goodput_rps"],
+            "best_rebalance_disaggregated": rebal and rebal["placement"],
+            "rebalance_disagg_per_gpu_rps": rebal and rebal["per_gpu_goodput_rps"]}
 
 
 class _MemoStep:
@@ -496,6 +564,8 @@ def _grid_rows(grid: RegimeGrid, coloc, disagg, disagg_cands):
                "best_disaggregated": best_d["placement"], "disagg_per_gpu_rps": d,
                "disagg_goodput_rps": best_d["goodput_rps"],
                "ratio": d / c if c > 0 else None, "winner": winner}
+        if grid.rebalance:
+            row.update(_design_columns(disagg[(w, s, k)], best_d))
         rows.append(row)
         points.append({"link": k, "workload": w, "slo_scale": s, "best_colocated_by_policy": by_policy,
                        "best_disaggregated": best_d})
@@ -510,6 +580,11 @@ def _check_candidates(grid: RegimeGrid, coloc_cands, disagg_cands) -> None:
         raise UserError(f"no {' / '.join(empty)} placement of model {grid.model!r} fits {grid.gpu_budget} GPU(s) of "
                         f"{grid.hardware!r} (weights + KV per GPU over its memory at every (tp, pp) the budget "
                         f"allows); expected a larger --budget, more memory per GPU or a smaller model")
+    if grid.rebalance and not any(p.rebalance for cands in disagg_cands.values() for p in cands):
+        raise UserError(f"rebalance=True, but no disaggregated placement of model {grid.model!r} on {grid.gpu_budget} "
+                        f"GPU(s) of {grid.hardware!r} can flip roles (a flip needs one layout on both sides, equal "
+                        "role budgets and a side with two instances); expected a larger --budget (room for 1P2D or "
+                        "2P1D of one layout) or rebalance=False")
 
 
 def run_grid(grid: RegimeGrid, workers: int = 1, cache: bool = True,
@@ -577,6 +652,8 @@ CSV_COLUMNS = ("link", "workload", "slo_scale", "ttft_s", "tpot_s", "kv_link_gbp
                "colocated_per_gpu_rps", "colocated_goodput_rps", "sarathi_budget", "sarathi_per_gpu_rps",
                "vllm_v0_per_gpu_rps", "best_disaggregated", "disagg_per_gpu_rps", "disagg_goodput_rps", "ratio",
                "winner")
+REBALANCE_COLUMNS = ("disagg_design", "best_fixed_disaggregated", "fixed_disagg_per_gpu_rps",
+                     "best_rebalance_disaggregated", "rebalance_disagg_per_gpu_rps")   # grids with rebalance=True
 
 
 def _fmt(value: Any) -> str:
@@ -588,12 +665,14 @@ def _fmt(value: Any) -> str:
 
 
 def csv_text(rows: Sequence[Mapping[str, Any]]) -> str:
-    """One line per point, CSV_COLUMNS (a policy not in the grid leaves its column empty); floats to 6 digits."""
+    """One line per point, CSV_COLUMNS (a policy not in the grid leaves its column empty), then REBALANCE_COLUMNS
+    when the rows have them (a rebalancing grid); floats to 6 digits."""
+    columns = CSV_COLUMNS + (REBALANCE_COLUMNS if any("disagg_design" in r for r in rows) else ())
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(CSV_COLUMNS)
+    writer.writerow(columns)
     for r in rows:
-        writer.writerow([_fmt(r.get(c)) for c in CSV_COLUMNS])
+        writer.writerow([_fmt(r.get(c)) for c in columns])
     return buf.getvalue()
 
 
@@ -612,6 +691,9 @@ def summary(grid: RegimeGrid, result: Mapping[str, Any]) -> Dict[str, Any]:
                       "best_disaggregated_point": ({"workload": best["workload"], "slo_scale": best["slo_scale"],
                                                     "ratio": best["ratio"], "placement": best["best_disaggregated"],
                                                     "versus": best["best_colocated"]} if best else None)}
+        if grid.rebalance:
+            by_link[k]["disagg_design"] = {d: sum(r["disagg_design"] == d for r in rows)
+                                           for d in ("fixed", "rebalance")}
     return {"grid": {f.name: getattr(grid, f.name) for f in dataclasses.fields(grid)},
             "kv_links": {k: dataclasses.asdict(kv_link_preset(k)) for k in grid.links},
             "timing": result["timing"], "by_link": by_link, "points": result["points"]}
@@ -620,7 +702,8 @@ def summary(grid: RegimeGrid, result: Mapping[str, Any]) -> Dict[str, Any]:
 def heatmap_png(grid: RegimeGrid, rows: Sequence[Mapping[str, Any]]) -> bytes:
     """PNG: one heatmap per KV link (workload across, SLO scale up), colour log2(disaggregated / colocated
     per-GPU goodput) on a diverging scale (red: disaggregation wins), each cell its ratio and the winner
-    (D / C / = / none); grey: undefined ratio (colocated goodput 0)."""
+    (D / C / = / none; ' r' when the disaggregated side's best design rebalances online); grey: undefined ratio
+    (colocated goodput 0)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 (1 s; only when plotting)
     from matplotlib.figure import Figure  # noqa: PLC0415 (matplotlib only when plotting)
     nw, ns, nk = len(grid.workloads), len(grid.slo_scales), len(grid.links)
@@ -643,6 +726,8 @@ def heatmap_png(grid: RegimeGrid, rows: Sequence[Mapping[str, Any]]) -> bytes:
                     values[i, j] = -span
                 text = (f"{r['ratio']:.2f}\n{mark[r['winner']]}" if r["ratio"] is not None
                         else mark[r["winner"]] if r["winner"] == "neither" else f"inf\n{mark[r['winner']]}")
+                if r.get("disagg_design") == "rebalance":
+                    text += " r"          # the disaggregated side's best design rebalances online
                 dark = not math.isnan(values[i, j]) and abs(values[i, j]) > 0.6 * span
                 ax.text(j, i, text, ha="center", va="center", fontsize=7, color="white" if dark else "black")
         ax.set_facecolor("#cccccc")
