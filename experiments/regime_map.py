@@ -5,13 +5,13 @@ python -m experiments.regime_map --model=opt-13b --hardware=a100-80gb-sxm --budg
     --workloads=1:2,1:1,4:1,16:1,64:1 --slo_scales=0.5,0.7,1,1.4,2 --links=nvlink,infiniband,ethernet-25g \
     --ttft=0.25 --tpot=0.1 --num_requests=200 --workers=2 --out_dir=workdirs/regime_map
 
-Workloads: 'P:O' prompt:output mean-length ratios at --total_tokens mean tokens, 'P:O>P2:O2' (the mix shifts
-halfway through the requests), or named traces (presets: chat, code, conv, arxiv, ...). --rebalance: the
-disaggregated side also searches online XpYd rebalancing (--rebalance_* thresholds); the CSV then says which design
-won that side (disagg_design) and the best of each. SLO point s: TTFT = s x --ttft, TPOT = s x --tpot. Links:
-nvlink (one node), infiniband, ethernet-25g, or 'NNgbps'. Writes regime_map.csv (one row per point), regime_map.png (heatmap of the disaggregated
-/ colocated per-GPU goodput ratio, one facet per link, winner marked) and regime_map.json (grid, timing, where
-disaggregation wins) to --out_dir, atomically; prints the JSON summary without the per-point detail.
+Workloads: 'P:O' prompt:output mean-length ratios at --total_tokens mean tokens, 'P:O>P2:O2' (the mix shifts halfway
+through the requests), or named traces (presets: chat, code, conv, arxiv, ...). --rebalance: the disaggregated side
+also searches online XpYd rebalancing (--rebalance_* thresholds); the CSV then says which design won that side
+(disagg_design) and the best of each. SLO point s: TTFT = s x --ttft, TPOT = s x --tpot. Links: nvlink (one node),
+infiniband, ethernet-25g, or 'NNgbps'. Writes regime_map.csv (one row per point), regime_map.png (heatmap of the
+disaggregated / colocated per-GPU goodput ratio, one facet per link, winner marked) and regime_map.json (grid, timing,
+where disaggregation wins) to --out_dir, atomically; prints the JSON summary without the per-point detail.
 """
 from __future__ import annotations
 
