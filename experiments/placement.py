@@ -58,6 +58,8 @@ flags.DEFINE_float("attainment", 0.9, "SLO attainment target.")
 flags.DEFINE_list("affinity", list(AFFINITIES), f"DistServe placement families to search (of {AFFINITIES}).")
 flags.DEFINE_list("colocated", list(COLOCATED_POLICIES), f"Colocated policies to compare (of {COLOCATED_POLICIES}).")
 flags.DEFINE_integer("workers", 2, "Processes.")
+flags.DEFINE_bool("rebalance", False, "Also search online XpYd rebalancing: every disaggregated placement whose "
+                  "instances can swap roles again with deployment.rebalance=True (default thresholds).")
 flags.DEFINE_string("profile", "", "Machine profile (default: the shipped one for the hardware).")
 flags.DEFINE_integer("top", 10, "Rows of the ranking to print (0: all).")
 flags.DEFINE_string("colocated_stack", "pdjax", "Serving stack of the colocated candidates (pdjax.sim.stack).")
@@ -110,7 +112,7 @@ def run(model: str, hardware: str, budget: int, workload: dict, ttft: float, tpo
         gpus_per_node: int = 0, intra_node_gbps: float = 0.0, inter_node_gbps: float = 0.0, workers: int = 2,
         affinity=("high", "low"), colocated=("sarathi", "vllm_v0"), profile: str = "", max_model_len: int = 2048,
         top: int = 0, stacks: Optional[Dict[str, str]] = None, slo_rule: str = "pdjax", decompose: bool = False,
-        slo_scale_per_gpu_rate: float = 0.0) -> dict:
+        slo_scale_per_gpu_rate: float = 0.0, rebalance: bool = False) -> dict:
     """One placement search (per-GPU goodput; or, with slo_scale_per_gpu_rate > 0, the tightest SLO scale at that
     per-GPU rate); `stacks`: {'colocated' | 'prefill' | 'decode': stack name} ('pdjax' for the rest)."""
     node = NodeType(hardware, gpus_per_node=gpus_per_node, intra_node_bandwidth=intra_node_gbps * 1e9,
@@ -118,7 +120,8 @@ def run(model: str, hardware: str, budget: int, workload: dict, ttft: float, tpo
     problem = PlacementProblem(model=model, node=node, gpu_budget=budget, workload=workload, ttft_s=ttft,
                                tpot_s=tpot, attainment=attainment, profile=profile, max_model_len=max_model_len,
                                slo_rule=slo_rule, **{f"{role}_stack": name for role, name in (stacks or {}).items()})
-    kwargs = {"workers": workers, "affinities": tuple(affinity), "colocated": tuple(colocated)}
+    kwargs = {"workers": workers, "affinities": tuple(affinity), "colocated": tuple(colocated),
+              "rebalance": rebalance}
     rate = slo_scale_per_gpu_rate if slo_scale_per_gpu_rate > 0 else None
     if decompose:
         result = decompose_win(problem, per_gpu_rate=rate, **kwargs)
@@ -167,7 +170,7 @@ def main(argv):
                   FLAGS.gpus_per_node, FLAGS.intra_node_gbps, FLAGS.inter_node_gbps, FLAGS.workers,
                   FLAGS.affinity, FLAGS.colocated, FLAGS.profile, FLAGS.max_model_len, FLAGS.top,
                   {"colocated": FLAGS.colocated_stack, "prefill": FLAGS.prefill_stack, "decode": FLAGS.decode_stack},
-                  FLAGS.slo_rule, FLAGS.decompose, FLAGS.slo_scale_per_gpu_rate)
+                  FLAGS.slo_rule, FLAGS.decompose, FLAGS.slo_scale_per_gpu_rate, FLAGS.rebalance)
     except (ValueError, OSError) as e:
         raise cli.UserError(cli.one_line(e)) from None
     if FLAGS.output:

@@ -4,6 +4,8 @@ deployment.rebalance=True, evaluated through that config; the regime map reports
 line."""
 import csv
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 
@@ -221,3 +223,17 @@ def test_shifting_workload_replays_its_phases_in_order():
         with pytest.raises(ValueError, match="workload") as info:
             rg.RegimeGrid(**{**GRID, "workloads": (bad,)})
         assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["experiments.placement", "--rebalance", "--affinity=", "--num_requests=8"],
+     "rebalance=True with affinities=()"),
+    (["experiments.regime_map", "--rebalance", "--budget=2", "--workloads=1:1", "--slo_scales=1", "--links=nvlink"],
+     "rebalance=True, but no disaggregated placement"),
+])
+def test_cli_rebalance_where_it_cannot_apply_is_one_line(argv, message, tmp_path):
+    out = ["--out_dir", str(tmp_path)] if argv[0] == "experiments.regime_map" else []
+    proc = subprocess.run([sys.executable, "-m", *argv, *out], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and message in lines[0]
