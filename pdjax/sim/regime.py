@@ -146,26 +146,32 @@ def ratio_lengths(p: float, o: float, total_tokens: int) -> Dict[str, Any]:
     return {"kind": "synthetic", "arrival": "poisson", "prompt_len": dists[0], "output_len": dists[1]}
 
 
-@functools.lru_cache(maxsize=None)
 def shifting_trace(phases: Tuple[Tuple[float, float], ...], num_requests: int, seed: int, total_tokens: int,
                    max_model_len: int) -> str:
     """A trace CSV ('simple' format: prompt_tokens,output_tokens; no times) whose prompt:output mix shifts: the
     requests split evenly over `phases` in order, each phase's lengths drawn as its 'P:O' workload's (seed + phase
-    index). Written once (atomically) to a path named by its content's hash under the temp directory; a 'trace'
-    workload replays its rows in order with Poisson arrivals at the probed rate. Returns the path."""
-    lines = ["prompt_tokens,output_tokens"]
-    for i, (p, o) in enumerate(phases):
-        n = num_requests // len(phases) + (i < num_requests % len(phases))
-        cfg = WorkloadConfig.from_dict({**ratio_lengths(p, o, total_tokens), "num_requests": n, "seed": seed + i,
-                                        "max_model_len": max_model_len})
-        lines += [f"{len(r.prompt_token_ids)},{r.max_tokens}" for r in make_workload(cfg, cfg.seed)]
-    text = "\n".join(lines) + "\n"
+    index). Written (atomically) to a path named by its content's hash under the temp directory when missing; a
+    'trace' workload replays its rows in order with Poisson arrivals at the probed rate. Returns the path."""
+    text = _shifting_text(phases, num_requests, seed, total_tokens, max_model_len)
     folder = os.path.join(tempfile.gettempdir(), "pdjax-regime-traces")
     path = os.path.join(folder, f"shift-{hashlib.sha256(text.encode()).hexdigest()[:16]}.csv")
     if not os.path.exists(path):
         os.makedirs(folder, exist_ok=True)
         atomic_write_text(path, text)
     return path
+
+
+@functools.lru_cache(maxsize=None)
+def _shifting_text(phases: Tuple[Tuple[float, float], ...], num_requests: int, seed: int, total_tokens: int,
+                   max_model_len: int) -> str:
+    """shifting_trace's CSV text (memoized: the grid asks for a workload at every point and candidate)."""
+    lines = ["prompt_tokens,output_tokens"]
+    for i, (p, o) in enumerate(phases):
+        n = num_requests // len(phases) + (i < num_requests % len(phases))
+        cfg = WorkloadConfig.from_dict({**ratio_lengths(p, o, total_tokens), "num_requests": n, "seed": seed + i,
+                                        "max_model_len": max_model_len})
+        lines += [f"{len(r.prompt_token_ids)},{r.max_tokens}" for r in make_workload(cfg, cfg.seed)]
+    return "\n".join(lines) + "\n"
 
 
 # --------------------------------------------------------------------------------------------------- the grid
