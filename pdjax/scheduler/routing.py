@@ -30,7 +30,11 @@ An instance is anything with `.scheduler` (a pdjax Scheduler) and, unless the ro
   use / pages), among those with room for the request's pages if any has.
   Both read the request (`pick(request)`); without one they pick as 'least_loaded'.
 Each router is a row of the router table (pdjax.config.registry.ROUTERS, which `deployment.router` is checked
-against) with its pick function, `(InstanceRouter) -> instance`: `register_router(name, pick)` adds one.
+against) with its pick function, `(InstanceRouter) -> instance`: `register_router(name, pick)` adds one. A row may
+say when its pick reads nothing that an instance's pending steps change (`stale_ok`, RouterInfo): round_robin never
+reads an instance; kv_centric's prefill-side pick reads no decode-only step's effect unless prefix caching could
+change the request's hit there (`kv_centric_stale_ok`). The simulator then leaves a replica's decode run
+unapplied while it routes (pdjax.sim.simulator.LazyRun); without it, every replica is brought up to date first.
 A router is callable as `router(request, instances)` too, the simulator's routing protocol (the request does not
 change the pick).
 A router serves one of the roles 'colocated', 'prefill', 'decode'. Mixed-pool instances (role 'mixed', Splitwise)
@@ -70,6 +74,7 @@ class InstanceRouter:
                              "routed by pdjax.scheduler.mixed.MixedPool)")
         self.policy = policy
         self._pick = ROUTERS[policy].pick
+        self._stale_ok = ROUTERS[policy].stale_ok
         self.role = roles.pop()
         self.instances = list(instances)
         self._cycle = itertools.cycle(self.instances)
@@ -105,6 +110,10 @@ class InstanceRouter:
 
     def __call__(self, request=None, instances=None):
         return self.pick(request)
+
+    def stale_ok(self, inst, request, decoders_only: bool) -> bool:
+        """Whether pick(request) reads nothing of `inst` that its unapplied steps change (RouterInfo.stale_ok)."""
+        return self._stale_ok is not None and self._stale_ok(self, inst, request, decoders_only)
 
 
 def _round_robin(router: InstanceRouter):
@@ -201,19 +210,41 @@ def _kv_centric(router: InstanceRouter):
     return min(instances, key=lambda inst: predicted_ttft(router, inst, req))
 
 
-def register_router(name: str, pick, *, replace: bool = False) -> None:
+def kv_centric_stale_ok(router: InstanceRouter, inst, req, decoders_only: bool) -> bool:
+    """Whether decode-only steps of `inst` change nothing _kv_centric reads of it for `req` (RouterInfo.stale_ok).
+    Its queued prefill tokens are those of requests the steps do not touch. Its hit for `req` is 0 before and after
+    them when req's first page is in neither its prefix cache nor its host tier (the steps' evictions could drop it)
+    and no running request can register a first page (each has one registered already; a later page's key chains
+    on its parent's hash, a first page's on 0, and a key's hash is 0 only by a 2**-64 chance). The decode side
+    reads free pages, which the steps change."""
+    if not decoders_only or router.role == "decode" or req is None or len(router.instances) == 1:
+        return False
+    bm = inst.scheduler.block_manager
+    if not bm.enable_prefix_caching or len(req.all_token_ids) <= bm.page_size:
+        return True
+    keys = req.page_keys
+    if not keys:
+        extend_page_keys(keys, req.all_token_ids, bm.page_size, 1)
+    first = keys[0]
+    if first in bm._key_to_page or (bm.host_tier is not None and first in bm.host_tier):
+        return False
+    return all(r.num_registered_pages for r in inst.scheduler.running)
+
+
+def register_router(name: str, pick, *, stale_ok=None, replace: bool = False) -> None:
     """Add router `name` (a valid deployment.router from now on): `pick(router) -> instance`, given the
-    InstanceRouter (its `instances`, `role` and `load(inst)`). A built-in row takes its pick function alone."""
+    InstanceRouter (its `instances`, `role` and `load(inst)`), and optionally its `stale_ok` (RouterInfo). A
+    built-in row takes its functions alone."""
     if name in ROUTERS and ROUTERS[name].pick is None:
-        ROUTERS[name].pick = pick
+        ROUTERS[name].pick, ROUTERS[name].stale_ok = pick, stale_ok
     else:
-        ROUTERS.add(name, RouterInfo(name, pick), replace=replace)
+        ROUTERS.add(name, RouterInfo(name, pick, stale_ok), replace=replace)
 
 
-register_router("round_robin", _round_robin)
+register_router("round_robin", _round_robin, stale_ok=lambda router, inst, req, decoders_only: True)
 register_router("least_loaded", _least_loaded)
 register_router("prefix_affinity", _prefix_affinity)
-register_router("kv_centric", _kv_centric)
+register_router("kv_centric", _kv_centric, stale_ok=kv_centric_stale_ok)
 ROUTERS.check_complete("pick", {"round_robin": _round_robin, "least_loaded": _least_loaded,
                                 "prefix_affinity": _prefix_affinity, "kv_centric": _kv_centric},
                        "pdjax.scheduler.routing's pick functions")

@@ -426,6 +426,10 @@ class RunStep:
         self.record = record
 
 
+def _never_stale_ok(inst, req, decoders_only: bool) -> bool:
+    return False
+
+
 class LazyRun:
     """A replica's decode run applied as time passes (Simulation.replica_run): planned steps starts/ends/seconds/
     chunk_lists (per step its prefill chunks; None: a decoders-only run); steps before `applied` applied, step
@@ -500,7 +504,9 @@ class Simulation:
                  if getattr(inst.scheduler.block_manager, "host_tier", None) is not None]
         self.replicas = (pool is None and len(self.instances) > 1 and len(set(self.names)) == len(self.names)
                          and len(set(tiers)) == len(tiers))
-        self.stateless_router = False     # the router reads no replica's state (round robin): no catch_up for it
+        # (router, replica, request, decoders_only) -> whether the router may read a replica with unapplied steps
+        # (pdjax.config.registry.RouterInfo.stale_ok); by default it never may: every replica is caught up
+        self.stale_ok = _never_stale_ok
         self.lazy_cut: Dict[Tuple[float, int], int] = {}   # (end, replica): completions of LazyRuns cut since
         self.waking = [False] * len(self.instances)     # ready to run its loop at the current time
         self.index_of = {id(inst): i for i, inst in enumerate(self.instances)}
@@ -549,7 +555,8 @@ class Simulation:
                     on_schedule=on_schedule, max_iterations=max_iterations,
                     decode_runs=[plain and decode_run_ready(inst) for inst in instances],
                     async_scheduling=async_scheduling, observe_step=observe_step)
-        state.stateless_router = isinstance(router, InstanceRouter) and router.policy == "round_robin"
+        if isinstance(router, InstanceRouter):
+            state.stale_ok = router.stale_ok
         return state
 
     # ------------------------------------------------------------------------------------------- events
@@ -701,6 +708,14 @@ class Simulation:
         if j < len(lazy.starts) and lazy.starts[j] < t and not lazy.scheduled:
             lazy.run.schedule_step(j)
             lazy.scheduled = True
+
+    def catch_up_read(self, req, t: float) -> None:
+        """Catch up every replica whose LazyRun changes what the router reads of it to route `req` at t."""
+        stale_ok = self.stale_ok
+        for idx, inst in enumerate(self.instances):
+            lazy = inst.in_flight
+            if lazy.__class__ is LazyRun and not stale_ok(inst, req, lazy.chunk_lists is None):
+                self.catch_up(idx, t)
 
     def cut_lazy(self, idx: int, t: float) -> None:
         """An arrival at t was routed to replica idx (caught up to t): its LazyRun ends with the step running across
@@ -898,14 +913,11 @@ class Simulation:
         instance's loop admits it; disaggregated, add_request at once (a rejection finishes it there)."""
         pending, direct = self.pending, self.direct
         replicas = self.replicas
-        if (replicas and not self.stateless_router and self.next_arrival < len(pending)
-                and pending[self.next_arrival].arrival_time <= t):
-            for idx, inst in enumerate(self.instances):      # the router reads every replica
-                if inst.in_flight.__class__ is LazyRun:
-                    self.catch_up(idx, t)
         while self.next_arrival < len(pending) and pending[self.next_arrival].arrival_time <= t:
             req = self.requests.arrived(self.next_arrival)
             self.next_arrival += 1
+            if replicas:
+                self.catch_up_read(req, t)
             inst = self.route(req, t)
             if inst is None:       # rejected at its arrival (pdjax.scheduler.overload.AdmittingPool)
                 continue
