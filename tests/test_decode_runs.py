@@ -692,8 +692,8 @@ def test_kv_centric_routes_past_unapplied_decode_steps(policy, tier, workload, s
     skipped = []
     stale_ok = routing.ROUTERS["kv_centric"].stale_ok
 
-    def counting(router, inst, req, decoders_only):
-        ok = stale_ok(router, inst, req, decoders_only)
+    def counting(router, inst, req, prefill_tokens):
+        ok = stale_ok(router, inst, req, prefill_tokens)
         skipped.append(ok)
         return ok
 

@@ -179,9 +179,10 @@ def role_policy(role: str) -> Optional[str]:
 @dataclasses.dataclass
 class RouterInfo:
     """One router (deployment.router). pick: `(InstanceRouter) -> instance` (set by pdjax.scheduler.routing).
-    stale_ok: `(InstanceRouter, instance, request, decoders_only) -> bool`, or None (never): True when pick(request)
-    reads nothing of the instance that its scheduled-but-unapplied steps change (decode-only steps when
-    decoders_only), so the simulator may route without applying them first (pdjax.sim.simulator.LazyRun)."""
+    stale_ok: `(InstanceRouter, instance, request, prefill_tokens) -> bool`, or None (never): True when pick(request)
+    reads nothing of the instance that its steps run but not yet applied change, but the `prefill_tokens` prompt
+    tokens they compute (InstanceRouter.unapplied_prefill), so the simulator may route without applying them first
+    (pdjax.sim.simulator.LazyRun)."""
     name: str
     pick: Optional[Callable] = None
     stale_ok: Optional[Callable] = None

@@ -81,6 +81,9 @@ class InstanceRouter:
         self._load = {"prefill": self.prefill_load, "decode": self.decode_load,
                       "colocated": self.colocated_load}[self.role]
         self.request = None           # the request being routed (cache-aware routers read it)
+        # id(instance) -> prompt tokens that steps of it computed but its scheduler has not applied yet (the
+        # simulator's lazily applied replicas, where stale_ok let it route past them): queued_prefill_tokens' offset
+        self.unapplied_prefill: dict = {}
         self.cost = cost if cost is not None else _tokens_cost
         self.fetch = fetch if fetch is not None else _no_fetch
         self.balance_abs, self.balance_rel, self.cache_threshold = balance_abs, balance_rel, cache_threshold
@@ -111,9 +114,10 @@ class InstanceRouter:
     def __call__(self, request=None, instances=None):
         return self.pick(request)
 
-    def stale_ok(self, inst, request, decoders_only: bool) -> bool:
-        """Whether pick(request) reads nothing of `inst` that its unapplied steps change (RouterInfo.stale_ok)."""
-        return self._stale_ok is not None and self._stale_ok(self, inst, request, decoders_only)
+    def stale_ok(self, inst, request, prefill_tokens: int) -> bool:
+        """Whether pick(request) reads nothing of `inst` that its unapplied steps change but the `prefill_tokens`
+        prompt tokens they compute (RouterInfo.stale_ok), which the caller then puts in `unapplied_prefill`."""
+        return self._stale_ok is not None and self._stale_ok(self, inst, request, prefill_tokens)
 
 
 def _round_robin(router: InstanceRouter):
@@ -190,6 +194,8 @@ def predicted_ttft(router: InstanceRouter, inst, req) -> float:
     device, local, remote = cached_prefix(inst, req)
     cached = (device + local + remote) * inst.scheduler.block_manager.page_size
     queued = queued_prefill_tokens(inst)
+    if router.unapplied_prefill:
+        queued -= router.unapplied_prefill.get(id(inst), 0)
     queue_s = router.cost(queued, 0) if queued else 0.0
     return queue_s + router.cost(len(req.all_token_ids) - cached, cached) + router.fetch(local, remote)
 
@@ -210,17 +216,22 @@ def _kv_centric(router: InstanceRouter):
     return min(instances, key=lambda inst: predicted_ttft(router, inst, req))
 
 
-def kv_centric_stale_ok(router: InstanceRouter, inst, req, decoders_only: bool) -> bool:
-    """Whether decode-only steps of `inst` change nothing _kv_centric reads of it for `req` (RouterInfo.stale_ok).
-    Its queued prefill tokens are those of requests the steps do not touch. Its hit for `req` is 0 before and after
-    them when req's first page is in neither its prefix cache nor its host tier (the steps' evictions could drop it)
-    and no running request can register a first page (each has one registered already; a later page's key chains
-    on its parent's hash, a first page's on 0, and a key's hash is 0 only by a 2**-64 chance). The decode side
-    reads free pages, which the steps change."""
-    if not decoders_only or router.role == "decode" or req is None or len(router.instances) == 1:
+def kv_centric_stale_ok(router: InstanceRouter, inst, req, prefill_tokens: int) -> bool:
+    """Whether steps of `inst` that compute `prefill_tokens` prompt tokens (and decode) change nothing _kv_centric
+    reads of it for `req` but its queued prefill tokens, by exactly those (RouterInfo.stale_ok; the caller puts them
+    in `unapplied_prefill`). Without prefix caching, yes. With it, only decode-only steps (prefill_tokens = 0)
+    qualify, and only when req's hit there is 0 before and after them: req's first page is in neither the prefix
+    cache nor the host tier (the steps' evictions could drop it) and no running request can register a first page
+    (each has one registered already; a later page's key chains on its parent's hash, a first page's on 0, and a
+    key's hash is 0 only by a 2**-64 chance). The decode side reads free pages, which the steps change."""
+    if router.role == "decode" or req is None or len(router.instances) == 1:
         return False
     bm = inst.scheduler.block_manager
-    if not bm.enable_prefix_caching or len(req.all_token_ids) <= bm.page_size:
+    if not bm.enable_prefix_caching:
+        return True
+    if prefill_tokens:
+        return False
+    if len(req.all_token_ids) <= bm.page_size:
         return True
     keys = req.page_keys
     if not keys:
@@ -241,7 +252,7 @@ def register_router(name: str, pick, *, stale_ok=None, replace: bool = False) ->
         ROUTERS.add(name, RouterInfo(name, pick, stale_ok), replace=replace)
 
 
-register_router("round_robin", _round_robin, stale_ok=lambda router, inst, req, decoders_only: True)
+register_router("round_robin", _round_robin, stale_ok=lambda router, inst, req, prefill_tokens: True)
 register_router("least_loaded", _least_loaded)
 register_router("prefix_affinity", _prefix_affinity)
 register_router("kv_centric", _kv_centric, stale_ok=kv_centric_stale_ok)

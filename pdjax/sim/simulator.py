@@ -426,7 +426,7 @@ class RunStep:
         self.record = record
 
 
-def _never_stale_ok(inst, req, decoders_only: bool) -> bool:
+def _never_stale_ok(inst, req, prefill_tokens: int) -> bool:
     return False
 
 
@@ -504,9 +504,11 @@ class Simulation:
                  if getattr(inst.scheduler.block_manager, "host_tier", None) is not None]
         self.replicas = (pool is None and len(self.instances) > 1 and len(set(self.names)) == len(self.names)
                          and len(set(tiers)) == len(tiers))
-        # (router, replica, request, decoders_only) -> whether the router may read a replica with unapplied steps
-        # (pdjax.config.registry.RouterInfo.stale_ok); by default it never may: every replica is caught up
+        # (replica, request, prompt tokens computed by its steps run but not applied) -> whether the router may read
+        # the replica without them (pdjax.config.registry.RouterInfo.stale_ok), given those tokens in
+        # `unapplied_prefill` (id(replica) -> tokens); by default it never may: every replica is caught up
         self.stale_ok = _never_stale_ok
+        self.unapplied_prefill: Dict[int, int] = {}
         self.lazy_cut: Dict[Tuple[float, int], int] = {}   # (end, replica): completions of LazyRuns cut since
         self.waking = [False] * len(self.instances)     # ready to run its loop at the current time
         self.index_of = {id(inst): i for i, inst in enumerate(self.instances)}
@@ -556,7 +558,7 @@ class Simulation:
                     decode_runs=[plain and decode_run_ready(inst) for inst in instances],
                     async_scheduling=async_scheduling, observe_step=observe_step)
         if isinstance(router, InstanceRouter):
-            state.stale_ok = router.stale_ok
+            state.stale_ok, state.unapplied_prefill = router.stale_ok, router.unapplied_prefill
         return state
 
     # ------------------------------------------------------------------------------------------- events
@@ -710,12 +712,22 @@ class Simulation:
             lazy.scheduled = True
 
     def catch_up_read(self, req, t: float) -> None:
-        """Catch up every replica whose LazyRun changes what the router reads of it to route `req` at t."""
-        stale_ok = self.stale_ok
+        """Catch up every replica whose LazyRun changes what the router reads of it to route `req` at t, but the
+        prompt tokens its steps ended by t computed (given the router in unapplied_prefill)."""
+        stale_ok, unapplied = self.stale_ok, self.unapplied_prefill
         for idx, inst in enumerate(self.instances):
             lazy = inst.in_flight
-            if lazy.__class__ is LazyRun and not stale_ok(inst, req, lazy.chunk_lists is None):
+            if lazy.__class__ is not LazyRun:
+                continue
+            tokens = 0
+            if lazy.chunk_lists is not None:
+                for chunks in lazy.chunk_lists[lazy.applied:bisect_right(lazy.ends, t)]:
+                    for n, _ in chunks:
+                        tokens += n
+            if not stale_ok(inst, req, tokens):
                 self.catch_up(idx, t)
+            elif tokens:
+                unapplied[id(inst)] = tokens
 
     def cut_lazy(self, idx: int, t: float) -> None:
         """An arrival at t was routed to replica idx (caught up to t): its LazyRun ends with the step running across
@@ -919,6 +931,8 @@ class Simulation:
             if replicas:
                 self.catch_up_read(req, t)
             inst = self.route(req, t)
+            if self.unapplied_prefill:
+                self.unapplied_prefill.clear()
             if inst is None:       # rejected at its arrival (pdjax.scheduler.overload.AdmittingPool)
                 continue
             if replicas and inst.in_flight.__class__ is LazyRun:
