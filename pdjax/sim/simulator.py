@@ -504,9 +504,8 @@ class Simulation:
                  if getattr(inst.scheduler.block_manager, "host_tier", None) is not None]
         self.replicas = (pool is None and len(self.instances) > 1 and len(set(self.names)) == len(self.names)
                          and len(set(tiers)) == len(tiers))
-        # (replica, request, prompt tokens computed by its steps run but not applied) -> whether the router may read
-        # the replica without them (pdjax.config.registry.RouterInfo.stale_ok), given those tokens in
-        # `unapplied_prefill` (id(replica) -> tokens); by default it never may: every replica is caught up
+        # (replica, request, prompt tokens its run but unapplied steps computed) -> whether the router may read it
+        # so (RouterInfo.stale_ok), given them in unapplied_prefill; by default never: every replica is caught up
         self.stale_ok = _never_stale_ok
         self.unapplied_prefill: Dict[int, int] = {}
         self.lazy_cut: Dict[Tuple[float, int], int] = {}   # (end, replica): completions of LazyRuns cut since
