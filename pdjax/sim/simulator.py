@@ -506,8 +506,7 @@ class Simulation:
                          and len(set(tiers)) == len(tiers))
         # (replica, request, prompt tokens its run but unapplied steps computed) -> whether the router may read it
         # so (RouterInfo.stale_ok), given them in unapplied_prefill; by default never: every replica is caught up
-        self.stale_ok = _never_stale_ok
-        self.unapplied_prefill: Dict[int, int] = {}
+        self.stale_ok, self.unapplied_prefill = _never_stale_ok, {}
         self.lazy_cut: Dict[Tuple[float, int], int] = {}   # (end, replica): completions of LazyRuns cut since
         self.waking = [False] * len(self.instances)     # ready to run its loop at the current time
         self.index_of = {id(inst): i for i, inst in enumerate(self.instances)}
