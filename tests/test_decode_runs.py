@@ -679,27 +679,29 @@ def first_page_followers(n: int, seed: int, rate: float) -> list:
     return reqs
 
 
+@pytest.mark.parametrize("router", ["kv_centric", "prefix_affinity"])
 @pytest.mark.parametrize("policy,tier,workload,seed,num_pages,rate", [
     ("vllm_v1", "none", "shared", 2, 80, 3.0), ("vllm_v1", "local", "shared", 4, 80, 6.0),
     ("vllm_v1", "local", "shared", 0, 64, 6.0),
     ("sarathi", "none", "followers", 2, 80, 3.0), ("vllm_v1", "local", "followers", 3, 80, 30.0)])
-def test_kv_centric_routes_past_unapplied_decode_steps(policy, tier, workload, seed, num_pages, rate, monkeypatch):
-    """kv_centric reads a replica with decode-only steps unapplied (RouterInfo.stale_ok) only when they cannot
-    change the request's hit there: records and caches equal the steps one at a time, in cases where routing on
-    a replica whose decode steps evict the request's first page (shared prefixes, a small pool) or register it
+def test_cache_aware_routers_route_past_unapplied_decode_steps(router, policy, tier, workload, seed, num_pages, rate,
+                                                               monkeypatch):
+    """The cache-aware routers read a replica with decode-only steps unapplied (RouterInfo.stale_ok) only when they
+    cannot change the request's hit there: records and caches equal the steps one at a time, in cases where routing
+    on a replica whose decode steps evict the request's first page (shared prefixes, a small pool) or register it
     (followers of short prompts) would differ; and some reads do skip the catch-up."""
     from pdjax.scheduler import routing
     skipped = []
-    stale_ok = routing.ROUTERS["kv_centric"].stale_ok
+    stale_ok = routing.ROUTERS[router].stale_ok
 
-    def counting(router, inst, req, prefill_tokens):
-        ok = stale_ok(router, inst, req, prefill_tokens)
+    def counting(router_, inst, req, prefill_tokens):
+        ok = stale_ok(router_, inst, req, prefill_tokens)
         skipped.append(ok)
         return ok
 
-    monkeypatch.setattr(routing.ROUTERS["kv_centric"], "stale_ok", counting)
+    monkeypatch.setattr(routing.ROUTERS[router], "stale_ok", counting)
     params = dict(CONFIGS[policy], num_pages=num_pages)
-    args = dict(instances=3, router="kv_centric", tier=tier, seed=seed, n=90, rate=rate,
+    args = dict(instances=3, router=router, tier=tier, seed=seed, n=90, rate=rate,
                 workload=first_page_followers if workload == "followers" else None)
     reference = run_cached(params, False, **args)
     got = run_cached(params, True, **args)

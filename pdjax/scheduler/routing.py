@@ -32,8 +32,9 @@ An instance is anything with `.scheduler` (a pdjax Scheduler) and, unless the ro
 Each router is a row of the router table (pdjax.config.registry.ROUTERS, which `deployment.router` is checked
 against) with its pick function, `(InstanceRouter) -> instance`: `register_router(name, pick)` adds one. A row may
 say when its pick reads nothing that an instance's pending steps change (`stale_ok`, RouterInfo): round_robin never
-reads an instance; kv_centric's prefill-side pick reads no decode-only step's effect unless prefix caching could
-change the request's hit there (`kv_centric_stale_ok`). The simulator then leaves a replica's decode run
+reads an instance; prefix_affinity and kv_centric (prefill side) read its live requests, its queued prompt tokens
+and free pages (offset by what the pending steps compute and allocate: `unapplied`) and the request's hit there,
+which prefix caching may change (`cache_aware_stale_ok`). The simulator then leaves a replica's decode run
 unapplied while it routes (pdjax.sim.simulator.LazyRun); without it, every replica is brought up to date first.
 A router is callable as `router(request, instances)` too, the simulator's routing protocol (the request does not
 change the pick).
@@ -81,9 +82,10 @@ class InstanceRouter:
         self._load = {"prefill": self.prefill_load, "decode": self.decode_load,
                       "colocated": self.colocated_load}[self.role]
         self.request = None           # the request being routed (cache-aware routers read it)
-        # id(instance) -> prompt tokens that steps of it computed but its scheduler has not applied yet (the
-        # simulator's lazily applied replicas, where stale_ok let it route past them): queued_prefill_tokens' offset
-        self.unapplied_prefill: dict = {}
+        # id(instance) -> (prompt tokens, pages) that steps of it computed and allocated but its scheduler has not
+        # applied yet (the simulator's lazily applied replicas, where stale_ok let it route past them): the offsets
+        # of queued_prefill_tokens and free_pages
+        self.unapplied: dict = {}
         self.cost = cost if cost is not None else _tokens_cost
         self.fetch = fetch if fetch is not None else _no_fetch
         self.balance_abs, self.balance_rel, self.cache_threshold = balance_abs, balance_rel, cache_threshold
@@ -116,8 +118,16 @@ class InstanceRouter:
 
     def stale_ok(self, inst, request, prefill_tokens: int) -> bool:
         """Whether pick(request) reads nothing of `inst` that its unapplied steps change but the `prefill_tokens`
-        prompt tokens they compute (RouterInfo.stale_ok), which the caller then puts in `unapplied_prefill`."""
+        prompt tokens they compute and the pages they allocate (RouterInfo.stale_ok), which the caller then puts in
+        `unapplied`."""
         return self._stale_ok is not None and self._stale_ok(self, inst, request, prefill_tokens)
+
+    def free_pages(self, inst) -> int:
+        """inst's free KV pages, less those its unapplied steps allocated (`unapplied`)."""
+        free = inst.scheduler.block_manager.num_free_pages
+        if self.unapplied:
+            free -= self.unapplied.get(id(inst), (0, 0))[1]
+        return free
 
 
 def _round_robin(router: InstanceRouter):
@@ -179,7 +189,7 @@ def _prefix_affinity(router: InstanceRouter):
     ps = instances[0].scheduler.block_manager.page_size
     if best is not None and best_pages * ps > router.cache_threshold * len(req.all_token_ids):
         return best
-    return max(instances, key=lambda i: i.scheduler.block_manager.num_free_pages)   # max keeps the first
+    return max(instances, key=router.free_pages)   # max keeps the first
 
 
 def queued_prefill_tokens(inst) -> int:
@@ -194,8 +204,8 @@ def predicted_ttft(router: InstanceRouter, inst, req) -> float:
     device, local, remote = cached_prefix(inst, req)
     cached = (device + local + remote) * inst.scheduler.block_manager.page_size
     queued = queued_prefill_tokens(inst)
-    if router.unapplied_prefill:
-        queued -= router.unapplied_prefill.get(id(inst), 0)
+    if router.unapplied:
+        queued -= router.unapplied.get(id(inst), (0, 0))[0]
     queue_s = router.cost(queued, 0) if queued else 0.0
     return queue_s + router.cost(len(req.all_token_ids) - cached, cached) + router.fetch(local, remote)
 
@@ -216,16 +226,13 @@ def _kv_centric(router: InstanceRouter):
     return min(instances, key=lambda inst: predicted_ttft(router, inst, req))
 
 
-def kv_centric_stale_ok(router: InstanceRouter, inst, req, prefill_tokens: int) -> bool:
-    """Whether steps of `inst` that compute `prefill_tokens` prompt tokens (and decode) change nothing _kv_centric
-    reads of it for `req` but its queued prefill tokens, by exactly those (RouterInfo.stale_ok; the caller puts them
-    in `unapplied_prefill`). Without prefix caching, yes. With it, only decode-only steps (prefill_tokens = 0)
-    qualify, and only when req's hit there is 0 before and after them: req's first page is in neither the prefix
-    cache nor the host tier (the steps' evictions could drop it) and no running request can register a first page
-    (each has one registered already; a later page's key chains on its parent's hash, a first page's on 0, and a
-    key's hash is 0 only by a 2**-64 chance). The decode side reads free pages, which the steps change."""
-    if router.role == "decode" or req is None or len(router.instances) == 1:
-        return False
+def no_hit_change(inst, req, prefill_tokens: int) -> bool:
+    """Whether `req`'s hit on `inst` (cached_prefix) is the same before and after steps of `inst` that compute
+    `prefill_tokens` prompt tokens and decode. Without prefix caching, yes. With it, only decode-only steps
+    (prefill_tokens = 0) qualify, and only when the hit is 0 before and after them: req's first page is in neither
+    the prefix cache nor the host tier (the steps' evictions could drop it) and no running request can register a
+    first page (each has one registered already; a later page's key chains on its parent's hash, a first page's on
+    0, and a key's hash is 0 only by a 2**-64 chance)."""
     bm = inst.scheduler.block_manager
     if not bm.enable_prefix_caching:
         return True
@@ -242,6 +249,16 @@ def kv_centric_stale_ok(router: InstanceRouter, inst, req, prefill_tokens: int) 
     return all(r.num_registered_pages for r in inst.scheduler.running)
 
 
+def cache_aware_stale_ok(router: InstanceRouter, inst, req, prefill_tokens: int) -> bool:
+    """RouterInfo.stale_ok of prefix_affinity and kv_centric on the prefill side (colocated, prefill): what they
+    read of an instance is its live requests (steps that finish none leave them), its queued prefill tokens and
+    free pages (less what the steps compute and allocate: `unapplied`), and req's hit there (no_hit_change). The
+    decode side reads free pages against the request's need, and its load, which the steps change."""
+    if router.role == "decode" or req is None or len(router.instances) == 1:
+        return False
+    return no_hit_change(inst, req, prefill_tokens)
+
+
 def register_router(name: str, pick, *, stale_ok=None, replace: bool = False) -> None:
     """Add router `name` (a valid deployment.router from now on): `pick(router) -> instance`, given the
     InstanceRouter (its `instances`, `role` and `load(inst)`), and optionally its `stale_ok` (RouterInfo). A
@@ -254,8 +271,8 @@ def register_router(name: str, pick, *, stale_ok=None, replace: bool = False) ->
 
 register_router("round_robin", _round_robin, stale_ok=lambda router, inst, req, prefill_tokens: True)
 register_router("least_loaded", _least_loaded)
-register_router("prefix_affinity", _prefix_affinity)
-register_router("kv_centric", _kv_centric, stale_ok=kv_centric_stale_ok)
+register_router("prefix_affinity", _prefix_affinity, stale_ok=cache_aware_stale_ok)
+register_router("kv_centric", _kv_centric, stale_ok=cache_aware_stale_ok)
 ROUTERS.check_complete("pick", {"round_robin": _round_robin, "least_loaded": _least_loaded,
                                 "prefix_affinity": _prefix_affinity, "kv_centric": _kv_centric},
                        "pdjax.scheduler.routing's pick functions")

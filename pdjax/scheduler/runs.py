@@ -329,6 +329,17 @@ class DecodeRun:
                                                for _, kind, i, need in grow])
         return None
 
+    def pages_granted(self, a: int, b: int) -> int:
+        """Pages planned steps a .. b - 1 allocate (_grow_pages)."""
+        if a >= b:
+            return 0
+        if not self.prefills and not self.admitted:
+            groups = self._growth_groups()
+            if groups is not None:
+                ps = len(groups)
+                return sum([len(groups[j % ps]) for j in range(a, b)])
+        return sum([need for _, need in self._growth_range(a, b)[1]])
+
     def _growth_groups(self) -> Optional[List[list]]:
         """A decoders-only run's page growth by step: [r] the page tables of the decoders that grow at every step j
         with j % page_size == r, in running order (each grows first within page_size steps); None when one grows

@@ -505,8 +505,8 @@ class Simulation:
         self.replicas = (pool is None and len(self.instances) > 1 and len(set(self.names)) == len(self.names)
                          and len(set(tiers)) == len(tiers))
         # (replica, request, prompt tokens its run but unapplied steps computed) -> whether the router may read it
-        # so (RouterInfo.stale_ok), given them in unapplied_prefill; by default never: every replica is caught up
-        self.stale_ok, self.unapplied_prefill = _never_stale_ok, {}
+        # so (RouterInfo.stale_ok), given them and their pages in unapplied; by default never: all are caught up
+        self.stale_ok, self.unapplied = _never_stale_ok, {}
         self.lazy_cut: Dict[Tuple[float, int], int] = {}   # (end, replica): completions of LazyRuns cut since
         self.waking = [False] * len(self.instances)     # ready to run its loop at the current time
         self.index_of = {id(inst): i for i, inst in enumerate(self.instances)}
@@ -556,7 +556,7 @@ class Simulation:
                     decode_runs=[plain and decode_run_ready(inst) for inst in instances],
                     async_scheduling=async_scheduling, observe_step=observe_step)
         if isinstance(router, InstanceRouter):
-            state.stale_ok, state.unapplied_prefill = router.stale_ok, router.unapplied_prefill
+            state.stale_ok, state.unapplied = router.stale_ok, router.unapplied
         return state
 
     # ------------------------------------------------------------------------------------------- events
@@ -711,21 +711,28 @@ class Simulation:
 
     def catch_up_read(self, req, t: float) -> None:
         """Catch up every replica whose LazyRun changes what the router reads of it to route `req` at t, but the
-        prompt tokens its steps ended by t computed (given the router in unapplied_prefill)."""
-        stale_ok, unapplied = self.stale_ok, self.unapplied_prefill
+        prompt tokens and pages of its steps that catch_up would apply or schedule (given the router in
+        `unapplied`)."""
+        stale_ok, unapplied = self.stale_ok, self.unapplied
         for idx, inst in enumerate(self.instances):
             lazy = inst.in_flight
             if lazy.__class__ is not LazyRun:
                 continue
+            j = bisect_right(lazy.ends, t)
+            if j == len(lazy.ends):     # its last step (a finish, a prompt done) ended at t: applied first
+                self.catch_up(idx, t)
+                continue
             tokens = 0
             if lazy.chunk_lists is not None:
-                for chunks in lazy.chunk_lists[lazy.applied:bisect_right(lazy.ends, t)]:
+                for chunks in lazy.chunk_lists[lazy.applied:j]:
                     for n, _ in chunks:
                         tokens += n
             if not stale_ok(inst, req, tokens):
                 self.catch_up(idx, t)
-            elif tokens:
-                unapplied[id(inst)] = tokens
+            else:
+                pages = lazy.run.pages_granted(lazy.applied + lazy.scheduled, j + (lazy.starts[j] < t))
+                if tokens or pages:
+                    unapplied[id(inst)] = (tokens, pages)
 
     def cut_lazy(self, idx: int, t: float) -> None:
         """An arrival at t was routed to replica idx (caught up to t): its LazyRun ends with the step running across
@@ -929,8 +936,8 @@ class Simulation:
             if replicas:
                 self.catch_up_read(req, t)
             inst = self.route(req, t)
-            if self.unapplied_prefill:
-                self.unapplied_prefill.clear()
+            if self.unapplied:
+                self.unapplied.clear()
             if inst is None:       # rejected at its arrival (pdjax.scheduler.overload.AdmittingPool)
                 continue
             if replicas and inst.in_flight.__class__ is LazyRun:
