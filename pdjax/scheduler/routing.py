@@ -32,7 +32,8 @@ An instance is anything with `.scheduler` (a pdjax Scheduler) and, unless the ro
 Each router is a row of the router table (pdjax.config.registry.ROUTERS, which `deployment.router` is checked
 against) with its pick function, `(InstanceRouter) -> instance`: `register_router(name, pick)` adds one. A row may
 say when its pick reads nothing that an instance's pending steps change (`stale_ok`, RouterInfo): round_robin never
-reads an instance; prefix_affinity and kv_centric (prefill side) read its live requests, its queued prompt tokens
+reads an instance; least_loaded reads a colocated one's tokens to compute (less what the pending steps computed);
+prefix_affinity and kv_centric (prefill side) read its live requests, its queued prompt tokens
 and free pages (offset by what the pending steps compute and allocate: `unapplied`) and the request's hit there,
 which prefix caching may change (`cache_aware_stale_ok`). The simulator then leaves a replica's decode run
 unapplied while it routes (pdjax.sim.simulator.LazyRun); without it, every replica is brought up to date first.
@@ -82,9 +83,9 @@ class InstanceRouter:
         self._load = {"prefill": self.prefill_load, "decode": self.decode_load,
                       "colocated": self.colocated_load}[self.role]
         self.request = None           # the request being routed (cache-aware routers read it)
-        # id(instance) -> (prompt tokens, pages) that steps of it computed and allocated but its scheduler has not
-        # applied yet (the simulator's lazily applied replicas, where stale_ok let it route past them): the offsets
-        # of queued_prefill_tokens and free_pages
+        # id(instance) -> (prompt tokens, pages, tokens) that steps of it computed (prompt tokens; all tokens) and
+        # allocated but its scheduler has not applied yet (the simulator's lazily applied replicas, where stale_ok let
+        # it route past them): the offsets of queued_prefill_tokens, free_pages and a colocated load
         self.unapplied: dict = {}
         self.cost = cost if cost is not None else _tokens_cost
         self.fetch = fetch if fetch is not None else _no_fetch
@@ -107,7 +108,11 @@ class InstanceRouter:
         return sum(_remaining_tokens(r) for r in held)
 
     def load(self, inst) -> int:
-        return self._load(inst)
+        """inst's load for this router's role (less, colocated, the tokens its unapplied steps computed)."""
+        load = self._load(inst)
+        if self.unapplied and self.role == "colocated":
+            load -= self.unapplied.get(id(inst), (0, 0, 0))[2]
+        return load
 
     def pick(self, request=None):
         self.request = request
@@ -126,7 +131,7 @@ class InstanceRouter:
         """inst's free KV pages, less those its unapplied steps allocated (`unapplied`)."""
         free = inst.scheduler.block_manager.num_free_pages
         if self.unapplied:
-            free -= self.unapplied.get(id(inst), (0, 0))[1]
+            free -= self.unapplied.get(id(inst), (0, 0, 0))[1]
         return free
 
 
@@ -137,7 +142,7 @@ def _round_robin(router: InstanceRouter):
 def _least_loaded(router: InstanceRouter):
     if len(router.instances) == 1:
         return next(router._cycle)
-    return min(router.instances, key=router._load)   # min keeps the first of equals: deterministic
+    return min(router.instances, key=router.load)   # min keeps the first of equals: deterministic
 
 
 def _tokens_cost(new_tokens: int, cached_tokens: int) -> float:
@@ -205,7 +210,7 @@ def predicted_ttft(router: InstanceRouter, inst, req) -> float:
     cached = (device + local + remote) * inst.scheduler.block_manager.page_size
     queued = queued_prefill_tokens(inst)
     if router.unapplied:
-        queued -= router.unapplied.get(id(inst), (0, 0))[0]
+        queued -= router.unapplied.get(id(inst), (0, 0, 0))[0]
     queue_s = router.cost(queued, 0) if queued else 0.0
     return queue_s + router.cost(len(req.all_token_ids) - cached, cached) + router.fetch(local, remote)
 
@@ -270,7 +275,8 @@ def register_router(name: str, pick, *, stale_ok=None, replace: bool = False) ->
 
 
 register_router("round_robin", _round_robin, stale_ok=lambda router, inst, req, prefill_tokens: True)
-register_router("least_loaded", _least_loaded)
+register_router("least_loaded", _least_loaded,     # a colocated load less the unapplied steps' tokens
+                stale_ok=lambda router, inst, req, prefill_tokens: router.role == "colocated")
 register_router("prefix_affinity", _prefix_affinity, stale_ok=cache_aware_stale_ok)
 register_router("kv_centric", _kv_centric, stale_ok=cache_aware_stale_ok)
 ROUTERS.check_complete("pick", {"round_robin": _round_robin, "least_loaded": _least_loaded,

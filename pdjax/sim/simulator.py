@@ -711,8 +711,7 @@ class Simulation:
 
     def catch_up_read(self, req, t: float) -> None:
         """Catch up every replica whose LazyRun changes what the router reads of it to route `req` at t, but the
-        prompt tokens and pages of its steps that catch_up would apply or schedule (given the router in
-        `unapplied`)."""
+        tokens and pages of its steps that catch_up would apply or schedule (given the router in `unapplied`)."""
         stale_ok, unapplied = self.stale_ok, self.unapplied
         for idx, inst in enumerate(self.instances):
             lazy = inst.in_flight
@@ -731,8 +730,9 @@ class Simulation:
                 self.catch_up(idx, t)
             else:
                 pages = lazy.run.pages_granted(lazy.applied + lazy.scheduled, j + (lazy.starts[j] < t))
-                if tokens or pages:
-                    unapplied[id(inst)] = (tokens, pages)
+                computed = tokens + lazy.run.count * (j - lazy.applied)
+                if pages or computed:
+                    unapplied[id(inst)] = (tokens, pages, computed)
 
     def cut_lazy(self, idx: int, t: float) -> None:
         """An arrival at t was routed to replica idx (caught up to t): its LazyRun ends with the step running across
