@@ -77,6 +77,7 @@ class InstanceRouter:
         self.policy = policy
         self._pick = ROUTERS[policy].pick
         self._stale_ok = ROUTERS[policy].stale_ok
+        self.reads_instances = self._stale_ok is not reads_nothing
         self.role = roles.pop()
         self.instances = list(instances)
         self._cycle = itertools.cycle(self.instances)
@@ -264,6 +265,11 @@ def cache_aware_stale_ok(router: InstanceRouter, inst, req, prefill_tokens: int)
     return no_hit_change(inst, req, prefill_tokens)
 
 
+def reads_nothing(router: InstanceRouter, inst, req, prefill_tokens: int) -> bool:
+    """RouterInfo.stale_ok of a router that reads no instance (round_robin)."""
+    return True
+
+
 def register_router(name: str, pick, *, stale_ok=None, replace: bool = False) -> None:
     """Add router `name` (a valid deployment.router from now on): `pick(router) -> instance`, given the
     InstanceRouter (its `instances`, `role` and `load(inst)`), and optionally its `stale_ok` (RouterInfo). A
@@ -274,7 +280,7 @@ def register_router(name: str, pick, *, stale_ok=None, replace: bool = False) ->
         ROUTERS.add(name, RouterInfo(name, pick, stale_ok), replace=replace)
 
 
-register_router("round_robin", _round_robin, stale_ok=lambda router, inst, req, prefill_tokens: True)
+register_router("round_robin", _round_robin, stale_ok=reads_nothing)
 register_router("least_loaded", _least_loaded,     # a colocated load less the unapplied steps' tokens
                 stale_ok=lambda router, inst, req, prefill_tokens: router.role == "colocated")
 register_router("prefix_affinity", _prefix_affinity, stale_ok=cache_aware_stale_ok)

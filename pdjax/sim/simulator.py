@@ -504,9 +504,10 @@ class Simulation:
                  if getattr(inst.scheduler.block_manager, "host_tier", None) is not None]
         self.replicas = (pool is None and len(self.instances) > 1 and len(set(self.names)) == len(self.names)
                          and len(set(tiers)) == len(tiers))
-        # (replica, request, prompt tokens its run but unapplied steps computed) -> whether the router may read it
-        # so (RouterInfo.stale_ok), given them and their pages in unapplied; by default never: all are caught up
-        self.stale_ok, self.unapplied = _never_stale_ok, {}
+        # (replica, request, prompt tokens its run but unapplied steps computed) -> whether the router may read it so
+        # (RouterInfo.stale_ok), given their tokens and pages in unapplied; by default never. router_reads: False for
+        # one that reads no replica (round_robin)
+        self.stale_ok, self.unapplied, self.router_reads = _never_stale_ok, {}, True
         self.lazy_cut: Dict[Tuple[float, int], int] = {}   # (end, replica): completions of LazyRuns cut since
         self.waking = [False] * len(self.instances)     # ready to run its loop at the current time
         self.index_of = {id(inst): i for i, inst in enumerate(self.instances)}
@@ -557,6 +558,7 @@ class Simulation:
                     async_scheduling=async_scheduling, observe_step=observe_step)
         if isinstance(router, InstanceRouter):
             state.stale_ok, state.unapplied = router.stale_ok, router.unapplied
+            state.router_reads = router.reads_instances
         return state
 
     # ------------------------------------------------------------------------------------------- events
@@ -933,7 +935,7 @@ class Simulation:
         while self.next_arrival < len(pending) and pending[self.next_arrival].arrival_time <= t:
             req = self.requests.arrived(self.next_arrival)
             self.next_arrival += 1
-            if replicas:
+            if replicas and self.router_reads:
                 self.catch_up_read(req, t)
             inst = self.route(req, t)
             if self.unapplied:
