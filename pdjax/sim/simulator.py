@@ -504,9 +504,8 @@ class Simulation:
                  if getattr(inst.scheduler.block_manager, "host_tier", None) is not None]
         self.replicas = (pool is None and len(self.instances) > 1 and len(set(self.names)) == len(self.names)
                          and len(set(tiers)) == len(tiers))
-        # (replica, request, prompt tokens its run but unapplied steps computed) -> whether the router may read it so
-        # (RouterInfo.stale_ok), given their tokens and pages in unapplied; by default never. router_reads: False for
-        # one that reads no replica (round_robin)
+        # (replica, request, prompt tokens of its unapplied steps) -> the router may read it (RouterInfo.stale_ok),
+        # given their tokens and pages in unapplied; default never. router_reads: False if it reads none (round robin)
         self.stale_ok, self.unapplied, self.router_reads = _never_stale_ok, {}, True
         self.lazy_cut: Dict[Tuple[float, int], int] = {}   # (end, replica): completions of LazyRuns cut since
         self.waking = [False] * len(self.instances)     # ready to run its loop at the current time
