@@ -55,6 +55,9 @@ from pdjax.scheduler.block_manager import extend_page_keys
 __all__ = ["ROUTERS", "InstanceRouter", "register_router"]
 
 
+_NOTHING_UNAPPLIED = (0, None, 0)
+
+
 def _remaining_tokens(req) -> int:
     return len(req.prompt_token_ids) + req.max_tokens - 1 - req.num_computed_tokens
 
@@ -84,9 +87,9 @@ class InstanceRouter:
         self._load = {"prefill": self.prefill_load, "decode": self.decode_load,
                       "colocated": self.colocated_load}[self.role]
         self.request = None           # the request being routed (cache-aware routers read it)
-        # id(instance) -> (prompt tokens, pages, tokens) that steps of it computed (prompt tokens; all tokens) and
-        # allocated but its scheduler has not applied yet (the simulator's lazily applied replicas, where stale_ok let
-        # it route past them): the offsets of queued_prefill_tokens, free_pages and a colocated load
+        # id(instance) -> (prompt tokens, () -> pages, tokens) that steps of it computed (prompt tokens; all tokens)
+        # and allocated but its scheduler has not applied yet (the simulator's lazily applied replicas, where stale_ok
+        # let it route past them): the offsets of queued_prefill_tokens, free_pages and a colocated load
         self.unapplied: dict = {}
         self.cost = cost if cost is not None else _tokens_cost
         self.fetch = fetch if fetch is not None else _no_fetch
@@ -112,7 +115,7 @@ class InstanceRouter:
         """inst's load for this router's role (less, colocated, the tokens its unapplied steps computed)."""
         load = self._load(inst)
         if self.unapplied and self.role == "colocated":
-            load -= self.unapplied.get(id(inst), (0, 0, 0))[2]
+            load -= self.unapplied.get(id(inst), _NOTHING_UNAPPLIED)[2]
         return load
 
     def pick(self, request=None):
@@ -132,7 +135,9 @@ class InstanceRouter:
         """inst's free KV pages, less those its unapplied steps allocated (`unapplied`)."""
         free = inst.scheduler.block_manager.num_free_pages
         if self.unapplied:
-            free -= self.unapplied.get(id(inst), (0, 0, 0))[1]
+            entry = self.unapplied.get(id(inst))
+            if entry is not None:
+                free -= entry[1]()
         return free
 
 
@@ -211,7 +216,7 @@ def predicted_ttft(router: InstanceRouter, inst, req) -> float:
     cached = (device + local + remote) * inst.scheduler.block_manager.page_size
     queued = queued_prefill_tokens(inst)
     if router.unapplied:
-        queued -= router.unapplied.get(id(inst), (0, 0, 0))[0]
+        queued -= router.unapplied.get(id(inst), _NOTHING_UNAPPLIED)[0]
     queue_s = router.cost(queued, 0) if queued else 0.0
     return queue_s + router.cost(len(req.all_token_ids) - cached, cached) + router.fetch(local, remote)
 

@@ -95,6 +95,7 @@ import operator
 import time
 from bisect import bisect_left, bisect_right
 from collections import deque
+from functools import partial
 from itertools import accumulate, repeat
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -729,11 +730,9 @@ class Simulation:
                         tokens += n
             if not stale_ok(inst, req, tokens):
                 self.catch_up(idx, t)
-            else:
-                pages = lazy.run.pages_granted(lazy.applied + lazy.scheduled, j + (lazy.starts[j] < t))
-                computed = tokens + lazy.run.count * (j - lazy.applied)
-                if pages or computed:
-                    unapplied[id(inst)] = (tokens, pages, computed)
+            else:     # (pages: counted only if the router reads them)
+                pages = partial(lazy.run.pages_granted, lazy.applied + lazy.scheduled, j + (lazy.starts[j] < t))
+                unapplied[id(inst)] = (tokens, pages, tokens + lazy.run.count * (j - lazy.applied))
 
     def cut_lazy(self, idx: int, t: float) -> None:
         """An arrival at t was routed to replica idx (caught up to t): its LazyRun ends with the step running across
