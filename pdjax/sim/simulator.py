@@ -74,9 +74,13 @@ for their place in completion order: same end, the earlier dispatch first). Seve
 (one stage each) take their runs past the other replicas' steps and past the arrivals routed elsewhere
 (`LazyRun`, `Simulation.replica_run`): a run is applied as time passes, caught up at each arrival before the
 router reads the replicas (the steps ended applied, the one running across the arrival scheduled: the state the
-event loop would have then), and cut at the step running across an arrival routed to it; a round-robin router
-reads nothing, so only the replica it picks is caught up. Their records are put in completion order at the end
-(`replica_order`).
+event loop would have then), and cut at the step running across an arrival routed to it. A replica is caught
+up for the router only when its pending steps change what that router reads of it (`catch_up_read`,
+pdjax.config.registry.RouterInfo.stale_ok): round robin reads nothing; least_loaded, prefix_affinity and kv_centric
+read loads, queued prompt tokens and free pages that the simulator offsets by the pending steps' tokens and pages
+(InstanceRouter.unapplied), and a prefix hit that decode steps leave alone unless the request's first page is
+cached there or could be registered; so only the replica it picks is caught up, unless prefix caching may change
+a hit. Their records are put in completion order at the end (`replica_order`).
 Requests may be given as PendingRequests (pdjax.sim.build does): each becomes its scheduler Request when it
 arrives, and every request that finishes for good is turned into its RequestRecord at once and dropped
 (`SimRequests`), so a run holds the token lists of its live requests only, not of all of them
