@@ -578,7 +578,8 @@ def cache_state(insts, requests) -> list:
 
 
 def run_cached(params: dict, decode_runs: bool, instances: int = 1, router: str = "round_robin",
-               tier: str = "none", seed: int = 0, n: int = 60, eviction: str = "lru", rate: float = 25.0):
+               tier: str = "none", seed: int = 0, n: int = 60, eviction: str = "lru", rate: float = 25.0,
+               workload=None):
     """shared_prefix_requests on `instances` replicas with prefix caching on and a small page pool (evictions in
     runs); tier: 'none', 'local' (one host KV tier each) or 'shared' (one for all, Mooncake's pool), host loads
     priced (HostLoadStepTime). Returns (result, scheduler counters, cache_state, pages hit in device or host)."""
@@ -596,7 +597,7 @@ def run_cached(params: dict, decode_runs: bool, instances: int = 1, router: str 
             sched.block_manager.tier_owner = f"i{k}"
             step = HostLoadStepTime(step, f"i{k}", 2e-5, 5e-5)
         insts.append(SimInstance(f"i{k}", sched, step))
-    reqs = shared_prefix_requests(n, seed, rate)
+    reqs = (workload or shared_prefix_requests)(n, seed, rate)
     result = simulate(reqs, insts, InstanceRouter(router, insts, role="colocated"), decode_runs=decode_runs)
     state = [(i.scheduler.step, i.scheduler.num_preemptions, i.scheduler.num_swaps) for i in insts]
     hits = sum(i.scheduler.block_manager.num_cache_hit_pages + i.scheduler.block_manager.num_host_hit_pages
@@ -659,6 +660,53 @@ def test_decode_runs_with_prefix_caching_on_several_instances(policy, router, ti
     assert_same_cached(reference, got)
     assert seen["steps"] > 0 and seen["evicted"] > 0, "the case is meant to evict cached pages inside runs"
     assert got[3] > 0, "the case is meant to hit the prefix cache"
+
+
+def first_page_followers(n: int, seed: int, rate: float) -> list:
+    """Short prompts (3-12 tokens of a few heads) and, every other request, a head padded with the placeholder
+    token to a full page plus a tail: its first page is the page a short request registers while it decodes."""
+    rng = random.Random(seed)
+    heads = [[rng.randrange(1, 500) for _ in range(rng.randint(3, 12))] for _ in range(4)]
+    reqs, t = [], 0.0
+    for i in range(n):
+        t += rng.expovariate(rate)
+        head = rng.choice(heads)
+        prompt = list(head)
+        if i % 2:
+            prompt += [runs_module.PLACEHOLDER] * (16 - len(head)) + [rng.randrange(1, 500)
+                                                                      for _ in range(rng.randint(1, 60))]
+        reqs.append(Request(f"s{i:03d}", prompt, SamplingParams(max_tokens=rng.randint(20, 80)), t))
+    return reqs
+
+
+@pytest.mark.parametrize("router", ["kv_centric", "prefix_affinity"])
+@pytest.mark.parametrize("policy,tier,workload,seed,num_pages,rate", [
+    ("vllm_v1", "none", "shared", 2, 80, 3.0), ("vllm_v1", "local", "shared", 4, 80, 6.0),
+    ("vllm_v1", "local", "shared", 0, 64, 6.0),
+    ("sarathi", "none", "followers", 2, 80, 3.0), ("vllm_v1", "local", "followers", 3, 80, 30.0)])
+def test_cache_aware_routers_route_past_unapplied_decode_steps(router, policy, tier, workload, seed, num_pages, rate,
+                                                               monkeypatch):
+    """The cache-aware routers read a replica with decode-only steps unapplied (RouterInfo.stale_ok) only when they
+    cannot change the request's hit there: records and caches equal the steps one at a time, in cases where routing
+    on a replica whose decode steps evict the request's first page (shared prefixes, a small pool) or register it
+    (followers of short prompts) would differ; and some reads do skip the catch-up."""
+    from pdjax.scheduler import routing
+    skipped = []
+    stale_ok = routing.ROUTERS[router].stale_ok
+
+    def counting(router_, inst, req, prefill_tokens):
+        ok = stale_ok(router_, inst, req, prefill_tokens)
+        skipped.append(ok)
+        return ok
+
+    monkeypatch.setattr(routing.ROUTERS[router], "stale_ok", counting)
+    params = dict(CONFIGS[policy], num_pages=num_pages)
+    args = dict(instances=3, router=router, tier=tier, seed=seed, n=90, rate=rate,
+                workload=first_page_followers if workload == "followers" else None)
+    reference = run_cached(params, False, **args)
+    got = run_cached(params, True, **args)
+    assert_same_cached(reference, got)
+    assert 0 < sum(skipped) < len(skipped), "the case is meant to skip some catch-ups and not others"
 
 
 @pytest.mark.parametrize("decode_pages", [512, 72])

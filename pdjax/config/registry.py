@@ -178,9 +178,14 @@ def role_policy(role: str) -> Optional[str]:
 # --------------------------------------------------------------------------------------------------- routers
 @dataclasses.dataclass
 class RouterInfo:
-    """One router (deployment.router). pick: `(InstanceRouter) -> instance` (set by pdjax.scheduler.routing)."""
+    """One router (deployment.router). pick: `(InstanceRouter) -> instance` (set by pdjax.scheduler.routing).
+    stale_ok: `(InstanceRouter, instance, request, prefill_tokens) -> bool`, or None (never): True when pick(request)
+    reads nothing of the instance that its steps run but not yet applied change, but the `prefill_tokens` prompt
+    tokens they compute and the pages they allocate (InstanceRouter.unapplied), so the simulator may route without
+    applying them first (pdjax.sim.simulator.LazyRun)."""
     name: str
     pick: Optional[Callable] = None
+    stale_ok: Optional[Callable] = None
 
 
 ROUTERS = Registry("router")

@@ -24,8 +24,11 @@ Parts:
 from __future__ import annotations
 
 import copy
+import itertools
 import os
+import random
 import time
+from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence
 
 from pdjax.config.files import REPO_ROOT, config_file
@@ -175,8 +178,10 @@ def speed(num_requests: int = 10_000, replicas: int = 4,
           cases: Sequence[tuple] = SPEED_CASES) -> List[Dict[str, Any]]:
     """Rows of part `speed`: configs/sim/chat10k.py over `replicas` replicas at replicas x its rate, per case of
     `cases` (router, prefix caching, a host tier with as many pages as the device); wall and CPU seconds of the
-    simulation alone (the config, instances and requests built first)."""
-    rows = []
+    simulation alone (the config, instances and requests built first), and with caching the cache's page moves
+    (device evictions, host offloads) and the least CPU time they can cost as the cache keeps its pages today
+    (`bookkeeping_floor`): the fastest the case could run, at the CPU time of its router without caching plus that."""
+    rows, floor = [], None
     for router, caching, host in cases:
         chat10k = os.path.join(REPO_ROOT, "configs", "sim", "chat10k.py")
         config = copy.deepcopy(config_file(chat10k, "chat10k.py").to_dict())
@@ -187,14 +192,92 @@ def speed(num_requests: int = 10_000, replicas: int = 4,
         if host:
             config["deployment"]["colocated"]["host_kv_blocks"] = device_pages(config)
         cfg = serve_config_from_dict(config)
-        setup, requests = build_setup(cfg), build_pending_requests(cfg)
+        setup, requests, held = build_setup(cfg), build_pending_requests(cfg), {}
         cpu = time.process_time()
-        result = simulate_setup(setup, requests)
+        result = simulate_setup(setup, requests, adjust_instances=held.update)
         cpu = time.process_time() - cpu       # steadier than wall time on a shared machine
-        rows.append({"router": router, "prefix_caching": caching,
-                     "host_kv_blocks": config["deployment"]["colocated"].get("host_kv_blocks", 0),
-                     "num_requests": num_requests, "replicas": replicas, "num_iterations": result.num_iterations,
-                     "wall_s": round(result.wall_s, 2), "iterations_per_s": round(result.iterations_per_s),
-                     "cpu_s": round(cpu, 2), "iterations_per_cpu_s": round(result.num_iterations / max(cpu, 1e-9)),
-                     "load_average": os.getloadavg()[0]})
+        row = {"router": router, "prefix_caching": caching,
+               "host_kv_blocks": config["deployment"]["colocated"].get("host_kv_blocks", 0),
+               "num_requests": num_requests, "replicas": replicas, "num_iterations": result.num_iterations,
+               "wall_s": round(result.wall_s, 2), "iterations_per_s": round(result.iterations_per_s),
+               "cpu_s": round(cpu, 2), "iterations_per_cpu_s": round(result.num_iterations / max(cpu, 1e-9)),
+               "load_average": os.getloadavg()[0]}
+        if caching:
+            floor = floor or bookkeeping_floor()
+            row.update(_page_moves(held["colocated"], floor))
+            plain = [r["cpu_s"] for r in rows if r["router"] == router and not r["prefix_caching"]]
+            if plain:
+                row["floor_iterations_per_cpu_s"] = round(result.num_iterations / (plain[0] + row["floor_s"]))
+        rows.append(row)
     return rows
+
+
+def _page_moves(instances, floor: Dict[str, float]) -> Dict[str, Any]:
+    """A caching run's page moves and their least cost (bookkeeping_floor's per-page seconds)."""
+    bms = [inst.scheduler.block_manager for inst in instances]
+    tiers = {id(b.host_tier): b.host_tier for b in bms if b.host_tier is not None}.values()
+    evicted = sum(b.num_evictions for b in bms)
+    offloads = sum(t.num_offloads for t in tiers)
+    per_evicted = floor["key_s"] + floor["register_s"] + floor["free_and_evict_s"] + floor["unregister_s"]
+    return {"device_evictions": evicted, "host_offloads": offloads,
+            "host_evictions": sum(t.num_evictions for t in tiers),
+            "floor_s": round(evicted * per_evicted + offloads * floor["host_offload_and_evict_s"], 2)}
+
+
+def bookkeeping_floor(pages: int = 100_000, page_size: int = 16, repeat: int = 3) -> Dict[str, float]:
+    """Seconds per page of the prefix cache's per-page work, each step in the fewest Python operations the block
+    manager's key form allows (pdjax.scheduler.block_manager: (parent's hash, tuple of the page's token ids), a tuple
+    whose hash is computed afresh at every dict operation): make the key (`key_s`), register it (`register_s`), free
+    the page into the LRU and evict it (`free_and_evict_s`), drop its key (`unregister_s`), offload it into a host
+    tier that evicts as it fills (`host_offload_and_evict_s`). `pages` random pages, best of `repeat`."""
+    rng = random.Random(0)
+    tokens = [rng.randrange(32000) for _ in range(pages * page_size)]
+    ids = list(range(pages))
+
+    def make_keys():
+        keys, parent = [], 0
+        add = keys.append
+        for page in zip(*[iter(tokens)] * page_size):
+            key = (parent, page)
+            parent = hash(key)
+            add(key)
+        return keys
+
+    keys = make_keys()
+
+    def register():
+        key_to_page, page_key = {}, [None] * pages
+        key_to_page.update(zip(keys, ids))
+        any(map(page_key.__setitem__, ids, keys))
+
+    def free_and_evict():
+        lru = OrderedDict.fromkeys(ids)
+        pop = lru.popitem
+        return [pop(last=False)[0] for _ in ids]
+
+    registered = dict(zip(keys, ids))
+
+    def unregister():
+        key_to_page, page_key = dict(registered), list(keys)
+        start = time.perf_counter()
+        any(map(key_to_page.__delitem__, keys))
+        any(map(page_key.__setitem__, ids, itertools.repeat(None)))
+        return time.perf_counter() - start
+
+    def host():
+        slots, free = OrderedDict(), list(range(pages // 2))
+        pop = slots.popitem
+        for key in keys:
+            if key not in slots:
+                slots[key] = ("i0", free.pop() if free else pop(last=False)[1][1])
+
+    def best(fn):
+        out = float("inf")
+        for _ in range(repeat):
+            start = time.perf_counter()
+            fn()
+            out = min(out, time.perf_counter() - start)
+        return out / pages
+
+    return {"key_s": best(make_keys), "register_s": best(register), "free_and_evict_s": best(free_and_evict),
+            "unregister_s": min(unregister() for _ in range(repeat)) / pages, "host_offload_and_evict_s": best(host)}

@@ -30,7 +30,13 @@ An instance is anything with `.scheduler` (a pdjax Scheduler) and, unless the ro
   use / pages), among those with room for the request's pages if any has.
   Both read the request (`pick(request)`); without one they pick as 'least_loaded'.
 Each router is a row of the router table (pdjax.config.registry.ROUTERS, which `deployment.router` is checked
-against) with its pick function, `(InstanceRouter) -> instance`: `register_router(name, pick)` adds one.
+against) with its pick function, `(InstanceRouter) -> instance`: `register_router(name, pick)` adds one. A row may
+say when its pick reads nothing that an instance's pending steps change (`stale_ok`, RouterInfo): round_robin never
+reads an instance; least_loaded reads a colocated one's tokens to compute (less what the pending steps computed);
+prefix_affinity and kv_centric (prefill side) read its live requests, its queued prompt tokens
+and free pages (offset by what the pending steps compute and allocate: `unapplied`) and the request's hit there,
+which prefix caching may change (`cache_aware_stale_ok`). The simulator then leaves a replica's decode run
+unapplied while it routes (pdjax.sim.simulator.LazyRun); without it, every replica is brought up to date first.
 A router is callable as `router(request, instances)` too, the simulator's routing protocol (the request does not
 change the pick).
 A router serves one of the roles 'colocated', 'prefill', 'decode'. Mixed-pool instances (role 'mixed', Splitwise)
@@ -47,6 +53,9 @@ from pdjax.config.registry import ROUTERS, RouterInfo
 from pdjax.scheduler.block_manager import extend_page_keys
 
 __all__ = ["ROUTERS", "InstanceRouter", "register_router"]
+
+
+_NOTHING_UNAPPLIED = (0, None, 0)
 
 
 def _remaining_tokens(req) -> int:
@@ -70,12 +79,18 @@ class InstanceRouter:
                              "routed by pdjax.scheduler.mixed.MixedPool)")
         self.policy = policy
         self._pick = ROUTERS[policy].pick
+        self._stale_ok = ROUTERS[policy].stale_ok
+        self.reads_instances = self._stale_ok is not reads_nothing
         self.role = roles.pop()
         self.instances = list(instances)
         self._cycle = itertools.cycle(self.instances)
         self._load = {"prefill": self.prefill_load, "decode": self.decode_load,
                       "colocated": self.colocated_load}[self.role]
         self.request = None           # the request being routed (cache-aware routers read it)
+        # id(instance) -> (prompt tokens, () -> pages, tokens) that steps of it computed (prompt tokens; all tokens)
+        # and allocated but its scheduler has not applied yet (the simulator's lazily applied replicas, where stale_ok
+        # let it route past them): the offsets of queued_prefill_tokens, free_pages and a colocated load
+        self.unapplied: dict = {}
         self.cost = cost if cost is not None else _tokens_cost
         self.fetch = fetch if fetch is not None else _no_fetch
         self.balance_abs, self.balance_rel, self.cache_threshold = balance_abs, balance_rel, cache_threshold
@@ -97,7 +112,11 @@ class InstanceRouter:
         return sum(_remaining_tokens(r) for r in held)
 
     def load(self, inst) -> int:
-        return self._load(inst)
+        """inst's load for this router's role (less, colocated, the tokens its unapplied steps computed)."""
+        load = self._load(inst)
+        if self.unapplied and self.role == "colocated":
+            load -= self.unapplied.get(id(inst), _NOTHING_UNAPPLIED)[2]
+        return load
 
     def pick(self, request=None):
         self.request = request
@@ -105,6 +124,21 @@ class InstanceRouter:
 
     def __call__(self, request=None, instances=None):
         return self.pick(request)
+
+    def stale_ok(self, inst, request, prefill_tokens: int) -> bool:
+        """Whether pick(request) reads nothing of `inst` that its unapplied steps change but the `prefill_tokens`
+        prompt tokens they compute and the pages they allocate (RouterInfo.stale_ok), which the caller then puts in
+        `unapplied`."""
+        return self._stale_ok is not None and self._stale_ok(self, inst, request, prefill_tokens)
+
+    def free_pages(self, inst) -> int:
+        """inst's free KV pages, less those its unapplied steps allocated (`unapplied`)."""
+        free = inst.scheduler.block_manager.num_free_pages
+        if self.unapplied:
+            entry = self.unapplied.get(id(inst))
+            if entry is not None:
+                free -= entry[1]()
+        return free
 
 
 def _round_robin(router: InstanceRouter):
@@ -114,7 +148,7 @@ def _round_robin(router: InstanceRouter):
 def _least_loaded(router: InstanceRouter):
     if len(router.instances) == 1:
         return next(router._cycle)
-    return min(router.instances, key=router._load)   # min keeps the first of equals: deterministic
+    return min(router.instances, key=router.load)   # min keeps the first of equals: deterministic
 
 
 def _tokens_cost(new_tokens: int, cached_tokens: int) -> float:
@@ -166,7 +200,7 @@ def _prefix_affinity(router: InstanceRouter):
     ps = instances[0].scheduler.block_manager.page_size
     if best is not None and best_pages * ps > router.cache_threshold * len(req.all_token_ids):
         return best
-    return max(instances, key=lambda i: i.scheduler.block_manager.num_free_pages)   # max keeps the first
+    return max(instances, key=router.free_pages)   # max keeps the first
 
 
 def queued_prefill_tokens(inst) -> int:
@@ -181,6 +215,8 @@ def predicted_ttft(router: InstanceRouter, inst, req) -> float:
     device, local, remote = cached_prefix(inst, req)
     cached = (device + local + remote) * inst.scheduler.block_manager.page_size
     queued = queued_prefill_tokens(inst)
+    if router.unapplied:
+        queued -= router.unapplied.get(id(inst), _NOTHING_UNAPPLIED)[0]
     queue_s = router.cost(queued, 0) if queued else 0.0
     return queue_s + router.cost(len(req.all_token_ids) - cached, cached) + router.fetch(local, remote)
 
@@ -201,19 +237,59 @@ def _kv_centric(router: InstanceRouter):
     return min(instances, key=lambda inst: predicted_ttft(router, inst, req))
 
 
-def register_router(name: str, pick, *, replace: bool = False) -> None:
+def no_hit_change(inst, req, prefill_tokens: int) -> bool:
+    """Whether `req`'s hit on `inst` (cached_prefix) is the same before and after steps of `inst` that compute
+    `prefill_tokens` prompt tokens and decode. Without prefix caching, yes. With it, only decode-only steps
+    (prefill_tokens = 0) qualify, and only when the hit is 0 before and after them: req's first page is in neither
+    the prefix cache nor the host tier (the steps' evictions could drop it) and no running request can register a
+    first page (each has one registered already; a later page's key chains on its parent's hash, a first page's on
+    0, and a key's hash is 0 only by a 2**-64 chance)."""
+    bm = inst.scheduler.block_manager
+    if not bm.enable_prefix_caching:
+        return True
+    if prefill_tokens:
+        return False
+    if len(req.all_token_ids) <= bm.page_size:
+        return True
+    keys = req.page_keys
+    if not keys:
+        extend_page_keys(keys, req.all_token_ids, bm.page_size, 1)
+    first = keys[0]
+    if first in bm._key_to_page or (bm.host_tier is not None and first in bm.host_tier):
+        return False
+    return all(r.num_registered_pages for r in inst.scheduler.running)
+
+
+def cache_aware_stale_ok(router: InstanceRouter, inst, req, prefill_tokens: int) -> bool:
+    """RouterInfo.stale_ok of prefix_affinity and kv_centric on the prefill side (colocated, prefill): what they
+    read of an instance is its live requests (steps that finish none leave them), its queued prefill tokens and
+    free pages (less what the steps compute and allocate: `unapplied`), and req's hit there (no_hit_change). The
+    decode side reads free pages against the request's need, and its load, which the steps change."""
+    if router.role == "decode" or req is None or len(router.instances) == 1:
+        return False
+    return no_hit_change(inst, req, prefill_tokens)
+
+
+def reads_nothing(router: InstanceRouter, inst, req, prefill_tokens: int) -> bool:
+    """RouterInfo.stale_ok of a router that reads no instance (round_robin)."""
+    return True
+
+
+def register_router(name: str, pick, *, stale_ok=None, replace: bool = False) -> None:
     """Add router `name` (a valid deployment.router from now on): `pick(router) -> instance`, given the
-    InstanceRouter (its `instances`, `role` and `load(inst)`). A built-in row takes its pick function alone."""
+    InstanceRouter (its `instances`, `role` and `load(inst)`), and optionally its `stale_ok` (RouterInfo). A
+    built-in row takes its functions alone."""
     if name in ROUTERS and ROUTERS[name].pick is None:
-        ROUTERS[name].pick = pick
+        ROUTERS[name].pick, ROUTERS[name].stale_ok = pick, stale_ok
     else:
-        ROUTERS.add(name, RouterInfo(name, pick), replace=replace)
+        ROUTERS.add(name, RouterInfo(name, pick, stale_ok), replace=replace)
 
 
-register_router("round_robin", _round_robin)
-register_router("least_loaded", _least_loaded)
-register_router("prefix_affinity", _prefix_affinity)
-register_router("kv_centric", _kv_centric)
+register_router("round_robin", _round_robin, stale_ok=reads_nothing)
+register_router("least_loaded", _least_loaded,     # a colocated load less the unapplied steps' tokens
+                stale_ok=lambda router, inst, req, prefill_tokens: router.role == "colocated")
+register_router("prefix_affinity", _prefix_affinity, stale_ok=cache_aware_stale_ok)
+register_router("kv_centric", _kv_centric, stale_ok=cache_aware_stale_ok)
 ROUTERS.check_complete("pick", {"round_robin": _round_robin, "least_loaded": _least_loaded,
                                 "prefix_affinity": _prefix_affinity, "kv_centric": _kv_centric},
                        "pdjax.scheduler.routing's pick functions")

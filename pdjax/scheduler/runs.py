@@ -73,7 +73,7 @@ class DecodeRun:
 
     __slots__ = ("sched", "decoders", "prefills", "count", "total", "limit", "steps", "_free", "_first", "_active",
                  "_p_state", "_plan", "_done", "_left", "_admits", "_crossings", "_lefts", "admitted", "_kv_waits",
-                 "_base_step", "_growth")
+                 "_base_step", "_growth", "_groups")
 
     def __init__(self, sched, decoders: list, prefills: list, crossings: List[int], lefts: List[int], total: int,
                  limit: int, free: int, budget_left: int, admits: bool = False,
@@ -101,6 +101,7 @@ class DecodeRun:
         self._kv_waits = kv_waits
         self._base_step = sched.step      # planned step j (0-based) is the scheduler's step _base_step + 1 + j
         self._growth = None               # _growth_range: (planned steps, [step], [grant]) of every planned step
+        self._groups = None               # _growth_groups: per step residue, the tables growing (False: none)
 
     def plan_decode_steps(self) -> int:
         """For a run without prefills: plan every step it can take at once (no chunks to plan) and return how
@@ -296,6 +297,16 @@ class DecodeRun:
             return self._grow_pages_caching(a, b)
         if a >= b:
             return None
+        if not self.prefills and not self.admitted:     # decoders only
+            groups = self._growth_groups()
+            if groups is not None:
+                ps = len(groups)
+                tables = []
+                for j in range(a, b):
+                    tables += groups[j % ps]
+                if tables:
+                    sched.block_manager.allocate_one_each(tables)
+                return None
         if a or self.admitted:    # a later range (apply_range / schedule_step), or landed KV admitted in step 0
             _, grants = self._growth_range(a, b)
             if grants:
@@ -305,12 +316,6 @@ class DecodeRun:
         ps = sched._ps
         decoders, prefills = self.decoders, self.prefills
         crossings = self._crossings
-        if not prefills and b <= ps:     # each decoder grows at most once: by step, then running order
-            grown = [i for i, j in enumerate(crossings) if j < b]
-            if grown:
-                grown.sort(key=crossings.__getitem__)      # stable
-                sched.block_manager.allocate_one_each([decoders[i].page_table for i in grown])
-            return None
         if b <= ps:
             grow = [(j, 0, i, 1) for i, j in enumerate(crossings) if j < b]
         else:
@@ -323,6 +328,33 @@ class DecodeRun:
             sched.block_manager.allocate_each([((prefills if kind else decoders)[i].page_table, need)
                                                for _, kind, i, need in grow])
         return None
+
+    def pages_granted(self, a: int, b: int) -> int:
+        """Pages planned steps a .. b - 1 allocate (_grow_pages)."""
+        if a >= b:
+            return 0
+        if not self.prefills and not self.admitted:
+            groups = self._growth_groups()
+            if groups is not None:
+                ps = len(groups)
+                return sum([len(groups[j % ps]) for j in range(a, b)])
+        return sum([need for _, need in self._growth_range(a, b)[1]])
+
+    def _growth_groups(self) -> Optional[List[list]]:
+        """A decoders-only run's page growth by step: [r] the page tables of the decoders that grow at every step j
+        with j % page_size == r, in running order (each grows first within page_size steps); None when one grows
+        first later (its pages reach further: _growth_range's general order)."""
+        if self._groups is None:
+            ps = self.sched._ps
+            crossings = self._crossings
+            if crossings and max(crossings) >= ps:
+                self._groups = False
+            else:
+                groups = [[] for _ in range(ps)]
+                for req, j in zip(self.decoders, crossings):
+                    groups[j].append(req.page_table)
+                self._groups = groups
+        return self._groups or None
 
     def _growth_range(self, a: int, b: int) -> Tuple[list, list]:
         """([step], [(page table, pages)]) of every page grant of planned steps a .. b - 1 in allocation order

@@ -74,9 +74,13 @@ for their place in completion order: same end, the earlier dispatch first). Seve
 (one stage each) take their runs past the other replicas' steps and past the arrivals routed elsewhere
 (`LazyRun`, `Simulation.replica_run`): a run is applied as time passes, caught up at each arrival before the
 router reads the replicas (the steps ended applied, the one running across the arrival scheduled: the state the
-event loop would have then), and cut at the step running across an arrival routed to it; a round-robin router
-reads nothing, so only the replica it picks is caught up. Their records are put in completion order at the end
-(`replica_order`).
+event loop would have then), and cut at the step running across an arrival routed to it. A replica is caught
+up for the router only when its pending steps change what that router reads of it (`catch_up_read`,
+pdjax.config.registry.RouterInfo.stale_ok): round robin reads nothing; least_loaded, prefix_affinity and kv_centric
+read loads, queued prompt tokens and free pages that the simulator offsets by the pending steps' tokens and pages
+(InstanceRouter.unapplied), and a prefix hit that decode steps leave alone unless the request's first page is
+cached there or could be registered; so only the replica it picks is caught up, unless prefix caching may change
+a hit. Their records are put in completion order at the end (`replica_order`).
 Requests may be given as PendingRequests (pdjax.sim.build does): each becomes its scheduler Request when it
 arrives, and every request that finishes for good is turned into its RequestRecord at once and dropped
 (`SimRequests`), so a run holds the token lists of its live requests only, not of all of them
@@ -95,6 +99,7 @@ import operator
 import time
 from bisect import bisect_left, bisect_right
 from collections import deque
+from functools import partial
 from itertools import accumulate, repeat
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -426,6 +431,10 @@ class RunStep:
         self.record = record
 
 
+def _never_stale_ok(inst, req, prefill_tokens: int) -> bool:
+    return False
+
+
 class LazyRun:
     """A replica's decode run applied as time passes (Simulation.replica_run): planned steps starts/ends/seconds/
     chunk_lists (per step its prefill chunks; None: a decoders-only run); steps before `applied` applied, step
@@ -500,7 +509,9 @@ class Simulation:
                  if getattr(inst.scheduler.block_manager, "host_tier", None) is not None]
         self.replicas = (pool is None and len(self.instances) > 1 and len(set(self.names)) == len(self.names)
                          and len(set(tiers)) == len(tiers))
-        self.stateless_router = False     # the router reads no replica's state (round robin): no catch_up for it
+        # (replica, request, prompt tokens of its unapplied steps) -> the router may read it (RouterInfo.stale_ok),
+        # given their tokens and pages in unapplied; default never. router_reads: False if it reads none (round robin)
+        self.stale_ok, self.unapplied, self.router_reads = _never_stale_ok, {}, True
         self.lazy_cut: Dict[Tuple[float, int], int] = {}   # (end, replica): completions of LazyRuns cut since
         self.waking = [False] * len(self.instances)     # ready to run its loop at the current time
         self.index_of = {id(inst): i for i, inst in enumerate(self.instances)}
@@ -549,7 +560,9 @@ class Simulation:
                     on_schedule=on_schedule, max_iterations=max_iterations,
                     decode_runs=[plain and decode_run_ready(inst) for inst in instances],
                     async_scheduling=async_scheduling, observe_step=observe_step)
-        state.stateless_router = isinstance(router, InstanceRouter) and router.policy == "round_robin"
+        if isinstance(router, InstanceRouter):
+            state.stale_ok, state.unapplied = router.stale_ok, router.unapplied
+            state.router_reads = router.reads_instances
         return state
 
     # ------------------------------------------------------------------------------------------- events
@@ -701,6 +714,29 @@ class Simulation:
         if j < len(lazy.starts) and lazy.starts[j] < t and not lazy.scheduled:
             lazy.run.schedule_step(j)
             lazy.scheduled = True
+
+    def catch_up_read(self, req, t: float) -> None:
+        """Catch up every replica whose LazyRun changes what the router reads of it to route `req` at t, but the
+        tokens and pages of its steps that catch_up would apply or schedule (given the router in `unapplied`)."""
+        stale_ok, unapplied = self.stale_ok, self.unapplied
+        for idx, inst in enumerate(self.instances):
+            lazy = inst.in_flight
+            if lazy.__class__ is not LazyRun:
+                continue
+            j = bisect_right(lazy.ends, t)
+            if j == len(lazy.ends):     # its last step (a finish, a prompt done) ended at t: applied first
+                self.catch_up(idx, t)
+                continue
+            tokens = 0
+            if lazy.chunk_lists is not None:
+                for chunks in lazy.chunk_lists[lazy.applied:j]:
+                    for n, _ in chunks:
+                        tokens += n
+            if not stale_ok(inst, req, tokens):
+                self.catch_up(idx, t)
+            else:     # (pages: counted only if the router reads them)
+                pages = partial(lazy.run.pages_granted, lazy.applied + lazy.scheduled, j + (lazy.starts[j] < t))
+                unapplied[id(inst)] = (tokens, pages, tokens + lazy.run.count * (j - lazy.applied))
 
     def cut_lazy(self, idx: int, t: float) -> None:
         """An arrival at t was routed to replica idx (caught up to t): its LazyRun ends with the step running across
@@ -898,15 +934,14 @@ class Simulation:
         instance's loop admits it; disaggregated, add_request at once (a rejection finishes it there)."""
         pending, direct = self.pending, self.direct
         replicas = self.replicas
-        if (replicas and not self.stateless_router and self.next_arrival < len(pending)
-                and pending[self.next_arrival].arrival_time <= t):
-            for idx, inst in enumerate(self.instances):      # the router reads every replica
-                if inst.in_flight.__class__ is LazyRun:
-                    self.catch_up(idx, t)
         while self.next_arrival < len(pending) and pending[self.next_arrival].arrival_time <= t:
             req = self.requests.arrived(self.next_arrival)
             self.next_arrival += 1
+            if replicas and self.router_reads:
+                self.catch_up_read(req, t)
             inst = self.route(req, t)
+            if self.unapplied:
+                self.unapplied.clear()
             if inst is None:       # rejected at its arrival (pdjax.scheduler.overload.AdmittingPool)
                 continue
             if replicas and inst.in_flight.__class__ is LazyRun:
