@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from pdjax.scheduler.block_manager import BlockManager, extend_page_keys
+from pdjax.scheduler.block_manager import BlockManager, extend_page_keys, page_key_tokens
 
 
 def test_allocate_and_free_keep_the_accounting():
@@ -26,7 +26,7 @@ def test_page_keys_chain_over_the_prefix():
     tokens = list(range(40))
     keys = []
     extend_page_keys(keys, tokens, 8, 3)
-    assert len(keys) == 3 and keys[1][1] == tuple(range(8, 16))
+    assert len(keys) == 3 and page_key_tokens(keys[1]) == tuple(range(8, 16))
     again = []
     extend_page_keys(again, tokens, 8, 2)
     extend_page_keys(again, tokens, 8, 3)
@@ -35,7 +35,7 @@ def test_page_keys_chain_over_the_prefix():
     other[0] = 99     # same page 1 tokens, different prefix: different key
     okeys = []
     extend_page_keys(okeys, other, 8, 3)
-    assert okeys[1][1] == keys[1][1] and okeys[1] != keys[1]
+    assert page_key_tokens(okeys[1]) == page_key_tokens(keys[1]) and okeys[1] != keys[1]
 
 
 def test_prefix_cache_hit_share_and_lru_eviction():

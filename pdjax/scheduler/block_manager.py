@@ -8,9 +8,12 @@ Choices:
   many were evicted before it; a plain dict's next(iter(d)) scans the holes its front deletions leave, which
   made eviction quadratic). Allocation takes an uncached page first and evicts the least recently freed cached
   page only when none is left, so cached content survives as long as possible. Both kinds count as free.
-- Prefix-cache key of full page i of a token sequence: `(hash(key of page i-1), tuple(tokens of page i))`
-  (parent 0 for page 0). Keys are dict keys, so equal pages chain on the parent's hash and compare their
-  tokens exactly: a false hit needs a 64-bit collision of the parent's hash AND identical page tokens.
+- Prefix-cache key of full page i of a token sequence: the bytes of `hash(key of page i-1)` (0 for page 0) then
+  of the page's token ids (8 bytes each, signed little-endian). Keys are dict keys, so equal pages chain on the
+  parent's hash and compare their tokens exactly: a false hit needs a 64-bit collision of the parent's hash AND
+  identical page tokens. Bytes rather than a (parent, tuple of tokens) tuple because a bytes object keeps its
+  hash: the key is hashed at every dict it enters or leaves (registration, eviction, the host tier), and a
+  tuple's hash re-reads its 16-odd token ints, cold by eviction time.
   Only full pages whose KV has been computed are registered (`register`), and a page is handed out by
   `allocate` only when its reference count is 0, so a cached page is never handed out while referenced.
 - A page whose key is already registered to another page (two requests computed the same prefix at once)
@@ -26,21 +29,42 @@ Choices:
 """
 from __future__ import annotations
 
+import struct as _struct
 from collections import OrderedDict
 from itertools import repeat as _repeat
 from operator import itemgetter as _getter
 from typing import Iterable, List, Sequence, Tuple
 
 _any = any
+_KEY_PACKERS: dict = {}     # page size -> struct pack of a key (_key_packer)
 
 
 def extend_page_keys(keys: list, tokens: Sequence[int], page_size: int, num_pages: int) -> None:
-    """Append prefix-cache keys to `keys` until it covers the first `num_pages` full pages of `tokens`."""
+    """Append prefix-cache keys to `keys` until it covers the first `num_pages` full pages of `tokens` (module
+    docstring: bytes, the parent key's hash then the page's token ids, 8 bytes each)."""
     parent = hash(keys[-1]) if keys else 0
-    for i in range(len(keys), num_pages):
-        key = (parent, tuple(tokens[i * page_size:(i + 1) * page_size]))
+    pack = _key_packer(page_size)
+    for s in range(len(keys) * page_size, num_pages * page_size, page_size):
+        try:
+            key = pack(parent, *tokens[s:s + page_size])
+        except _struct.error:            # a short page (tokens end inside it)
+            page = tokens[s:s + page_size]
+            key = _key_packer(len(page))(parent, *page)
         keys.append(key)
         parent = hash(key)
+
+
+def _key_packer(page_size: int):
+    """struct pack of a parent hash and `page_size` token ids into a key (extend_page_keys), made once per size."""
+    pack = _KEY_PACKERS.get(page_size)
+    if pack is None:
+        pack = _KEY_PACKERS[page_size] = _struct.Struct(f"<{page_size + 1}q").pack
+    return pack
+
+
+def page_key_tokens(key: bytes) -> Tuple[int, ...]:
+    """The token ids of the page whose prefix-cache key is `key` (extend_page_keys)."""
+    return _struct.unpack(f"<{len(key) // 8 - 1}q", key[8:])
 
 
 class BlockManager:
@@ -108,19 +132,11 @@ class BlockManager:
             table += pages
             _any(map(ref.__setitem__, pages, _repeat(1)))
             return
-        cached = self._free_cached
-        for _ in range(n):
-            if free:
-                p = free.pop()
-            else:
-                p = cached.popitem(last=False)[0]
-                del self._key_to_page[self.page_key[p]]
-                if self.host_tier is not None:
-                    self._offload(p)
-                self.page_key[p] = None
-                self.num_evictions += 1
-            ref[p] = 1
-            table.append(p)
+        pages = free[::-1]      # the whole uncached stack in pop order, then the oldest cached pages evicted
+        del free[:]
+        pages += self._evict(n - len(pages))[0]
+        table += pages
+        _any(map(ref.__setitem__, pages, _repeat(1)))
 
     def allocate_one_each(self, tables: Sequence[List[int]]) -> None:
         """`allocate(table, 1)` for each of `tables` in order (a table may repeat). The caller checks
@@ -130,8 +146,7 @@ class BlockManager:
         if not n:
             return
         if n > len(free):             # some allocation evicts a cached page
-            for table in tables:
-                self.allocate(table, 1)
+            self.allocate_each_evicting([(table, 1) for table in tables])
             return
         pages = free[:-n - 1:-1]          # the pages n pops hand out, in order
         del free[-n:]
@@ -144,8 +159,7 @@ class BlockManager:
         `num_free_pages >= sum(n)`."""
         free = self._free
         if sum(n for _, n in grants) > len(free):     # some allocation evicts a cached page
-            for table, n in grants:
-                self.allocate(table, n)
+            self.allocate_each_evicting(grants)
             return
         ref = self.ref_count
         for table, n in grants:
@@ -172,15 +186,10 @@ class BlockManager:
             return []
         if short > len(cached):
             raise RuntimeError(f"allocate_each_evicting({total}) with only {self.num_free_pages} free pages")
-        page_key, k2p = self.page_key, self._key_to_page
         fresh = len(free)
         pages = free[::-1]
         del free[:]
-        pop = cached.popitem
-        out = [pop(last=False)[0] for _ in range(short)]
-        keys = list(map(page_key.__getitem__, out))
-        _any(map(k2p.__delitem__, keys))
-        _any(map(page_key.__setitem__, out, _repeat(None)))
+        out, keys = self._evict(short)
         pages += out
         _any(map(self.ref_count.__setitem__, pages, _repeat(1)))
         evicted = []
@@ -194,11 +203,24 @@ class BlockManager:
             if end > fresh:
                 evicted += [(g, keys[a - fresh]) for a in range(max(pos, fresh), end)]
             pos = end
-        self.num_evictions += short
-        if self.host_tier is not None:    # the offloads, in eviction order (as _offload's)
-            slots = self.host_tier.offload_many(keys, self.tier_owner)
-            self.pending_swap_out += [(s, p) for s, p in zip(slots, out) if s is not None]
         return evicted
+
+    def _evict(self, n: int) -> Tuple[List[int], list]:
+        """Evict the `n` least recently freed cached pages (the caller checks there are as many): their keys
+        dropped and offloaded to the host tier, in eviction order (as one at a time). Returns (the pages, their
+        keys), oldest first. (Plain loops: a map over a bound __setitem__ / __delitem__ costs more per item.)"""
+        pop, page_key, k2p = self._free_cached.popitem, self.page_key, self._key_to_page
+        pages = [pop(False)[0] for _ in range(n)]
+        keys = [page_key[p] for p in pages]
+        for key in keys:
+            del k2p[key]
+        for p in pages:
+            page_key[p] = None
+        self.num_evictions += n
+        if self.host_tier is not None:
+            slots = self.host_tier.offload_many(keys, self.tier_owner)
+            self.pending_swap_out += [(s, p) for s, p in zip(slots, pages) if s is not None]
+        return pages, keys
 
     def free(self, table: Sequence[int]) -> None:
         """Drop one reference to every page of `table` (tail first). The caller drops the table itself."""

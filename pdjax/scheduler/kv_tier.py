@@ -3,8 +3,8 @@
 Mooncake (FAST'25) keeps a KV cache pool in host DRAM: a block the device drops is kept in host memory, and a
 later request whose prefix hits it loads it back instead of recomputing it. pdjax's reading:
 - A `HostKVTier` holds up to `capacity` pages (blocks of page_size tokens) keyed by their prefix-cache key
-  (pdjax.scheduler.block_manager: `(hash of the parent key, tuple of the page's token ids)`, so a hit compares the
-  page's token ids exactly and a hash collision alone never serves another prompt's KV). Each entry has a slot
+  (pdjax.scheduler.block_manager: the bytes of the parent key's hash and of the page's token ids, so a hit compares
+  the page's token ids exactly and a hash collision alone never serves another prompt's KV). Each entry has a slot
   `(owner, index)`: `owner` the name of the instance that offloaded it (whose host memory holds it), `index` its
   place in the tier. Slots are tuples so they never collide with the int slots of swap preemption; the runner's
   host store keeps both (pdjax.runtime.runner.ModelRunner.swap).

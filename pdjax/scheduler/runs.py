@@ -427,6 +427,8 @@ class DecodeRun:
         ps, bm = sched._ps, sched.block_manager
         k2p, page_key = bm._key_to_page, bm.page_key
         owners = (self.decoders, self.prefills)
+        if events and self._register_all(events, evicted):
+            events = ()
         for j, kind, i, full in events:
             req = owners[kind][i]
             keys = req.page_keys
@@ -446,6 +448,34 @@ class DecodeRun:
             req.num_registered_pages = full
         if bm.pending_swap_out:
             bm.pending_swap_out = []
+
+    def _register_all(self, events: list, evicted: dict) -> bool:
+        """_register_pages in one pass when every registration of `events` takes place (the common case): no page
+        it offers holds a key, and no key repeats, is held or was evicted in the run (so none is skipped, whatever
+        the order). Registers them and returns True; else False, having changed nothing but extended page keys."""
+        ps, bm = self.sched._ps, self.sched.block_manager
+        owners = (self.decoders, self.prefills)
+        last = {(kind, i): full for _, kind, i, full in events}      # by step: each request's last is its most
+        keys, pages = [], []
+        for (kind, i), full in last.items():
+            req = owners[kind][i]
+            req_keys = req.page_keys
+            if len(req_keys) < full:
+                extend_page_keys(req_keys, req.all_token_ids, ps, full)
+            r = req.num_registered_pages
+            keys += req_keys[r:full]
+            pages += req.page_table[r:full]
+        page_key, k2p = bm.page_key, bm._key_to_page
+        new = dict(zip(keys, pages))
+        if (len(new) != len(keys) or any(map(page_key.__getitem__, pages)) or len(set(pages)) != len(pages)
+                or not k2p.keys().isdisjoint(new) or (evicted and not evicted.keys().isdisjoint(new))):
+            return False
+        k2p.update(new)
+        for p, key in zip(pages, keys):
+            page_key[p] = key
+        for (kind, i), full in last.items():
+            owners[kind][i].num_registered_pages = full
+        return True
 
     def _advance_prefills(self, a: int, b: int, starts, ends, finished: list) -> None:
         """The prefill chunks of planned steps a .. b - 1 (starts[j - a], ends[j - a] step j's): tokens computed,
