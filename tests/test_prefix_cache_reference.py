@@ -313,3 +313,16 @@ def test_page_keys_equal_exactly_for_equal_prefixes():
                 for i in range(min(len(ka), len(kb))):
                     same = a[:(i + 1) * page_size] == b[:(i + 1) * page_size]
                     assert (ka[i] == kb[i]) == same, (a, b, i)
+
+
+def test_page_keys_of_token_ids_outside_int32_hold_them_and_differ():
+    """Ids past int32 take 8-byte keys (odd length): the ids survive, and no such key equals a 4-byte one."""
+    big = [2 ** 40, -2 ** 35, 7, 2 ** 63 - 1]
+    small = [0, 256, 0, 0] + [7, 0, 0, 0]        # the low/high int32 halves of big's first id, then 7 ...
+    for page_size in (2, 4):
+        kb, ks = [], []
+        extend_page_keys(kb, big, page_size, len(big) // page_size)
+        extend_page_keys(ks, small, page_size, len(small) // page_size)
+        assert [page_key_tokens(k) for k in kb] == [tuple(big[i:i + page_size]) for i in range(0, 4, page_size)]
+        assert all(len(k) % 2 for k in kb) and not any(len(k) % 2 for k in ks)
+        assert not set(kb) & set(ks)

@@ -9,7 +9,8 @@ Choices:
   made eviction quadratic). Allocation takes an uncached page first and evicts the least recently freed cached
   page only when none is left, so cached content survives as long as possible. Both kinds count as free.
 - Prefix-cache key of full page i of a token sequence: the bytes of `hash(key of page i-1)` (0 for page 0) then
-  of the page's token ids (8 bytes each, signed little-endian). Keys are dict keys, so equal pages chain on the
+  of the page's token ids (4 bytes each, signed little-endian; a page with an id outside int32: a 0xFF byte, then
+  8 bytes each). Keys are dict keys, so equal pages chain on the
   parent's hash and compare their tokens exactly: a false hit needs a 64-bit collision of the parent's hash AND
   identical page tokens. Bytes rather than a (parent, tuple of tokens) tuple because a bytes object keeps its
   hash: the key is hashed at every dict it enters or leaves (registration, eviction, the host tier), and a
@@ -41,30 +42,40 @@ _KEY_PACKERS: dict = {}     # page size -> struct pack of a key (_key_packer)
 
 def extend_page_keys(keys: list, tokens: Sequence[int], page_size: int, num_pages: int) -> None:
     """Append prefix-cache keys to `keys` until it covers the first `num_pages` full pages of `tokens` (module
-    docstring: bytes, the parent key's hash then the page's token ids, 8 bytes each)."""
+    docstring: bytes, the parent key's hash then the page's token ids)."""
     parent = hash(keys[-1]) if keys else 0
     pack = _key_packer(page_size)
     for s in range(len(keys) * page_size, num_pages * page_size, page_size):
         try:
             key = pack(parent, *tokens[s:s + page_size])
-        except _struct.error:            # a short page (tokens end inside it)
-            page = tokens[s:s + page_size]
-            key = _key_packer(len(page))(parent, *page)
+        except _struct.error:            # a short page (tokens end inside it) or a token id outside int32
+            key = _other_key(parent, tokens[s:s + page_size])
         keys.append(key)
         parent = hash(key)
 
 
 def _key_packer(page_size: int):
-    """struct pack of a parent hash and `page_size` token ids into a key (extend_page_keys), made once per size."""
+    """struct pack of a parent hash and `page_size` int32 token ids into a key, made once per size."""
     pack = _KEY_PACKERS.get(page_size)
     if pack is None:
-        pack = _KEY_PACKERS[page_size] = _struct.Struct(f"<{page_size + 1}q").pack
+        pack = _KEY_PACKERS[page_size] = _struct.Struct(f"<q{page_size}i").pack
     return pack
+
+
+def _other_key(parent: int, page: Sequence[int]) -> bytes:
+    """The key of a page `_key_packer(page_size)` does not pack: 4-byte ids if they fit (a short page), else a
+    0xFF byte then 8-byte ids (an odd length, so never equal to a key of 4-byte ids)."""
+    try:
+        return _key_packer(len(page))(parent, *page)
+    except _struct.error:
+        return _struct.pack(f"<qB{len(page)}q", parent, 255, *page)
 
 
 def page_key_tokens(key: bytes) -> Tuple[int, ...]:
     """The token ids of the page whose prefix-cache key is `key` (extend_page_keys)."""
-    return _struct.unpack(f"<{len(key) // 8 - 1}q", key[8:])
+    if len(key) % 2:
+        return _struct.unpack(f"<{(len(key) - 9) // 8}q", key[9:])
+    return _struct.unpack(f"<{(len(key) - 8) // 4}i", key[8:])
 
 
 class BlockManager:
@@ -136,7 +147,8 @@ class BlockManager:
         del free[:]
         pages += self._evict(n - len(pages))[0]
         table += pages
-        _any(map(ref.__setitem__, pages, _repeat(1)))
+        for p in pages:
+            ref[p] = 1
 
     def allocate_one_each(self, tables: Sequence[List[int]]) -> None:
         """`allocate(table, 1)` for each of `tables` in order (a table may repeat). The caller checks
@@ -191,7 +203,9 @@ class BlockManager:
         del free[:]
         out, keys = self._evict(short)
         pages += out
-        _any(map(self.ref_count.__setitem__, pages, _repeat(1)))
+        ref = self.ref_count
+        for p in pages:
+            ref[p] = 1
         evicted = []
         pos = 0
         for g, (table, n) in enumerate(grants):

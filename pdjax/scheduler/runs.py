@@ -402,9 +402,11 @@ class DecodeRun:
             m = (c + 1) // ps           # its full pages after step a
             if m > req.num_registered_pages:
                 add((a, 0, i, m))
-            for j in range(a + (m + 1) * ps - c - 1, b, ps):
+            j = a + (m + 1) * ps - c - 1     # the step that fills its next page (most decoders: none in a .. b - 1)
+            while j < b:
                 m += 1
                 add((j, 0, i, m))
+                j += ps
         if self.prefills:
             plan = self._plan
             computed = [r.num_computed_tokens for r in self.prefills]
