@@ -9,12 +9,12 @@ Choices:
   made eviction quadratic). Allocation takes an uncached page first and evicts the least recently freed cached
   page only when none is left, so cached content survives as long as possible. Both kinds count as free.
 - Prefix-cache key of full page i of a token sequence: the bytes of `hash(key of page i-1)` (0 for page 0) then
-  of the page's token ids (4 bytes each, signed little-endian; a page with an id outside int32: a 0xFF byte, then
-  8 bytes each). Keys are dict keys, so equal pages chain on the
-  parent's hash and compare their tokens exactly: a false hit needs a 64-bit collision of the parent's hash AND
-  identical page tokens. Bytes rather than a (parent, tuple of tokens) tuple because a bytes object keeps its
-  hash: the key is hashed at every dict it enters or leaves (registration, eviction, the host tier), and a
-  tuple's hash re-reads its 16-odd token ints, cold by eviction time.
+  of the page's token ids (4 bytes each, signed little-endian; a page with an id outside int32: a 0xFF byte,
+  then 8 bytes each, an odd length). Keys are dict keys, so equal pages chain on the parent's hash and compare
+  their tokens exactly: a false hit needs a 64-bit collision of the parent's hash AND identical page tokens.
+  Bytes rather than a (parent, tuple of tokens) tuple because a bytes object keeps its hash: a key is hashed at
+  every dict it enters or leaves (registration, eviction, the host tier), and a tuple's hash re-reads its
+  token ints, cold in memory by eviction time; 4-byte ids keep the keys (and the heap) small.
   Only full pages whose KV has been computed are registered (`register`), and a page is handed out by
   `allocate` only when its reference count is 0, so a cached page is never handed out while referenced.
 - A page whose key is already registered to another page (two requests computed the same prefix at once)
@@ -270,11 +270,6 @@ class BlockManager:
         return hits
 
     # ---- host KV tier
-    def _offload(self, page: int) -> None:
-        slot = self.host_tier.offload(self.page_key[page], self.tier_owner)
-        if slot is not None:
-            self.pending_swap_out.append((slot, page))
-
     def match_host(self, keys: Sequence, start: int, max_pages: int) -> list:
         """Host-tier slots of the longest run keys[start:max_pages] (after a device match of `start` pages)."""
         if self.host_tier is None or start >= max_pages:
