@@ -90,8 +90,8 @@ class HostKVTier:
         return slot
 
     def offload_many(self, keys: Sequence, owner: str) -> List[Optional[Tuple[str, int]]]:
-        """[offload(key, owner) for key in keys], in one pass for 'lru' (a decode run's evictions, in eviction
-        order: pdjax.scheduler.block_manager.BlockManager.allocate_each_evicting)."""
+        """[offload(key, owner) for key in keys], in one pass for 'lru' (a block manager's evictions, in eviction
+        order: pdjax.scheduler.block_manager.BlockManager._evict)."""
         if self.eviction != "lru":
             return [self.offload(key, owner) for key in keys]
         slots, free = self._slot, self._free
