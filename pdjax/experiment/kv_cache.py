@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from pdjax.config.files import REPO_ROOT, config_file
 from pdjax.config.serving import serve_config_from_dict
+from pdjax.scheduler.block_manager import extend_page_keys
 from pdjax.metrics import summarize_run
 from pdjax.sim.build import build_pending_requests, build_setup
 from pdjax.sim.run import simulate_setup
@@ -226,21 +227,18 @@ def _page_moves(instances, floor: Dict[str, float]) -> Dict[str, Any]:
 
 def bookkeeping_floor(pages: int = 100_000, page_size: int = 16, repeat: int = 3) -> Dict[str, float]:
     """Seconds per page of the prefix cache's per-page work, each step in the fewest Python operations the block
-    manager's key form allows (pdjax.scheduler.block_manager: (parent's hash, tuple of the page's token ids), a tuple
-    whose hash is computed afresh at every dict operation): make the key (`key_s`), register it (`register_s`), free
-    the page into the LRU and evict it (`free_and_evict_s`), drop its key (`unregister_s`), offload it into a host
-    tier that evicts as it fills (`host_offload_and_evict_s`). `pages` random pages, best of `repeat`."""
+    manager's structures allow (pdjax.scheduler.block_manager: a key per page, a key -> page dict, an LRU of free
+    cached pages; pdjax.scheduler.kv_tier: an LRU of host pages by key): make the key (extend_page_keys: `key_s`),
+    register it (`register_s`), free the page into the LRU and evict it (`free_and_evict_s`), drop its key
+    (`unregister_s`), offload it into a host tier that evicts as it fills (`host_offload_and_evict_s`). `pages`
+    random pages, best of `repeat`."""
     rng = random.Random(0)
     tokens = [rng.randrange(32000) for _ in range(pages * page_size)]
     ids = list(range(pages))
 
     def make_keys():
-        keys, parent = [], 0
-        add = keys.append
-        for page in zip(*[iter(tokens)] * page_size):
-            key = (parent, page)
-            parent = hash(key)
-            add(key)
+        keys: list = []
+        extend_page_keys(keys, tokens, page_size, pages)
         return keys
 
     keys = make_keys()
