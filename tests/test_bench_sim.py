@@ -28,7 +28,16 @@ def test_bench_sim_smoke(shared_data):
         assert case["iterations_per_cpu_s"] == pytest.approx(case["num_iterations"] / case["cpu_s"])
         assert case["peak_rss_mb"] >= case["base_rss_mb"] > 0
         assert len(case["records_sha256"]) == 64
+        assert case["iterations_per_interpreter_loop"] == pytest.approx(
+            case["iterations_per_s"] / out["interpreter_loops_per_s"], rel=1e-3, abs=1e-4)
     assert len(out["load_average_before"]) == 3 and out["cpus"] >= 1
+    assert out["interpreter_loops_per_s"] > 0
+
+
+def test_interpreter_rate_is_loops_per_second(monkeypatch):
+    clock = iter([0.0, 0.5, 10.0, 10.25])       # two runs of 1,000 loops: 0.5 s and 0.25 s (the best)
+    monkeypatch.setattr(bench_sim.time, "perf_counter", lambda: next(clock))
+    assert bench_sim.interpreter_rate(loops=1000, repeat=2) == 4000.0
 
 
 def test_bench_sim_rejects_bad_flags():

@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from pdjax.config.files import REPO_ROOT, config_file
 from pdjax.config.serving import serve_config_from_dict
+from pdjax.experiment.sim_bench import interpreter_rate
 from pdjax.scheduler.block_manager import extend_page_keys
 from pdjax.metrics import summarize_run
 from pdjax.sim.build import build_pending_requests, build_setup
@@ -181,8 +182,11 @@ def speed(num_requests: int = 10_000, replicas: int = 4,
     `cases` (router, prefix caching, a host tier with as many pages as the device); wall and CPU seconds of the
     simulation alone (the config, instances and requests built first), and with caching the cache's page moves
     (device evictions, host offloads) and the least CPU time they can cost as the cache keeps its pages today
-    (`bookkeeping_floor`): the fastest the case could run, at the CPU time of its router without caching plus that."""
+    (`bookkeeping_floor`): the fastest the case could run, at the CPU time of its router without caching plus that.
+    iterations_per_interpreter_loop: iterations per CPU second over the machine's interpreter_rate (measured once,
+    first), which compares across days."""
     rows, floor = [], None
+    ceiling = interpreter_rate()
     for router, caching, host in cases:
         chat10k = os.path.join(REPO_ROOT, "configs", "sim", "chat10k.py")
         config = copy.deepcopy(config_file(chat10k, "chat10k.py").to_dict())
@@ -202,7 +206,8 @@ def speed(num_requests: int = 10_000, replicas: int = 4,
                "num_requests": num_requests, "replicas": replicas, "num_iterations": result.num_iterations,
                "wall_s": round(result.wall_s, 2), "iterations_per_s": round(result.iterations_per_s),
                "cpu_s": round(cpu, 2), "iterations_per_cpu_s": round(result.num_iterations / max(cpu, 1e-9)),
-               "load_average": os.getloadavg()[0]}
+               "load_average": os.getloadavg()[0], "interpreter_loops_per_s": round(ceiling),
+               "iterations_per_interpreter_loop": round(result.num_iterations / max(cpu, 1e-9) / ceiling, 4)}
         if caching:
             floor = floor or bookkeeping_floor()
             row.update(_page_moves(held["colocated"], floor))

@@ -18,7 +18,11 @@ when other jobs share the cores), peak_rss_mb (the process's maximum resident se
 simulation; it includes the interpreter and imports), base_rss_mb (the same before the simulation: imports, config and
 workload), records_sha256 (SHA-256 of the run's requests.csv, iterations.csv and token_times.csv as
 write_run_outputs writes them: equal before and after an optimization = byte-identical results); and the
-machine's load average (os.getloadavg) before and after, since the machine may be shared.
+machine's load average (os.getloadavg) before and after, since the machine may be shared; and the machine's own
+ceiling for an interpreter-bound program, `interpreter_loops_per_s` (`interpreter_rate`: a fixed loop of the
+operations the simulator is made of), with each case's iterations_per_s over it (`iterations_per_interpreter_loop`):
+the same machine runs 20-30% faster or slower from one day to the next at the same load average, the ratio does not
+move with it.
 """
 from __future__ import annotations
 
@@ -87,10 +91,37 @@ def run_case(name: str, num_requests: int, repeat: int) -> dict:
             "records_sha256": digest.hexdigest()}
 
 
+class _Slot:
+    __slots__ = ("n",)
+
+
+def interpreter_rate(loops: int = 500_000, repeat: int = 5) -> float:
+    """The machine's own ceiling for this single-threaded Python simulator: loops per second (best of `repeat`) of a
+    fixed interpreter-bound loop of the operations the simulator's hot paths are made of (an attribute read and
+    write, a list append, a dict write and read, a float add, a comparison). Speeds divided by it compare across
+    machines and days (the same cores run this and the simulation)."""
+    best = float("inf")
+    for _ in range(repeat):
+        obj, out, table, acc = _Slot(), [], {}, 0.0
+        obj.n = 0
+        start = time.perf_counter()
+        for i in range(loops):
+            obj.n = obj.n + 1
+            out.append(i)
+            table[i & 1023] = i
+            acc += table.get(i & 511, 0) * 0.5
+            if acc < 0:
+                break
+        best = min(best, time.perf_counter() - start)
+    return loops / best
+
+
 def run(cases: Sequence[str] = tuple(CASES), num_requests: int = 0, repeat: int = 1) -> dict:
     """Every case in its own process (module docstring); UserError naming a case whose process failed (its
-    stderr printed first)."""
+    stderr printed first). Each case also gives its speed over the machine's interpreter_rate (measured before and
+    after the cases; the ratio uses their mean)."""
     load_before = os.getloadavg()
+    ceiling_before = interpreter_rate()
     out = {}
     for name in cases:
         start = time.perf_counter()
@@ -101,8 +132,11 @@ def run(cases: Sequence[str] = tuple(CASES), num_requests: int = 0, repeat: int 
             raise UserError(f"bench_sim case {name!r} failed (exit {proc.returncode})")
         out[name] = {**json.loads(proc.stdout.strip().splitlines()[-1]),
                      "process_wall_s": round(time.perf_counter() - start, 2)}
-    return {"cases": out, "load_average_before": list(load_before), "load_average_after": list(os.getloadavg()),
-            "cpus": os.cpu_count()}
+    ceiling = (ceiling_before + interpreter_rate()) / 2
+    for case in out.values():
+        case["iterations_per_interpreter_loop"] = round(case["iterations_per_s"] / ceiling, 4)
+    return {"cases": out, "interpreter_loops_per_s": round(ceiling), "load_average_before": list(load_before),
+            "load_average_after": list(os.getloadavg()), "cpus": os.cpu_count()}
 
 
 if __name__ == "__main__":    # one case of `run`: CASE NUM_REQUESTS REPEAT
