@@ -19,7 +19,8 @@ Parts:
   are what differs).
 - `speed`: simulated iterations per second of the simulation alone on a chat10k-size run (configs/sim/chat10k.py,
   10,000 requests) spread over 4 replicas: each router without prefix caching, round_robin and kv_centric with it,
-  kv_centric with it and host tiers (`SPEED_CASES`).
+  kv_centric with it and host tiers (`SPEED_CASES`); with caching, the page moves and their least cost
+  (`bookkeeping_floor`); every speed also over the machine's interpreter ceiling (sim_bench.interpreter_rate).
 """
 from __future__ import annotations
 
