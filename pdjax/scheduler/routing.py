@@ -33,10 +33,10 @@ Each router is a row of the router table (pdjax.config.registry.ROUTERS, which `
 against) with its pick function, `(InstanceRouter) -> instance`: `register_router(name, pick)` adds one. A row may
 say when its pick reads nothing that an instance's pending steps change (`stale_ok`, RouterInfo): round_robin never
 reads an instance; least_loaded reads a colocated one's tokens to compute (less what the pending steps computed);
-prefix_affinity and kv_centric (prefill side) read its live requests, its queued prompt tokens
-and free pages (offset by what the pending steps compute and allocate: `unapplied`) and the request's hit there,
-which prefix caching may change (`cache_aware_stale_ok`). The simulator then leaves a replica's decode run
-unapplied while it routes (pdjax.sim.simulator.LazyRun); without it, every replica is brought up to date first.
+prefix_affinity and kv_centric (prefill side) read its live requests, its queued prompt tokens and free pages
+(offset by what the pending steps compute and allocate: `unapplied`) and the request's hit there, which prefix
+caching may change (`cache_aware_stale_ok`). The simulator then leaves a replica's decode run unapplied while it
+routes (pdjax.sim.simulator.LazyRun); without it, every replica is brought up to date first.
 A router is callable as `router(request, instances)` too, the simulator's routing protocol (the request does not
 change the pick).
 A router serves one of the roles 'colocated', 'prefill', 'decode'. Mixed-pool instances (role 'mixed', Splitwise)
