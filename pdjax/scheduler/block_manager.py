@@ -14,7 +14,9 @@ Choices:
   their tokens exactly: a false hit needs a 64-bit collision of the parent's hash AND identical page tokens.
   Bytes rather than a (parent, tuple of tokens) tuple because a bytes object keeps its hash: a key is hashed at
   every dict it enters or leaves (registration, eviction, the host tier), and a tuple's hash re-reads its
-  token ints, cold in memory by eviction time; 4-byte ids keep the keys (and the heap) small.
+  token ints, cold in memory by eviction time; 4-byte ids keep the keys (and the heap) small. A bytes hash is
+  salted per process (PYTHONHASHSEED), so key values are meaningful within one process only: never send them to
+  another process or store them (results do not depend on them: nothing iterates a container in hash order).
   Only full pages whose KV has been computed are registered (`register`), and a page is handed out by
   `allocate` only when its reference count is 0, so a cached page is never handed out while referenced.
 - A page whose key is already registered to another page (two requests computed the same prefix at once)
