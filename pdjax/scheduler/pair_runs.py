@@ -177,15 +177,16 @@ class PairRun:
         self._total[g] = total + count
         self.batch_counts.append(count)
         self.batch_tokens.append(sched._budget - count - left)
-        if admits or done:
-            self._commit(g, j, plan, admits, done)
-        else:
-            for k, n, need in plan:
-                state = states[k]
-                state[0] += n
-                state[2] += need
-            self.chunks.append(plan)
-            self._passes[g] = j + 1
+        if admits:
+            self._admit_planned(g, admits)
+        for k, n, need in plan:
+            state = states[k]
+            state[0] += n
+            state[2] += need
+        self.chunks.append(plan)
+        self._passes[g] = j + 1
+        if done:
+            self._complete(g, j, done)
         return pages, chunks, count, total
 
     def _pass_start(self, g: int, j: int) -> int:
@@ -215,8 +216,8 @@ class PairRun:
             self._total[g] += context
             starts[cross] = starts.get(cross, 0) + 1
 
-    def _commit(self, g: int, j: int, plan: list, admits: Sequence, done: Sequence) -> None:
-        """Record group g's pass j as planned: admissions, chunks, prompts completed (their decode phases)."""
+    def _admit_planned(self, g: int, admits: Sequence) -> None:
+        """Group g's admissions in the pass being planned (before its plan is recorded): new prefill states."""
         h = len(self.chunks)
         sched = self.sched
         states = self._p_state[g]
@@ -230,16 +231,15 @@ class PairRun:
             self.admitted.append((h, req))
             self._running += 1
         self._taken += len(admits)
-        for k, n, need in plan:
-            state = states[k]
-            state[0] += n
-            state[2] += need
-        self.chunks.append(plan)
-        self._passes[g] = j + 1
-        if done:
-            gone = {k for k, _ in done}
-            self._p_live = tuple(live if i != g else [k for k in live if k not in gone]
-                                 for i, live in enumerate(self._p_live))
+
+    def _complete(self, g: int, j: int, done: Sequence) -> None:
+        """Group g's prompts completed in pass j (just recorded): their decode phases."""
+        h = len(self.chunks) - 1
+        sched = self.sched
+        states = self._p_state[g]
+        gone = {k for k, _ in done}
+        self._p_live = tuple(live if i != g else [k for k in live if k not in gone]
+                             for i, live in enumerate(self._p_live))
         for k, held in done:                 # first token at the collect of this batch (half-step h + 2)
             req = self.prefills[g][k]
             self._p_done[g][k] = h
