@@ -36,6 +36,7 @@ from pdjax.config.files import REPO_ROOT, config_file
 from pdjax.config.serving import serve_config_from_dict
 from pdjax.experiment.sim_bench import interpreter_rate
 from pdjax.scheduler.block_manager import extend_page_keys
+from pdjax.scheduler.kv_tier import HostKVTier
 from pdjax.metrics import summarize_run
 from pdjax.sim.build import build_pending_requests, build_setup
 from pdjax.sim.run import simulate_setup
@@ -236,8 +237,8 @@ def bookkeeping_floor(pages: int = 100_000, page_size: int = 16, repeat: int = 3
     manager's structures allow (pdjax.scheduler.block_manager: a key per page, a key -> page dict, an LRU of free
     cached pages; pdjax.scheduler.kv_tier: an LRU of host pages by key): make the key (extend_page_keys: `key_s`),
     register it (`register_s`), free the page into the LRU and evict it (`free_and_evict_s`), drop its key
-    (`unregister_s`), offload it into a host tier that evicts as it fills (`host_offload_and_evict_s`). `pages`
-    random pages, best of `repeat`."""
+    (`unregister_s`), offload it into a host tier that evicts as it fills (`host_offload_and_evict_s`: the tier's own
+    batched offload_many). `pages` random pages, best of `repeat`."""
     rng = random.Random(0)
     tokens = [rng.randrange(32000) for _ in range(pages * page_size)]
     ids = list(range(pages))
@@ -269,11 +270,7 @@ def bookkeeping_floor(pages: int = 100_000, page_size: int = 16, repeat: int = 3
         return time.perf_counter() - start
 
     def host():
-        slots, free = OrderedDict(), list(range(pages // 2))
-        pop = slots.popitem
-        for key in keys:
-            if key not in slots:
-                slots[key] = ("i0", free.pop() if free else pop(last=False)[1][1])
+        HostKVTier(pages // 2).offload_many(keys, "i0")
 
     def best(fn):
         out = float("inf")
