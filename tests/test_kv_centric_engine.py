@@ -78,19 +78,33 @@ def _host_hits(engine):
     return sum(i.scheduler.block_manager.num_host_hit_pages for i in engine.instances)
 
 
-@pytest.mark.parametrize("router,pool", [
-    ("prefix_affinity", "local"), ("kv_centric", "shared"),
-    pytest.param("kv_centric", "local", marks=pytest.mark.slow),
-    pytest.param("prefix_affinity", "shared", marks=pytest.mark.slow)])
-def test_colocated_cache_aware_routers_and_host_tier_match_one_instance(model, waves, reference, router, pool):
+@pytest.mark.parametrize("router,pool,cost", [
+    ("prefix_affinity", "local", "seconds"), ("kv_centric", "shared", "tokens"), ("kv_centric", "shared", "seconds"),
+    pytest.param("kv_centric", "local", "tokens", marks=pytest.mark.slow),
+    pytest.param("prefix_affinity", "shared", "seconds", marks=pytest.mark.slow)])
+def test_colocated_cache_aware_routers_and_host_tier_match_one_instance(model, waves, reference, router, pool,
+                                                                         cost):
+    """kv_centric by tokens routes the same whatever the CPU's speed (the host-tier hits are deterministic); by
+    measured seconds (the default) its picks follow this CPU's step times, and the tokens are one instance's
+    whatever they are."""
     from pdjax.serving.build import build_engine
     spec, params = model
-    cfg = serve_config_from_dict(_config({"kind": "colocated", "router": router, "host_kv_pool": pool,
-                                          "colocated": {"num_instances": 2, "host_kv_blocks": 24}}))
+    dep = {"kind": "colocated", "router": router, "host_kv_pool": pool,
+           "colocated": {"num_instances": 2, "host_kv_blocks": 24}}
+    if router == "kv_centric":
+        dep["router_cost"] = cost
+    cfg = serve_config_from_dict(_config(dep))
     engine = build_engine(cfg, params=params, spec=spec)
     got, _ = _serve_waves(engine, waves)
     assert got == reference
-    assert _host_hits(engine) > 0, "the waves are meant to load pages back from the host tier"
+    if cfg.deployment.router_cost == "tokens" or router == "prefix_affinity":
+        assert _host_hits(engine) > 0, "the waves are meant to load pages back from the host tier"
+    if router == "kv_centric" and cost == "seconds":     # seconds fitted from each replica's own timed steps
+        from pdjax.scheduler.step_fit import MeasuredCost
+        cost = engine.entry_router.cost
+        assert isinstance(cost, MeasuredCost)
+        fitted = cost.describe()["instances"]
+        assert sorted(fitted) == ["replica0", "replica1"] and all(f["num_steps"] > 0 for f in fitted.values())
     for inst in engine.instances:
         bm = inst.scheduler.block_manager
         bm.check_invariants([])

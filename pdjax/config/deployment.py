@@ -77,6 +77,7 @@ SCHEDULER_BLOCKS_VALUE = "(0 = the scheduler block's value)"
 HOST_KV_POOLS = ("local", "shared")          # pdjax.scheduler.kv_tier (the scheduler layer imports config)
 HOST_KV_EVICTIONS = ("lru", "lfu")
 CACHE_AWARE_ROUTERS = ("prefix_affinity", "kv_centric")   # read the request's cached prefix per instance
+ROUTER_COSTS = ("seconds", "tokens")          # kv_centric's predicted TTFT: in seconds, or by tokens (routing)
 
 
 def check_role(role: str) -> str:
@@ -171,7 +172,10 @@ class DeploymentConfig:
     host_kv_pool: 'local' (each instance its own tier) or 'shared' (one pool of all their pages, Mooncake's);
     host_kv_eviction: 'lru' or 'lfu';
     partial_transfer: a decode instance that holds a prefix of a handed-off request's KV (device or host tier)
-      receives only the rest (disaggregated only; needs prefix caching)."""
+      receives only the rest (disaggregated only; needs prefix caching);
+    router_cost: kv_centric's predicted TTFT in 'seconds' (the engine: fitted online from each instance's timed
+      steps, pdjax.scheduler.step_fit; the simulator: its step cost model and host-link pricing) or 'tokens'
+      (uncached plus queued tokens, host loads free: the ranking by tokens)."""
     kind: str = one_of("colocated", DEPLOYMENT_KINDS)
     router: str = one_of("round_robin", ROUTERS)
     colocated: InstanceGroupConfig = InstanceGroupConfig()
@@ -206,6 +210,8 @@ class DeploymentConfig:
     router_cache_threshold: float = number(0.5, low=0, high=1, expected="a fraction in [0, 1] (prefix_affinity)")
     router_balance_abs: int = nonneg_int(32, note="(prefix_affinity: live-request gap that counts as imbalance)")
     router_balance_rel: float = number(1.0001, low=1, expected="a ratio >= 1 (prefix_affinity)")
+    router_cost: str = one_of("seconds", ROUTER_COSTS, expected=(
+        f"one of {ROUTER_COSTS} (kv_centric's predicted TTFT: 'seconds' measured / modelled, or 'tokens')"))
 
     def __post_init__(self):
         if self.router == "least_outstanding_tokens":
@@ -314,6 +320,9 @@ def check_kv_centric(dep: "DeploymentConfig") -> None:
         raise ValueError(f"deployment.rebalance=True with router={dep.router!r} / host KV tiers / partial_transfer: "
                          "a rebalanced instance changes role, which the KV-cache-centric features do not follow; "
                          "expected rebalance=False or none of them")
+    if dep.router_cost != "seconds" and dep.router != "kv_centric":
+        raise ValueError(f"deployment.router_cost={dep.router_cost!r} with router={dep.router!r}: only kv_centric "
+                         "predicts a TTFT; expected router='kv_centric' or router_cost='seconds'")
     if dep.partial_transfer and dep.kind != "disaggregated":
         raise ValueError(f"deployment.partial_transfer=True with deployment.kind={dep.kind!r}: only a "
                          "disaggregated deployment transfers KV; expected kind='disaggregated' or False")

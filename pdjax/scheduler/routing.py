@@ -25,7 +25,9 @@ An instance is anything with `.scheduler` (a pdjax Scheduler) and, unless the ro
   pages another instance offloaded: a remote fetch); the minimum wins. Times come from `cost(new_tokens,
   cached_tokens) -> seconds` (the simulator passes its own step cost, the engine the same or a measured
   estimate; default: one second per token, a ranking by tokens) and `fetch(local_pages, remote_pages) ->
-  seconds` (default 0); the queue time is cost(tokens still to prefill on the instance, 0). A decode instance
+  seconds` (default 0); the queue time is cost(tokens still to prefill on the instance, 0). A cost or fetch with
+  an `of(inst)` method is per instance: `of(inst)` is that instance's (the engine's measured default,
+  pdjax.scheduler.step_fit.MeasuredCost, fitted from each instance's own timed steps). A decode instance
   (role 'decode') is picked by load and free KV instead: the least (live requests / max_num_seqs + pages in
   use / pages), among those with room for the request's pages if any has.
   Both read the request (`pick(request)`); without one they pick as 'least_loaded'.
@@ -217,8 +219,15 @@ def predicted_ttft(router: InstanceRouter, inst, req) -> float:
     queued = queued_prefill_tokens(inst)
     if router.unapplied:
         queued -= router.unapplied.get(id(inst), _NOTHING_UNAPPLIED)[0]
-    queue_s = router.cost(queued, 0) if queued else 0.0
-    return queue_s + router.cost(len(req.all_token_ids) - cached, cached) + router.fetch(local, remote)
+    cost, fetch = _own(router.cost, inst), _own(router.fetch, inst)
+    queue_s = cost(queued, 0) if queued else 0.0
+    return queue_s + cost(len(req.all_token_ids) - cached, cached) + fetch(local, remote)
+
+
+def _own(fn, inst):
+    """fn, or inst's own when fn is per instance (it has `of(inst) -> callable`: pdjax.scheduler.step_fit)."""
+    of = getattr(fn, "of", None)
+    return fn if of is None else of(inst)
 
 
 def _kv_centric(router: InstanceRouter):

@@ -172,8 +172,9 @@ def build_engine(cfg: ServeConfig, *, devices: Optional[Sequence] = None, params
 def _build_engine(cfg: ServeConfig, *, devices, params, spec, on_token, compile_counter):
     dep, ec = cfg.deployment, cfg.engine
     instances = build_instances(cfg, devices=devices, params=params, spec=spec)
-    if uses_kv_centric(dep):     # host KV tiers, partial transfer (issue 30; pdjax.serving.kv_tier)
-        attach_engine_kv(instances, dep, spec if spec is not None else model_spec_for(cfg, simulator=False))
+    if uses_kv_centric(dep):     # host KV tiers, partial transfer, the routers' options (issue 30; serving.kv_tier)
+        spec = spec if spec is not None else model_spec_for(cfg, simulator=False)
+        attach_engine_kv(instances, dep, spec)
     common = dict(on_token=on_token, compile_counter=compile_counter, fail_on_compile=ec.fail_on_compile)
     if dep.kind == "colocated" and len(instances) == 1:
         (inst,) = instances
@@ -183,11 +184,11 @@ def _build_engine(cfg: ServeConfig, *, devices, params, spec, on_token, compile_
                                max_in_flight=in_flight, **common)
     # Multi-instance loop: each instance keeps up to its runner's pp batches in flight (max_in_flight=None).
     if dep.kind == "colocated":
-        return ClusterEngine(instances, router=dep.router, overlap=ec.overlap, router_options=router_options(dep),
-                             **common)
+        return ClusterEngine(instances, router=dep.router, overlap=ec.overlap,
+                             router_options=router_options(dep, spec=spec), **common)
     return DisaggregatedEngine([i for i in instances if i.role == "prefill"],
                                [i for i in instances if i.role == "decode"], router=dep.router,
-                               router_options=router_options(dep),
+                               router_options=router_options(dep, spec=spec),
                                overlap=ec.overlap, mixed=[i for i in instances if i.role == "mixed"],
                                mixed_prefill_queue_tokens=dep.mixed_prefill_queue_tokens,
                                mixed_decode_load=float(dep.mixed_decode_load), mixed_pool=dep.mixed_pool,

@@ -85,6 +85,8 @@ Choices and limits:
   every padded page count before serving, so no transfer compiles mid-run.
 - Routing: 'round_robin', or 'least_loaded' (InstanceRouter.load of the instance's role); with a mixed pool, the
   thresholds `mixed_prefill_queue_tokens` / `mixed_decode_load` (pdjax.config.deployment) decide when it is used.
+  A router cost with `observe_step` (kv_centric's measured cost, pdjax.serving.kv_tier) is told every collected
+  step: the instance, its batch, its start and end on the engine clock, and its compiles.
 - A request that finishes on its first token ('stop' / 'length') never reaches a decode instance.
 """
 from __future__ import annotations
@@ -196,6 +198,8 @@ class ClusterEngine:
             for r in (self.entry_router, self.decode_router):    # the cache-aware routers' options (issue 30)
                 for key, value in (router_options or {}).items():
                     setattr(r, key, value)
+        # kv_centric's measured cost (pdjax.scheduler.step_fit.MeasuredCost) learns from every collected step
+        self._observe_step = getattr((router_options or {}).get("cost"), "observe_step", None)
         self.mixed_pool = mixed_pool
         self.any_pair = mixed_pool == "borrow" or getattr(self.pool, "flips", None) is not None  # KV between any two
         self._t0 = 0.0
@@ -503,10 +507,13 @@ class ClusterEngine:
         finished = inst.scheduler.update(out, sampled, end)
         if step_lp is not None:
             step_lp.attach(sampled)
+        compiles = self.compiles.new(f"{inst.name} iteration {inst.num_steps}")
         self._iterations.append(IterationRecord(
             step=inst.num_steps, start_time=start, end_time=end, num_prefill_tokens=out.num_prefill_tokens,
             num_decode_tokens=out.num_decode_tokens, num_seqs=out.num_seqs, instance=inst.name,
-            num_compiles=self.compiles.new(f"{inst.name} iteration {inst.num_steps}")))
+            num_compiles=compiles))
+        if self._observe_step is not None:
+            self._observe_step(inst, out, start, end, compiles)
         inst.num_steps += 1
         if pages:
             scrub_pages(inst.runner, inst.scheduler, pages, self.compiles)

@@ -8,18 +8,35 @@ pdjax.scheduler.kv_tier and pdjax.scheduler.routing, the simulator's pdjax.sim.k
 - Shared pool (`deployment.host_kv_pool='shared'`): every runner's host store keeps its tier pages in one dict
   (`SharedHostPages`), so instance B loads a page instance A offloaded: the cross-instance fetch is a copy from
   that host memory onto B's devices (one process on one host here; across hosts it would cross the network).
-- Routers: the cache-aware routers get the deployment's thresholds; their prefill cost is `router_cost` when
-  given (e.g. the simulator's cost model), else tokens (a ranking by uncached tokens plus queued tokens).
+- Routers: the cache-aware routers get the deployment's thresholds. kv_centric's cost is the `cost` given (e.g.
+  the simulator's cost model); else, with `deployment.router_cost='seconds'` (the default), seconds measured on
+  this engine: pdjax.scheduler.step_fit.MeasuredCost, each instance's step time fitted online from its own timed
+  steps (the engine loop feeds it: ClusterEngine calls its `observe_step`), which prices the prefill of the
+  uncached and queued tokens and the host-page loads (the runner's swap copies are inside the timed step, so the
+  fit learns their seconds per page); with 'tokens', the router's tokens ranking (host loads free).
+  The fit's prior (`roofline_prior`): the model's roofline on the simulator's default hardware (an A100-80GB SXM:
+  the weights read once per step from HBM, 2 FLOPs per parameter per token, 4 x layers x heads x head_dim FLOPs
+  per attention query-key pair, a KV page over a PCIe Gen4 host link), per tensor-parallel device. It is what the
+  simulator would price on that hardware, scaled right for an accelerator; it weighs 8 typical steps
+  (step_fit.StepFit), so after a few dozen steps of an instance its own times decide, and a term its steps never
+  exercised (an instance that loaded no host page yet) keeps a physical price rather than 0.
 No scheduling decision is made here.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from pdjax.config.deployment import uses_host_kv
 from pdjax.scheduler.kv_tier import attach_host_tiers
+from pdjax.scheduler.step_fit import MeasuredCost
 
-__all__ = ["SharedHostPages", "attach_engine_kv", "router_options"]
+__all__ = ["SharedHostPages", "attach_engine_kv", "roofline_prior", "router_options"]
+
+# roofline_prior's hardware: the simulator's default (sim.hardware 'a100-80gb-sxm': pdjax.sim.hardware, and its host
+# link in pdjax.sim.kv_tier.host_link_bandwidth; serving does not import sim, tests/test_step_fit.py checks these).
+PRIOR_FLOPS = 312e12                  # FLOP/s, bf16 dense
+PRIOR_HBM_BYTES_PER_S = 2039e9        # bytes/s
+PRIOR_HOST_LINK_BYTES_PER_S = 32e9    # bytes/s per direction, PCIe Gen4 x16
 
 
 class SharedHostPages:
@@ -62,10 +79,29 @@ def attach_engine_kv(instances: Sequence, dep, spec) -> None:
             inst.runner.host_pages = SharedHostPages(inst.runner.host_pages, shared)
 
 
-def router_options(dep, cost: Optional[Callable[[int, int], float]] = None) -> dict:
-    """InstanceRouter keyword arguments of the cache-aware routers for the engine (module docstring)."""
+def roofline_prior(spec) -> Callable[..., Tuple[float, ...]]:
+    """(instance) -> the prior seconds per unit of each step_fit.FEATURES for `spec` (a ModelSpec) on the instance's
+    tensor-parallel devices (module docstring)."""
+    params = spec.num_params()
+
+    def prior(inst) -> Tuple[float, ...]:
+        mesh = getattr(getattr(inst, "runner", None), "mesh", None)
+        tp = int(mesh.shape["tensor"]) if mesh is not None else 1
+        page_s = spec.kv_bytes_per_token() * inst.scheduler.config.page_size / (tp * PRIOR_HOST_LINK_BYTES_PER_S)
+        return (params * spec.dtype_bytes / (tp * PRIOR_HBM_BYTES_PER_S), 2 * params / (tp * PRIOR_FLOPS),
+                4 * spec.num_layers * spec.num_heads * spec.head_dim / (tp * PRIOR_FLOPS), page_s, page_s)
+    return prior
+
+
+def router_options(dep, cost: Optional[Callable[[int, int], float]] = None, spec=None) -> dict:
+    """InstanceRouter keyword arguments of the cache-aware routers for the engine (module docstring): kv_centric's
+    cost `cost` when given, else (router_cost 'seconds' and the ModelSpec `spec` given) a MeasuredCost and its
+    fetch, else the router's tokens default."""
     options = {"balance_abs": dep.router_balance_abs, "balance_rel": dep.router_balance_rel,
                "cache_threshold": dep.router_cache_threshold}
-    if cost is not None:       # else the router's own default (tokens)
+    if cost is not None:
         options["cost"] = cost
+    elif dep.router == "kv_centric" and dep.router_cost == "seconds" and spec is not None:
+        measured = MeasuredCost(roofline_prior(spec))
+        options["cost"], options["fetch"] = measured, measured.fetch
     return options

@@ -167,6 +167,9 @@ def _layout_info(cfg: ServeConfig, engine, result, coordinator) -> Dict[str, Any
                "num_pages": sched.config.num_pages, "token_budget": sched.config.token_budget,
                "num_iterations": len(result.iterations) if steps is None else steps}
         for name, role, runner, sched, steps in _instances(engine)}}
+    cost = getattr(getattr(engine, "entry_router", None), "cost", None)
+    if hasattr(cost, "describe"):     # kv_centric's measured cost: the fitted step model per instance
+        info["router_cost"] = cost.describe()
     if cfg.deployment.kind == "disaggregated":
         info["kv_transfer"] = result.transfer_summary()
         pool = getattr(engine, "pool", None)

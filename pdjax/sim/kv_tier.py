@@ -128,16 +128,19 @@ def apply_kv_centric(setup, instances: Dict[str, List[Any]]) -> None:
 
 def router_options(setup, role: str, step_time) -> Dict[str, Any]:
     """InstanceRouter keyword arguments for `role`'s router under setup.kv: kv_centric's cost (the group's step
-    cost, `prefill_cost`) and fetch (host-load seconds of local / remote pages), prefix_affinity's thresholds."""
+    cost, `prefill_cost`) and fetch (host-load seconds of local / remote pages; both the router's tokens default
+    under deployment.router_cost='tokens'), prefix_affinity's thresholds."""
     dep = setup.kv
+    thresholds = {"balance_abs": dep.router_balance_abs, "balance_rel": dep.router_balance_rel,
+                  "cache_threshold": dep.router_cache_threshold}
+    if dep.router_cost == "tokens":
+        return thresholds
     pb = page_bytes(setup)
     hw = hardware_of(setup, role)
     local_s, remote_s = pb / host_link_bandwidth(hw), pb / remote_fetch_bandwidth(hw)
     base = step_time.base if isinstance(step_time, HostLoadStepTime) else step_time
     return {"cost": prefill_cost(base, setup.groups[role].scheduler_config.token_budget),
-            "fetch": lambda local, remote: local * local_s + remote * remote_s,
-            "balance_abs": dep.router_balance_abs, "balance_rel": dep.router_balance_rel,
-            "cache_threshold": dep.router_cache_threshold}
+            "fetch": lambda local, remote: local * local_s + remote * remote_s, **thresholds}
 
 
 def configure_router(router, options: Dict[str, Any]) -> None:
