@@ -198,8 +198,6 @@ class ClusterEngine:
             for r in (self.entry_router, self.decode_router):    # the cache-aware routers' options (issue 30)
                 for key, value in (router_options or {}).items():
                     setattr(r, key, value)
-        # kv_centric's measured cost (pdjax.scheduler.step_fit.MeasuredCost) learns from every collected step
-        self._observe_step = getattr((router_options or {}).get("cost"), "observe_step", None)
         self.mixed_pool = mixed_pool
         self.any_pair = mixed_pool == "borrow" or getattr(self.pool, "flips", None) is not None  # KV between any two
         self._t0 = 0.0
@@ -413,6 +411,8 @@ class ClusterEngine:
         if hasattr(self.pool, "bind"):
             self.pool.bind(self._iterations)    # early rejection learns its step rates from the run's records
         self._transfers: List[TransferRecord] = []
+        # kv_centric's measured cost (pdjax.scheduler.step_fit.MeasuredCost) learns from every collected step
+        self._observe_step = getattr(getattr(self.entry_router, "cost", None), "observe_step", None)
         self._t0 = self.clock()
         self._overlap = 0.0
         self._progress = progress
