@@ -46,6 +46,8 @@ def test_fit_without_prior_is_least_squares_and_recovers_the_coefficients():
     ref, *_ = np.linalg.lstsq(x, y, rcond=None)
     np.testing.assert_allclose(fit.theta, ref, rtol=1e-7)
     np.testing.assert_allclose(fit.theta, THETA, rtol=0.1)
+    mean, rms = fit.residuals()
+    assert mean == pytest.approx(y.mean()) and rms == pytest.approx(np.sqrt(np.mean((y - x @ ref) ** 2)), rel=1e-4)
     exact = _fit(x, x @ np.array(THETA), prior=(0.0,) * 5, scales=typical_step(256, 16), prior_steps=0)
     np.testing.assert_allclose(exact.theta, THETA, rtol=1e-7)
 

@@ -26,10 +26,13 @@ protocol of a per-instance cost or fetch), kv_centric's two terms in seconds:
                           the same host memory (pdjax.serving.kv_tier).
 The engine calls `observe_step(inst, out, start, end, num_compiles)` for every collected step: its seconds are
 end - max(start, the instance's previous end) (a pipelined instance's batches overlap), and a step that compiled
-is skipped (its time is the compiler's).
+is skipped (its time is the compiler's). In the engine's rounds (pdjax.serving.cluster: every busy instance dispatches,
+then each is collected in turn) a step's schedule-to-collect time includes waiting for the instances collected before
+it: the time a step of that instance takes in that loop, which is what its queue and prefill take there too.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, List, Sequence, Tuple, Union
 
 __all__ = ["FEATURES", "MeasuredCost", "StepFit", "step_features", "typical_step"]
@@ -94,6 +97,8 @@ class StepFit:
         n = len(FEATURES)
         self._zz = [[0.0] * n for _ in range(n)]     # sum of z z^T, z = features / scales
         self._zy = [0.0] * n                         # sum of z * seconds
+        self._yy = 0.0                               # sum of seconds**2
+        self._y = 0.0                                # sum of seconds
         self.num_steps = 0
         self._theta = self.prior
 
@@ -105,6 +110,8 @@ class StepFit:
                 for j, zj in enumerate(z):
                     row[j] += zi * zj
                 self._zy[i] += zi * seconds
+        self._yy += seconds * seconds
+        self._y += seconds
         self.num_steps += 1
         self._theta = None
 
@@ -117,6 +124,15 @@ class StepFit:
             b = [zy + lam * p * sk for zy, p, sk in zip(self._zy, self.prior, s)]
             self._theta = tuple(phi / sk for phi, sk in zip(_solve(a, b), s))
         return self._theta
+
+    def residuals(self) -> Tuple[float, float]:
+        """(mean seconds, root-mean-square error of theta's predictions) over the observed steps (0, 0 before any)."""
+        if not self.num_steps:
+            return 0.0, 0.0
+        phi = [t * sk for t, sk in zip(self.theta, self.scales)]
+        fitted = sum(p * sum(row[j] * phi[j] for j in range(len(phi))) for p, row in zip(phi, self._zz))
+        sse = self._yy - 2 * sum(p * zy for p, zy in zip(phi, self._zy)) + fitted
+        return self._y / self.num_steps, math.sqrt(max(0.0, sse) / self.num_steps)
 
     def predict(self, features: Sequence[float]) -> float:
         """Seconds of a step (or of several, features summed) with these features, at least 0."""
@@ -185,5 +201,6 @@ class MeasuredCost:
         return {"model": "seconds = " + " + ".join(f"theta_{f} * {f}" for f in FEATURES),
                 "prior_steps": self.prior_steps,
                 "instances": {name: {"num_steps": c.fit.num_steps, "prior": dict(zip(FEATURES, c.fit.prior)),
-                                     "theta": dict(zip(FEATURES, c.fit.theta))}
+                                     "theta": dict(zip(FEATURES, c.fit.theta)),
+                                     **dict(zip(("mean_step_s", "rms_error_s"), c.fit.residuals()))}
                               for name, c in self._instances.items()}}
