@@ -16,10 +16,12 @@ pdjax.scheduler.kv_tier and pdjax.scheduler.routing, the simulator's pdjax.sim.k
   fit learns their seconds per page); with 'tokens', the router's tokens ranking (host loads free).
   The fit's prior (`roofline_prior`): the model's roofline on the simulator's default hardware (an A100-80GB SXM:
   the weights read once per step from HBM, 2 FLOPs per parameter per token, 4 x layers x heads x head_dim FLOPs
-  per attention query-key pair, a KV page over a PCIe Gen4 host link), per tensor-parallel device. It is what the
-  simulator would price on that hardware, scaled right for an accelerator; it weighs 8 typical steps
-  (step_fit.StepFit), so after a few dozen steps of an instance its own times decide, and a term its steps never
-  exercised (an instance that loaded no host page yet) keeps a physical price rather than 0.
+  per attention query-key pair, a KV page over a PCIe Gen4 host link), per tensor-parallel device: the roofline
+  terms of the simulator's cost model there, without its fitted efficiencies and host terms, so that before any
+  step a host load is weighed against recomputing as an accelerator would weigh them. It weighs 8 typical steps
+  (step_fit.StepFit): after a few dozen steps of an instance its own times decide (on a CPU they are ~10^4 x the
+  prior's), and a term its steps never exercised (an instance that loaded no host page yet) keeps a physical price
+  rather than 0.
 No scheduling decision is made here.
 """
 from __future__ import annotations
