@@ -237,6 +237,52 @@ def test_cluster_engine_feeds_every_step_to_the_measured_cost():
         np.testing.assert_allclose([fit.theta[i] for i in (0, 1, 2)], FAKE_THETA[:3], rtol=1e-6)
 
 
+class _LandedKV:
+    """A fake StagedKV that has landed (tests/test_simulator.py's)."""
+
+    def __init__(self, num_tokens: int, page_size: int = 16):
+        self.num_tokens, self.num_pages = num_tokens, -(-num_tokens // page_size)
+        self.kv_bytes = self.moved_bytes = 0
+
+    def wait(self) -> None:
+        pass
+
+    def is_ready(self) -> bool:
+        return True
+
+
+def test_disaggregated_engine_feeds_the_prefill_steps_to_the_measured_cost(monkeypatch):
+    """Two prefill instances and one decode instance behind kv_centric: the routers share the measured cost, and each
+    prefill instance's fit (chunks of varied size and context, one request at a time) recovers the fake device's."""
+    import dataclasses
+    from pdjax.serving import cluster
+    from pdjax.serving.disagg import DisaggregatedEngine, Instance
+    monkeypatch.setattr(cluster, "scatter_kv_pages", lambda caches, pages, staged: caches)
+    rng = random.Random(6)
+    cfg = _cfg(policy="prefill_only", page_size=16, num_pages=32, token_budget=64)
+    clock = _Clock()
+
+    def inst(name, role, sched_cfg):
+        runner = _FakeRunner(clock)
+        runner.kv_stages = runner.kv_stage_meshes = None
+        return Instance(name, role, runner, make_scheduler(sched_cfg))
+    prefill = [inst(f"prefill{i}", "prefill", cfg) for i in range(2)]
+    decode = [inst("decode0", "decode", dataclasses.replace(cfg, policy="decode_only"))]
+    cost = MeasuredCost(prior=(0.0,) * 5, prior_steps=1e-9)
+    engine = DisaggregatedEngine(prefill, decode, router="kv_centric", clock=clock.clock, sleep=clock.sleep,
+                                 router_options={"cost": cost, "fetch": cost.fetch},
+                                 transfer=lambda src, pages, dst, num_tokens, wait=False: _LandedKV(num_tokens))
+    assert engine.entry_router.cost is cost
+    reqs = [Request(f"q{i}", [rng.randrange(1, 200) for _ in range(rng.randrange(20, 200))],
+                    SamplingParams(max_tokens=3), float(i)) for i in range(14)]
+    result = engine.run(reqs)
+    assert all(r.finish_reason == "length" for r in result.requests)
+    for p in prefill:
+        fit = cost.instance(p).fit
+        assert fit.num_steps == sum(it.instance == p.name for it in result.iterations) > 3
+        np.testing.assert_allclose([fit.theta[i] for i in (0, 1, 2)], FAKE_THETA[:3], rtol=1e-6)
+
+
 # ----------------------------------------------------------------------------------------------- config
 def test_engine_router_options_measured_by_default_tokens_on_request():
     from pdjax.config.model_specs import get_model_spec
