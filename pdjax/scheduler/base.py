@@ -46,7 +46,7 @@ import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from pdjax.config.scheduler import SchedulerConfig
-from pdjax.scheduler.block_manager import BlockManager, extend_page_keys
+from pdjax.scheduler.block_manager import BlockManager, request_page_keys
 from pdjax.scheduler.output import SchedulerOutput
 from pdjax.scheduler.request import Request, RequestStatus
 from pdjax.scheduler.runs import DecodeRun, continued_run
@@ -516,9 +516,8 @@ class Scheduler:
 
     def _register(self, req: Request) -> None:
         full = req.num_computed_tokens // self._ps
-        if len(req.page_keys) < full:
-            extend_page_keys(req.page_keys, req.all_token_ids, self._ps, full)
-        self.block_manager.register(req.page_table, req.page_keys, req.num_registered_pages, full)
+        self.block_manager.register(req.page_table, request_page_keys(req, self._ps, full), req.num_registered_pages,
+                                    full)
         req.num_registered_pages = full
 
     def _prefill_chunk(self, req: Request, budget_left: int) -> int:
@@ -699,9 +698,7 @@ class Scheduler:
         if self._caching:
             total = len(req.all_token_ids)
             max_hit = (total - 1) // ps     # always compute >= 1 token, to sample from it
-            if len(req.page_keys) < max_hit:
-                extend_page_keys(req.page_keys, req.all_token_ids, ps, max_hit)
-            hits = bm.match_prefix(req.page_keys, max_hit)
+            hits = bm.match_prefix(request_page_keys(req, ps, max_hit), max_hit)
             if bm.host_tier is not None:
                 return self._admit_tiered(out, req, budget_left, now, hits, max_hit)
         req.num_computed_tokens = len(hits) * ps

@@ -33,10 +33,10 @@ Choices:
 from __future__ import annotations
 
 import struct as _struct
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from itertools import repeat as _repeat
 from operator import itemgetter as _getter
-from typing import Iterable, List, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 _any = any
 _KEY_PACKERS: dict = {}     # page size -> struct pack of a key (_key_packer)
@@ -54,6 +54,33 @@ def extend_page_keys(keys: list, tokens: Sequence[int], page_size: int, num_page
             key = _other_key(parent, tokens[s:s + page_size])
         keys.append(key)
         parent = hash(key)
+
+
+def request_page_keys(req, page_size: int, num_pages: int) -> list:
+    """`req.page_keys` (a pdjax.scheduler.Request's), extended to cover its first `num_pages` full pages: content
+    keys (extend_page_keys), or `req.key_base` + the page's index when the request has a key base
+    (numbered_key_bases: its run's requests share no page, so numbers identify pages as exactly as their
+    content, without reading a token)."""
+    keys = req.page_keys
+    if len(keys) < num_pages:
+        base = req.key_base
+        if base is None:
+            extend_page_keys(keys, req.all_token_ids, page_size, num_pages)
+        else:
+            keys += range(base + len(keys), base + num_pages)
+    return keys
+
+
+def numbered_key_bases(prompts: Sequence[Sequence[int]], page_size: int, placeholder: int) -> List[Optional[int]]:
+    """Key bases (request_page_keys) of the requests of a run, given their `prompts`, whose sampled ids are all
+    `placeholder` (the simulator's): request i's is i << 32, or None (content keys) when another request has the
+    same first page (the prompt's first page_size ids, completed with placeholders). A content key chains on its
+    parent's, so a request shares a page with another only if they share the first: a numbered request shares
+    none, and numbers find in the cache exactly what content keys would."""
+    firsts = [tuple(p[:page_size]) if len(p) >= page_size else tuple(p) + (placeholder,) * (page_size - len(p))
+              for p in prompts]
+    count = Counter(firsts)
+    return [i << 32 if count[first] == 1 else None for i, first in enumerate(firsts)]
 
 
 def _key_packer(page_size: int):

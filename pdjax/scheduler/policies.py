@@ -51,7 +51,7 @@ from typing import Type
 
 from pdjax.config.registry import POLICIES, PolicyInfo, add_policy
 from pdjax.config.scheduler import SchedulerConfig
-from pdjax.scheduler.block_manager import extend_page_keys
+from pdjax.scheduler.block_manager import request_page_keys
 from pdjax.scheduler.base import FINISHED, RUNNING, WAITING_FOR_KV, Scheduler
 from pdjax.scheduler.output import SchedulerOutput
 from pdjax.scheduler.request import Request
@@ -471,9 +471,7 @@ class DecodeOnlyScheduler(SarathiScheduler):
         watermark, else the whole KV moves as without reuse."""
         bm, ps = self.block_manager, self._ps
         full = req.num_computed_tokens // ps
-        if len(req.page_keys) < full:
-            extend_page_keys(req.page_keys, req.all_token_ids, ps, full)
-        hits = bm.match_prefix(req.page_keys, full)
+        hits = bm.match_prefix(request_page_keys(req, ps, full), full)
         host = bm.host_tier.count_prefix(req.page_keys, len(hits), full) if bm.host_tier is not None else 0
         if not hits and not host:
             return

@@ -52,7 +52,7 @@ from typing import Optional, Sequence, Tuple
 
 from pdjax.config.deployment import ROLES
 from pdjax.config.registry import ROUTERS, RouterInfo
-from pdjax.scheduler.block_manager import extend_page_keys
+from pdjax.scheduler.block_manager import request_page_keys
 
 __all__ = ["ROUTERS", "InstanceRouter", "register_router"]
 
@@ -176,9 +176,7 @@ def cached_prefix(inst, req) -> Tuple[int, int, int]:
         return 0, 0, 0
     ps = bm.page_size
     max_hit = (len(req.all_token_ids) - 1) // ps
-    if len(req.page_keys) < max_hit:
-        extend_page_keys(req.page_keys, req.all_token_ids, ps, max_hit)
-    device = len(bm.match_prefix(req.page_keys, max_hit))
+    device = len(bm.match_prefix(request_page_keys(req, ps, max_hit), max_hit))
     if bm.host_tier is None:
         return device, 0, 0
     owners = bm.host_tier.owners(req.page_keys, device, max_hit)
@@ -252,18 +250,18 @@ def no_hit_change(inst, req, prefill_tokens: int) -> bool:
     (prefill_tokens = 0) qualify, and only when the hit is 0 before and after them: req's first page is in neither
     the prefix cache nor the host tier (the steps' evictions could drop it) and no running request can register a
     first page (each has one registered already; a later page's key chains on its parent's hash, a first page's on
-    0, and a key's hash is 0 only by a 2**-64 chance)."""
+    0, and a key's hash is 0 only by a 2**-64 chance). A request with numbered keys (block_manager.numbered_key_bases)
+    that was never scheduled: yes, its hit is 0 anywhere until it runs."""
     bm = inst.scheduler.block_manager
     if not bm.enable_prefix_caching:
         return True
+    if req.key_base is not None and req.first_scheduled_time is None:
+        return True     # numbered keys: req shares no page, and has cached none of its own (never scheduled)
     if prefill_tokens:
         return False
     if len(req.all_token_ids) <= bm.page_size:
         return True
-    keys = req.page_keys
-    if not keys:
-        extend_page_keys(keys, req.all_token_ids, bm.page_size, 1)
-    first = keys[0]
+    first = request_page_keys(req, bm.page_size, 1)[0]
     if first in bm._key_to_page or (bm.host_tier is not None and first in bm.host_tier):
         return False
     return all(r.num_registered_pages for r in inst.scheduler.running)

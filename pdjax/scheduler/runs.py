@@ -59,7 +59,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import List, Optional, Sequence, Tuple
 
-from pdjax.scheduler.block_manager import extend_page_keys
+from pdjax.scheduler.block_manager import request_page_keys
 from pdjax.scheduler.request import RequestStatus
 
 PLACEHOLDER = 0   # pdjax.scheduler.base.PLACEHOLDER_TOKEN (the simulator's sampled id)
@@ -433,9 +433,7 @@ class DecodeRun:
             events = ()
         for j, kind, i, full in events:
             req = owners[kind][i]
-            keys = req.page_keys
-            if len(keys) < full:
-                extend_page_keys(keys, req.all_token_ids, ps, full)
+            keys = request_page_keys(req, ps, full)
             table = req.page_table
             if not evicted:
                 bm.register(table, keys, req.num_registered_pages, full)
@@ -461,11 +459,8 @@ class DecodeRun:
         keys, pages = [], []
         for (kind, i), full in last.items():
             req = owners[kind][i]
-            req_keys = req.page_keys
-            if len(req_keys) < full:
-                extend_page_keys(req_keys, req.all_token_ids, ps, full)
             r = req.num_registered_pages
-            keys += req_keys[r:full]
+            keys += request_page_keys(req, ps, full)[r:full]
             pages += req.page_table[r:full]
         page_key, k2p = bm.page_key, bm._key_to_page
         new = dict(zip(keys, pages))

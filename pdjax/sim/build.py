@@ -59,6 +59,8 @@ from pdjax.config.deployment import instance_scheduler_config, uses_kv_centric
 from pdjax.config.model_specs import ModelSpec, spec_at_dtype
 from pdjax.config.validate import check_against_model, model_spec_for
 from pdjax.scheduler import make_scheduler, request_from_workload
+from pdjax.scheduler.base import PLACEHOLDER_TOKEN
+from pdjax.scheduler.block_manager import numbered_key_bases
 from pdjax.scheduler.instances import check_instance, make_role_scheduler
 from pdjax.scheduler.mixed import make_borrowing_scheduler
 from pdjax.scheduler.overload import has_overload, overload_pool_factory, overload_scheduler_maker
@@ -367,8 +369,10 @@ def build_pending_requests(cfg, workload=None) -> list:
     if workload is None:
         workload = make_workload(cfg.workload, cfg.seed)
     offline = cfg.engine.mode == "offline"
+    bases = _key_bases(cfg, workload)
     return [PendingRequest(str(wr.request_id), 0.0 if offline else float(wr.arrival_time),
-                           functools.partial(request_from_workload, wr, offline=offline)) for wr in workload]
+                           functools.partial(request_from_workload, wr, offline=offline, key_base=base))
+            for wr, base in zip(workload, bases)]
 
 
 def build_requests(cfg, workload=None) -> list:
@@ -377,4 +381,13 @@ def build_requests(cfg, workload=None) -> list:
     if workload is None:
         workload = make_workload(cfg.workload, cfg.seed)
     offline = cfg.engine.mode == "offline"
-    return [request_from_workload(wr, offline=offline) for wr in workload]
+    return [request_from_workload(wr, offline=offline, key_base=base)
+            for wr, base in zip(workload, _key_bases(cfg, workload))]
+
+
+def _key_bases(cfg, workload) -> list:
+    """Each request's page-key base (pdjax.scheduler.block_manager.numbered_key_bases) when the run caches prefixes,
+    else None each (content keys)."""
+    if not cfg.scheduler.enable_prefix_caching:
+        return [None] * len(workload)
+    return numbered_key_bases([wr.prompt_token_ids for wr in workload], cfg.scheduler.page_size, PLACEHOLDER_TOKEN)
