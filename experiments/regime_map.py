@@ -7,7 +7,8 @@ python -m experiments.regime_map --model=opt-13b --hardware=a100-80gb-sxm --budg
 
 Workloads: 'P:O' prompt:output mean-length ratios at --total_tokens mean tokens, 'P:O>P2:O2' (the mix shifts halfway
 through the requests), or named traces (presets: chat, code, conv, arxiv, ...). --rebalance: the disaggregated side
-also searches online XpYd rebalancing (--rebalance_* thresholds); the CSV then says which design won that side
+also searches online XpYd rebalancing (--rebalance_* thresholds; --rebalance_trigger=slo: flip on the point's own
+SLOs instead); the CSV then says which design won that side
 (disagg_design) and the best of each. SLO point s: TTFT = s x --ttft, TPOT = s x --tpot. Links: nvlink (one node),
 infiniband, ethernet-25g, or 'NNgbps'. Writes regime_map.csv (one row per point), regime_map.png (heatmap of the
 disaggregated / colocated per-GPU goodput ratio, one facet per link, winner marked) and regime_map.json (grid, timing,
@@ -60,6 +61,9 @@ flags.DEFINE_integer("rebalance_prefill_queue_tokens", 8192, "Rebalancing: promp
 flags.DEFINE_float("rebalance_decode_load", 0.9, "Rebalancing: mean decode load over which the decode side is.")
 flags.DEFINE_float("rebalance_window_s", 2.0, "Rebalancing: seconds a side must stay over before a flip.")
 flags.DEFINE_float("rebalance_flip_s", 0.0, "Rebalancing: seconds a drained instance takes to change role.")
+flags.DEFINE_enum("rebalance_trigger", "load", ["load", "slo"], "Rebalancing: 'load' (the two thresholds above) or "
+                  "'slo' (a side's observed TTFT / TPOT over the point's SLO at the attainment quantile; "
+                  "pdjax.scheduler.rebalance_slo).")
 flags.DEFINE_integer("workers", 2, "Processes.")
 flags.DEFINE_bool("cache", True, "Share simulations across SLO points and colocated results across links "
                   "(--nocache: every point and candidate through placement.evaluate on its own; same numbers).")
@@ -92,7 +96,8 @@ def main(argv):
                           max_num_seqs=FLAGS.max_num_seqs, rebalance=FLAGS.rebalance,
                           rebalance_prefill_queue_tokens=FLAGS.rebalance_prefill_queue_tokens,
                           rebalance_decode_load=FLAGS.rebalance_decode_load,
-                          rebalance_window_s=FLAGS.rebalance_window_s, rebalance_flip_s=FLAGS.rebalance_flip_s)
+                          rebalance_window_s=FLAGS.rebalance_window_s, rebalance_flip_s=FLAGS.rebalance_flip_s,
+                          rebalance_trigger=FLAGS.rebalance_trigger)
     except (ValueError, OSError) as e:
         raise cli.UserError(cli.one_line(e)) from None
     start = time.perf_counter()

@@ -55,7 +55,7 @@ from typing import Dict, List, Tuple
 
 from pdjax.config.parse import (FieldError, check_fields, dataclass_from_dict, flag, nonneg_int, number, one_of,
                                positive_int, text)
-from pdjax.config.overload import ADMISSION_POLICIES, check_overload
+from pdjax.config.overload import ADMISSION_POLICIES, REBALANCE_TRIGGERS, check_overload
 from pdjax.config.pipeline import check_pipeline_parallel
 from pdjax.config.registry import ROUTERS, STACKS, disaggregated_base, is_stack, role_policy
 
@@ -201,6 +201,11 @@ class DeploymentConfig:
     rebalance_decode_load: float = number(0.9, low=0, low_open=True)
     rebalance_window_s: float = number(2.0, low=0)
     rebalance_flip_s: float = number(0.0, low=0)
+    rebalance_trigger: str = one_of("load", REBALANCE_TRIGGERS, expected=(
+        f"one of {REBALANCE_TRIGGERS} ('load': queued prompt tokens / decode load over their thresholds; 'slo': "
+        "TTFT / TPOT over the serve config's slo block)"))
+    rebalance_slo_quantile: float = number(0.9, low=0, high=1, low_open=True, expected=(
+        "a quantile in (0, 1] (of the observed TTFT / TPOT the 'slo' trigger compares with the SLO)"))
     # KV-cache-centric scheduling (issue 30; pdjax.scheduler.kv_tier, pdjax.scheduler.routing): check_kv_centric
     host_kv_pool: str = one_of("local", HOST_KV_POOLS, expected=(
         f"one of {HOST_KV_POOLS} ('local': each instance its own host KV tier; 'shared': one pool of every "

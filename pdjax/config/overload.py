@@ -17,6 +17,9 @@ DeploymentConfig.__post_init__. Semantics: pdjax.scheduler.admission and pdjax.s
   side's pressure stays over its threshold (`rebalance_prefill_queue_tokens`: mean prompt tokens queued per
   prefill instance; `rebalance_decode_load`: mean decode load per decode instance) for `rebalance_window_s`
   seconds; a flip drains the instance, then takes `rebalance_flip_s` seconds before it serves the other role.
+  `rebalance_trigger`: 'load' (default: those two thresholds) or 'slo' (pdjax.scheduler.rebalance_slo: a side is
+  over when its observed TTFT (prefill) / TPOT (decode) at the quantile `rebalance_slo_quantile` exceeds the serve
+  config's `slo.ttft` / `slo.tpot`, both of which must then be set: `check_rebalance_slos`, at start-up).
 All need kind='disaggregated' and no mixed pool (one line otherwise); rebalancing also needs the prefill and
 decode groups to be the same machine (pp, tp, hardware, stack, scheduler overrides): a flip changes the role, not
 the machine.
@@ -24,6 +27,7 @@ the machine.
 from __future__ import annotations
 
 ADMISSION_POLICIES = ("none", "current_load", "predicted_load")
+REBALANCE_TRIGGERS = ("load", "slo")
 SAME_MACHINE_KEYS = ("pp", "tp", "hardware", "stack", "num_pages", "token_budget", "max_num_seqs")
 
 
@@ -41,6 +45,9 @@ def overload_features(dep) -> list:
 
 def check_overload(dep) -> None:
     """Refuse, in one line naming the key, an overload feature where it does not apply (module docstring)."""
+    if dep.rebalance_trigger != "load" and not dep.rebalance:
+        raise ValueError(f"deployment.rebalance_trigger={dep.rebalance_trigger!r} with deployment.rebalance=False: "
+                         "the trigger is online rebalancing's; expected rebalance=True or rebalance_trigger='load'")
     on = overload_features(dep)
     if not on:
         return
@@ -58,3 +65,15 @@ def check_overload(dep) -> None:
                 raise ValueError(f"deployment.rebalance=True with deployment.prefill.{key}={p!r} != deployment."
                                  f"decode.{key}={d!r}: a flip changes an instance's role, not its machine; expected "
                                  "equal groups")
+
+
+def check_rebalance_slos(dep, slo) -> None:
+    """rebalance_trigger='slo' needs the SLOs it compares with: slo.ttft (the prefill side's) and slo.tpot (the
+    decode side's) > 0. `slo`: the serve config's SLOConfig (or None); one line naming what is missing."""
+    if not dep.rebalance or dep.rebalance_trigger != "slo":
+        return
+    ttft, tpot = (0.0, 0.0) if slo is None else (slo.ttft, slo.tpot)
+    if not (ttft > 0 and tpot > 0):
+        raise ValueError(f"deployment.rebalance_trigger='slo' with slo.ttft={ttft!r}, slo.tpot={tpot!r}: the trigger "
+                         "compares the prefill side's TTFT and the decode side's TPOT with them; expected both > 0 "
+                         "(seconds) or rebalance_trigger='load'")

@@ -16,6 +16,7 @@ Cross-block rules:
   pdjax stack, so backend='real' refuses any other.
 - Every group's scheduler (the scheduler block with the group's overrides and role policy) is a valid one, and
   explicit shape buckets (engine.token_buckets, seq_buckets, page_buckets) hold its largest step.
+- deployment.rebalance_trigger='slo' needs slo.ttft and slo.tpot (pdjax.config.overload.check_rebalance_slos).
 Model rules: scheduler.max_model_len <= the model's max_position_embeddings (`check_max_model_len`, also used by
 pdjax.sim.placement and the runtime's runner), pp <= its layers and tp dividing its heads
 (pdjax.config.deployment.validate_deployment). `check_config_against_model` applies them at start-up, before the
@@ -33,6 +34,7 @@ from pdjax.config.deployment import (check_group_against_model, instance_schedul
                                      validate_deployment)
 from pdjax.config.files import REPO_ROOT
 from pdjax.config.model_specs import MODEL_SPECS, ModelSpec, RopeScaling, get_model_spec
+from pdjax.config.overload import check_rebalance_slos
 from pdjax.config.parse import FieldError
 from pdjax.config.registry import POLICIES
 
@@ -124,6 +126,7 @@ def check_cross_block(cfg) -> None:
                              "scheduling needs requests that finish at max_tokens (no stop token); expected "
                              "model.eos_token_id=-1 or engine.async_scheduling=False")
     check_kv_centric_blocks(cfg)
+    check_rebalance_slos(dep, cfg.slo)
     if cfg.backend == "real":
         for role in dep.roles:
             if dep.group(role).stack != "pdjax":

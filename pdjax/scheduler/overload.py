@@ -81,13 +81,14 @@ def overload_scheduler_maker(dep) -> Callable:
     return make_borrowing_scheduler if dep.rebalance else make_role_scheduler
 
 
-def overload_pool_factory(dep) -> Optional[Callable]:
-    """None without overload features; else factory(prefill, decode) -> the cluster pool (module docstring)."""
+def overload_pool_factory(dep, slo=None) -> Optional[Callable]:
+    """None without overload features; else factory(prefill, decode) -> the cluster pool (module docstring).
+    slo: the serve config's SLOConfig (read by rebalance_trigger='slo')."""
     if not has_overload(dep):
         return None
 
     def factory(prefill: Sequence, decode: Sequence):
-        pool = (rebalancing_pool(dep, prefill, decode) if dep.rebalance
+        pool = (rebalancing_pool(dep, prefill, decode, slo) if dep.rebalance
                 else make_pool("dedicated", dep.router, prefill, decode))
         admission = admission_from_deployment(dep)
         return AdmittingPool(pool, admission) if admission.active else pool

@@ -8,8 +8,12 @@ The issue's rule ("the prefill:decode ratio adjusted online from queue lengths")
   scheduler state, only which requests it is given. The prefill and decode groups must be the same machine (pp,
   tp, hardware, stack, scheduler overrides: pdjax.config.overload), so a flipped instance keeps its pages and
   limits.
-- Pressure, checked at every `return_idle(now)` (the engines call it after steps and KV landings and before every
-  pick): the prefill side is over when the mean prompt tokens still to prefill per serving prefill instance
+- Trigger `deployment.rebalance_trigger`: 'load' (default, below) or 'slo' (pdjax.scheduler.rebalance_slo: a side
+  is over when the latency it answers for, TTFT for prefill and TPOT for decode, observed online over the window,
+  is over the run's SLO at the quantile `rebalance_slo_quantile`; the donor must stay within its SLO with one
+  instance less). The window, drain and flip below are the same for both.
+- Pressure ('load'), checked at every `return_idle(now)` (the engines call it after steps and KV landings and before
+  every pick): the prefill side is over when the mean prompt tokens still to prefill per serving prefill instance
   (routing.InstanceRouter.prefill_load) exceed `prefill_queue_tokens`; the decode side when the mean
   pdjax.scheduler.mixed.decode_load (KV pages in use or owed / pages, live sequences / slots) of its serving
   instances exceeds `decode_load`.
@@ -33,7 +37,9 @@ import dataclasses
 import itertools
 from typing import Dict, List, Optional, Sequence
 
+from pdjax.config.overload import check_rebalance_slos
 from pdjax.scheduler.mixed import BorrowingScheduler, decode_load
+from pdjax.scheduler.rebalance_slo import SLOTrigger
 from pdjax.scheduler.routing import InstanceRouter
 
 __all__ = ["Flip", "RebalancingPool", "rebalancing_pool"]
@@ -60,7 +66,8 @@ class RebalancingPool:
     active = True
 
     def __init__(self, router: str, prefill: Sequence, decode: Sequence, *, prefill_queue_tokens: int = 8192,
-                 decode_load: float = 0.9, window_s: float = 2.0, flip_s: float = 0.0):
+                 decode_load: float = 0.9, window_s: float = 2.0, flip_s: float = 0.0,
+                 trigger: Optional[SLOTrigger] = None):
         self.prefill, self.decode = list(prefill), list(decode)
         self.mixed: List = []
         self.machines = self.prefill + self.decode
@@ -75,6 +82,7 @@ class RebalancingPool:
                              "(>= 0)")
         self.prefill_queue_tokens, self.decode_load = prefill_queue_tokens, decode_load
         self.window_s, self.flip_s = window_s, flip_s
+        self.trigger = trigger         # None: the load rule; an SLOTrigger: the SLO-tied one (module docstring)
         self.prefill_router = InstanceRouter(router, self.machines, role="prefill")
         self.decode_router = InstanceRouter(router, self.machines, role="decode")
         self.state: Dict[str, str] = {m.name: "serving" for m in self.machines}   # serving | draining | flipping
@@ -103,9 +111,7 @@ class RebalancingPool:
         done = self._advance_flip(now)
         if self._pending is not None:
             return done
-        pressure = self.pressures()
-        limit = {"prefill": self.prefill_queue_tokens, "decode": self.decode_load}
-        over = {side: pressure[side] > limit[side] for side in ROLES}
+        over, can_spare, reason = self._assess(now)
         for side in ROLES:
             if not over[side]:
                 self._since[side] = None
@@ -116,19 +122,35 @@ class RebalancingPool:
             if since is None or over[other] or now - since < self.window_s:
                 continue
             donors = self.members(other)
-            n = len(donors)
-            if n < 2 or pressure[other] * n / (n - 1) > limit[other]:
+            if not can_spare(other, donors):
                 continue      # the other side cannot spare one: with one instance less it would be over
             load = InstanceRouter.prefill_load if other == "prefill" else decode_load
             donor = min(donors, key=load)
             self.state[donor.name] = "draining"
             self._pending = {"inst": donor, "dst": side, "start": now, "drained": None,
-                             "reason": f"{side} over for {now - since:.3f}s: prefill queue {pressure['prefill']:.0f} "
-                                       f"tokens/instance, decode load {pressure['decode']:.3f}"}
+                             "reason": reason(side, now - since)}
             self._since = {"prefill": None, "decode": None}
             done += self._advance_flip(now)
             break
         return done
+
+    def _assess(self, now: float):
+        """The trigger's answers at `now`: ({side: over its threshold}, can_spare(side, its serving instances),
+        reason(side, seconds over)): the load rule (module docstring) or the SLO trigger's (`self.trigger`)."""
+        if self.trigger is not None:
+            return (self.trigger.assess(now), lambda side, donors: self.trigger.can_spare(side, len(donors)),
+                    self.trigger.reason)
+        pressure = self.pressures()
+        limit = {"prefill": self.prefill_queue_tokens, "decode": self.decode_load}
+
+        def can_spare(side: str, donors: List) -> bool:
+            n = len(donors)
+            return n >= 2 and pressure[side] * n / (n - 1) <= limit[side]
+
+        def reason(side: str, over_for: float) -> str:
+            return (f"{side} over for {over_for:.3f}s: prefill queue {pressure['prefill']:.0f} tokens/instance, "
+                    f"decode load {pressure['decode']:.3f}")
+        return {side: pressure[side] > limit[side] for side in ROLES}, can_spare, reason
 
     def _advance_flip(self, now: float) -> List:
         f = self._pending
@@ -163,24 +185,36 @@ class RebalancingPool:
     def pick_prefill(self, req, now: float):
         """The serving prefill instance for an arrival (the deployment's router among them)."""
         self.return_idle(now)
-        return self._route(self.prefill_router, self.members("prefill"))
+        inst = self._route(self.prefill_router, self.members("prefill"))
+        if self.trigger is not None:
+            self.trigger.on_prefill(req, now)
+        return inst
 
     def pick_decode(self, req, now: float, src=None):
         """The serving decode instance for a handoff (never `src`: a prefill-role instance)."""
+        if self.trigger is not None:
+            self.trigger.on_handoff(req, now)      # its TTFT is final: it counts from this decision on
         self.return_idle(now)
         return self._route(self.decode_router, self.members("decode"))
 
     def summary(self) -> dict:
-        """For results.json: thresholds, the roles at the end, and every flip."""
+        """For results.json: thresholds (the SLO trigger's, when it is on), the roles at the end, and every flip."""
+        trigger = {} if self.trigger is None else self.trigger.summary()
         return {"mode": "rebalance", "prefill_queue_tokens": self.prefill_queue_tokens,
-                "decode_load": self.decode_load, "window_s": self.window_s, "flip_s": self.flip_s,
+                "decode_load": self.decode_load, "window_s": self.window_s, "flip_s": self.flip_s, **trigger,
                 "num_flips": len(self.flips),
                 "roles": {m.name: m.scheduler.pool for m in self.machines},
                 "flips": [dataclasses.asdict(f) for f in self.flips]}
 
 
-def rebalancing_pool(dep, prefill: Sequence, decode: Sequence) -> RebalancingPool:
-    """The RebalancingPool of a DeploymentConfig's keys (pdjax.config.overload) over built instances."""
+def rebalancing_pool(dep, prefill: Sequence, decode: Sequence, slo=None) -> RebalancingPool:
+    """The RebalancingPool of a DeploymentConfig's keys (pdjax.config.overload) over built instances; `slo` (the
+    serve config's SLOConfig) sets the bounds of `rebalance_trigger='slo'` (ValueError in one line without them)."""
+    trigger = None
+    if getattr(dep, "rebalance_trigger", "load") == "slo":
+        check_rebalance_slos(dep, slo)
+        trigger = SLOTrigger(slo.ttft, slo.tpot, quantile=float(dep.rebalance_slo_quantile),
+                             window_s=float(dep.rebalance_window_s))
     return RebalancingPool(dep.router, prefill, decode, prefill_queue_tokens=dep.rebalance_prefill_queue_tokens,
                            decode_load=float(dep.rebalance_decode_load), window_s=float(dep.rebalance_window_s),
-                           flip_s=float(dep.rebalance_flip_s))
+                           flip_s=float(dep.rebalance_flip_s), trigger=trigger)

@@ -192,7 +192,7 @@ def _build_engine(cfg: ServeConfig, *, devices, params, spec, on_token, compile_
                                overlap=ec.overlap, mixed=[i for i in instances if i.role == "mixed"],
                                mixed_prefill_queue_tokens=dep.mixed_prefill_queue_tokens,
                                mixed_decode_load=float(dep.mixed_decode_load), mixed_pool=dep.mixed_pool,
-                               pool_factory=overload_pool_factory(dep), **common)
+                               pool_factory=overload_pool_factory(dep, cfg.slo), **common)
 
 
 def build_colocated_engine(cfg: ServeConfig, *, on_token: Optional[TokenCallback] = None, compile_counter=None,

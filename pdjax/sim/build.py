@@ -122,6 +122,7 @@ class SimSetup:
     seed: int = 0                              # the run's seed: seeds the step noise
     overload: Any = None                       # the DeploymentConfig when early rejection / rebalancing is on
     kv: Any = None      # the DeploymentConfig when a KV-cache-centric key is on (pdjax.sim.kv_tier), else None
+    slo: Any = None     # the serve config's SLOConfig (read by deployment.rebalance_trigger='slo')
 
     # The colocated group's parts, for the common one-group case.
     def _colocated(self) -> GroupSetup:
@@ -269,7 +270,7 @@ def build_setup(cfg, hardware: Optional[HardwareSpec] = None) -> SimSetup:
                     mixed_pool=dep.mixed_pool if dep.kind == "disaggregated" else "dedicated",
                     step_noise=profile.step_noise if profile is not None and cfg.sim.step_noise else (),
                     seed=int(cfg.seed), overload=dep if has_overload(dep) else None,
-                    kv=dep if uses_kv_centric(dep) else None)
+                    kv=dep if uses_kv_centric(dep) else None, slo=cfg.slo)
 
 
 # --------------------------------------------------------------------------------------------------- parts
@@ -351,7 +352,7 @@ def disaggregated_kwargs(setup: SimSetup, instances: Dict[str, List[Any]]) -> Di
               "serialize_transfers": setup.serialize_transfers, "mixed": instances.get("mixed", []),
               "mixed_prefill_queue_tokens": setup.mixed_prefill_queue_tokens,
               "mixed_decode_load": setup.mixed_decode_load, "mixed_pool": setup.mixed_pool,
-              "pool_factory": None if setup.overload is None else overload_pool_factory(setup.overload)}
+              "pool_factory": None if setup.overload is None else overload_pool_factory(setup.overload, setup.slo)}
     if setup.kv is not None:      # the cache-aware routers' options, and partial transfer (pdjax.sim.kv_tier)
         options = {role: router_options(setup, role, instances[role][0].timer.step_time)
                    for role in ("prefill", "decode")}

@@ -50,7 +50,8 @@ What this module does with that (a GPU budget instead of a traffic rate, and who
   every disaggregated candidate whose instances could swap roles gets a second design, the same placement with
   `deployment.rebalance=True` (pdjax.scheduler.rebalance: an instance flips between prefill and decode when one
   side's queue stays over a threshold for a window; thresholds from the problem's `rebalance_*` fields, the
-  deployment's defaults unless set). Swappable (`swappable`): what pdjax.config.overload requires of the two groups
+  deployment's defaults unless set; `rebalance_trigger='slo'`: flip on the problem's own SLOs instead,
+  pdjax.scheduler.rebalance_slo, the serve config then carrying them as its slo block). Swappable (`swappable`): what pdjax.config.overload requires of the two groups
   (one layout, and so the same devices per instance; one stack; equal token budget and sequence limit, `role_budgets`)
   and a side with two instances (a flip needs a donor that keeps one; 1P1D could never flip). A flipped instance
   sends or receives KV on links the fixed design never uses, so a variant's key also holds every ordered pair's link
@@ -66,6 +67,7 @@ import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pdjax.config.model_specs import ModelSpec, get_model_spec
+from pdjax.config.overload import REBALANCE_TRIGGERS
 from pdjax.config.registry import BASELINE_POLICIES, POLICIES, STACKS, disaggregated_base, is_stack
 from pdjax.config.serving import serve_config_from_dict
 from pdjax.config.validate import check_max_model_len
@@ -80,7 +82,7 @@ from pdjax.sim.hardware import HardwareSpec, get_hardware_spec
 
 AFFINITIES = ("high", "low")
 REBALANCE_THRESHOLDS = ("rebalance_prefill_queue_tokens", "rebalance_decode_load", "rebalance_window_s",
-                        "rebalance_flip_s")
+                        "rebalance_flip_s", "rebalance_trigger")
 COLOCATED_POLICIES = BASELINE_POLICIES    # the policy table's colocated baselines (live): ('sarathi', 'vllm_v0')
 
 
@@ -127,6 +129,8 @@ def _check_rebalance_thresholds(problem) -> None:
         ok = isinstance(value, (int, float)) and math.isfinite(value) and (value > 0 if low_open else value >= 0)
         if not ok:
             raise ValueError(f"{key}={value!r}, expected a number {'> 0' if low_open else '>= 0'}")
+    if problem.rebalance_trigger not in REBALANCE_TRIGGERS:
+        raise ValueError(f"rebalance_trigger={problem.rebalance_trigger!r}, expected one of {REBALANCE_TRIGGERS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +164,7 @@ class PlacementProblem:
     rebalance_decode_load: float = 0.9
     rebalance_window_s: float = 2.0
     rebalance_flip_s: float = 0.0
+    rebalance_trigger: str = "load"     # 'slo': flip on the problem's own SLOs (ttft_s, tpot_s at `attainment`)
 
     def __post_init__(self):
         if not isinstance(self.gpu_budget, int) or self.gpu_budget < 1:
@@ -186,8 +191,19 @@ class PlacementProblem:
         return getattr(self, f"{role}_stack")
 
     def rebalance_keys(self) -> Dict[str, Any]:
-        """The deployment block's rebalancing keys of a rebalance variant (pdjax.config.overload)."""
-        return {"rebalance": True, **{k: getattr(self, k) for k in REBALANCE_THRESHOLDS}}
+        """The deployment block's rebalancing keys of a rebalance variant (pdjax.config.overload); the SLO trigger
+        compares the side's latency at the attainment target's quantile (its SLOs: `serve_config`'s slo block).
+        The default trigger is left out (the block as before the option)."""
+        keys = {"rebalance": True, **{k: getattr(self, k) for k in REBALANCE_THRESHOLDS}}
+        if self.rebalance_trigger == "load":
+            del keys["rebalance_trigger"]
+        else:
+            keys["rebalance_slo_quantile"] = self.attainment
+        return keys
+
+    def slo_block(self) -> Dict[str, float]:
+        """The serve config's slo block: the problem's SLOs (what the pass / fail rule checks afterwards)."""
+        return {"ttft": self.ttft_s, "tpot": self.tpot_s}
 
     def fits_stack(self, role: str, layout: "Layout") -> bool:
         """Whether the role's stack times this layout (`Stack.check`: a step-fit stack times only the TP degrees
@@ -475,7 +491,8 @@ def serve_config(problem: PlacementProblem, placement: Placement, rate: float) -
             "workload": workload,
             "sim": {"hardware": problem.node.hardware, "profile": problem.profile, "num_pages": 0,
                     "gpu_memory_utilization": problem.mem_util},
-            "deployment": placement.deployment(problem)}
+            "deployment": placement.deployment(problem),
+            **({"slo": problem.slo_block()} if placement.rebalance and problem.rebalance_trigger == "slo" else {})}
 
 
 def simulate_placement(problem: PlacementProblem, placement: Placement, rate: float):

@@ -26,7 +26,8 @@ At each grid point (workload w, SLO scale s, KV link k):
 - Online XpYd rebalancing (`rebalance=True`; off by default): the disaggregated side also gets the placement
   search's rebalance variants (pdjax.sim.placement.rebalance_variant: every swappable candidate again with
   `deployment.rebalance=True`, thresholds `rebalance_*`; with separate pools its pair links are recomputed there,
-  so a flipped instance's transfers cross the network too). Each row then says which design won that side
+  so a flipped instance's transfers cross the network too; `rebalance_trigger='slo'`: they flip on the point's own
+  SLOs, so their simulations are not shared across SLO points). Each row then says which design won that side
   (`disagg_design`: 'fixed' | 'rebalance'; a tie goes to the fixed one) and the best of each (REBALANCE_COLUMNS).
 - Both sides run on one serving stack by default (`stack`, pdjax.sim.stack; 'pdjax': the cost model).
 - Winner: the side with the higher per-GPU goodput ('tie' when equal, 'neither' when both are 0); ratio =
@@ -38,7 +39,8 @@ point).
 
 Speed (shared sub-results; every one is exact, not an approximation):
 - Colocated results do not depend on the KV link: computed once per (workload, SLO) and shared by the links.
-- A simulation's records do not depend on the SLOs: for each (workload, candidate, link, Sarathi budget) the
+- A simulation's records do not depend on the SLOs (but a rebalance variant's with the SLO trigger: one task per
+  point): for each (workload, candidate, link, Sarathi budget) the
   records are simulated once per probed rate and every SLO point's rate search reads them. The rate search is
   evaluate's (start at 0.5 req/s per GPU, double or halve, bisect): its probes are dyadic points of the start
   rate's octaves, so searches at different SLOs meet on the same rates and mostly hit the cache.
@@ -210,6 +212,7 @@ class RegimeGrid:
     rebalance_decode_load: float = 0.9
     rebalance_window_s: float = 2.0
     rebalance_flip_s: float = 0.0
+    rebalance_trigger: str = "load"     # 'slo': flip on each point's own SLOs (its variants simulate per point)
 
     def __post_init__(self):
         for name in ("workloads", "slo_scales", "links", "colocated"):
@@ -524,8 +527,11 @@ def _tasks(grid: RegimeGrid, budgets: Mapping) -> List[Task]:
                 tasks.append(Task(w, None, p, tuple((s, grid.problem("colocated", w, s, None, b)) for s in scales)))
         for k in grid.links:
             for p in disaggregated_candidates(grid, k):
-                tasks.append(Task(w, k, p, tuple((s, grid.problem("disaggregated", w, s, k))
-                                                 for s in grid.slo_scales)))
+                points = tuple((s, grid.problem("disaggregated", w, s, k)) for s in grid.slo_scales)
+                if p.rebalance and grid.rebalance_trigger == "slo":    # its runs read the point's SLOs
+                    tasks += [Task(w, k, p, (point,)) for point in points]
+                else:
+                    tasks.append(Task(w, k, p, points))
     return tasks
 
 
