@@ -48,14 +48,15 @@ What this module does with that (a GPU budget instead of a traffic rate, and who
   ranked placement's numbers are what `experiments.serve --config.backend=sim` reports for that config.
 - Online XpYd rebalancing (`rebalance=True` of enumerate_placements / search / slo_scale_search; off by default):
   every disaggregated candidate whose instances could swap roles gets a second design, the same placement with
-  `deployment.rebalance=True` (pdjax.scheduler.rebalance: an instance flips between prefill and decode when one
-  side's queue stays over a threshold for a window; thresholds from the problem's `rebalance_*` fields, the
-  deployment's defaults unless set; `rebalance_trigger='slo'`: flip on the problem's own SLOs instead,
-  pdjax.scheduler.rebalance_slo, the serve config then carrying them as its slo block). Swappable (`swappable`):
-  what pdjax.config.overload requires of the two groups (one layout, and so the same devices per instance; one
-  stack; equal token budget and sequence limit, `role_budgets`) and a side with two instances (a flip needs a donor that keeps one; 1P1D could never flip). A flipped instance
-  sends or receives KV on links the fixed design never uses, so a variant's key also holds every ordered pair's link
-  (`pair_links`). Its name ends in ' +rebalance', its rows say `"rebalance": true`.
+  `deployment.rebalance=True` (pdjax.scheduler.rebalance: an instance flips between prefill and decode when one side's
+  queue stays over a threshold for a window; thresholds from the problem's `rebalance_*` fields, the deployment's
+  defaults unless set; `rebalance_trigger='slo'`: flip on the problem's own SLOs instead,
+  pdjax.scheduler.rebalance_slo, the serve config then carrying them as its slo block). Swappable (`swappable`): what
+  pdjax.config.overload requires of the two groups (one layout, and so the same devices per instance; one stack; equal
+  token budget and sequence limit, `role_budgets`) and a side with two instances (a flip needs a donor that keeps one;
+  1P1D could never flip). A flipped instance sends or receives KV on links the fixed design never uses, so a variant's
+  key also holds every ordered pair's link (`pair_links`). Its name ends in ' +rebalance', its rows say `"rebalance":
+  true`.
 Not modelled here: Splitwise's mixed pool; DistServe's online re-planning. No JAX.
 """
 from __future__ import annotations
