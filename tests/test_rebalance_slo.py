@@ -110,7 +110,7 @@ def test_decode_over_its_tpot_takes_a_prefill_instance_and_old_samples_expire():
         _finish(req, 0.125)
     assert pool.return_idle(1.75) == [] and not pool.flips
     assert pool.return_idle(2.0) == [p0] and pool.flips[0].dst == "decode"   # the idle prefill0 flips at once
-    assert pool.flips[0].reason.startswith("decode over for 1.000s: TTFT p90 0.000s (SLO 1s), TPOT p90 0.1250s (SLO 0.0625s)")
+    assert pool.flips[0].reason == "decode over for 1.000s: TTFT p90 0.000s (SLO 1s), TPOT p90 0.1250s (SLO 0.0625s)"
     pool2, _ = _pool(SLOTrigger(ttft_s=1.0, tpot_s=0.0625, window_s=1.0), window_s=1.0)
     for req in [_handed_off(pool2, f"a{i}", 0.0, 9) for i in range(4)]:
         _finish(req, 0.125)
