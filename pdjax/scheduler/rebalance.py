@@ -83,6 +83,7 @@ class RebalancingPool:
         self.prefill_queue_tokens, self.decode_load = prefill_queue_tokens, decode_load
         self.window_s, self.flip_s = window_s, flip_s
         self.trigger = trigger         # None: the load rule; an SLOTrigger: the SLO-tied one (module docstring)
+        self._pressure: Dict[str, float] = {}     # the load rule's pressures at the last _assess
         self.prefill_router = InstanceRouter(router, self.machines, role="prefill")
         self.decode_router = InstanceRouter(router, self.machines, role="decode")
         self.state: Dict[str, str] = {m.name: "serving" for m in self.machines}   # serving | draining | flipping
@@ -111,7 +112,7 @@ class RebalancingPool:
         done = self._advance_flip(now)
         if self._pending is not None:
             return done
-        over, can_spare, reason = self._assess(now)
+        over = self._assess(now)
         for side in ROLES:
             if not over[side]:
                 self._since[side] = None
@@ -122,35 +123,42 @@ class RebalancingPool:
             if since is None or over[other] or now - since < self.window_s:
                 continue
             donors = self.members(other)
-            if not can_spare(other, donors):
+            if not self._can_spare(other, donors):
                 continue      # the other side cannot spare one: with one instance less it would be over
             load = InstanceRouter.prefill_load if other == "prefill" else decode_load
             donor = min(donors, key=load)
             self.state[donor.name] = "draining"
             self._pending = {"inst": donor, "dst": side, "start": now, "drained": None,
-                             "reason": reason(side, now - since)}
+                             "reason": self._reason(side, now - since)}
             self._since = {"prefill": None, "decode": None}
             done += self._advance_flip(now)
             break
         return done
 
-    def _assess(self, now: float):
-        """The trigger's answers at `now`: ({side: over its threshold}, can_spare(side, its serving instances),
-        reason(side, seconds over)): the load rule (module docstring) or the SLO trigger's (`self.trigger`)."""
+    @property
+    def _limit(self) -> Dict[str, float]:
+        return {"prefill": self.prefill_queue_tokens, "decode": self.decode_load}
+
+    def _assess(self, now: float) -> Dict[str, bool]:
+        """{side: over its threshold} at `now`: the load rule (module docstring) or the SLO trigger's
+        (`self.trigger`); `_can_spare` and `_reason` read what it observed."""
         if self.trigger is not None:
-            return (self.trigger.assess(now), lambda side, donors: self.trigger.can_spare(side, len(donors)),
-                    self.trigger.reason)
-        pressure = self.pressures()
-        limit = {"prefill": self.prefill_queue_tokens, "decode": self.decode_load}
+            return self.trigger.assess(now)
+        self._pressure = pressure = self.pressures()
+        return {side: pressure[side] > self._limit[side] for side in ROLES}
 
-        def can_spare(side: str, donors: List) -> bool:
-            n = len(donors)
-            return n >= 2 and pressure[side] * n / (n - 1) <= limit[side]
+    def _can_spare(self, side: str, donors: List) -> bool:
+        """Whether `side` can give one of its serving instances `donors` and stay within its threshold."""
+        n = len(donors)
+        if self.trigger is not None:
+            return self.trigger.can_spare(side, n)
+        return n >= 2 and self._pressure[side] * n / (n - 1) <= self._limit[side]
 
-        def reason(side: str, over_for: float) -> str:
-            return (f"{side} over for {over_for:.3f}s: prefill queue {pressure['prefill']:.0f} tokens/instance, "
-                    f"decode load {pressure['decode']:.3f}")
-        return {side: pressure[side] > limit[side] for side in ROLES}, can_spare, reason
+    def _reason(self, side: str, over_for: float) -> str:
+        if self.trigger is not None:
+            return self.trigger.reason(side, over_for)
+        return (f"{side} over for {over_for:.3f}s: prefill queue {self._pressure['prefill']:.0f} tokens/instance, "
+                f"decode load {self._pressure['decode']:.3f}")
 
     def _advance_flip(self, now: float) -> List:
         f = self._pending
