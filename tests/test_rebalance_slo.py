@@ -298,3 +298,35 @@ def test_regime_rebalance_variants_flip_on_each_point_s_slos_and_equal_a_direct_
     tasks = [t for t in rg._tasks(grid, rg.sarathi_budgets(grid)) if t.link is not None]
     assert all(len(t.problems) == (1 if t.placement.rebalance else 2) for t in tasks)
     assert sorted(t.problems[0][0] for t in tasks if t.placement.rebalance) == [0.4, 0.4, 1.0, 1.0]
+
+
+@pytest.mark.slow      # two run_real calls on CPU devices: ~20 s
+def test_real_engine_flips_on_its_slos_without_changing_tokens(tmp_path):
+    """run_real on a tiny model, 2P2D: with a TTFT SLO no CPU prefill meets, the SLO trigger moves a decode instance
+    to prefill (recorded in results.json with the trigger's keys) and every request's greedy tokens are the plain
+    run's."""
+    pytest.importorskip("jax")
+    import json
+    from pdjax.config.serving import serve_config_from_dict
+    from pdjax.serving.run import run_real
+
+    def run(name: str, deployment: dict) -> tuple:
+        config = {
+            "model": {"checkpoint": "tiny-mha", "attention_impl": "reference"},
+            "engine": {"mode": "offline", "warmup": False, "progress": False, "token_buckets": [64],
+                       "seq_buckets": [8], "page_buckets": [8]},
+            "scheduler": {"token_budget": 64, "max_num_seqs": 8, "max_model_len": 64, "page_size": 8,
+                          "num_pages": 48},
+            "workload": {"kind": "synthetic", "prompt_len": {"kind": "uniform", "low": 8, "high": 30},
+                         "output_len": {"kind": "fixed", "value": 4}, "num_requests": 6, "vocab_size": 256},
+            "slo": {"ttft": 1e-6, "tpot": 10.0},
+            "deployment": {"kind": "disaggregated", "prefill": {"num_instances": 2},
+                           "decode": {"num_instances": 2}, **deployment}}
+        summary = run_real(serve_config_from_dict(config), config, str(tmp_path / name))
+        return summary, json.loads((tmp_path / name / "outputs.json").read_text())
+    plain, plain_tokens = run("plain", {})
+    flipping, tokens = run("slo", {"rebalance": True, "rebalance_trigger": "slo", "rebalance_window_s": 0.0})
+    pool = flipping["engine"]["mixed_pool"]
+    assert pool["trigger"] == "slo" and pool["ttft_s"] == 1e-6 and pool["quantile"] == 0.9
+    assert pool["num_flips"] >= 1 and pool["flips"][0]["src"] == "decode", pool["flips"]
+    assert tokens == plain_tokens and flipping["num_completed"] == plain["num_completed"] == 6
