@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_decode_runs import CONFIGS, cache_state, run_cached, shared_prefix_requests
+from test_decode_runs import CONFIGS, shared_prefix_requests
 
 from pdjax.config.sampling import SamplingParams
 from pdjax.config.scheduler import SchedulerConfig
@@ -71,46 +71,94 @@ def numbered(workload):
     return make
 
 
-def keyless(state: list) -> list:
-    """cache_state without the key values (numbers or bytes): which pages hold one, in which order, every count."""
-    out = []
-    for item in state[:-1]:
-        if len(item) == 12:       # a block manager
-            free, cached, key_to_page, page_key, *rest = item
-            out.append((free, cached, sorted(key_to_page.values()), [k is not None for k in page_key], *rest))
-        else:                     # a host tier
-            slots, hits, heap, *rest = item
-            out.append(([slot for _, slot in slots], sorted(hits.values()), [h[:2] for h in heap], *rest))
-    out.append([(rid, len(keys), registered, cached) for rid, keys, registered, cached in state[-1]])
+def cache_view(insts, requests) -> list:
+    """What prefix caching leaves behind, without key values (numbers or bytes) or how dead pages are held
+    (BlockManager.free_dead): per instance the free stack, the LRU of cached free pages (a dead segment's pages in
+    their places), which pages hold a cache entry, refcounts and counters; per host tier its slots in LRU order,
+    free slots and counters; per request its registered pages and cached tokens."""
+    out, tiers = [], []
+    for inst in insts:
+        bm = inst.scheduler.block_manager
+        lru = [q for p, seg in bm._free_cached.items() for q in ([p] if seg is None else seg)]
+        dead = {q for seg in bm._free_cached.values() if seg is not None for q in seg}
+        out.append((list(bm._free), lru, sorted([*bm._key_to_page.values(), *dead]),
+                    [k is not None or p in dead for p, k in enumerate(bm.page_key)], list(bm.ref_count),
+                    bm.num_free_pages, bm.num_evictions, bm.num_cache_hit_pages, bm.num_query_pages,
+                    bm.num_host_hit_pages, bm.num_remote_hit_pages, list(bm.pending_swap_out),
+                    list(bm.pending_swap_in)))
+        tier = bm.host_tier
+        if tier is not None and all(tier is not t for t in tiers):
+            tiers.append(tier)
+            slots = [s for owner, index in tier._slot.values()
+                     for s in ([(owner, index)] if index.__class__ is not list else [(owner, i) for i in index[::-1]])]
+            out.append((slots, len(tier), sorted(tier._hits.values()), list(tier._free), tier.num_offloads,
+                        tier.num_hits, tier.num_remote_hits, tier.num_evictions))
+    out.append([(r.request_id, r.num_registered_pages, r.num_cached_tokens) for r in requests])
     return out
 
 
-@pytest.mark.parametrize("policy,router,tier,eviction,num_pages", [
-    ("sarathi", "round_robin", "none", "lru", 64), ("vllm_v1", "kv_centric", "local", "lru", 96),
-    ("sarathi", "kv_centric", "shared", "lru", 80), ("sarathi", "prefix_affinity", "shared", "lfu", 80),
-    ("vllm_v0", "least_loaded", "local", "lru", 64)])
-def test_numbered_keys_cache_exactly_what_content_keys_cache(policy, router, tier, eviction, num_pages):
+def run_mixed(params: dict, numbered_keys: bool, instances: int = 1, router: str = "round_robin",
+              tier: str = "none", seed: int = 0, n: int = 120, eviction: str = "lru", rate: float = 8.0,
+              decode_runs: bool = True):
+    """mixed_requests as test_decode_runs.run_cached runs its workload (3 replicas behind `router`, host tiers
+    'none' / 'local' / 'shared'), keys numbered or not: (result, scheduler counters, cache_view, pages hit,
+    dead segments made on devices and host tiers)."""
+    from test_decode_runs import HARDWARE, MODEL
+
+    from pdjax.scheduler.routing import InstanceRouter
+    from pdjax.sim.cost_model import CostParams
+    from pdjax.sim.kv_tier import HostLoadStepTime
+    from pdjax.sim.simulator import simulate
+    from pdjax.sim.step_cost import make_step_time
+    cfg = SchedulerConfig(max_model_len=1024, page_size=PS, enable_prefix_caching=True, watermark=0.0, **params)
+    insts = []
+    shared = HostKVTier(120, eviction) if tier == "shared" else None
+    for k in range(instances):
+        step = make_step_time(MODEL, HARDWARE, 1, 1, CostParams(per_seq_overhead_s=2e-5))
+        sched = make_scheduler(cfg)
+        if tier != "none":
+            sched.block_manager.host_tier = shared or HostKVTier(40, eviction)
+            sched.block_manager.tier_owner = f"i{k}"
+            step = HostLoadStepTime(step, f"i{k}", 2e-5, 5e-5)
+        insts.append(SimInstance(f"i{k}", sched, step))
+    reqs = (numbered(mixed_requests) if numbered_keys else mixed_requests)(n, seed, rate)
+    result = simulate(reqs, insts, InstanceRouter(router, insts, role="colocated"), decode_runs=decode_runs)
+    counters = [(i.scheduler.step, i.scheduler.num_preemptions, i.scheduler.num_swaps) for i in insts]
+    hits = sum(i.scheduler.block_manager.num_cache_hit_pages + i.scheduler.block_manager.num_host_hit_pages
+               for i in insts)
+    bms = [i.scheduler.block_manager for i in insts]
+    tiers = {id(b.host_tier): b.host_tier for b in bms if b.host_tier is not None}.values()
+    dead = (-sum(b._segment for b in bms), -sum(t._segment for t in tiers))
+    return result, counters, cache_view(insts, reqs), hits, dead
+
+
+@pytest.mark.parametrize("policy,router,tier,eviction,num_pages,decode_runs", [
+    ("sarathi", "round_robin", "none", "lru", 64, True), ("vllm_v1", "kv_centric", "local", "lru", 96, True),
+    ("sarathi", "kv_centric", "shared", "lru", 80, True), ("sarathi", "prefix_affinity", "shared", "lfu", 80, True),
+    ("vllm_v0", "least_loaded", "local", "lru", 64, True), ("sarathi", "kv_centric", "local", "lru", 64, False),
+    ("vllm_v1", "round_robin", "shared", "lru", 72, False)])
+def test_numbered_keys_cache_exactly_what_content_keys_cache(policy, router, tier, eviction, num_pages, decode_runs):
+    """Records, caches and host tiers equal with numbered and content keys: finished numbered requests' pages as dead
+    segments (BlockManager.free_dead, HostKVTier.offload_dead, except with an LFU tier), the decode runs' bulk
+    registration and the steps' one at a time (decode_runs False)."""
     params = dict(CONFIGS[policy], num_pages=num_pages)
-    args = dict(instances=3, router=router, tier=tier, eviction=eviction, seed=3, n=120, rate=8.0)
-    reference = run_cached(params, True, workload=mixed_requests, **args)
-    got = run_cached(params, True, workload=numbered(mixed_requests), **args)
+    args = dict(instances=3, router=router, tier=tier, eviction=eviction, seed=3, decode_runs=decode_runs)
+    reference, got = run_mixed(params, False, **args), run_mixed(params, True, **args)
     assert [r.__dict__ for r in got[0].requests] == [r.__dict__ for r in reference[0].requests]
     assert got[0].iterations == reference[0].iterations
-    assert got[1] == reference[1]
-    assert keyless(got[2]) == keyless(reference[2])
-    numbered_ids = [rid for rid, keys, _, _ in got[2][-1] if keys and isinstance(keys[0], int)]
-    assert numbered_ids and len(numbered_ids) < len(got[2][-1]), "the case is meant to mix numbered and content keys"
+    assert got[1:4] == reference[1:4]
     assert got[3] > 0, "the case is meant to hit the prefix cache"
+    assert reference[4] == (0, 0) and (got[4][0] > 0) == (eviction == "lru"), "dead segments (but with an LFU tier)"
+    assert (got[4][1] > 0) == (tier != "none" and eviction == "lru"), "dead segments offloaded to an LRU tier"
 
 
 def test_numbered_keys_reuse_a_preempted_requests_own_pages():
     """A small pool: requests are preempted (recompute) and find their own cached pages again at re-admission."""
     params = dict(CONFIGS["vllm_v1"], num_pages=64)
     args = dict(instances=1, seed=5, n=60, rate=40.0)
-    reference = run_cached(params, True, workload=mixed_requests, **args)
-    got = run_cached(params, True, workload=numbered(mixed_requests), **args)
+    reference, got = run_mixed(params, False, **args), run_mixed(params, True, **args)
     assert [r.__dict__ for r in got[0].requests] == [r.__dict__ for r in reference[0].requests]
-    assert keyless(got[2]) == keyless(reference[2])
+    assert got[1:4] == reference[1:4]
     assert sum(r.num_preemptions for r in got[0].requests) > 0, "the case is meant to preempt"
 
 
@@ -131,7 +179,7 @@ def test_numbered_keys_in_a_disaggregated_run_with_partial_transfer_and_a_shared
             inst.scheduler.reuse_prefix = True
         reqs = workload(50, 9, 10.0)
         result = simulate_disaggregated(reqs, p, d, lambda src, dst, n: 1e-4 + 2e-6 * n, partial_transfer=True)
-        return result, keyless(cache_state(p + d, reqs))
+        return result, cache_view(p + d, reqs)
     reference, got = run(mixed_requests), run(numbered(mixed_requests))
     assert [r.__dict__ for r in got[0].requests] == [r.__dict__ for r in reference[0].requests]
     assert [t.__dict__ for t in got[0].transfers] == [t.__dict__ for t in reference[0].transfers]

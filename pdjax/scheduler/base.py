@@ -80,6 +80,7 @@ class Scheduler:
     """Shared interface of all policies. Subclasses set `name` and implement `_schedule`."""
     name = "base"
     handoff_after_prefill = False   # prefill_only: finish with 'handoff' once the first token is sampled
+    FINISHED_PAGES_DEAD = True      # no request looks up a finished one's pages again (_free_finished)
 
     def __init__(self, config: SchedulerConfig):
         if not isinstance(config, SchedulerConfig):
@@ -112,6 +113,7 @@ class Scheduler:
         self._max_seqs = config.max_num_seqs
         self._max_len = config.max_model_len
         self._caching = config.enable_prefix_caching
+        self._dead = self._caching and self.FINISHED_PAGES_DEAD
         self._chunking = config.chunking
         self._tile = config.tile_size
         self._long = config.long_prefill_token_threshold     # which prefills are "long" (partial-prefill limits)
@@ -170,7 +172,7 @@ class Scheduler:
             return None
         st = req.status
         if st is RUNNING:
-            self.block_manager.free(req.page_table)
+            self._free_finished(req)
             self._removed_from_running = True
             self.running = [r for r in self.running if r is not req]
         elif st is WAITING or st is PREEMPTED:
@@ -230,7 +232,6 @@ class Scheduler:
         caching = self._caching
         max_len = self._max_len
         handoff = self.handoff_after_prefill
-        bm = self.block_manager
         for req, n, sample, tok in zip(reqs, output.num_new_tokens, output.do_sample, sampled_token_ids):
             if req.status is not RUNNING:      # aborted between schedule() and update()
                 continue
@@ -260,7 +261,7 @@ class Scheduler:
                 self._held[req.request_id] = req
                 self._held_tables[req.request_id] = req.page_table
             else:
-                bm.free(req.page_table)
+                self._free_finished(req)
             req.page_table = []
             self._finish(req, reason, now)
             finished.append(req)
@@ -514,8 +515,34 @@ class Scheduler:
         else:
             self.waiting.append(req)
 
+    def _keyless(self, req: Request) -> bool:
+        """Whether `req` offers its full pages to the prefix cache without keys: it has numbered keys (no other
+        request can look its pages up), was never preempted (nor itself: it never will while it runs), and this
+        scheduler's finished requests' pages are never looked up again (FINISHED_PAGES_DEAD)."""
+        return self._dead and req.key_base is not None and not req.num_preemptions
+
+    def _free_finished(self, req: Request) -> None:
+        """Free the pages of `req`, finished for good. A numbered request (block_manager.numbered_key_bases) never
+        preempted, on a scheduler whose finished requests' pages no request can look up again, offered its full
+        pages to the prefix cache without keys (_keyless): they become a dead segment (free_dead)."""
+        if self._keyless(req):
+            if self.block_manager.free_dead(req.page_table, req.num_registered_pages):
+                return
+            self._keep_registered(req)
+        self.block_manager.free(req.page_table)
+
+    def _keep_registered(self, req: Request) -> None:
+        """Before `req` is first preempted (it will look its pages up again): register the pages _register
+        offered without keys, as it would have with them."""
+        if self._keyless(req):
+            n = req.num_registered_pages
+            self.block_manager.register(req.page_table, request_page_keys(req, self._ps, n), 0, n)
+
     def _register(self, req: Request) -> None:
         full = req.num_computed_tokens // self._ps
+        if self._keyless(req):
+            req.num_registered_pages = full      # _free_finished / _keep_registered
+            return
         self.block_manager.register(req.page_table, request_page_keys(req, self._ps, full), req.num_registered_pages,
                                     full)
         req.num_registered_pages = full
@@ -665,6 +692,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput, now: float) -> None:
         bm = self.block_manager
+        self._keep_registered(req)
         self._preempted_this_step = True
         self.num_preemptions += 1
         req.num_preemptions += 1

@@ -123,6 +123,9 @@ class BlockManager:
         self.page_key: list = [None] * num_pages
         self._free: List[int] = list(range(num_pages - 1, -1, -1))   # pop() hands out page 0 first
         self._free_cached: "OrderedDict[int, None]" = OrderedDict()   # LRU: oldest first
+        self._dead_extra = 0             # pages of the dead segments in _free_cached beyond one each (free_dead)
+        self._segment = 0                # the last dead segment's token (-1, -2, ...: never a page)
+        self._num_segments = 0
         self._key_to_page: dict = {}
         self._free_host: List[int] = list(range(num_host_pages - 1, -1, -1))
         self.num_cache_hit_pages = 0
@@ -138,11 +141,11 @@ class BlockManager:
     # ---- counts
     @property
     def num_free_pages(self) -> int:
-        return len(self._free) + len(self._free_cached)
+        return len(self._free) + len(self._free_cached) + self._dead_extra
 
     @property
     def num_used_pages(self) -> int:
-        return self.num_pages - len(self._free) - len(self._free_cached)
+        return self.num_pages - self.num_free_pages
 
     @property
     def num_free_host_pages(self) -> int:
@@ -156,7 +159,7 @@ class BlockManager:
     # ---- allocation
     def allocate(self, table: List[int], n: int) -> None:
         """Append `n` fresh pages (refcount 1) to `table`. The caller checks `num_free_pages >= n`."""
-        if n > len(self._free) + len(self._free_cached):
+        if n > len(self._free) + len(self._free_cached) + self._dead_extra:
             raise RuntimeError(f"allocate({n}) with only {self.num_free_pages} free pages")
         free, ref = self._free, self.ref_count
         if n <= len(free):     # no eviction: the top n pages of the stack, in pop order, in C-level passes
@@ -225,7 +228,7 @@ class BlockManager:
         if short <= 0:
             self.allocate_each(grants)
             return []
-        if short > len(cached):
+        if short > len(cached) + self._dead_extra:
             raise RuntimeError(f"allocate_each_evicting({total}) with only {self.num_free_pages} free pages")
         fresh = len(free)
         pages = free[::-1]
@@ -244,26 +247,99 @@ class BlockManager:
             elif n > 0:
                 table += pages[pos:end]
             if end > fresh:
-                evicted += [(g, keys[a - fresh]) for a in range(max(pos, fresh), end)]
+                evicted += [(g, keys[a - fresh]) for a in range(max(pos, fresh), end) if keys[a - fresh] is not None]
             pos = end
         return evicted
 
     def _evict(self, n: int) -> Tuple[List[int], list]:
         """Evict the `n` least recently freed cached pages (the caller checks there are as many): their keys
         dropped and offloaded to the host tier, in eviction order (as one at a time). Returns (the pages, their
-        keys), oldest first. (Plain loops: a map over a bound __setitem__ / __delitem__ costs more per item.)"""
-        pop, page_key, k2p = self._free_cached.popitem, self.page_key, self._key_to_page
-        pages = [pop(False)[0] for _ in range(n)]
-        keys = [page_key[p] for p in pages]
-        for key in keys:
-            del k2p[key]
-        for p in pages:
-            page_key[p] = None
+        keys: None for a dead page, free_dead), oldest first. (Plain loops: a map over a bound __setitem__ /
+        __delitem__ costs more per item.)"""
+        runs = None
+        if self._num_segments:
+            pages, keys, runs = self._pop_with_segments(n)
+        else:
+            pop = self._free_cached.popitem
+            pages = [pop(False)[0] for _ in range(n)]
+            keys = None
+        page_key, k2p = self.page_key, self._key_to_page
+        if keys is None:
+            keys = [page_key[p] for p in pages]
+            for key in keys:
+                del k2p[key]
+            for p in pages:
+                page_key[p] = None
+        else:
+            pos = 0
+            for n_run in runs:          # live runs (> 0): their keys dropped; dead ones hold none
+                if n_run > 0:
+                    for key in keys[pos:pos + n_run]:
+                        del k2p[key]
+                    for p in pages[pos:pos + n_run]:
+                        page_key[p] = None
+                pos += abs(n_run)
         self.num_evictions += n
         if self.host_tier is not None:
-            slots = self.host_tier.offload_many(keys, self.tier_owner)
+            slots = (self.host_tier.offload_many(keys, self.tier_owner) if runs is None else
+                     self.host_tier.offload_runs(keys, runs, self.tier_owner))
             self.pending_swap_out += [(s, p) for s, p in zip(slots, pages) if s is not None]
         return pages, keys
+
+    def _pop_with_segments(self, n: int) -> Tuple[List[int], list]:
+        """_evict's n oldest cached pages when dead segments may be among them: (pages, keys, runs), a dead page's
+        key None, runs the lengths of the consecutive runs of live (> 0) and dead (< 0) pages; a segment partly
+        taken keeps the rest at the front of the LRU."""
+        cached = self._free_cached
+        pop = cached.popitem
+        pages, keys, runs = [], [], []
+        while len(pages) < n:
+            p, seg = pop(False)
+            if seg is None:
+                pages.append(p)
+                keys.append(self.page_key[p])
+                if runs and runs[-1] > 0:
+                    runs[-1] += 1
+                else:
+                    runs.append(1)
+                continue
+            take = n - len(pages)
+            if take < len(seg):
+                cached[p] = seg[take:]
+                cached.move_to_end(p, last=False)
+                seg = seg[:take]
+                self._dead_extra -= take
+            else:
+                self._dead_extra -= len(seg) - 1
+                self._num_segments -= 1
+            pages += seg
+            keys += [None] * len(seg)
+            if runs and runs[-1] < 0:
+                runs[-1] -= len(seg)
+            else:
+                runs.append(-len(seg))
+        return pages, keys, runs
+
+    def free_dead(self, table: Sequence[int], registered: int) -> bool:
+        """free(table) of a finished request with numbered keys (numbered_key_bases) whose first `registered` pages
+        are cached but were never entered in the key map (Scheduler._keyless): no request can look them up any
+        more, so they enter the LRU as one dead segment (`_free_cached[token] = the pages, tail first`, token < 0)
+        evicted in their place and offloaded without keys, at a list slice's cost instead of a key's per page.
+        Every page of `table` is held once (a numbered request shares none). Returns False, having done nothing,
+        with an LFU host tier (it orders pages by their hits): the caller registers the pages and frees them."""
+        if self.host_tier is not None and self.host_tier.eviction != "lru":
+            return False
+        ref = self.ref_count
+        _any(map(ref.__setitem__, table, _repeat(0)))
+        if registered < len(table):
+            self._free.extend(reversed(table[registered:]))
+        if not registered:
+            return True
+        self._segment -= 1
+        self._free_cached[self._segment] = table[registered - 1::-1]
+        self._dead_extra += registered - 1
+        self._num_segments += 1
+        return True
 
     def free(self, table: Sequence[int]) -> None:
         """Drop one reference to every page of `table` (tail first). The caller drops the table itself."""
@@ -394,12 +470,19 @@ class BlockManager:
 
         free + used = total; every free page has refcount 0 and sits in exactly one free list; a cached free
         page's key maps back to it; refcounts equal the number of tables holding each page; a page held by
-        several tables (or twice) is a registered full page (shared read-only); host slots are owned once.
+        several tables (or twice) is a registered full page (shared read-only); host slots are owned once. A dead
+        segment's pages (free_dead) count as cached free pages without keys.
         """
         n = self.num_pages
         free_set = set(self._free)
         assert len(free_set) == len(self._free), "a page is twice on the free stack"
-        cached_set = set(self._free_cached)
+        dead = [p for seg in self._free_cached.values() if seg is not None for p in seg]
+        segments = [t for t, seg in self._free_cached.items() if seg is not None]
+        assert len(segments) == self._num_segments and all(t < 0 for t in segments), "dead segments miscounted"
+        assert len(dead) - len(segments) == self._dead_extra, "dead segment pages miscounted"
+        dead_set = set(dead)
+        cached_set = {p for p, seg in self._free_cached.items() if seg is None} | dead_set
+        assert len(cached_set) == len(self._free_cached) + self._dead_extra, "a cached page is twice in the LRU"
         assert not (free_set & cached_set), f"pages on both free lists: {sorted(free_set & cached_set)[:8]}"
         holders = [0] * n
         for t in tables:
@@ -416,7 +499,7 @@ class BlockManager:
             if r > 1:
                 assert self.page_key[p] is not None, f"page {p} shared by {r} holders but not a cached full page"
             if p in cached_set:
-                assert self.page_key[p] is not None, f"page {p} on the cached free list without a key"
+                assert (self.page_key[p] is None) == (p in dead_set), f"page {p}: cached free, key / dead mismatch"
             if p in free_set:
                 assert self.page_key[p] is None, f"page {p} on the uncached free stack with a key"
         assert self.num_free_pages + sum(1 for r in self.ref_count if r > 0) == n, "free + used != total"

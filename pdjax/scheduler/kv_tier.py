@@ -49,9 +49,11 @@ class HostKVTier:
         self._tick = itertools.count()
         self._free: List[int] = list(range(capacity - 1, -1, -1))
         self.num_offloads = self.num_hits = self.num_remote_hits = self.num_evictions = 0
+        # dead segments (offload_dead): token (< 0) -> (owner, [indices, the oldest last]) entries of _slot
+        self._segment = self._num_segments = self._dead_extra = 0
 
     def __len__(self) -> int:
-        return len(self._slot)
+        return len(self._slot) + self._dead_extra
 
     def __contains__(self, key) -> bool:
         return key in self._slot
@@ -66,7 +68,7 @@ class HostKVTier:
     def _evict_one(self) -> int:
         self.num_evictions += 1
         if self.eviction == "lru":
-            return self._slot.popitem(last=False)[1][1]
+            return self._pop_oldest(1)[0] if self._num_segments else self._slot.popitem(last=False)[1][1]
         while True:
             hits, _, key = heapq.heappop(self._heap)
             if key in self._slot and self._hits[key] == hits:
@@ -107,12 +109,75 @@ class HostKVTier:
             if free:
                 index = free.pop()
             else:
-                index = pop_oldest(last=False)[1][1]
+                index = self._pop_oldest(1)[0] if self._num_segments else pop_oldest(last=False)[1][1]
                 evictions += 1
             slot = slots[key] = (owner, index)
             add(slot)
         self.num_evictions += evictions
         self.num_offloads += len(out) - out.count(None)
+        return out
+
+    def offload_runs(self, keys: Sequence, runs: Sequence[int], owner: str) -> List[Optional[Tuple[str, int]]]:
+        """offload_many(keys) where `runs` splits keys into consecutive runs: n > 0 keys, or -n dead pages (None
+        keys: offload_dead), in order."""
+        out, pos = [], 0
+        for n in runs:
+            if n > 0:
+                out += self.offload_many(keys[pos:pos + n], owner)
+                pos += n
+            else:
+                out += self.offload_dead(-n, owner)
+                pos -= n
+        return out
+
+    def offload_dead(self, n: int, owner: str) -> List[Tuple[str, int]]:
+        """The slots of `n` pages no lookup can reach any more (a finished request's with numbered keys:
+        pdjax.scheduler.block_manager.BlockManager.free_dead), offloaded in order as offload() of n new keys would
+        (each takes a free slot, else the least recent entry's), kept as one entry (LRU only)."""
+        if self.eviction != "lru":
+            raise ValueError("offload_dead needs an 'lru' tier (an 'lfu' one orders pages by their hits)")
+        free = self._free
+        take = min(n, len(free))
+        indices = free[:-take - 1:-1] if take else []
+        if take:
+            del free[-take:]
+        need = n - take
+        if need:
+            existing = min(need, len(self._slot) + self._dead_extra)
+            indices += self._pop_oldest(existing)
+            while len(indices) < n:       # more pages than the tier holds: each evicts the new one `capacity` before
+                indices.append(indices[len(indices) - self.capacity])
+            self.num_evictions += need
+        kept = indices[-self.capacity:]
+        self._segment -= 1
+        self._slot[self._segment] = (owner, kept[::-1])
+        self._dead_extra += len(kept) - 1
+        self._num_segments += 1
+        self.num_offloads += n
+        return [(owner, i) for i in indices]
+
+    def _pop_oldest(self, k: int) -> List[int]:
+        """The indices of the k least recent pages, their entries dropped (a dead segment partly taken keeps the
+        rest at the front). The caller counts the evictions."""
+        slots = self._slot
+        pop = slots.popitem
+        out: List[int] = []
+        while len(out) < k:
+            token, (owner, index) = pop(last=False)
+            if index.__class__ is not list:
+                out.append(index)
+                continue
+            m = k - len(out)
+            if m < len(index):
+                out += index[:-m - 1:-1]
+                del index[-m:]
+                slots[token] = (owner, index)
+                slots.move_to_end(token, last=False)
+                self._dead_extra -= m
+            else:
+                out += index[::-1]
+                self._dead_extra -= len(index) - 1
+                self._num_segments -= 1
         return out
 
     def lookup(self, keys: Sequence, start: int, stop: int, owner: str = "") -> List[Tuple[str, int]]:

@@ -407,7 +407,7 @@ class PairRun:
             if grants:
                 bm.allocate_each(grants)
                 grants = []
-            bm.free(req.page_table)
+            sched._free_finished(req)
             req.page_table = []
             sched._finish(req, "length", times[h])
             self.finished.append(req)

@@ -420,12 +420,14 @@ class PrefillOnlyScheduler(SarathiScheduler):
     """Prefill instance of a disaggregated deployment (protocol in the module docstring)."""
     name = "prefill_only"
     handoff_after_prefill = True
+    FINISHED_PAGES_DEAD = False     # a handed-off request's pages: the decode side may look them up (partial transfer)
 
 
 class DecodeOnlyScheduler(SarathiScheduler):
     """Decode instance of a disaggregated deployment (protocol in the module docstring)."""
     name = "decode_only"
     reuse_prefix = False     # deployment.partial_transfer: take the KV prefix this instance holds (add_handoff)
+    FINISHED_PAGES_DEAD = False     # its requests' pages come from a transfer or the prefix cache (reuse_prefix)
 
     def add_request(self, req: Request) -> bool:
         raise TypeError("a 'decode_only' scheduler takes requests through add_handoff(req, now) after their "

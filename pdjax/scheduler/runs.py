@@ -271,9 +271,9 @@ class DecodeRun:
             sched._run_after = (sched.step, sched._applied_step, decoders, self._crossings, self._lefts, self.total,
                                 k)
         if finished:
-            free = sched.block_manager.free
+            free = sched._free_finished
             for req in finished:      # as update(): in batch order (decodes, then chunks), after the page growth
-                free(req.page_table)
+                free(req)
                 req.page_table = []
                 sched._finish(req, "length", now)
             sched.running = [r for r in sched.running if r.status is RUNNING]
@@ -431,8 +431,12 @@ class DecodeRun:
         owners = (self.decoders, self.prefills)
         if events and self._register_all(events, evicted):
             events = ()
+        keyless = sched._keyless
         for j, kind, i, full in events:
             req = owners[kind][i]
+            if keyless(req):
+                req.num_registered_pages = full
+                continue
             keys = request_page_keys(req, ps, full)
             table = req.page_table
             if not evicted:
@@ -452,13 +456,17 @@ class DecodeRun:
     def _register_all(self, events: list, evicted: dict) -> bool:
         """_register_pages in one pass when every registration of `events` takes place (the common case): no page
         it offers holds a key, and no key repeats, is held or was evicted in the run (so none is skipped, whatever
-        the order). Registers them and returns True; else False, having changed nothing but extended page keys."""
+        the order). Registers them and returns True; else False, having changed nothing but extended page keys.
+        A request the scheduler registers without keys (Scheduler._keyless) only counts its pages."""
         ps, bm = self.sched._ps, self.sched.block_manager
         owners = (self.decoders, self.prefills)
         last = {(kind, i): full for _, kind, i, full in events}      # by step: each request's last is its most
         keys, pages = [], []
+        keyless = self.sched._keyless
         for (kind, i), full in last.items():
             req = owners[kind][i]
+            if keyless(req):
+                continue
             r = req.num_registered_pages
             keys += request_page_keys(req, ps, full)[r:full]
             pages += req.page_table[r:full]
