@@ -31,11 +31,11 @@ def test_numbered_key_bases_number_only_requests_that_share_no_first_page():
     assert bases == [0, None, None, None, None, 5 << 32, 6 << 32]
 
 
-def test_request_page_keys_numbers_from_the_base_and_extends_lazily():
+def test_request_page_keys_numbers_from_the_base_or_extends_content_keys():
     req = Request("r", list(range(50)), SamplingParams(max_tokens=4), 0.0)
     req.key_base = 3 << 32
-    assert request_page_keys(req, PS, 2) == [3 << 32, (3 << 32) + 1]
-    assert request_page_keys(req, PS, 3) == [(3 << 32) + i for i in range(3)]
+    assert list(request_page_keys(req, PS, 2)) == [3 << 32, (3 << 32) + 1]
+    assert list(request_page_keys(req, PS, 3)) == [(3 << 32) + i for i in range(3)] and not req.page_keys
     content = Request("c", list(range(50)), SamplingParams(max_tokens=4), 0.0)
     assert [len(k) for k in request_page_keys(content, PS, 3)] == [8 + 4 * PS] * 3
 
@@ -74,7 +74,8 @@ def numbered(workload):
 def cache_view(insts, requests) -> list:
     """What prefix caching leaves behind, without key values (numbers or bytes) or how dead pages are held
     (BlockManager.free_dead): per instance the free stack, the LRU of cached free pages (a dead segment's pages in
-    their places), which pages hold a cache entry, refcounts and counters; per host tier its slots in LRU order,
+    their places), which pages hold a cache entry, refcounts (a dead page's 1 read as the 0 it stands for) and
+    counters; per host tier its slots in LRU order,
     free slots and counters; per request its registered pages and cached tokens."""
     out, tiers = [], []
     for inst in insts:
@@ -82,7 +83,8 @@ def cache_view(insts, requests) -> list:
         lru = [q for p, seg in bm._free_cached.items() for q in ([p] if seg is None else seg)]
         dead = {q for seg in bm._free_cached.values() if seg is not None for q in seg}
         out.append((list(bm._free), lru, sorted([*bm._key_to_page.values(), *dead]),
-                    [k is not None or p in dead for p, k in enumerate(bm.page_key)], list(bm.ref_count),
+                    [k is not None or p in dead for p, k in enumerate(bm.page_key)],
+                    [0 if p in dead else r for p, r in enumerate(bm.ref_count)],
                     bm.num_free_pages, bm.num_evictions, bm.num_cache_hit_pages, bm.num_query_pages,
                     bm.num_host_hit_pages, bm.num_remote_hit_pages, list(bm.pending_swap_out),
                     list(bm.pending_swap_in)))
@@ -127,6 +129,8 @@ def run_mixed(params: dict, numbered_keys: bool, instances: int = 1, router: str
     hits = sum(i.scheduler.block_manager.num_cache_hit_pages + i.scheduler.block_manager.num_host_hit_pages
                for i in insts)
     bms = [i.scheduler.block_manager for i in insts]
+    for bm in bms:
+        bm.check_invariants()        # every request finished: no page held
     tiers = {id(b.host_tier): b.host_tier for b in bms if b.host_tier is not None}.values()
     dead = (-sum(b._segment for b in bms), -sum(t._segment for t in tiers))
     return result, counters, cache_view(insts, reqs), hits, dead

@@ -761,7 +761,8 @@ class Scheduler:
         tier holds after them, loaded back into fresh pages (host -> device copies before the step), both counted
         as computed. The same rules as _admit otherwise; the host slots are looked up only once the request fits."""
         bm, ps = self.block_manager, self._ps
-        host = bm.host_tier.count_prefix(req.page_keys, len(hits), max_hit)
+        keys = request_page_keys(req, ps, max_hit)
+        host = bm.host_tier.count_prefix(keys, len(hits), max_hit)
         req.num_computed_tokens = (len(hits) + host) * ps
         n = self._prefill_chunk(req, budget_left)
         if n <= 0:
@@ -777,7 +778,7 @@ class Scheduler:
         if hits:
             bm.take_cached(req.page_table, hits)
         if host:
-            bm.load_from_host(req.page_table, req.page_keys, bm.match_host(req.page_keys, len(hits), len(hits) + host))
+            bm.load_from_host(req.page_table, keys, bm.match_host(keys, len(hits), len(hits) + host))
         bm.allocate(req.page_table, need - host)
         req.num_cached_tokens = (len(hits) + host) * ps
         req.num_registered_pages = len(hits) + host

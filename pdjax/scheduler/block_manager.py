@@ -56,18 +56,17 @@ def extend_page_keys(keys: list, tokens: Sequence[int], page_size: int, num_page
         parent = hash(key)
 
 
-def request_page_keys(req, page_size: int, num_pages: int) -> list:
-    """`req.page_keys` (a pdjax.scheduler.Request's), extended to cover its first `num_pages` full pages: content
-    keys (extend_page_keys), or `req.key_base` + the page's index when the request has a key base
-    (numbered_key_bases: its run's requests share no page, so numbers identify pages as exactly as their
-    content, without reading a token)."""
+def request_page_keys(req, page_size: int, num_pages: int) -> Sequence:
+    """The prefix-cache keys of (at least) the first `num_pages` full pages of `req` (a pdjax.scheduler.Request):
+    `req.page_keys`, its content keys (extend_page_keys) extended as needed, or, when the request has a key base
+    (numbered_key_bases: no other request shares its pages, so numbers identify them as exactly as their content,
+    without reading a token), range(key_base, key_base + num_pages)."""
+    base = req.key_base
+    if base is not None:
+        return range(base, base + num_pages)
     keys = req.page_keys
     if len(keys) < num_pages:
-        base = req.key_base
-        if base is None:
-            extend_page_keys(keys, req.all_token_ids, page_size, num_pages)
-        else:
-            keys += range(base + len(keys), base + num_pages)
+        extend_page_keys(keys, req.all_token_ids, page_size, num_pages)
     return keys
 
 
@@ -325,14 +324,16 @@ class BlockManager:
         are cached but were never entered in the key map (Scheduler._keyless): no request can look them up any
         more, so they enter the LRU as one dead segment (`_free_cached[token] = the pages, tail first`, token < 0)
         evicted in their place and offloaded without keys, at a list slice's cost instead of a key's per page.
-        Every page of `table` is held once (a numbered request shares none). Returns False, having done nothing,
+        Every page of `table` is held once (a numbered request shares none); a dead page keeps its refcount of 1
+        (nothing reads it before allocation sets it again). Returns False, having done nothing,
         with an LFU host tier (it orders pages by their hits): the caller registers the pages and frees them."""
         if self.host_tier is not None and self.host_tier.eviction != "lru":
             return False
         ref = self.ref_count
-        _any(map(ref.__setitem__, table, _repeat(0)))
         if registered < len(table):
-            self._free.extend(reversed(table[registered:]))
+            tail = table[registered:]
+            _any(map(ref.__setitem__, tail, _repeat(0)))
+            self._free.extend(reversed(tail))
         if not registered:
             return True
         self._segment -= 1
@@ -471,7 +472,7 @@ class BlockManager:
         free + used = total; every free page has refcount 0 and sits in exactly one free list; a cached free
         page's key maps back to it; refcounts equal the number of tables holding each page; a page held by
         several tables (or twice) is a registered full page (shared read-only); host slots are owned once. A dead
-        segment's pages (free_dead) count as cached free pages without keys.
+        segment's pages (free_dead) count as cached free pages without keys (refcount 1, its last holder's).
         """
         n = self.num_pages
         free_set = set(self._free)
@@ -489,8 +490,9 @@ class BlockManager:
             for p in t:
                 assert 0 <= p < n, f"page {p} out of range [0, {n})"
                 holders[p] += 1
+        assert all(self.ref_count[p] == 1 for p in dead), "a dead page's refcount is not its last holder's 1"
         for p in range(n):
-            r = self.ref_count[p]
+            r = 0 if p in dead_set else self.ref_count[p]
             assert r == holders[p], f"page {p}: refcount {r} but held by {holders[p]} tables"
             if r == 0:
                 assert (p in free_set) != (p in cached_set), f"free page {p} is on no free list or on both"
@@ -502,7 +504,7 @@ class BlockManager:
                 assert (self.page_key[p] is None) == (p in dead_set), f"page {p}: cached free, key / dead mismatch"
             if p in free_set:
                 assert self.page_key[p] is None, f"page {p} on the uncached free stack with a key"
-        assert self.num_free_pages + sum(1 for r in self.ref_count if r > 0) == n, "free + used != total"
+        assert self.num_free_pages + sum(1 for r in self.ref_count if r > 0) - len(dead) == n, "free + used != total"
         for k, p in self._key_to_page.items():
             assert self.page_key[p] == k, f"key of page {p} does not map back to it"
         assert sum(1 for k in self.page_key if k is not None) == len(self._key_to_page), "stale page keys"

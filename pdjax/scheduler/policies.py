@@ -473,15 +473,16 @@ class DecodeOnlyScheduler(SarathiScheduler):
         watermark, else the whole KV moves as without reuse."""
         bm, ps = self.block_manager, self._ps
         full = req.num_computed_tokens // ps
-        hits = bm.match_prefix(request_page_keys(req, ps, full), full)
-        host = bm.host_tier.count_prefix(req.page_keys, len(hits), full) if bm.host_tier is not None else 0
+        keys = request_page_keys(req, ps, full)
+        hits = bm.match_prefix(keys, full)
+        host = bm.host_tier.count_prefix(keys, len(hits), full) if bm.host_tier is not None else 0
         if not hits and not host:
             return
         if bm.num_free_pages - bm.num_free_among(hits) - host < self._watermark_pages + 1:
             return
         bm.take_cached(req.page_table, hits)
         if host:
-            bm.load_from_host(req.page_table, req.page_keys, bm.match_host(req.page_keys, len(hits), len(hits) + host))
+            bm.load_from_host(req.page_table, keys, bm.match_host(keys, len(hits), len(hits) + host))
         req.num_kv_local_pages = req.num_registered_pages = len(req.page_table)
 
     def mark_kv_arrived(self, request_id: str) -> None:

@@ -176,10 +176,11 @@ def cached_prefix(inst, req) -> Tuple[int, int, int]:
         return 0, 0, 0
     ps = bm.page_size
     max_hit = (len(req.all_token_ids) - 1) // ps
-    device = len(bm.match_prefix(request_page_keys(req, ps, max_hit), max_hit))
+    keys = request_page_keys(req, ps, max_hit)
+    device = len(bm.match_prefix(keys, max_hit))
     if bm.host_tier is None:
         return device, 0, 0
-    owners = bm.host_tier.owners(req.page_keys, device, max_hit)
+    owners = bm.host_tier.owners(keys, device, max_hit)
     local = sum(1 for o in owners if o == bm.tier_owner)
     return device, local, len(owners) - local
 
