@@ -297,16 +297,11 @@ class DecodeRun:
             return self._grow_pages_caching(a, b)
         if a >= b:
             return None
-        if not self.prefills and not self.admitted:     # decoders only
-            groups = self._growth_groups()
-            if groups is not None:
-                ps = len(groups)
-                tables = []
-                for j in range(a, b):
-                    tables += groups[j % ps]
-                if tables:
-                    sched.block_manager.allocate_one_each(tables)
-                return None
+        tables = self._decoder_growth(a, b)
+        if tables is not None:
+            if tables:
+                sched.block_manager.allocate_one_each(tables)
+            return None
         if a or self.admitted:    # a later range (apply_range / schedule_step), or landed KV admitted in step 0
             _, grants = self._growth_range(a, b)
             if grants:
@@ -328,6 +323,20 @@ class DecodeRun:
             sched.block_manager.allocate_each([((prefills if kind else decoders)[i].page_table, need)
                                                for _, kind, i, need in grow])
         return None
+
+    def _decoder_growth(self, a: int, b: int) -> Optional[list]:
+        """A decoders-only run's page growth in steps a .. b - 1 from `_growth_groups`: the page table of each
+        page grant, in allocation order (a table per page); None when the groups do not apply."""
+        if self.prefills or self.admitted:
+            return None
+        groups = self._growth_groups()
+        if groups is None:
+            return None
+        ps = len(groups)
+        tables = []
+        for j in range(a, b):
+            tables += groups[j % ps]
+        return tables
 
     def pages_granted(self, a: int, b: int) -> int:
         """Pages planned steps a .. b - 1 allocate (_grow_pages)."""
@@ -381,24 +390,41 @@ class DecodeRun:
         if a >= b:
             return {}
         bm = self.sched.block_manager
+        tables = self._decoder_growth(a, b)
+        if tables is not None:
+            if len(tables) <= len(bm._free):      # no eviction
+                bm.allocate_one_each(tables)
+                return {}
+            evicted = bm.allocate_each_evicting([(t, 1) for t in tables])
+            if not evicted:
+                return {}
+            groups = self._groups
+            steps = [j for j in range(a, b) for _ in groups[j % len(groups)]]
+            return {key: steps[g] for g, key in evicted}
         steps, grants = self._growth_range(a, b)
         if sum(need for _, need in grants) <= len(bm._free):     # no eviction: uncached pages only
             bm.allocate_each(grants)
             return {}
         return {key: steps[g] for g, key in bm.allocate_each_evicting(grants)}
 
-    def _registrations(self, a: int, b: int) -> list:
+    def _registrations(self, a: int, b: int) -> Tuple[list, list]:
         """The prefix-cache registrations the update() calls of planned steps a .. b - 1 make (Scheduler._register:
         a request whose computed tokens fill pages past its registered ones offers them), read before those steps
-        are applied: [(step (0: the run's first), pass (0: decoders, 1: prefill chunks), index, full pages after
-        it)], in update order (by step, then batch order). A decoder with c computed tokens fills page b in the step
-        that makes them (b + 1) * page_size (one step before it grows into page b + 1); a chunk, the pages it
-        completes."""
+        are applied: ([(step (0: the run's first), pass (0: decoders, 1: prefill chunks), index, full pages after
+        it)] in update order (by step, then batch order), [(request, full pages after step b - 1)] of the requests
+        the scheduler registers without keys (Scheduler._keyless: only their count changes)). A decoder with c
+        computed tokens fills page b in the step that makes them (b + 1) * page_size (one step before it grows into
+        page b + 1); a chunk, the pages it completes."""
         ps = self.sched._ps
-        events = []
+        keyless = self.sched._keyless
+        events, counts = [], []
         add = events.append
         for i, req in enumerate(self.decoders):
             c = req.num_computed_tokens
+            if keyless(req):
+                if (c + b - a) // ps > req.num_registered_pages:
+                    counts.append((req, (c + b - a) // ps))
+                continue
             m = (c + 1) // ps           # its full pages after step a
             if m > req.num_registered_pages:
                 add((a, 0, i, m))
@@ -417,10 +443,14 @@ class DecodeRun:
                     if c // ps > registered[p]:
                         registered[p] = c // ps
                         add((j, 1, p, c // ps))
+            prefills = self.prefills
+            counts += [(prefills[p], registered[p]) for p in range(len(prefills))
+                       if registered[p] > prefills[p].num_registered_pages and keyless(prefills[p])]
+            events = [e for e in events if e[1] == 0 or not keyless(prefills[e[2]])]
         events.sort()
-        return events
+        return events, counts
 
-    def _register_pages(self, events: list, evicted: dict) -> None:
+    def _register_pages(self, registrations: Tuple[list, list], evicted: dict) -> None:
         """Apply `_registrations` (after the decoders' tokens are appended: a page's key reads its tokens) as
         update() would have, each in its step: a key is skipped while another page holds it, which a cached page
         evicted by a later step (`evicted`) still did then. The host-tier copies the evictions recorded went into
@@ -429,14 +459,13 @@ class DecodeRun:
         ps, bm = sched._ps, sched.block_manager
         k2p, page_key = bm._key_to_page, bm.page_key
         owners = (self.decoders, self.prefills)
+        events, counts = registrations
+        for req, full in counts:
+            req.num_registered_pages = full
         if events and self._register_all(events, evicted):
             events = ()
-        keyless = sched._keyless
         for j, kind, i, full in events:
             req = owners[kind][i]
-            if keyless(req):
-                req.num_registered_pages = full
-                continue
             keys = request_page_keys(req, ps, full)
             table = req.page_table
             if not evicted:
@@ -456,17 +485,13 @@ class DecodeRun:
     def _register_all(self, events: list, evicted: dict) -> bool:
         """_register_pages in one pass when every registration of `events` takes place (the common case): no page
         it offers holds a key, and no key repeats, is held or was evicted in the run (so none is skipped, whatever
-        the order). Registers them and returns True; else False, having changed nothing but extended page keys.
-        A request the scheduler registers without keys (Scheduler._keyless) only counts its pages."""
+        the order). Registers them and returns True; else False, having changed nothing but extended page keys."""
         ps, bm = self.sched._ps, self.sched.block_manager
         owners = (self.decoders, self.prefills)
         last = {(kind, i): full for _, kind, i, full in events}      # by step: each request's last is its most
         keys, pages = [], []
-        keyless = self.sched._keyless
         for (kind, i), full in last.items():
             req = owners[kind][i]
-            if keyless(req):
-                continue
             r = req.num_registered_pages
             keys += request_page_keys(req, ps, full)[r:full]
             pages += req.page_table[r:full]
