@@ -809,13 +809,16 @@ def test_a_decode_run_leaves_the_state_of_its_steps(policy, eviction):
 def test_run_registrations_follow_the_updates_one_by_one():
     """DecodeRun._registrations against a plain replay of update()'s rule (a request registers when its computed
     tokens fill pages past its registered ones), step by step in batch order: decoders behind or ahead of each
-    other, one that has not registered its full pages yet, prefill chunks completing pages."""
+    other, one that has not registered its full pages yet, prefill chunks completing pages; requests registered
+    without keys (Scheduler._keyless) only counted, at their last registration."""
     ps, k = 4, 11
     decoders = [SimpleNamespace(num_computed_tokens=c, num_registered_pages=r)
                 for c, r in ((9, 2), (2, 0), (7, 1), (12, 1), (3, 0))]
     prefills = [SimpleNamespace(num_computed_tokens=c, num_registered_pages=c // ps) for c in (0, 6)]
     plan = [((0, 5, 0), (1, 3, 0)), (), ((1, 8, 0),), ((0, 1, 0),), ((0, 2, 0), (1, 4, 0))] + [()] * (k - 5)
-    run = runs_module.DecodeRun(SimpleNamespace(_ps=ps, step=0), decoders, prefills, [0] * 5, [99] * 5, 0, 99, 0, 0)
+    def sched():
+        return SimpleNamespace(_ps=ps, step=0, _keyless=lambda req: getattr(req, "keyless", False))
+    run = runs_module.DecodeRun(sched(), decoders, prefills, [0] * 5, [99] * 5, 0, 99, 0, 0)
     run._plan = plan
     expected = []
     counts = [[r.num_computed_tokens, r.num_registered_pages] for r in decoders + prefills]
@@ -829,14 +832,22 @@ def test_run_registrations_follow_the_updates_one_by_one():
             if state[0] // ps > state[1]:
                 state[1] = state[0] // ps
                 expected.append((j, kind, i, state[1]))
-    assert run._registrations(0, k) == expected
+    assert run._registrations(0, k) == (expected, [])
     for a in (3, 7):          # a later range (apply_range): read from the requests as the steps before a left them
         later = [SimpleNamespace(num_computed_tokens=c, num_registered_pages=r) for c, r in states[a]]
-        run = runs_module.DecodeRun(SimpleNamespace(_ps=ps, step=0), later[:5], later[5:], [0] * 5, [99] * 5, 0,
-                                    99, 0, 0)
+        run = runs_module.DecodeRun(sched(), later[:5], later[5:], [0] * 5, [99] * 5, 0, 99, 0, 0)
         run._plan = plan
-        assert run._registrations(a, k) == [e for e in expected if e[0] >= a]
+        assert run._registrations(a, k) == ([e for e in expected if e[0] >= a], [])
     assert expected != sorted(expected, key=lambda e: e[1:3]), "the case is meant to interleave the requests"
+    keyless = {(0, 1), (0, 3), (1, 1)}
+    for kind, i in keyless:
+        (prefills if kind else decoders)[i].keyless = True
+    last = {(kind, i): full for _, kind, i, full in expected}
+    run = runs_module.DecodeRun(sched(), decoders, prefills, [0] * 5, [99] * 5, 0, 99, 0, 0)
+    run._plan = plan
+    events, counts = run._registrations(0, k)
+    assert events == [e for e in expected if e[1:3] not in keyless]
+    assert counts == [((prefills if kind else decoders)[i], last[kind, i]) for kind, i in sorted(keyless)]
 
 
 def iteration_rows(iterations) -> list:
