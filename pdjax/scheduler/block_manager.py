@@ -21,6 +21,16 @@ Choices:
   `allocate` only when its reference count is 0, so a cached page is never handed out while referenced.
 - A page whose key is already registered to another page (two requests computed the same prefix at once)
   stays unregistered and returns to the uncached stack when freed.
+- Numbered keys (the simulator, pdjax.sim.build): a request whose first page no other request of the run has
+  shares no page with any (keys chain on their parent's), so its keys can be numbers (`numbered_key_bases`,
+  `request_page_keys`: key_base + page index, a range, never stored), found exactly where content keys would be.
+  On a scheduler whose finished requests' pages nobody looks up again (colocated), such a request never
+  preempted offers its pages to the cache without keys at all (pdjax.scheduler.base.Scheduler._keyless: only
+  `num_registered_pages` moves), and at its finish they become a dead segment (`free_dead`): one LRU entry
+  `_free_cached[token] = pages, tail first` (token < 0), counted as free cached pages (`_dead_extra`), evicted in
+  its place (partly: the rest stays at the front) and offloaded to a host tier as one entry (HostKVTier.offload_dead).
+  A request that is preempted first registers them with keys (`_keep_registered`). Records, LRU order, counters and
+  host slots equal those of content keys (tests/test_numbered_keys.py); the cost per page is a list slice's.
 - Pages are released in reverse table order so a sequence's tail is evicted before its (more shareable)
   head.
 - Host swap slots are ints in [0, num_host_pages) on a stack; `swap_out` returns the (host_slot,

@@ -14,6 +14,9 @@ later request whose prefix hits it loads it back instead of recomputing it. pdja
   the KV link, priced by the simulator as such, pdjax.sim.kv_tier).
 - The tier is inclusive: a page loaded back keeps its host copy (a later eviction of the device page costs no
   second copy: `offload` only touches the entry).
+- Dead pages (pdjax.scheduler.block_manager: a finished request's with numbered keys, which no lookup can reach):
+  `offload_dead(n, owner)` takes their slots as n offloads of new keys would, kept as one entry (token < 0 ->
+  (owner, indices, the oldest last)) that LRU evictions take from page by page (`_pop_oldest`); 'lru' only.
 The block manager calls `offload(key, owner)` for every prefix-cached page it evicts and `lookup(keys, start,
 stop)` after a device prefix match; the copies it records go into the next SchedulerOutput's swap_out / swap_in.
 """
