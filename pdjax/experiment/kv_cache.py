@@ -35,13 +35,11 @@ from typing import Any, Dict, List, Optional, Sequence
 from pdjax.config.files import REPO_ROOT, config_file
 from pdjax.config.serving import serve_config_from_dict
 from pdjax.experiment.sim_bench import interpreter_rate
-from pdjax.scheduler.base import PLACEHOLDER_TOKEN
-from pdjax.scheduler.block_manager import extend_page_keys, numbered_key_bases
+from pdjax.scheduler.block_manager import extend_page_keys
 from pdjax.scheduler.kv_tier import HostKVTier
 from pdjax.metrics import summarize_run
 from pdjax.sim.build import build_pending_requests, build_setup
 from pdjax.sim.run import simulate_setup
-from pdjax.workload import make_workload
 from pdjax.workload.traces import load_trace
 
 TRACES = {"conversation": "mooncake_fast25_conversation.csv", "synthetic": "mooncake_fast25_synthetic.csv"}
@@ -201,8 +199,7 @@ def speed(num_requests: int = 10_000, replicas: int = 4,
         if host:
             config["deployment"]["colocated"]["host_kv_blocks"] = device_pages(config)
         cfg = serve_config_from_dict(config)
-        workload = make_workload(cfg.workload, cfg.seed)
-        setup, requests, held = build_setup(cfg), build_pending_requests(cfg, workload), {}
+        setup, requests, held = build_setup(cfg), build_pending_requests(cfg), {}
         cpu = time.process_time()
         result = simulate_setup(setup, requests, adjust_instances=held.update)
         cpu = time.process_time() - cpu       # steadier than wall time on a shared machine
@@ -215,7 +212,7 @@ def speed(num_requests: int = 10_000, replicas: int = 4,
                "iterations_per_interpreter_loop": round(result.num_iterations / max(cpu, 1e-9) / ceiling, 4)}
         if caching:
             floor = floor or bookkeeping_floor()
-            row.update(_page_moves(held["colocated"], floor, numbered_share(cfg, workload)))
+            row.update(_page_moves(held["colocated"], floor))
             plain = [r["cpu_s"] for r in rows if r["router"] == router and not r["prefix_caching"]]
             if plain:
                 row["floor_iterations_per_cpu_s"] = round(result.num_iterations / (plain[0] + row["floor_s"]))
@@ -223,33 +220,25 @@ def speed(num_requests: int = 10_000, replicas: int = 4,
     return rows
 
 
-def numbered_share(cfg, workload) -> float:
-    """The share of `workload`'s prompt tokens in requests whose page keys are numbered (pdjax.sim.build: they share
-    no first page with another request), rounded to 4 digits."""
-    bases = numbered_key_bases([wr.prompt_token_ids for wr in workload], cfg.scheduler.page_size, PLACEHOLDER_TOKEN)
-    tokens = [len(wr.prompt_token_ids) for wr in workload]
-    return round(sum(n for n, base in zip(tokens, bases) if base is not None) / max(sum(tokens), 1), 4)
-
-
-def _page_moves(instances, floor: Dict[str, float], numbered: float) -> Dict[str, Any]:
-    """A caching run's page moves and their least cost (bookkeeping_floor's per-page seconds; a share `numbered`
-    of the pages with numbered keys, the rest content keys)."""
+def _page_moves(instances, floor: Dict[str, float]) -> Dict[str, Any]:
+    """A caching run's page moves and the least cost of those made page by page (bookkeeping_floor's per-page
+    seconds; a dead segment's pages, pdjax.scheduler.block_manager.BlockManager.free_dead, move as one list slice
+    each and count 0)."""
     bms = [inst.scheduler.block_manager for inst in instances]
     tiers = {id(b.host_tier): b.host_tier for b in bms if b.host_tier is not None}.values()
-    evicted = sum(b.num_evictions for b in bms)
-    offloads = sum(t.num_offloads for t in tiers)
-    key_s = numbered * floor["numbered_key_s"] + (1 - numbered) * floor["key_s"]
-    per_evicted = key_s + floor["register_s"] + floor["free_and_evict_s"] + floor["unregister_s"]
-    return {"numbered_key_share": numbered, "device_evictions": evicted, "host_offloads": offloads,
-            "host_evictions": sum(t.num_evictions for t in tiers),
-            "floor_s": round(evicted * per_evicted + offloads * floor["host_offload_and_evict_s"], 2)}
+    evicted, dead = sum(b.num_evictions for b in bms), sum(b.num_dead_evictions for b in bms)
+    offloads, dead_offloads = sum(t.num_offloads for t in tiers), sum(t.num_dead_offloads for t in tiers)
+    per_evicted = floor["key_s"] + floor["register_s"] + floor["free_and_evict_s"] + floor["unregister_s"]
+    return {"device_evictions": evicted, "dead_evictions": dead, "host_offloads": offloads,
+            "dead_offloads": dead_offloads, "host_evictions": sum(t.num_evictions for t in tiers),
+            "floor_s": round((evicted - dead) * per_evicted
+                             + (offloads - dead_offloads) * floor["host_offload_and_evict_s"], 2)}
 
 
 def bookkeeping_floor(pages: int = 100_000, page_size: int = 16, repeat: int = 3) -> Dict[str, float]:
     """Seconds per page of the prefix cache's per-page work, each step in the fewest Python operations the block
     manager's structures allow (pdjax.scheduler.block_manager: a key per page, a key -> page dict, an LRU of free
-    cached pages; pdjax.scheduler.kv_tier: an LRU of host pages by key): make the key (extend_page_keys: `key_s`;
-    numbered, block_manager.request_page_keys: `numbered_key_s`),
+    cached pages; pdjax.scheduler.kv_tier: an LRU of host pages by key): make the key (extend_page_keys: `key_s`),
     register it (`register_s`), free the page into the LRU and evict it (`free_and_evict_s`), drop its key
     (`unregister_s`), offload it into a host tier that evicts as it fills (`host_offload_and_evict_s`: the tier's own
     batched offload_many). `pages` random pages, best of `repeat`."""
@@ -262,10 +251,6 @@ def bookkeeping_floor(pages: int = 100_000, page_size: int = 16, repeat: int = 3
         extend_page_keys(keys, tokens, page_size, pages)
         return keys
 
-    def make_numbered_keys():
-        keys: list = []
-        keys += range(1 << 32, (1 << 32) + pages)
-        return keys
 
     keys = make_keys()
 
@@ -299,6 +284,6 @@ def bookkeeping_floor(pages: int = 100_000, page_size: int = 16, repeat: int = 3
             out = min(out, time.perf_counter() - start)
         return out / pages
 
-    return {"key_s": best(make_keys), "numbered_key_s": best(make_numbered_keys), "register_s": best(register),
+    return {"key_s": best(make_keys), "register_s": best(register),
             "free_and_evict_s": best(free_and_evict),
             "unregister_s": min(unregister() for _ in range(repeat)) / pages, "host_offload_and_evict_s": best(host)}

@@ -140,6 +140,7 @@ class BlockManager:
         self.num_cache_hit_pages = 0
         self.num_query_pages = 0         # pages admissions looked up in the prefix cache (the hit ratio's base)
         self.num_evictions = 0
+        self.num_dead_evictions = 0      # of them, dead segments' pages (free_dead)
         self.host_tier = None            # pdjax.scheduler.kv_tier.HostKVTier (module docstring)
         self.tier_owner = ""
         self.pending_swap_out: List[Tuple[object, int]] = []
@@ -323,6 +324,7 @@ class BlockManager:
                 self._num_segments -= 1
             pages += seg
             keys += [None] * len(seg)
+            self.num_dead_evictions += len(seg)
             if runs and runs[-1] < 0:
                 runs[-1] -= len(seg)
             else:

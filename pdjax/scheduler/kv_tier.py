@@ -54,6 +54,7 @@ class HostKVTier:
         self.num_offloads = self.num_hits = self.num_remote_hits = self.num_evictions = 0
         # dead segments (offload_dead): token (< 0) -> (owner, [indices, the oldest last]) entries of _slot
         self._segment = self._num_segments = self._dead_extra = 0
+        self.num_dead_offloads = 0       # of num_offloads, dead pages' (offload_dead)
 
     def __len__(self) -> int:
         return len(self._slot) + self._dead_extra
@@ -157,6 +158,7 @@ class HostKVTier:
         self._dead_extra += len(kept) - 1
         self._num_segments += 1
         self.num_offloads += n
+        self.num_dead_offloads += n
         return [(owner, i) for i in indices]
 
     def _pop_oldest(self, k: int) -> List[int]:
