@@ -190,3 +190,23 @@ def test_numbered_keys_in_a_disaggregated_run_with_partial_transfer_and_a_shared
     assert got[1] == reference[1]
     assert sum(t.num_tokens for t in got[0].transfers) < sum(r.num_prompt_tokens for r in got[0].requests), \
         "the case is meant to transfer less than every prompt"
+
+
+@pytest.mark.parametrize("capacity,filled,dead_before,n", [(8, 3, 0, 2), (8, 5, 3, 5), (8, 2, 4, 13), (4, 0, 0, 11),
+                                                          (6, 1, 5, 3)])
+def test_offload_dead_takes_slots_as_new_keys_would(capacity, filled, dead_before, n):
+    """HostKVTier.offload_dead(n) against n offloads of new keys: the same slots (free ones, then the least recent
+    entries', then, past the capacity, its own pages'), counters and length, and later offloads evict the same
+    slots in the same order (a dead entry taken page by page from its oldest)."""
+    tier, reference = HostKVTier(capacity), HostKVTier(capacity)
+    for t in (tier, reference):
+        t.offload_many([("old", i) for i in range(filled)], "a")
+    if dead_before:
+        assert tier.offload_dead(dead_before, "a") == reference.offload_many(
+            [("dead", i) for i in range(dead_before)], "a")
+    assert tier.offload_dead(n, "b") == reference.offload_many([("new", i) for i in range(n)], "b")
+    later = [("later", i) for i in range(capacity + 2)]
+    for keys in (later[:1], later[1:3], later[3:]):
+        assert tier.offload_many(keys, "c") == reference.offload_many(keys, "c")
+        assert (len(tier), tier.num_offloads, tier.num_evictions, tier._free) == \
+            (len(reference), reference.num_offloads, reference.num_evictions, reference._free)
