@@ -577,12 +577,10 @@ def cache_state(insts, requests) -> list:
     return state
 
 
-def run_cached(params: dict, decode_runs: bool, instances: int = 1, router: str = "round_robin",
-               tier: str = "none", seed: int = 0, n: int = 60, eviction: str = "lru", rate: float = 25.0,
-               workload=None):
-    """shared_prefix_requests on `instances` replicas with prefix caching on and a small page pool (evictions in
-    runs); tier: 'none', 'local' (one host KV tier each) or 'shared' (one for all, Mooncake's pool), host loads
-    priced (HostLoadStepTime). Returns (result, scheduler counters, cache_state, pages hit in device or host)."""
+def cached_replicas(params: dict, instances: int, tier: str, eviction: str) -> list:
+    """`instances` SimInstances (a 1024-token, 16-token-page scheduler of `params`, 160 pages unless given, prefix
+    caching on) with host KV tiers: 'none', 'local' (40 pages each) or 'shared' (120 for all), `eviction` order,
+    host loads priced (HostLoadStepTime)."""
     from pdjax.scheduler.kv_tier import HostKVTier
     from pdjax.sim.kv_tier import HostLoadStepTime
     cfg = SchedulerConfig(max_model_len=1024, page_size=16, enable_prefix_caching=True, watermark=0.0,
@@ -597,6 +595,16 @@ def run_cached(params: dict, decode_runs: bool, instances: int = 1, router: str 
             sched.block_manager.tier_owner = f"i{k}"
             step = HostLoadStepTime(step, f"i{k}", 2e-5, 5e-5)
         insts.append(SimInstance(f"i{k}", sched, step))
+    return insts
+
+
+def run_cached(params: dict, decode_runs: bool, instances: int = 1, router: str = "round_robin",
+               tier: str = "none", seed: int = 0, n: int = 60, eviction: str = "lru", rate: float = 25.0,
+               workload=None):
+    """shared_prefix_requests on `instances` replicas with prefix caching on and a small page pool (evictions in
+    runs); tier: 'none', 'local' (one host KV tier each) or 'shared' (one for all, Mooncake's pool), host loads
+    priced (HostLoadStepTime). Returns (result, scheduler counters, cache_state, pages hit in device or host)."""
+    insts = cached_replicas(params, instances, tier, eviction)
     reqs = (workload or shared_prefix_requests)(n, seed, rate)
     result = simulate(reqs, insts, InstanceRouter(router, insts, role="colocated"), decode_runs=decode_runs)
     state = [(i.scheduler.step, i.scheduler.num_preemptions, i.scheduler.num_swaps) for i in insts]

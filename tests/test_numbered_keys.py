@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_decode_runs import CONFIGS, shared_prefix_requests
+from test_decode_runs import CONFIGS, cached_replicas, shared_prefix_requests
 
 from pdjax.config.sampling import SamplingParams
 from pdjax.config.scheduler import SchedulerConfig
@@ -105,24 +105,9 @@ def run_mixed(params: dict, numbered_keys: bool, instances: int = 1, router: str
     """mixed_requests as test_decode_runs.run_cached runs its workload (3 replicas behind `router`, host tiers
     'none' / 'local' / 'shared'), keys numbered or not: (result, scheduler counters, cache_view, pages hit,
     dead segments made on devices and host tiers)."""
-    from test_decode_runs import HARDWARE, MODEL
-
     from pdjax.scheduler.routing import InstanceRouter
-    from pdjax.sim.cost_model import CostParams
-    from pdjax.sim.kv_tier import HostLoadStepTime
     from pdjax.sim.simulator import simulate
-    from pdjax.sim.step_cost import make_step_time
-    cfg = SchedulerConfig(max_model_len=1024, page_size=PS, enable_prefix_caching=True, watermark=0.0, **params)
-    insts = []
-    shared = HostKVTier(120, eviction) if tier == "shared" else None
-    for k in range(instances):
-        step = make_step_time(MODEL, HARDWARE, 1, 1, CostParams(per_seq_overhead_s=2e-5))
-        sched = make_scheduler(cfg)
-        if tier != "none":
-            sched.block_manager.host_tier = shared or HostKVTier(40, eviction)
-            sched.block_manager.tier_owner = f"i{k}"
-            step = HostLoadStepTime(step, f"i{k}", 2e-5, 5e-5)
-        insts.append(SimInstance(f"i{k}", sched, step))
+    insts = cached_replicas(params, instances, tier, eviction)
     reqs = (numbered(mixed_requests) if numbered_keys else mixed_requests)(n, seed, rate)
     result = simulate(reqs, insts, InstanceRouter(router, insts, role="colocated"), decode_runs=decode_runs)
     counters = [(i.scheduler.step, i.scheduler.num_preemptions, i.scheduler.num_swaps) for i in insts]
