@@ -296,7 +296,7 @@ class BlockManager:
             self.pending_swap_out += [(s, p) for s, p in zip(slots, pages) if s is not None]
         return pages, keys
 
-    def _pop_with_segments(self, n: int) -> Tuple[List[int], list]:
+    def _pop_with_segments(self, n: int) -> Tuple[List[int], list, List[int]]:
         """_evict's n oldest cached pages when dead segments may be among them: (pages, keys, runs), a dead page's
         key None, runs the lengths of the consecutive runs of live (> 0) and dead (< 0) pages; a segment partly
         taken keeps the rest at the front of the LRU."""
