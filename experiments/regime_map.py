@@ -61,9 +61,10 @@ flags.DEFINE_integer("rebalance_prefill_queue_tokens", 8192, "Rebalancing: promp
 flags.DEFINE_float("rebalance_decode_load", 0.9, "Rebalancing: mean decode load over which the decode side is.")
 flags.DEFINE_float("rebalance_window_s", 2.0, "Rebalancing: seconds a side must stay over before a flip.")
 flags.DEFINE_float("rebalance_flip_s", 0.0, "Rebalancing: seconds a drained instance takes to change role.")
-flags.DEFINE_enum("rebalance_trigger", "load", ["load", "slo"], "Rebalancing: 'load' (the two thresholds above) or "
-                  "'slo' (a side's observed TTFT / TPOT over the point's SLO at the attainment quantile; "
-                  "pdjax.scheduler.rebalance_slo).")
+flags.DEFINE_enum("rebalance_trigger", "load", ["load", "slo", "slo_predicted"], "Rebalancing: 'load' (the two "
+                  "thresholds above), 'slo' (a side's observed TTFT / TPOT over the point's SLO at the attainment "
+                  "quantile; pdjax.scheduler.rebalance_slo) or 'slo_predicted' ('slo' with the decode side's TPOT "
+                  "predicted from its queue; pdjax.scheduler.rebalance_predict).")
 flags.DEFINE_integer("workers", 2, "Processes.")
 flags.DEFINE_bool("cache", True, "Share simulations across SLO points and colocated results across links "
                   "(--nocache: every point and candidate through placement.evaluate on its own; same numbers).")

@@ -183,7 +183,7 @@ def _opt13b_16to1(trigger: str, prefill: int, decode: int, per_gpu_rate: float):
     (p,) = [p for p in rg.disaggregated_candidates(grid, "nvlink")
             if p.rebalance and (p.num_prefill, p.num_decode) == (prefill, decode)]
     cfg = pl.serve_config(prob, p, per_gpu_rate * p.num_gpus)
-    assert ("slo" in cfg) == (trigger == "slo")
+    assert ("slo" in cfg) == (trigger in ("slo", "slo_predicted"))
     result, _ = simulate_config(serve_config_from_dict(cfg), hardware=prob.node.spec())
     assert result.mixed_pool.get("trigger", "load") == trigger
     return result.mixed_pool["flips"], pl.slo_rule_passes(result.requests, prob.ttft_s, prob.tpot_s)[1]
@@ -208,18 +208,19 @@ def tick_step_time(out) -> float:
     return TICK * (4 + out.total_tokens // 8)
 
 
-def test_engine_decisions_equal_the_simulator_s(monkeypatch):
-    """2P2D with the SLO trigger (TPOT SLO half a decode step): every request arrives at 0 with one prompt length,
-    each prefill instance prefills its share in one step and hands all off at once; then only the decode instances
-    run (equal batches, equal step times), their TPOT goes over for the window, and an idle prefill instance flips
-    to decode. DisaggregatedEngine (fake runners, fake clock, KV that lands at once) and simulate_disaggregated with
-    the same pool factory make the same flips, per-step schedules and request records."""
+@pytest.mark.parametrize("trigger", ["slo", "slo_predicted"])
+def test_engine_decisions_equal_the_simulator_s(monkeypatch, trigger):
+    """2P2D with the SLO trigger, observed and predicting (TPOT SLO half a decode step): every request arrives at 0 with
+    one prompt length, each prefill instance prefills its share in one step and hands all off at once; then only the
+    decode instances run (equal batches, equal step times), their TPOT goes over for the window, and an idle prefill
+    instance flips to decode. DisaggregatedEngine (fake runners, fake clock, KV that lands at once) and
+    simulate_disaggregated with the same pool factory make the same flips, per-step schedules and request records."""
     pytest.importorskip("jax")
     from test_simulator import FakeClock, FakeRunner, _LandedKV, snapshot
     from pdjax.serving import cluster
     from pdjax.serving.disagg import DisaggregatedEngine, Instance
     monkeypatch.setattr(cluster, "scatter_kv_pages", lambda caches, pages, staged: caches)
-    dep = DeploymentConfig(kind="disaggregated", router="round_robin", rebalance=True, rebalance_trigger="slo",
+    dep = DeploymentConfig(kind="disaggregated", router="round_robin", rebalance=True, rebalance_trigger=trigger,
                            rebalance_window_s=16 * TICK, rebalance_flip_s=8 * TICK)
     slo = SLOConfig(ttft=1.0, tpot=2 * TICK)
     base = SchedulerConfig(policy="sarathi", token_budget=4096, max_num_seqs=8, max_model_len=512, page_size=16,
@@ -253,6 +254,8 @@ def test_engine_decisions_equal_the_simulator_s(monkeypatch):
     flips = sim_result.mixed_pool["flips"]
     assert [(f["instance"], f["src"], f["dst"]) for f in flips] == [("prefill0", "prefill", "decode")]
     assert flips[0]["reason"].startswith("decode over")
+    # decided once TPOT is certainly over (slo) / predicted over after two decode steps (slo_predicted)
+    assert flips[0]["drain_start"] == {"slo": 100 * TICK, "slo_predicted": 48 * TICK}[trigger]
     assert engine.pool.summary()["flips"] == flips
     for name in names:
         assert sim_log[name] == engine_log[name], f"{name}'s schedule differs"

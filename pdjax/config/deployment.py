@@ -203,7 +203,8 @@ class DeploymentConfig:
     rebalance_flip_s: float = number(0.0, low=0)
     rebalance_trigger: str = one_of("load", REBALANCE_TRIGGERS, expected=(
         f"one of {REBALANCE_TRIGGERS} ('load': queued prompt tokens / decode load over their thresholds; 'slo': "
-        "TTFT / TPOT over the serve config's slo block)"))
+        "TTFT / TPOT over the serve config's slo block; 'slo_predicted': the same with the decode side's TPOT "
+        "predicted from its queue)"))
     rebalance_slo_quantile: float = number(0.9, low=0, high=1, low_open=True, expected=(
         "a quantile in (0, 1] (of the observed TTFT / TPOT the 'slo' trigger compares with the SLO)"))
     # KV-cache-centric scheduling (issue 30; pdjax.scheduler.kv_tier, pdjax.scheduler.routing): check_kv_centric

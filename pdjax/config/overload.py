@@ -19,7 +19,9 @@ DeploymentConfig.__post_init__. Semantics: pdjax.scheduler.admission and pdjax.s
   seconds; a flip drains the instance, then takes `rebalance_flip_s` seconds before it serves the other role.
   `rebalance_trigger`: 'load' (default: those two thresholds) or 'slo' (pdjax.scheduler.rebalance_slo: a side is
   over when its observed TTFT (prefill) / TPOT (decode) at the quantile `rebalance_slo_quantile` exceeds the serve
-  config's `slo.ttft` / `slo.tpot`, both of which must then be set: `check_rebalance_slos`, at start-up).
+  config's `slo.ttft` / `slo.tpot`, both of which must then be set: `check_rebalance_slos`, at start-up) or
+  'slo_predicted' (the same with the decode side's TPOT predicted from its queue: pdjax.scheduler.rebalance_predict;
+  the same slo keys).
 All need kind='disaggregated' and no mixed pool (one line otherwise); rebalancing also needs the prefill and
 decode groups to be the same machine (pp, tp, hardware, stack, scheduler overrides): a flip changes the role, not
 the machine.
@@ -27,7 +29,8 @@ the machine.
 from __future__ import annotations
 
 ADMISSION_POLICIES = ("none", "current_load", "predicted_load")
-REBALANCE_TRIGGERS = ("load", "slo")
+REBALANCE_TRIGGERS = ("load", "slo", "slo_predicted")
+SLO_TRIGGERS = ("slo", "slo_predicted")        # the triggers that compare with the serve config's slo block
 SAME_MACHINE_KEYS = ("pp", "tp", "hardware", "stack", "num_pages", "token_budget", "max_num_seqs")
 
 
@@ -68,12 +71,13 @@ def check_overload(dep) -> None:
 
 
 def check_rebalance_slos(dep, slo) -> None:
-    """rebalance_trigger='slo' needs the SLOs it compares with: slo.ttft (the prefill side's) and slo.tpot (the
-    decode side's) > 0. `slo`: the serve config's SLOConfig (or None); one line naming what is missing."""
-    if not dep.rebalance or dep.rebalance_trigger != "slo":
+    """rebalance_trigger='slo' (or 'slo_predicted') needs the SLOs it compares with: slo.ttft (the prefill side's)
+    and slo.tpot (the decode side's) > 0. `slo`: the serve config's SLOConfig (or None); one line naming what is
+    missing."""
+    if not dep.rebalance or dep.rebalance_trigger not in SLO_TRIGGERS:
         return
     ttft, tpot = (0.0, 0.0) if slo is None else (slo.ttft, slo.tpot)
     if not (ttft > 0 and tpot > 0):
-        raise ValueError(f"deployment.rebalance_trigger='slo' with slo.ttft={ttft!r}, slo.tpot={tpot!r}: the trigger "
-                         "compares the prefill side's TTFT and the decode side's TPOT with them; expected both > 0 "
-                         "(seconds) or rebalance_trigger='load'")
+        raise ValueError(f"deployment.rebalance_trigger={dep.rebalance_trigger!r} with slo.ttft={ttft!r}, "
+                         f"slo.tpot={tpot!r}: the trigger compares the prefill side's TTFT and the decode side's "
+                         "TPOT with them; expected both > 0 (seconds) or rebalance_trigger='load'")

@@ -11,7 +11,9 @@ The issue's rule ("the prefill:decode ratio adjusted online from queue lengths")
 - Trigger `deployment.rebalance_trigger`: 'load' (default, below) or 'slo' (pdjax.scheduler.rebalance_slo: a side
   is over when the latency it answers for, TTFT for prefill and TPOT for decode, observed online over the window,
   is over the run's SLO at the quantile `rebalance_slo_quantile`; the donor must stay within its SLO with one
-  instance less). The window, drain and flip below are the same for both.
+  instance less); or 'slo_predicted' (pdjax.scheduler.rebalance_predict: 'slo' with the decode side's TPOT
+  predicted from its queue, the remaining tokens and the observed step time). The window, drain and flip below
+  are the same for all.
 - Pressure ('load'), checked at every `return_idle(now)` (the engines call it after steps and KV landings and before
   every pick): the prefill side is over when the mean prompt tokens still to prefill per serving prefill instance
   (routing.InstanceRouter.prefill_load) exceed `prefill_queue_tokens`; the decode side when the mean
@@ -37,8 +39,9 @@ import dataclasses
 import itertools
 from typing import Dict, List, Optional, Sequence
 
-from pdjax.config.overload import check_rebalance_slos
+from pdjax.config.overload import SLO_TRIGGERS, check_rebalance_slos
 from pdjax.scheduler.mixed import BorrowingScheduler, decode_load
+from pdjax.scheduler.rebalance_predict import PredictedSLOTrigger
 from pdjax.scheduler.rebalance_slo import SLOTrigger
 from pdjax.scheduler.routing import InstanceRouter
 
@@ -203,7 +206,10 @@ class RebalancingPool:
         if self.trigger is not None:
             self.trigger.on_handoff(req, now)      # its TTFT is final: it counts from this decision on
         self.return_idle(now)
-        return self._route(self.decode_router, self.members("decode"))
+        inst = self._route(self.decode_router, self.members("decode"))
+        if self.trigger is not None:
+            self.trigger.on_decode_routed(req, inst, now)
+        return inst
 
     def summary(self) -> dict:
         """For results.json: thresholds (the SLO trigger's, when it is on), the roles at the end, and every flip."""
@@ -217,12 +223,14 @@ class RebalancingPool:
 
 def rebalancing_pool(dep, prefill: Sequence, decode: Sequence, slo=None) -> RebalancingPool:
     """The RebalancingPool of a DeploymentConfig's keys (pdjax.config.overload) over built instances; `slo` (the
-    serve config's SLOConfig) sets the bounds of `rebalance_trigger='slo'` (ValueError in one line without them)."""
-    trigger = None
-    if getattr(dep, "rebalance_trigger", "load") == "slo":
+    serve config's SLOConfig) sets the bounds of `rebalance_trigger='slo'` / 'slo_predicted' (ValueError in one line
+    without them)."""
+    trigger, kind = None, getattr(dep, "rebalance_trigger", "load")
+    if kind in SLO_TRIGGERS:
         check_rebalance_slos(dep, slo)
-        trigger = SLOTrigger(slo.ttft, slo.tpot, quantile=float(dep.rebalance_slo_quantile),
-                             window_s=float(dep.rebalance_window_s))
+        make = PredictedSLOTrigger if kind == "slo_predicted" else SLOTrigger
+        trigger = make(slo.ttft, slo.tpot, quantile=float(dep.rebalance_slo_quantile),
+                       window_s=float(dep.rebalance_window_s))
     return RebalancingPool(dep.router, prefill, decode, prefill_queue_tokens=dep.rebalance_prefill_queue_tokens,
                            decode_load=float(dep.rebalance_decode_load), window_s=float(dep.rebalance_window_s),
                            flip_s=float(dep.rebalance_flip_s), trigger=trigger)

@@ -62,6 +62,7 @@ def _in_transfer(side: str, req) -> bool:
 class SLOTrigger:
     """The latency each side of a RebalancingPool answers for, observed online (module docstring). ttft_s, tpot_s:
     the SLO bounds in seconds (> 0); quantile in (0, 1]; window_s: how far back finished requests count."""
+    name = "slo"        # deployment.rebalance_trigger (pdjax.scheduler.rebalance_predict's subclass: 'slo_predicted')
 
     def __init__(self, ttft_s: float, tpot_s: float, *, quantile: float = 0.9, window_s: float = 2.0):
         if not (ttft_s > 0 and tpot_s > 0 and 0 < quantile <= 1 and window_s >= 0):
@@ -86,6 +87,9 @@ class SLOTrigger:
         if req.max_tokens > 1:
             self._in["decode"][req.request_id] = req
 
+    def on_decode_routed(self, req, inst, now: float) -> None:
+        """The pool routed the handed-off `req` to decode instance `inst` (read by the predicting subclass)."""
+
     def assess(self, now: float) -> Dict[str, bool]:
         """Observe at `now`: move finished requests out of the sides (their final latency into the window), drop
         what left before the window, take every side's samples; returns {side: its latency quantile exceeds its
@@ -103,7 +107,11 @@ class SLOTrigger:
             bounds = [self._lower_bound(side, r, now) for r in live.values()]
             self._finals[side] = [v for _, v in left]
             self._bounds[side] = [b for b in bounds if b is not None]
+        self._predict(now)
         return {side: self._over(side, self.bound[side]) for side in SIDES}
+
+    def _predict(self, now: float) -> None:
+        """The observed trigger predicts nothing (pdjax.scheduler.rebalance_predict's does, from these samples)."""
 
     @staticmethod
     def _final(side: str, req) -> Optional[float]:
@@ -146,5 +154,5 @@ class SLOTrigger:
                 f"{self.bound['decode']:g}s)")
 
     def summary(self) -> dict:
-        return {"trigger": "slo", "ttft_s": self.bound["prefill"], "tpot_s": self.bound["decode"],
+        return {"trigger": self.name, "ttft_s": self.bound["prefill"], "tpot_s": self.bound["decode"],
                 "quantile": self.quantile}

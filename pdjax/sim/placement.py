@@ -68,7 +68,7 @@ import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pdjax.config.model_specs import ModelSpec, get_model_spec
-from pdjax.config.overload import REBALANCE_TRIGGERS
+from pdjax.config.overload import REBALANCE_TRIGGERS, SLO_TRIGGERS
 from pdjax.config.registry import BASELINE_POLICIES, POLICIES, STACKS, disaggregated_base, is_stack
 from pdjax.config.serving import serve_config_from_dict
 from pdjax.config.validate import check_max_model_len
@@ -165,7 +165,8 @@ class PlacementProblem:
     rebalance_decode_load: float = 0.9
     rebalance_window_s: float = 2.0
     rebalance_flip_s: float = 0.0
-    rebalance_trigger: str = "load"     # 'slo': flip on the problem's own SLOs (ttft_s, tpot_s at `attainment`)
+    rebalance_trigger: str = "load"     # 'slo' / 'slo_predicted': flip on the problem's own SLOs (ttft_s, tpot_s at
+                                        # `attainment`)
 
     def __post_init__(self):
         if not isinstance(self.gpu_budget, int) or self.gpu_budget < 1:
@@ -493,7 +494,8 @@ def serve_config(problem: PlacementProblem, placement: Placement, rate: float) -
             "sim": {"hardware": problem.node.hardware, "profile": problem.profile, "num_pages": 0,
                     "gpu_memory_utilization": problem.mem_util},
             "deployment": placement.deployment(problem),
-            **({"slo": problem.slo_block()} if placement.rebalance and problem.rebalance_trigger == "slo" else {})}
+            **({"slo": problem.slo_block()} if placement.rebalance and problem.rebalance_trigger in SLO_TRIGGERS
+               else {})}
 
 
 def simulate_placement(problem: PlacementProblem, placement: Placement, rate: float):

@@ -65,6 +65,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from pdjax.config.overload import SLO_TRIGGERS
 from pdjax.config.registry import STACKS, is_stack
 from pdjax.config.serving import serve_config_from_dict
 from pdjax.errors import UserError
@@ -212,7 +213,7 @@ class RegimeGrid:
     rebalance_decode_load: float = 0.9
     rebalance_window_s: float = 2.0
     rebalance_flip_s: float = 0.0
-    rebalance_trigger: str = "load"     # 'slo': flip on each point's own SLOs (its variants simulate per point)
+    rebalance_trigger: str = "load"     # 'slo', 'slo_predicted': flip on each point's own SLOs (per point runs)
 
     def __post_init__(self):
         for name in ("workloads", "slo_scales", "links", "colocated"):
@@ -528,7 +529,7 @@ def _tasks(grid: RegimeGrid, budgets: Mapping) -> List[Task]:
         for k in grid.links:
             for p in disaggregated_candidates(grid, k):
                 points = tuple((s, grid.problem("disaggregated", w, s, k)) for s in grid.slo_scales)
-                if p.rebalance and grid.rebalance_trigger == "slo":    # its runs read the point's SLOs
+                if p.rebalance and grid.rebalance_trigger in SLO_TRIGGERS:    # its runs read the point's SLOs
                     tasks += [Task(w, k, p, (point,)) for point in points]
                 else:
                     tasks.append(Task(w, k, p, points))
