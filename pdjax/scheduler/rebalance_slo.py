@@ -17,7 +17,8 @@ Requests, at the pool's own calls):
   quantile down). Why this over the alternatives: finished requests alone lag (a TPOT is known only at the end of
   a long output, and a stalled prefill queue finishes nothing), and a predicted queue wait needs a cost model the
   engine does not have; the certain misses make a stall count as soon as it costs the SLO, and nothing counts as
-  a miss that is not one.
+  a miss that is not one. (pdjax.scheduler.rebalance_predict, 'slo_predicted', predicts the decode side's wait
+  from the observed step time instead.)
 - Over: that quantile exceeds the side's bound. The pool's window rule is unchanged (over continuously for
   `window_s`, no flip in progress, the other side not over).
 - Hysteresis (can the other side spare one of its n serving instances?): its quantile scaled by n / (n - 1) (its
