@@ -52,16 +52,20 @@ def predicted_tpots(reqs: List, slots: int, step: float, now: float) -> Dict[str
     """{request id: predicted final TPOT (seconds)} of one decode instance's requests `reqs` (handoff order) with
     `slots` sequence slots and decode step `step` seconds, at `now` (module docstring: running ones finish after
     their remaining tokens, the queue takes slots as they free)."""
-    running = [r for r in reqs if r.status is RequestStatus.RUNNING]
-    queued = [r for r in reqs if r.status is not RequestStatus.RUNNING]
-    ends = {r.request_id: now + (r.max_tokens - len(r.output_token_ids)) * step for r in running}
-    free = sorted(ends.values()) + [now] * max(0, slots - len(running))
-    heapq.heapify(free)
-    for r in queued:
-        end = max(heapq.heappop(free), now) + (r.max_tokens - len(r.output_token_ids)) * step
-        heapq.heappush(free, end)
-        ends[r.request_id] = end
-    return {r.request_id: (max(ends[r.request_id], now) - r.first_token_time) / (r.max_tokens - 1) for r in reqs}
+    ends: Dict[str, float] = {}       # predicted last-token time (>= now)
+    queued = []
+    for r in reqs:
+        if r.status is RequestStatus.RUNNING:
+            ends[r.request_id] = now + (r.max_tokens - len(r.output_token_ids)) * step
+        else:
+            queued.append(r)
+    if queued:
+        free = list(ends.values()) + [now] * max(0, slots - len(ends))
+        heapq.heapify(free)
+        for r in queued:      # the earliest-free slot, for its remaining tokens
+            end = ends[r.request_id] = max(free[0], now) + (r.max_tokens - len(r.output_token_ids)) * step
+            heapq.heapreplace(free, end)
+    return {r.request_id: (ends[r.request_id] - r.first_token_time) / (r.max_tokens - 1) for r in reqs}
 
 
 class PredictedSLOTrigger(SLOTrigger):
@@ -82,11 +86,14 @@ class PredictedSLOTrigger(SLOTrigger):
     def _predict(self, now: float) -> None:
         """Predict the decode side's requests in flight per instance; the ones without a prediction keep their
         lower bound (rebalance_slo's rule)."""
-        live = self._in["decode"]
-        self._routed = {rid: inst for rid, inst in self._routed.items() if rid in live}
+        live, routed = self._in["decode"], self._routed
+        if len(routed) > 2 * len(live):       # forget the requests that left (amortized)
+            self._routed = routed = {rid: inst for rid, inst in routed.items() if rid in live}
         by_inst: Dict[str, tuple] = {}
-        for rid, inst in self._routed.items():
-            by_inst.setdefault(inst.name, (inst, []))[1].append(live[rid])
+        for rid, req in live.items():         # handoff order
+            inst = routed.get(rid)
+            if inst is not None:
+                by_inst.setdefault(inst.name, (inst, []))[1].append(req)
         steps = {name: observed_step(reqs) for name, (_, reqs) in by_inst.items()}
         known = [s for s in steps.values() if s is not None]
         side_step = statistics.median(known) if known else None
