@@ -52,6 +52,10 @@ def waves(model):
 @pytest.fixture(scope="module")
 def reference(model, waves):
     """Greedy tokens of every prompt on one device, no prefix cache (the big instance)."""
+    return _reference(model, waves)
+
+
+def _reference(model, waves):
     from pdjax.runtime.batch import Buckets
     from pdjax.runtime.generate import generate
     from pdjax.runtime.runner import ModelRunner
@@ -269,3 +273,25 @@ def test_disaggregated_engine_routers_get_the_deployments_options():
         assert engine.entry_router.balance_abs == engine.decode_router.balance_abs == 7
         req = Request("r", prompt + [2], SamplingParams(max_tokens=2), 0.0)
         assert engine.entry_router.pick(req) is prefill[1], router
+
+
+def test_shared_pool_replicated_pages_serve_one_instances_tokens(model):
+    """host_kv_replicate_after=1, round_robin over 2 replicas: replica0 offloads a conversation's pages, replica1
+    fetches them remotely (and gets copies of them in its part of the shared pool: device -> host copies through
+    the runner's swap path), loses them from its device, then serves the next turn from its copies: the tokens are
+    one big instance's."""
+    from pdjax.serving.build import build_engine
+    spec, params = model
+    rng = np.random.default_rng(11)
+    ids = lambda n: [int(t) for t in rng.integers(0, spec.vocab_size, n)]   # noqa: E731
+    turn1 = ids(33)
+    turn2 = turn1 + ids(7)
+    filler = lambda tag: {f"{tag}{i}": ids(45) for i in range(4)}          # noqa: E731
+    waves = [{"a": turn1}, filler("x"), {"b": turn2, "p": ids(20)}, filler("y"), {"e": turn2 + ids(6)}]
+    dep = {"kind": "colocated", "router": "round_robin", "host_kv_pool": "shared", "host_kv_replicate_after": 1,
+           "colocated": {"num_instances": 2, "host_kv_blocks": 24}}
+    engine = build_engine(serve_config_from_dict(_config(dep)), params=params, spec=spec)
+    got, _ = _serve_waves(engine, waves)
+    assert got == {rid: toks for wave in waves for rid, toks in _reference(model, [wave]).items()}
+    tier = engine.instances[0].scheduler.block_manager.host_tier
+    assert tier.num_replicas > 0 and tier.num_copy_hits > 0, (tier.num_replicas, tier.num_copy_hits)

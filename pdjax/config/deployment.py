@@ -171,6 +171,8 @@ class DeploymentConfig:
       (pdjax.scheduler.kv_tier; needs scheduler.enable_prefix_caching; not on the mixed group);
     host_kv_pool: 'local' (each instance its own tier) or 'shared' (one pool of all their pages, Mooncake's);
     host_kv_eviction: 'lru' or 'lfu';
+    host_kv_replicate_after: N > 0 (shared pool only): the N-th remote fetch of a page by one instance gives it a
+      copy in that instance's part of the pool (hot-block replication, pdjax.scheduler.kv_tier); 0 = off;
     partial_transfer: a decode instance that holds a prefix of a handed-off request's KV (device or host tier)
       receives only the rest (disaggregated only; needs prefix caching);
     router_cost: kv_centric's predicted TTFT in 'seconds' (the engine: fitted online from each instance's timed
@@ -212,6 +214,9 @@ class DeploymentConfig:
         f"one of {HOST_KV_POOLS} ('local': each instance its own host KV tier; 'shared': one pool of every "
         "instance's host tiers, Mooncake's)"))
     host_kv_eviction: str = one_of("lru", HOST_KV_EVICTIONS)
+    host_kv_replicate_after: int = nonneg_int(0, note=(
+        "(remote fetches of a page by one instance after which a shared pool keeps a copy in that instance's "
+        "part; 0 = no replication)"))
     partial_transfer: bool = flag(False)
     router_cache_threshold: float = number(0.5, low=0, high=1, expected="a fraction in [0, 1] (prefix_affinity)")
     router_balance_abs: int = nonneg_int(32, note="(prefix_affinity: live-request gap that counts as imbalance)")
@@ -329,6 +334,11 @@ def check_kv_centric(dep: "DeploymentConfig") -> None:
     if dep.router_cost != "seconds" and dep.router != "kv_centric":
         raise ValueError(f"deployment.router_cost={dep.router_cost!r} with router={dep.router!r}: only kv_centric "
                          "predicts a TTFT; expected router='kv_centric' or router_cost='seconds'")
+    if dep.host_kv_replicate_after and (dep.host_kv_pool != "shared" or not uses_host_kv(dep)):
+        raise ValueError(f"deployment.host_kv_replicate_after={dep.host_kv_replicate_after} with host_kv_pool="
+                         f"{dep.host_kv_pool!r}{'' if uses_host_kv(dep) else ' and no host KV tier'}: copies are "
+                         "made in a shared pool; expected host_kv_pool='shared' with host_kv_blocks / host_kv_gib, "
+                         "or 0")
     if dep.partial_transfer and dep.kind != "disaggregated":
         raise ValueError(f"deployment.partial_transfer=True with deployment.kind={dep.kind!r}: only a "
                          "disaggregated deployment transfers KV; expected kind='disaggregated' or False")

@@ -762,7 +762,7 @@ class Scheduler:
         as computed. The same rules as _admit otherwise; the host slots are looked up only once the request fits."""
         bm, ps = self.block_manager, self._ps
         keys = request_page_keys(req, ps, max_hit)
-        host = bm.host_tier.count_prefix(keys, len(hits), max_hit)
+        host = bm.host_tier.count_prefix(keys, len(hits), max_hit, bm.tier_owner)
         req.num_computed_tokens = (len(hits) + host) * ps
         n = self._prefill_chunk(req, budget_left)
         if n <= 0:

@@ -145,6 +145,11 @@ class BlockManager:
         self.tier_owner = ""
         self.pending_swap_out: List[Tuple[object, int]] = []
         self.pending_swap_in: List[Tuple[object, int]] = []
+        # hot-block replication (HostKVTier.replicate_after): (key, device page) of pages due for a copy, loaded
+        # by this schedule's output (`_copies_due`) and by the one before (`_copies_next`: their data is on the
+        # device once that output's step ran, so their copies go out with the next output: drain_tier_copies)
+        self._copies_due: List[Tuple[object, int]] = []
+        self._copies_next: List[Tuple[object, int]] = []
         self.num_host_hit_pages = 0
         self.num_remote_hit_pages = 0
 
@@ -404,9 +409,21 @@ class BlockManager:
         self.pending_swap_in += zip(slots, table[start:])
         self.num_host_hit_pages += len(slots)
         self.num_remote_hit_pages += sum(1 for s in slots if s[0] != self.tier_owner)
+        if self.host_tier.replicate_after:
+            fetched = self.host_tier.fetched_remote
+            self._copies_due += [(keys[i], table[i]) for i, s in enumerate(slots, start)
+                                 if s[0] != self.tier_owner and fetched(keys[i], self.tier_owner)]
 
     def drain_tier_copies(self, out) -> None:
-        """Move the pending host-tier copies into SchedulerOutput `out` (the runner makes them before its step)."""
+        """Move the pending host-tier copies into SchedulerOutput `out` (the runner makes them before its step).
+        Replication: the copies of pages the previous output loaded (HostKVTier.replicate) go out with this one
+        (device -> host, like offloads); those `out` loads wait for the next output, their data is not on the
+        device before its step."""
+        if self._copies_next:
+            replicate, owner = self.host_tier.replicate, self.tier_owner
+            made = [(replicate(key, owner), page) for key, page in self._copies_next]
+            self.pending_swap_out += [(s, p) for s, p in made if s is not None]
+        self._copies_next, self._copies_due = self._copies_due, []
         if self.pending_swap_out:
             out.swap_out += self.pending_swap_out
             self.pending_swap_out = []

@@ -17,6 +17,14 @@ later request whose prefix hits it loads it back instead of recomputing it. pdja
 - Dead pages (pdjax.scheduler.block_manager: a finished request's with numbered keys, which no lookup can reach):
   `offload_dead(n, owner)` takes their slots as n offloads of new keys would, kept as one entry (token < 0 ->
   (owner, indices, the oldest last)) that LRU evictions take from page by page (`_pop_oldest`); 'lru' only.
+- Hot-block replication (`replicate_after=N` > 0, a shared pool's `deployment.host_kv_replicate_after`; Mooncake
+  replicates hot blocks to avoid hotspots): the N-th remote fetch of a key by one instance (`fetched_remote`, the
+  block manager's load_from_host) makes it due for a copy in that instance's part of the pool; `replicate(key,
+  owner)` then gives the copy its own slot (owner, index), entered as the entry `(COPY, key, owner)`, taking
+  capacity and evicted like any entry (its own LRU position / LFU hits). Lookup (`lookup`, `count_prefix`,
+  `owners`) by an owner prefers its copy, else the key's primary entry; another owner's copy is never served (a
+  copy belongs to its owner's part). The primary entry is evicted independently of its copies; an offload of the
+  key by a copy's owner while no primary is held makes that copy the primary (same slot, nothing copied).
 The block manager calls `offload(key, owner)` for every prefix-cached page it evicts and `lookup(keys, start,
 stop)` after a device prefix match; the copies it records go into the next SchedulerOutput's swap_out / swap_in.
 """
@@ -30,15 +38,18 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from pdjax.config.deployment import HOST_KV_EVICTIONS, HOST_KV_POOLS
 
-__all__ = ["HOST_KV_EVICTIONS", "HOST_KV_POOLS", "HostKVTier", "host_kv_blocks"]
+__all__ = ["COPY", "HOST_KV_EVICTIONS", "HOST_KV_POOLS", "HostKVTier", "host_kv_blocks"]
+
+COPY = object()     # first item of a replica's entry key (COPY, key, owner): equal to no prefix-cache key
 
 
 class HostKVTier:
     """Up to `capacity` host pages keyed by prefix-cache key; `eviction` 'lru' or 'lfu' (module docstring).
     Counters: offloads (copies made), hits (pages found by lookup), remote_hits (found in another owner's
-    memory, for a shared tier), evictions."""
+    memory, for a shared tier), evictions; with replicate_after > 0 also replicas (copies made by replicate) and
+    copy_hits (hits served by the caller's own copy)."""
 
-    def __init__(self, capacity: int, eviction: str = "lru"):
+    def __init__(self, capacity: int, eviction: str = "lru", replicate_after: int = 0):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"host KV tier capacity={capacity!r}, expected a positive number of pages")
         if eviction not in HOST_KV_EVICTIONS:
@@ -55,6 +66,12 @@ class HostKVTier:
         # dead segments (offload_dead): token (< 0) -> (owner, [indices, the oldest last]) entries of _slot
         self._segment = self._num_segments = self._dead_extra = 0
         self.num_dead_offloads = 0       # of num_offloads, dead pages' (offload_dead)
+        if isinstance(replicate_after, bool) or not isinstance(replicate_after, int) or replicate_after < 0:
+            raise ValueError(f"host KV tier replicate_after={replicate_after!r}, expected remote fetches >= 0 "
+                             "(0 = no replication)")
+        self.replicate_after = replicate_after
+        self._fetches: Dict[Tuple[object, str], int] = {}    # (key, fetcher) -> remote fetches (replication)
+        self.num_replicas = self.num_copy_hits = 0
 
     def __len__(self) -> int:
         return len(self._slot) + self._dead_extra
@@ -83,6 +100,12 @@ class HostKVTier:
     def offload(self, key, owner: str) -> Optional[Tuple[str, int]]:
         """A device page with prefix key `key` is evicted on instance `owner`: the slot to copy it into, or None
         when the tier holds the key already (the entry is touched, nothing is copied)."""
+        if self.replicate_after and (COPY, key, owner) in self._slot:
+            if key in self._slot:
+                self._touch((COPY, key, owner))
+            else:
+                self._promote(key, owner)
+            return None
         if key in self._slot:
             self._touch(key)
             return None
@@ -98,7 +121,7 @@ class HostKVTier:
     def offload_many(self, keys: Sequence, owner: str) -> List[Optional[Tuple[str, int]]]:
         """[offload(key, owner) for key in keys], in one pass for 'lru' (a block manager's evictions, in eviction
         order: pdjax.scheduler.block_manager.BlockManager._evict)."""
-        if self.eviction != "lru":
+        if self.eviction != "lru" or self.replicate_after:
             return [self.offload(key, owner) for key in keys]
         slots, free = self._slot, self._free
         touch, pop_oldest = slots.move_to_end, slots.popitem
@@ -187,7 +210,9 @@ class HostKVTier:
 
     def lookup(self, keys: Sequence, start: int, stop: int, owner: str = "") -> List[Tuple[str, int]]:
         """Slots of the longest run keys[start:stop] held here (each hit is touched and counted; a slot of another
-        owner than `owner` counts as a remote hit)."""
+        owner than `owner` counts as a remote hit). With replication, `owner`'s own copy of a key first."""
+        if self.replicate_after:
+            return self._lookup_copies(keys, start, stop, owner)
         get = self._slot.get
         slots = []
         for i in range(start, min(stop, len(keys))):
@@ -200,19 +225,88 @@ class HostKVTier:
         self.num_hits += len(slots)
         return slots
 
-    def count_prefix(self, keys: Sequence, start: int, stop: int) -> int:
-        """How many of keys[start:stop] (a consecutive run from start) are held, touching nothing (routers)."""
+    def _lookup_copies(self, keys: Sequence, start: int, stop: int, owner: str) -> List[Tuple[str, int]]:
+        """lookup() where `owner` may hold copies (module docstring: its copy first, else the primary)."""
+        get = self._slot.get
+        slots = []
+        for i in range(start, min(stop, len(keys))):
+            entry = (COPY, keys[i], owner)
+            slot = get(entry)
+            if slot is None:
+                entry = keys[i]
+                slot = get(entry)
+                if slot is None:
+                    break
+            else:
+                self.num_copy_hits += 1
+            self._touch(entry)
+            slots.append(slot)
+            self.num_remote_hits += slot[0] != owner
+        self.num_hits += len(slots)
+        return slots
+
+    def count_prefix(self, keys: Sequence, start: int, stop: int, owner: str = "") -> int:
+        """How many of keys[start:stop] (a consecutive run from start) are held for `owner` (its copies count
+        with replication), touching nothing (routers)."""
         n = 0
         slot = self._slot
+        copies = self.replicate_after
         for i in range(start, min(stop, len(keys))):
-            if keys[i] not in slot:
+            if keys[i] not in slot and not (copies and (COPY, keys[i], owner) in slot):
                 break
             n += 1
         return n
 
-    def owners(self, keys: Sequence, start: int, stop: int) -> List[str]:
-        """The owner of each page of the run count_prefix counts (routers price remote pages)."""
-        return [self._slot[keys[i]][0] for i in range(start, start + self.count_prefix(keys, start, stop))]
+    def owners(self, keys: Sequence, start: int, stop: int, owner: str = "") -> List[str]:
+        """The owner of each slot lookup(..., owner) would return for the run count_prefix counts (routers price
+        remote pages)."""
+        n = self.count_prefix(keys, start, stop, owner)
+        if not self.replicate_after:
+            return [self._slot[keys[i]][0] for i in range(start, start + n)]
+        slot = self._slot
+        return [owner if (COPY, keys[i], owner) in slot else slot[keys[i]][0] for i in range(start, start + n)]
+
+    # ---- hot-block replication (module docstring)
+    def fetched_remote(self, key, owner: str) -> bool:
+        """`owner` loaded `key` from another owner's slot: True when this is its replicate_after-th such fetch
+        (the key is then due for a copy: replicate). Counters of keys no longer held are dropped now and then."""
+        if not self.replicate_after:
+            return False
+        n = self._fetches.get((key, owner), 0) + 1
+        if n >= self.replicate_after:
+            self._fetches.pop((key, owner), None)
+            return True
+        self._fetches[(key, owner)] = n
+        if len(self._fetches) > 4 * self.capacity:
+            held = self._slot
+            self._fetches = {k: v for k, v in self._fetches.items() if k[0] in held}
+        return False
+
+    def replicate(self, key, owner: str) -> Optional[Tuple[str, int]]:
+        """A copy of `key` in `owner`'s part of the pool: the slot to copy its data into (taking a free slot, else
+        evicting as offload does), or None when `owner` holds it already (its copy or the primary: touched)."""
+        entry = (COPY, key, owner)
+        if entry in self._slot:
+            self._touch(entry)
+            return None
+        primary = self._slot.get(key)
+        if primary is not None and primary[0] == owner:
+            self._touch(key)
+            return None
+        index = self._free.pop() if self._free else self._evict_one()
+        slot = self._slot[entry] = (owner, index)
+        if self.eviction == "lfu":
+            self._hits[entry] = 0
+            heapq.heappush(self._heap, (0, next(self._tick), entry))
+        self.num_replicas += 1
+        return slot
+
+    def _promote(self, key, owner: str) -> None:
+        """`owner`'s copy of `key` becomes its primary entry (no primary is held), touched."""
+        self._slot[key] = self._slot.pop((COPY, key, owner))
+        if self.eviction == "lfu":
+            self._hits[key] = self._hits.pop((COPY, key, owner))
+        self._touch(key)
 
 
 def host_kv_blocks(blocks: int, gib: float, page_bytes: int) -> int:
@@ -245,7 +339,8 @@ def attach_host_tiers(groups: Dict[str, Sequence], dep, page_bytes: int) -> List
     if not sizes:
         return []
     if dep.host_kv_pool == "shared":
-        tiers = [HostKVTier(sum(b for _, b in sizes.values()), dep.host_kv_eviction)]
+        tiers = [HostKVTier(sum(b for _, b in sizes.values()), dep.host_kv_eviction,
+                            dep.host_kv_replicate_after)]
         members = [(inst, tiers[0]) for inst, _ in sizes.values()]
     else:
         members = [(inst, HostKVTier(b, dep.host_kv_eviction)) for inst, b in sizes.values()]

@@ -475,7 +475,7 @@ class DecodeOnlyScheduler(SarathiScheduler):
         full = req.num_computed_tokens // ps
         keys = request_page_keys(req, ps, full)
         hits = bm.match_prefix(keys, full)
-        host = bm.host_tier.count_prefix(keys, len(hits), full) if bm.host_tier is not None else 0
+        host = bm.host_tier.count_prefix(keys, len(hits), full, bm.tier_owner) if bm.host_tier is not None else 0
         if not hits and not host:
             return
         if bm.num_free_pages - bm.num_free_among(hits) - host < self._watermark_pages + 1:

@@ -180,7 +180,7 @@ def cached_prefix(inst, req) -> Tuple[int, int, int]:
     device = len(bm.match_prefix(keys, max_hit))
     if bm.host_tier is None:
         return device, 0, 0
-    owners = bm.host_tier.owners(keys, device, max_hit)
+    owners = bm.host_tier.owners(keys, device, max_hit, bm.tier_owner)
     local = sum(1 for o in owners if o == bm.tier_owner)
     return device, local, len(owners) - local
 
