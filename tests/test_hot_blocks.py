@@ -173,3 +173,14 @@ def test_attach_host_tiers_passes_replicate_after_to_the_shared_pool():
                                 "colocated": {"num_instances": 2, "host_kv_blocks": 8}})
     (tier,) = attach_host_tiers({"colocated": [Inst("r0"), Inst("r1")]}, dep, 1024)
     assert tier.replicate_after == 3 and tier.capacity == 16
+
+
+def test_kv_cache_experiment_sets_replicate_after_only_when_on():
+    from pdjax.config.serving import serve_config_from_dict
+    from pdjax.experiment.kv_cache import base_config
+    off = base_config("conversation", host_blocks=8, host_pool="shared")
+    assert "host_kv_replicate_after" not in off["deployment"]
+    on = base_config("conversation", host_blocks=8, host_pool="shared", replicate_after=2)
+    assert serve_config_from_dict(on).deployment.host_kv_replicate_after == 2
+    on["deployment"].pop("host_kv_replicate_after")
+    assert on == off

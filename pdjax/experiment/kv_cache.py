@@ -21,6 +21,8 @@ Parts:
   10,000 requests) spread over 4 replicas: each router without prefix caching, round_robin and kv_centric with it,
   kv_centric with it and host tiers (`SPEED_CASES`); with caching, the page moves and their least cost
   (`bookkeeping_floor`); every speed also over the machine's interpreter ceiling (sim_bench.interpreter_rate).
+- `replication`: hot-block replication in the shared pool (`deployment.host_kv_replicate_after`, 0 = off): per
+  router and setting, the hit ratio, local / remote host fetches, copies made and served, and TTFT; colocated.
 """
 from __future__ import annotations
 
@@ -53,10 +55,19 @@ def trace_path(trace: str) -> str:
 
 def base_config(trace: str, *, kind: str = "colocated", router: str = "round_robin", num_requests: int = 1000,
                 time_scale: float = 1.0, hardware: str = "a100-80gb-sxm", host_blocks: int = 0,
-                host_pool: str = "local", num_pages: int = 0) -> Dict[str, Any]:
+                host_pool: str = "local", num_pages: int = 0, replicate_after: int = 0) -> Dict[str, Any]:
     """The serve config dict of one simulated run (module docstring). host_blocks: host KV tier pages per instance;
-    num_pages: device KV pages per instance (0: what the GPUs hold, the cost model's capacity)."""
+    num_pages: device KV pages per instance (0: what the GPUs hold, the cost model's capacity); replicate_after:
+    deployment.host_kv_replicate_after (shared pool; 0 = off)."""
     group = {"tp": 4, "host_kv_blocks": host_blocks, "num_pages": num_pages}
+    config = _base_config(trace, kind, router, num_requests, time_scale, hardware, host_pool, group)
+    if replicate_after:
+        config["deployment"]["host_kv_replicate_after"] = replicate_after
+    return config
+
+
+def _base_config(trace: str, kind: str, router: str, num_requests: int, time_scale: float, hardware: str,
+                 host_pool: str, group: Dict[str, Any]) -> Dict[str, Any]:
     return {
         "backend": "sim", "seed": 0,
         "model": {"checkpoint": "llama-2-70b-16k"},
@@ -169,6 +180,32 @@ def routers(traces: Sequence[str], num_requests: int, rate: float, rates: Sequen
                         best = r if best is None else max(best, r)
                 row["max_slo_rate"] = best
                 rows.append(row)
+    return rows
+
+
+def replication(traces: Sequence[str], num_requests: int, rate: float, host_multiple: float,
+                replicate_afters: Sequence[int], routers_: Sequence[str] = ("round_robin", "kv_centric"),
+                hardware: str = "a100-80gb-sxm", num_pages: int = 0) -> List[Dict[str, Any]]:
+    """Rows of part `replication` (module docstring): one shared pool of host_multiple x the device pages per
+    instance, per router and replicate_after (0 = off)."""
+    rows = []
+    for trace in traces:
+        scale = time_scale_for(trace, rate, num_requests)
+        pages = num_pages or device_pages(base_config(trace, num_requests=num_requests, hardware=hardware))
+        host = int(host_multiple * pages)
+        for router in routers_:
+            for after in replicate_afters:
+                config = base_config(trace, router=router, num_requests=num_requests, time_scale=scale,
+                                     hardware=hardware, host_blocks=host, host_pool="shared", num_pages=num_pages,
+                                     replicate_after=after)
+                result, instances, wall = simulate_dict(config)
+                tier = instances["colocated"][0].scheduler.block_manager.host_tier
+                summary = summarize_run(result.requests, result.iterations, {})
+                rows.append({"trace": trace, "router": router, "replicate_after": after, "device_pages": pages,
+                             "host_pages": host, "rate": rate, "wall_s": round(wall, 2),
+                             **hit_stats(result, instances), "replicas": tier.num_replicas,
+                             "copy_hits": tier.num_copy_hits, "host_evictions": tier.num_evictions,
+                             "ttft": _latency(summary)["ttft"]})
     return rows
 
 
