@@ -28,6 +28,15 @@ def test_router_rows(mooncake):
     assert row["max_slo_rate"] in (None, 1.0)
 
 
+
+def test_replication_rows(mooncake):
+    rows = kv_cache.replication(["conversation"], num_requests=16, rate=2.0, host_multiple=8,
+                                replicate_afters=[0, 1], routers_=("round_robin",), num_pages=1100)
+    assert [(r["router"], r["replicate_after"]) for r in rows] == [("round_robin", 0), ("round_robin", 1)]
+    assert rows[0]["replicas"] == rows[0]["copy_hits"] == 0
+    assert all(0 <= r["hit_ratio"] <= 1 and r["ttft"]["p50"] > 0 for r in rows)
+
+
 def test_speed_rows(monkeypatch):
     floor = {"key_s": 1.0, "register_s": 2.0, "free_and_evict_s": 3.0, "unregister_s": 4.0,
              "host_offload_and_evict_s": 100.0}
