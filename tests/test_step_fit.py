@@ -8,6 +8,8 @@ import random
 
 import numpy as np
 import pytest
+from test_kv_centric_engine import _Clock
+from test_simulator import _LandedKV
 
 from pdjax.config.deployment import deployment_from_dict
 from pdjax.config.sampling import SamplingParams
@@ -180,17 +182,6 @@ def test_kv_centric_ranks_by_measured_seconds_where_tokens_disagree():
 
 
 # ----------------------------------------------------------------------------------------------- engine glue
-class _Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def clock(self):
-        return self.t
-
-    def sleep(self, d):
-        self.t += d
-
-
 TICK = 1.0 / 1024
 FAKE_THETA = (3 * TICK, TICK / 8, TICK / 4096, 2 * TICK, 0.0)
 
@@ -235,20 +226,6 @@ def test_cluster_engine_feeds_every_step_to_the_measured_cost():
         fit = cost.instance(inst).fit
         assert fit.num_steps == len(steps) > 3
         np.testing.assert_allclose([fit.theta[i] for i in (0, 1, 2)], FAKE_THETA[:3], rtol=1e-6)
-
-
-class _LandedKV:
-    """A fake StagedKV that has landed (tests/test_simulator.py's)."""
-
-    def __init__(self, num_tokens: int, page_size: int = 16):
-        self.num_tokens, self.num_pages = num_tokens, -(-num_tokens // page_size)
-        self.kv_bytes = self.moved_bytes = 0
-
-    def wait(self) -> None:
-        pass
-
-    def is_ready(self) -> bool:
-        return True
 
 
 def test_disaggregated_engine_feeds_the_prefill_steps_to_the_measured_cost(monkeypatch):
