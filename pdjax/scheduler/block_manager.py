@@ -271,33 +271,24 @@ class BlockManager:
         dropped and offloaded to the host tier, in eviction order (as one at a time). Returns (the pages, their
         keys: None for a dead page, free_dead), oldest first. (Plain loops: a map over a bound __setitem__ /
         __delitem__ costs more per item.)"""
-        runs = None
+        page_key, k2p = self.page_key, self._key_to_page
         if self._num_segments:
             pages, keys, runs = self._pop_with_segments(n)
         else:
             pop = self._free_cached.popitem
             pages = [pop(False)[0] for _ in range(n)]
-            keys = None
-        page_key, k2p = self.page_key, self._key_to_page
-        if keys is None:
-            keys = [page_key[p] for p in pages]
-            for key in keys:
-                del k2p[key]
-            for p in pages:
-                page_key[p] = None
-        else:
-            pos = 0
-            for n_run in runs:          # live runs (> 0): their keys dropped; dead ones hold none
-                if n_run > 0:
-                    for key in keys[pos:pos + n_run]:
-                        del k2p[key]
-                    for p in pages[pos:pos + n_run]:
-                        page_key[p] = None
-                pos += abs(n_run)
+            keys, runs = [page_key[p] for p in pages], (n,)
+        pos = 0
+        for n_run in runs:          # live runs (> 0): their keys dropped; dead ones (< 0) hold none
+            if n_run > 0:
+                for key in keys[pos:pos + n_run]:
+                    del k2p[key]
+                for p in pages[pos:pos + n_run]:
+                    page_key[p] = None
+            pos += abs(n_run)
         self.num_evictions += n
         if self.host_tier is not None:
-            slots = (self.host_tier.offload_many(keys, self.tier_owner) if runs is None else
-                     self.host_tier.offload_runs(keys, runs, self.tier_owner))
+            slots = self.host_tier.offload_runs(keys, runs, self.tier_owner)
             self.pending_swap_out += [(s, p) for s, p in zip(slots, pages) if s is not None]
         return pages, keys
 

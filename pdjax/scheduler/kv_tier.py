@@ -147,6 +147,8 @@ class HostKVTier:
     def offload_runs(self, keys: Sequence, runs: Sequence[int], owner: str) -> List[Optional[Tuple[str, int]]]:
         """offload_many(keys) where `runs` splits keys into consecutive runs: n > 0 keys, or -n dead pages (None
         keys: offload_dead), in order."""
+        if len(runs) == 1 and runs[0] > 0:
+            return self.offload_many(keys, owner)
         out, pos = [], 0
         for n in runs:
             if n > 0:
