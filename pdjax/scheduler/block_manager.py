@@ -43,8 +43,9 @@ Choices:
 from __future__ import annotations
 
 import struct as _struct
+from bisect import bisect_right as _bisect_right
 from collections import Counter, OrderedDict
-from itertools import repeat as _repeat
+from itertools import accumulate as _accumulate, repeat as _repeat
 from operator import itemgetter as _getter
 from typing import Iterable, List, Optional, Sequence, Tuple
 
@@ -232,11 +233,13 @@ class BlockManager:
                 table += pages
                 _any(map(ref.__setitem__, pages, _repeat(1)))
 
-    def allocate_each_evicting(self, grants: Sequence[Tuple[List[int], int]]) -> List[Tuple[int, object]]:
+    def allocate_each_evicting(self, grants: Sequence[Tuple[List[int], int]], swaps: bool = True
+                               ) -> List[Tuple[int, object]]:
         """`allocate_each(grants)`, returning (index of the grant, prefix key) of each cached page it evicts, in
         eviction order (pdjax.scheduler.runs replays registrations against them). The caller checks
         `num_free_pages >= sum(n)`. In C-level passes: the pages n pops hand out (the whole uncached stack, then
-        the oldest cached pages, their keys dropped and offloaded in that order), then dealt to the grants."""
+        the oldest cached pages, their keys dropped and offloaded in that order), then dealt to the grants.
+        swaps=False: the offloads' host copies are not recorded (a decode run builds no SchedulerOutput)."""
         free, cached = self._free, self._free_cached
         total = sum(n for _, n in grants)
         short = total - len(free)
@@ -248,36 +251,43 @@ class BlockManager:
         fresh = len(free)
         pages = free[::-1]
         del free[:]
-        out, keys = self._evict(short)
-        pages += out
+        out, keys, runs = self._evict(short, swaps)
         ref = self.ref_count
         for p in pages:
             ref[p] = 1
-        evicted = []
+        live, pos = [], 0        # the live evicted pages' places in `out` (a dead page's refcount is 1 already)
+        for n_run in runs:
+            if n_run > 0:
+                for p in out[pos:pos + n_run]:
+                    ref[p] = 1
+                live += range(pos, pos + n_run)
+            pos += abs(n_run)
+        pages += out
         pos = 0
-        for g, (table, n) in enumerate(grants):
-            end = pos + n
+        for table, n in grants:
             if n == 1:
                 table.append(pages[pos])
             elif n > 0:
-                table += pages[pos:end]
-            if end > fresh:
-                evicted += [(g, keys[a - fresh]) for a in range(max(pos, fresh), end) if keys[a - fresh] is not None]
-            pos = end
-        return evicted
+                table += pages[pos:pos + n]
+            pos += n
+        if not live:
+            return []
+        ends = list(_accumulate(n for _, n in grants))
+        return [(_bisect_right(ends, fresh + a), keys[a]) for a in live]
 
-    def _evict(self, n: int) -> Tuple[List[int], list]:
+    def _evict(self, n: int, swaps: bool = True) -> Tuple[List[int], list, List[int]]:
         """Evict the `n` least recently freed cached pages (the caller checks there are as many): their keys
-        dropped and offloaded to the host tier, in eviction order (as one at a time). Returns (the pages, their
-        keys: None for a dead page, free_dead), oldest first. (Plain loops: a map over a bound __setitem__ /
-        __delitem__ costs more per item.)"""
+        dropped and offloaded to the host tier, in eviction order (as one at a time), the copies recorded in
+        `pending_swap_out` unless not `swaps`. Returns (the pages, their keys: None for a dead page, free_dead;
+        the lengths of its consecutive runs of live (> 0) and dead (< 0) pages), oldest first. (Plain loops: a
+        map over a bound __setitem__ / __delitem__ costs more per item.)"""
         page_key, k2p = self.page_key, self._key_to_page
         if self._num_segments:
             pages, keys, runs = self._pop_with_segments(n)
         else:
             pop = self._free_cached.popitem
             pages = [pop(False)[0] for _ in range(n)]
-            keys, runs = [page_key[p] for p in pages], (n,)
+            keys, runs = [page_key[p] for p in pages], [n]
         pos = 0
         for n_run in runs:          # live runs (> 0): their keys dropped; dead ones (< 0) hold none
             if n_run > 0:
@@ -288,9 +298,10 @@ class BlockManager:
             pos += abs(n_run)
         self.num_evictions += n
         if self.host_tier is not None:
-            slots = self.host_tier.offload_runs(keys, runs, self.tier_owner)
-            self.pending_swap_out += [(s, p) for s, p in zip(slots, pages) if s is not None]
-        return pages, keys
+            slots = self.host_tier.offload_runs(keys, runs, self.tier_owner, swaps)
+            if swaps:
+                self.pending_swap_out += [(s, p) for s, p in zip(slots, pages) if s is not None]
+        return pages, keys, runs
 
     def _pop_with_segments(self, n: int) -> Tuple[List[int], list, List[int]]:
         """_evict's n oldest cached pages when dead segments may be among them: (pages, keys, runs), a dead page's

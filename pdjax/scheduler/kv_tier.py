@@ -124,6 +124,13 @@ class HostKVTier:
         if self.eviction != "lru" or self.replicate_after:
             return [self.offload(key, owner) for key in keys]
         slots, free = self._slot, self._free
+        if 1 < len(keys) <= len(free) + len(self) and slots.keys().isdisjoint(keys):
+            new = dict.fromkeys(keys)
+            if len(new) == len(keys):     # new distinct keys, none popped by another's eviction: in one pass
+                out = [(owner, i) for i in self._take_slots(len(keys))]
+                slots.update(zip(new, out))
+                self.num_offloads += len(out)
+                return out
         touch, pop_oldest = slots.move_to_end, slots.popitem
         out = []
         add = out.append
@@ -144,9 +151,10 @@ class HostKVTier:
         self.num_offloads += len(out) - out.count(None)
         return out
 
-    def offload_runs(self, keys: Sequence, runs: Sequence[int], owner: str) -> List[Optional[Tuple[str, int]]]:
+    def offload_runs(self, keys: Sequence, runs: Sequence[int], owner: str, slots: bool = True
+                     ) -> Optional[List[Optional[Tuple[str, int]]]]:
         """offload_many(keys) where `runs` splits keys into consecutive runs: n > 0 keys, or -n dead pages (None
-        keys: offload_dead), in order."""
+        keys: offload_dead), in order. slots=False: returns None (the caller records no copies)."""
         if len(runs) == 1 and runs[0] > 0:
             return self.offload_many(keys, owner)
         out, pos = [], 0
@@ -155,28 +163,26 @@ class HostKVTier:
                 out += self.offload_many(keys[pos:pos + n], owner)
                 pos += n
             else:
-                out += self.offload_dead(-n, owner)
+                indices = self._offload_dead(-n, owner)
+                if slots:
+                    out += [(owner, i) for i in indices]
                 pos -= n
-        return out
+        return out if slots else None
 
     def offload_dead(self, n: int, owner: str) -> List[Tuple[str, int]]:
         """The slots of `n` pages no lookup can reach any more (a finished request's with numbered keys:
         pdjax.scheduler.block_manager.BlockManager.free_dead), offloaded in order as offload() of n new keys would
         (each takes a free slot, else the least recent entry's), kept as one entry (LRU only)."""
+        return [(owner, i) for i in self._offload_dead(n, owner)]
+
+    def _offload_dead(self, n: int, owner: str) -> List[int]:
+        """offload_dead's slot indices."""
         if self.eviction != "lru":
             raise ValueError("offload_dead needs an 'lru' tier (an 'lfu' one orders pages by their hits)")
-        free = self._free
-        take = min(n, len(free))
-        indices = free[:-take - 1:-1] if take else []
-        if take:
-            del free[-take:]
-        need = n - take
-        if need:
-            existing = min(need, len(self._slot) + self._dead_extra)
-            indices += self._pop_oldest(existing)
-            while len(indices) < n:       # more pages than the tier holds: each evicts the new one `capacity` before
-                indices.append(indices[len(indices) - self.capacity])
-            self.num_evictions += need
+        indices = self._take_slots(min(n, len(self._free) + len(self)))
+        self.num_evictions += n - len(indices)
+        while len(indices) < n:       # more pages than the tier holds: each evicts the new one `capacity` before
+            indices.append(indices[len(indices) - self.capacity])
         kept = indices[-self.capacity:]
         self._segment -= 1
         self._slot[self._segment] = (owner, kept[::-1])
@@ -184,7 +190,22 @@ class HostKVTier:
         self._num_segments += 1
         self.num_offloads += n
         self.num_dead_offloads += n
-        return [(owner, i) for i in indices]
+        return indices
+
+    def _take_slots(self, k: int) -> List[int]:
+        """The indices k offloads of new keys take, in order (k <= free indices + entries): free ones, then the
+        least recent entries' (their entries dropped, counted as evictions)."""
+        free = self._free
+        take = min(k, len(free))
+        indices = free[:-take - 1:-1] if take else []
+        if take:
+            del free[-take:]
+        if k > take:
+            pop = self._slot.popitem
+            indices += self._pop_oldest(k - take) if self._num_segments else [pop(False)[1][1]
+                                                                              for _ in range(k - take)]
+            self.num_evictions += k - take
+        return indices
 
     def _pop_oldest(self, k: int) -> List[int]:
         """The indices of the k least recent pages, their entries dropped (a dead segment partly taken keeps the

@@ -395,7 +395,7 @@ class DecodeRun:
             if len(tables) <= len(bm._free):      # no eviction
                 bm.allocate_one_each(tables)
                 return {}
-            evicted = bm.allocate_each_evicting([(t, 1) for t in tables])
+            evicted = bm.allocate_each_evicting([(t, 1) for t in tables], swaps=False)
             if not evicted:
                 return {}
             groups = self._groups
@@ -405,7 +405,7 @@ class DecodeRun:
         if sum(need for _, need in grants) <= len(bm._free):     # no eviction: uncached pages only
             bm.allocate_each(grants)
             return {}
-        return {key: steps[g] for g, key in bm.allocate_each_evicting(grants)}
+        return {key: steps[g] for g, key in bm.allocate_each_evicting(grants, swaps=False)}
 
     def _registrations(self, a: int, b: int) -> Tuple[list, list]:
         """The prefix-cache registrations the update() calls of planned steps a .. b - 1 make (Scheduler._register:
