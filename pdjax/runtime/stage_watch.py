@@ -56,11 +56,13 @@ class StageWatch:
                     return
             time.sleep(0.001)
 
-    def stop(self) -> None:
-        """End the watcher thread (once the recorded batches are stamped)."""
+    def stop(self, timeout: float = 60.0) -> None:
+        """End the watcher thread (once the recorded batches are stamped) and wait for it: a daemon thread still
+        inside JAX when the interpreter exits is torn down in C++ frames, which can abort the process."""
         with self._cv:
             self._stop = True
             self._cv.notify()
+        self._thread.join(timeout)
 
 
 def stage_busy(batches: Sequence, pp: int) -> List[float]:
