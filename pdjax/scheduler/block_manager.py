@@ -145,6 +145,9 @@ class BlockManager:
         self.host_tier = None            # pdjax.scheduler.kv_tier.HostKVTier (module docstring)
         self.tier_owner = ""
         self.pending_swap_out: List[Tuple[object, int]] = []
+        # whether evictions record their host-tier copies in pending_swap_out (the engine's runner makes them);
+        # the simulator prices no offload (pdjax.sim.kv_tier) and turns it off
+        self.record_offloads = True
         self.pending_swap_in: List[Tuple[object, int]] = []
         # hot-block replication (HostKVTier.replicate_after): (key, device page) of pages due for a copy, loaded
         # by this schedule's output (`_copies_due`) and by the one before (`_copies_next`: their data is on the
@@ -191,12 +194,7 @@ class BlockManager:
             table += pages
             _any(map(ref.__setitem__, pages, _repeat(1)))
             return
-        pages = free[::-1]      # the whole uncached stack in pop order, then the oldest cached pages evicted
-        del free[:]
-        pages += self._evict(n - len(pages))[0]
-        table += pages
-        for p in pages:
-            ref[p] = 1
+        self.allocate_each_evicting([(table, n)])    # the whole uncached stack, then the oldest cached pages
 
     def allocate_one_each(self, tables: Sequence[List[int]]) -> None:
         """`allocate(table, 1)` for each of `tables` in order (a table may repeat). The caller checks
@@ -298,6 +296,7 @@ class BlockManager:
             pos += abs(n_run)
         self.num_evictions += n
         if self.host_tier is not None:
+            swaps = swaps and self.record_offloads
             slots = self.host_tier.offload_runs(keys, runs, self.tier_owner, swaps)
             if swaps:
                 self.pending_swap_out += [(s, p) for s, p in zip(slots, pages) if s is not None]

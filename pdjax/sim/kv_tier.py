@@ -16,7 +16,8 @@ cache-aware routers read, and how a built setup gets them (no JAX).
   time from the instance group's own step cost: ceil(new / budget) chunks, each a step of one `budget`-token chunk
   at the mean context (one composition call, memoized), as the chunked prefill runs it when alone.
 - `apply_kv_centric(setup, instances)`: attach host tiers (pdjax.scheduler.kv_tier.attach_host_tiers), wrap the
-  step times of instances with a tier, and `router_options(setup, role)` the router's cost, fetch and thresholds.
+  step times of instances with a tier, stop their block managers recording offload copies nothing reads here
+  (BlockManager.record_offloads), and `router_options(setup, role)` the router's cost, fetch and thresholds.
 """
 from __future__ import annotations
 
@@ -122,6 +123,7 @@ def apply_kv_centric(setup, instances: Dict[str, List[Any]]) -> None:
         for inst in group:
             if inst.scheduler.block_manager.host_tier is None:
                 continue
+            inst.scheduler.block_manager.record_offloads = False      # offloads cost no step time here
             inst.step_time = HostLoadStepTime(inst.timer.step_time, inst.name, local_s, remote_s)
             inst.timer = StageTimer(inst.step_time, None)
 
