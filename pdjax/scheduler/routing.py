@@ -172,8 +172,8 @@ def cached_prefix(inst, req) -> Tuple[int, int, int]:
     holds: its prefix cache, then its host KV tier (remote: pages of a shared pool another instance offloaded).
     At most (prompt - 1) // page_size pages, as admission takes (one token is always computed)."""
     bm = inst.scheduler.block_manager
-    if not bm.enable_prefix_caching:
-        return 0, 0, 0
+    if not bm.enable_prefix_caching or (req.key_base is not None and req.first_scheduled_time is None):
+        return 0, 0, 0     # (numbered keys: req shares no page, and has cached none of its own: no_hit_change)
     ps = bm.page_size
     max_hit = (len(req.all_token_ids) - 1) // ps
     keys = request_page_keys(req, ps, max_hit)
