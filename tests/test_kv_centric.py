@@ -3,6 +3,7 @@ hooks and admission, the cache-aware routers (prefix_affinity, kv_centric), part
 pricing and config validation. The real engine's checks are tests/test_kv_centric_engine.py."""
 from __future__ import annotations
 
+import pathlib
 import random
 
 import pytest
@@ -335,3 +336,36 @@ def test_host_tier_needs_prefix_caching():
                                              "output_len": {"kind": "fixed", "value": 4}, "num_requests": 2},
                                 "deployment": {"colocated": {"host_kv_blocks": 8}}})
     assert DeploymentConfig().host_kv_pool == "local" and not DeploymentConfig().partial_transfer
+
+
+def test_simulator_records_no_offload_copies_and_loses_nothing():
+    """The simulator's block managers record no host-tier copies (BlockManager.record_offloads: it prices none):
+    4 replicas behind kv_centric with small device pools and host tiers simulate the same records, evictions,
+    offloads and hits as with the copies recorded."""
+    from pdjax.config.files import config_file
+    from pdjax.config.serving import serve_config_from_dict
+    from pdjax.sim.build import build_pending_requests, build_setup
+    from pdjax.sim.run import simulate_setup
+    chat10k = pathlib.Path(__file__).resolve().parents[1] / "configs" / "sim" / "chat10k.py"
+    c = config_file(str(chat10k), "chat10k.py", "replicas-kv_centric")
+    c.workload.num_requests = 150
+    c.deployment.colocated.update(num_pages=800, host_kv_gib=0.0, host_kv_blocks=400)
+    cfg = serve_config_from_dict(c.to_dict())
+
+    def run(record):
+        held = {}
+
+        def adjust(instances):
+            held.update(instances)
+            if record:
+                for inst in instances["colocated"]:
+                    assert not inst.scheduler.block_manager.record_offloads
+                    inst.scheduler.block_manager.record_offloads = True
+        result = simulate_setup(build_setup(cfg), build_pending_requests(cfg), adjust_instances=adjust)
+        bms = [inst.scheduler.block_manager for inst in held["colocated"]]
+        counts = [(b.num_evictions, b.num_dead_evictions, b.num_host_hit_pages, b.host_tier.num_offloads,
+                   b.host_tier.num_evictions, b.host_tier.num_hits) for b in bms]
+        return result.requests, result.iterations, counts
+    off, on = run(False), run(True)
+    assert off == on
+    assert all(evictions and offloads for evictions, _, _, offloads, _, _ in off[2])

@@ -177,6 +177,17 @@ def test_numbered_keys_in_a_disaggregated_run_with_partial_transfer_and_a_shared
         "the case is meant to transfer less than every prompt"
 
 
+def one_by_one(tier: HostKVTier, keys, owner: str) -> list:
+    """offload_many's reference: HostKVTier.offload of each key in turn."""
+    return [tier.offload(key, owner) for key in keys]
+
+
+def tier_view(tier: HostKVTier) -> tuple:
+    """A tier's slots in LRU order (a dead entry's page by page), free slots and counters."""
+    slots = [(key if key.__class__ is not int else "dead", owner, index) for key, (owner, index) in tier._slot.items()]
+    return slots, list(tier._free), len(tier), tier.num_offloads, tier.num_evictions, tier.num_hits
+
+
 @pytest.mark.parametrize("capacity,filled,dead_before,n", [(8, 3, 0, 2), (8, 5, 3, 5), (8, 2, 4, 13), (4, 0, 0, 11),
                                                           (6, 1, 5, 3)])
 def test_offload_dead_takes_slots_as_new_keys_would(capacity, filled, dead_before, n):
@@ -185,13 +196,37 @@ def test_offload_dead_takes_slots_as_new_keys_would(capacity, filled, dead_befor
     slots in the same order (a dead entry taken page by page from its oldest)."""
     tier, reference = HostKVTier(capacity), HostKVTier(capacity)
     for t in (tier, reference):
-        t.offload_many([("old", i) for i in range(filled)], "a")
+        one_by_one(t, [("old", i) for i in range(filled)], "a")
     if dead_before:
-        assert tier.offload_dead(dead_before, "a") == reference.offload_many(
-            [("dead", i) for i in range(dead_before)], "a")
-    assert tier.offload_dead(n, "b") == reference.offload_many([("new", i) for i in range(n)], "b")
+        assert tier.offload_dead(dead_before, "a") == one_by_one(
+            reference, [("dead", i) for i in range(dead_before)], "a")
+    assert tier.offload_dead(n, "b") == one_by_one(reference, [("new", i) for i in range(n)], "b")
     later = [("later", i) for i in range(capacity + 2)]
     for keys in (later[:1], later[1:3], later[3:]):
-        assert tier.offload_many(keys, "c") == reference.offload_many(keys, "c")
+        assert tier.offload_many(keys, "c") == one_by_one(reference, keys, "c")
         assert (len(tier), tier.num_offloads, tier.num_evictions, tier._free) == \
             (len(reference), reference.num_offloads, reference.num_evictions, reference._free)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_offload_many_is_offload_one_by_one(seed):
+    """HostKVTier.offload_many (new distinct keys in one pass, else key by key) against offload() of each key, over
+    random batches (new keys, held keys, repeats, more than the capacity) between dead entries and lookups: the
+    same slots, LRU order, free slots and counters after every operation."""
+    rng = random.Random(seed)
+    capacity = rng.randint(1, 12)
+    tier, reference = HostKVTier(capacity), HostKVTier(capacity)
+    for _ in range(30):
+        op = rng.random()
+        if op < 0.55:
+            keys = [rng.randrange(30) for _ in range(rng.randint(0, 2 * capacity))]
+            if rng.random() < 0.7:
+                keys = list(dict.fromkeys(keys))
+            assert tier.offload_many(keys, "x") == one_by_one(reference, keys, "x")
+        elif op < 0.8:
+            n = rng.randint(1, capacity + 2)
+            assert tier.offload_dead(n, "x") == reference.offload_dead(n, "x")
+        else:
+            keys = [rng.randrange(30) for _ in range(4)]
+            assert tier.lookup(keys, 0, 4, "x") == reference.lookup(keys, 0, 4, "x")
+        assert tier_view(tier) == tier_view(reference)
