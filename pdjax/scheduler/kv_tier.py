@@ -156,7 +156,8 @@ class HostKVTier:
         """offload_many(keys) where `runs` splits keys into consecutive runs: n > 0 keys, or -n dead pages (None
         keys: offload_dead), in order. slots=False: returns None (the caller records no copies)."""
         if len(runs) == 1 and runs[0] > 0:
-            return self.offload_many(keys, owner)
+            out = self.offload_many(keys, owner)
+            return out if slots else None
         out, pos = [], 0
         for n in runs:
             if n > 0:
