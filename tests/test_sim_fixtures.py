@@ -14,10 +14,9 @@ def _first_difference(expected: bytes, got: bytes) -> str:
     return f"{len(a)} lines expected, got {len(b)}"
 
 
-def _params():
-    for name in fx.CASES:
-        marks = () if name in fx.FAST_CASES else (pytest.mark.slow,)
-        yield pytest.param(name, marks=marks, id=name)
+def _params() -> list:
+    return [pytest.param(name, marks=() if name in fx.FAST_CASES else (pytest.mark.slow,), id=name)
+            for name in fx.CASES]
 
 
 @pytest.mark.parametrize("name", _params())
