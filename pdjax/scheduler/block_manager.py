@@ -81,6 +81,12 @@ def request_page_keys(req, page_size: int, num_pages: int) -> Sequence:
     return keys
 
 
+def holds_no_prefix(req) -> bool:
+    """Whether no prefix cache or host tier can hold a page of `req`: it has numbered keys (numbered_key_bases: no
+    other request shares its pages) and was never scheduled (it cached none of its own)."""
+    return req.key_base is not None and req.first_scheduled_time is None
+
+
 def numbered_key_bases(prompts: Sequence[Sequence[int]], page_size: int, placeholder: int) -> List[Optional[int]]:
     """Key bases (request_page_keys) of the requests of a run, given their `prompts`, whose sampled ids are all
     `placeholder` (the simulator's): request i's is i << 32, or None (content keys) when another request has the

@@ -89,7 +89,7 @@ class HostKVTier:
     def _evict_one(self) -> int:
         self.num_evictions += 1
         if self.eviction == "lru":
-            return self._pop_oldest(1)[0] if self._num_segments else self._slot.popitem(last=False)[1][1]
+            return self._pop_oldest(1)[0]
         while True:
             hits, _, key = heapq.heappop(self._heap)
             if key in self._slot and self._hits[key] == hits:
@@ -119,37 +119,19 @@ class HostKVTier:
         return slot
 
     def offload_many(self, keys: Sequence, owner: str) -> List[Optional[Tuple[str, int]]]:
-        """[offload(key, owner) for key in keys], in one pass for 'lru' (a block manager's evictions, in eviction
-        order: pdjax.scheduler.block_manager.BlockManager._evict)."""
-        if self.eviction != "lru" or self.replicate_after:
-            return [self.offload(key, owner) for key in keys]
-        slots, free = self._slot, self._free
-        if 1 < len(keys) <= len(free) + len(self) and slots.keys().isdisjoint(keys):
+        """[offload(key, owner) for key in keys] (a block manager's evictions, in eviction order:
+        pdjax.scheduler.block_manager.BlockManager._evict); in one pass for 'lru' when the keys are new and
+        distinct (none is touched, nor popped by another's eviction)."""
+        slots = self._slot
+        if (self.eviction == "lru" and not self.replicate_after and 1 < len(keys) <= len(self._free) + len(self)
+                and slots.keys().isdisjoint(keys)):
             new = dict.fromkeys(keys)
             if len(new) == len(keys):     # new distinct keys, none popped by another's eviction: in one pass
                 out = [(owner, i) for i in self._take_slots(len(keys))]
                 slots.update(zip(new, out))
                 self.num_offloads += len(out)
                 return out
-        touch, pop_oldest = slots.move_to_end, slots.popitem
-        out = []
-        add = out.append
-        evictions = 0
-        for key in keys:
-            if key in slots:
-                touch(key)
-                add(None)
-                continue
-            if free:
-                index = free.pop()
-            else:
-                index = self._pop_oldest(1)[0] if self._num_segments else pop_oldest(last=False)[1][1]
-                evictions += 1
-            slot = slots[key] = (owner, index)
-            add(slot)
-        self.num_evictions += evictions
-        self.num_offloads += len(out) - out.count(None)
-        return out
+        return [self.offload(key, owner) for key in keys]
 
     def offload_runs(self, keys: Sequence, runs: Sequence[int], owner: str, slots: bool = True
                      ) -> Optional[List[Optional[Tuple[str, int]]]]:

@@ -52,7 +52,7 @@ from typing import Optional, Sequence, Tuple
 
 from pdjax.config.deployment import ROLES
 from pdjax.config.registry import ROUTERS, RouterInfo
-from pdjax.scheduler.block_manager import request_page_keys
+from pdjax.scheduler.block_manager import holds_no_prefix, request_page_keys
 
 __all__ = ["ROUTERS", "InstanceRouter", "register_router"]
 
@@ -172,8 +172,8 @@ def cached_prefix(inst, req) -> Tuple[int, int, int]:
     holds: its prefix cache, then its host KV tier (remote: pages of a shared pool another instance offloaded).
     At most (prompt - 1) // page_size pages, as admission takes (one token is always computed)."""
     bm = inst.scheduler.block_manager
-    if not bm.enable_prefix_caching or (req.key_base is not None and req.first_scheduled_time is None):
-        return 0, 0, 0     # (numbered keys: req shares no page, and has cached none of its own: no_hit_change)
+    if not bm.enable_prefix_caching or holds_no_prefix(req):
+        return 0, 0, 0
     ps = bm.page_size
     max_hit = (len(req.all_token_ids) - 1) // ps
     keys = request_page_keys(req, ps, max_hit)
@@ -254,10 +254,8 @@ def no_hit_change(inst, req, prefill_tokens: int) -> bool:
     0, and a key's hash is 0 only by a 2**-64 chance). A request with numbered keys (block_manager.numbered_key_bases)
     that was never scheduled: yes, its hit is 0 anywhere until it runs."""
     bm = inst.scheduler.block_manager
-    if not bm.enable_prefix_caching:
+    if not bm.enable_prefix_caching or holds_no_prefix(req):
         return True
-    if req.key_base is not None and req.first_scheduled_time is None:
-        return True     # numbered keys: req shares no page, and has cached none of its own (never scheduled)
     if prefill_tokens:
         return False
     if len(req.all_token_ids) <= bm.page_size:
