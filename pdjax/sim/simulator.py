@@ -739,11 +739,13 @@ class Simulation:
                 unapplied[id(inst)] = (tokens, pages, tokens + lazy.run.count * (j - lazy.applied))
 
     def cut_lazy(self, idx: int, t: float) -> None:
-        """An arrival at t was routed to replica idx (caught up to t): its LazyRun ends with the step running across
-        t (then the loop admits it), or now when none is."""
+        """An arrival at t was routed to replica idx: its LazyRun ends with the step running across t (then the
+        loop admits it), or now when none is. The steps it keeps stay unapplied (nothing reads the replica before
+        their end but the router, through stale_ok) unless it ends now."""
         inst = self.instances[idx]
         lazy = inst.in_flight
-        n = lazy.applied + 1 if lazy.scheduled else lazy.applied
+        j = bisect_right(lazy.ends, t)
+        n = j + 1 if j < len(lazy.starts) and lazy.starts[j] < t else j
         if n == len(lazy.starts):
             return
         self.lazy_cut[lazy.end, idx] = self.lazy_cut.get((lazy.end, idx), 0) + 1
@@ -754,7 +756,7 @@ class Simulation:
             lazy.end = lazy.ends[-1]
             self.push_completion(lazy.end, idx)
             return
-        inst.in_flight = None     # nothing in flight: its loop runs at t
+        inst.in_flight = None     # nothing in flight (nor applied: no step ended by t): its loop runs at t
 
     def finished(self, idx: int, finished: Sequence, t: float) -> None:
         """Requests instance `idx`'s step finished at t: a 'handoff' (a prefill_only scheduler's) is handed off
@@ -945,9 +947,7 @@ class Simulation:
             if inst is None:       # rejected at its arrival (pdjax.scheduler.overload.AdmittingPool)
                 continue
             if replicas and inst.in_flight.__class__ is LazyRun:
-                idx = self.index_of[id(inst)]
-                self.catch_up(idx, t)
-                self.cut_lazy(idx, t)
+                self.cut_lazy(self.index_of[id(inst)], t)
             if direct:
                 inst.scheduler.add_request(req)
             else:
