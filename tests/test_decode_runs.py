@@ -557,6 +557,18 @@ def shared_prefix_requests(n: int, seed: int, rate: float = 25.0):
     return reqs
 
 
+def lru_pages(bm) -> list:
+    """A block manager's free cached pages in eviction order, a dead segment's (free_dead) in its place."""
+    return [p for page, seg in bm._free_cached.items() for p in ([page] if seg is None else seg[::-1])]
+
+
+def lru_slots(tier) -> list:
+    """A host tier's entries in eviction order, (key, owner, slot) each, a dead segment's (offload_dead) one per
+    slot with key None, however the offloads grouped them into segments."""
+    return [x for key, (owner, index) in tier._slot.items()
+            for x in ([(None, owner, i) for i in index[::-1]] if index.__class__ is list else [(key, owner, index)])]
+
+
 def cache_state(insts, requests) -> list:
     """Everything prefix caching leaves behind: per instance the block manager's free lists in order, key map,
     page keys, counters, pending tier copies and host tier (entries in LRU order, free slots, counters); per
@@ -564,14 +576,14 @@ def cache_state(insts, requests) -> list:
     state, tiers = [], []
     for inst in insts:
         bm = inst.scheduler.block_manager
-        state.append((list(bm._free), list(bm._free_cached), dict(bm._key_to_page), list(bm.page_key),
+        state.append((list(bm._free), lru_pages(bm), dict(bm._key_to_page), list(bm.page_key),
                       list(bm.ref_count), bm.num_evictions, bm.num_cache_hit_pages, bm.num_query_pages,
                       bm.num_host_hit_pages, bm.num_remote_hit_pages, list(bm.pending_swap_out),
                       list(bm.pending_swap_in)))
         tier = bm.host_tier
         if tier is not None and all(tier is not t for t in tiers):
             tiers.append(tier)
-            state.append((list(tier._slot.items()), dict(tier._hits), list(tier._heap), list(tier._free),
+            state.append((lru_slots(tier), dict(tier._hits), list(tier._heap), list(tier._free),
                           tier.num_offloads, tier.num_hits, tier.num_remote_hits, tier.num_evictions))
     state.append([(r.request_id, r.page_keys, r.num_registered_pages, r.num_cached_tokens) for r in requests])
     return state
@@ -766,7 +778,7 @@ def planned_steps(sched, run=None) -> int:
     run = sched.decode_run(1 << 30) if run is None else run
     if run is None:
         return 0
-    if run.prefills:
+    if run.prefills or run.admits_first:
         while run.steps < 40 and run.next_step() is not None:
             pass
     else:
@@ -812,6 +824,85 @@ def test_a_decode_run_leaves_the_state_of_its_steps(policy, eviction):
         sched.update(out, [0 if x else -1 for x in out.do_sample], t + 0.01)
         t += 0.01
     assert compared == 30 and evicting >= 3, "the case is meant to compare many runs, some evicting"
+
+
+ADMITTING = {   # sarathi configs whose runs admit waiting requests in their first step, within each limit
+    "sarathi": dict(token_budget=256, max_num_seqs=16),
+    "guard_cap_tile_long": dict(token_budget=256, max_num_seqs=16, min_prefill_tokens=32,
+                                long_prefill_token_threshold=96, tile_size=16),
+    "full": dict(token_budget=512, max_num_seqs=4),
+    "watermark": dict(token_budget=128, max_num_seqs=16, num_pages=96, watermark=0.1),
+    "tight_memory": dict(token_budget=128, max_num_seqs=16, num_pages=72, watermark=0.0),
+}
+
+
+@pytest.mark.parametrize("caching,tier", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("name", sorted(ADMITTING))
+def test_a_decode_run_admits_waiting_requests_as_its_first_step_would(name, caching, tier):
+    """Scheduler level, sarathi: a run whose first step admits waiting requests (DecodeRun._plan_admissions:
+    fresh requests with numbered keys, nothing to hit) leaves a copy of the scheduler in exactly the state its
+    steps through schedule() and update() leave another: queues, pages, prefix-cache and host-tier state and
+    counters, every request's slots (admission time and order, long-prefill mark, cached tokens ...)."""
+    from pdjax.scheduler.block_manager import numbered_key_bases
+    from pdjax.scheduler.kv_tier import HostKVTier
+    cfg = SchedulerConfig(max_model_len=1024, page_size=16, policy="sarathi", enable_prefix_caching=caching,
+                          **{"num_pages": 256, **ADMITTING[name]})
+    sched = make_scheduler(cfg)
+    if tier:
+        sched.block_manager.host_tier, sched.block_manager.tier_owner = HostKVTier(64, "lru"), "i0"
+    pending = make_requests(80, 7, rate=30.0)
+    for req, base in zip(pending, numbered_key_bases([r.prompt_token_ids for r in pending], 16, 0)):
+        req.key_base = base
+    t, compared, admitted, refused = 0.0, 0, 0, 0
+    while pending or sched.has_unfinished():
+        while pending and pending[0].arrival_time <= t:
+            sched.add_request(pending.pop(0))
+        probe = sched.decode_run(1 << 30)     # (reads the scheduler only)
+        if admitted < 30 and probe is not None and probe.admits_first:
+            run_copy = copy.deepcopy(sched)
+            run = run_copy.decode_run(1 << 30)
+            k = planned_steps(run_copy, run)
+            refused += not k
+            if k:
+                admitted += len(run._fresh)
+                ref = copy.deepcopy(sched)
+                starts, ends = [t + 0.01 * j for j in range(k)], [t + 0.01 * (j + 1) for j in range(k)]
+                for s, e in zip(starts, ends):
+                    out = ref.schedule(s)
+                    ref.update(out, [0 if x else -1 for x in out.do_sample], e)
+                run.apply(starts, ends)
+                assert scheduler_state(run_copy) == scheduler_state(ref)
+                compared += 1
+        if not sched.has_unfinished():
+            t = pending[0].arrival_time
+            continue
+        out = sched.schedule(t)
+        sched.update(out, [0 if x else -1 for x in out.do_sample], t + 0.01)
+        t += 0.01
+    assert admitted >= 20, "the case is meant to compare many runs that admit"
+
+
+def test_a_decode_run_admits_until_one_does_not_fit():
+    """The first step's admission pass counts the pages of the requests it admitted before: of three waiting
+    3-page prompts with 8 pages left after the decoder grows, two are admitted (2 left), the third waits, as
+    schedule() has it."""
+    cfg = SchedulerConfig(max_model_len=160, page_size=16, policy="sarathi", token_budget=512, max_num_seqs=8,
+                          num_pages=10, watermark=0.0)
+    sched = make_scheduler(cfg)
+    sched.add_request(Request("a", list(range(1, 17)), SamplingParams(max_tokens=50), 0.0))
+    out = sched.schedule(0.0)
+    sched.update(out, [0], 0.01)
+    for name in "bcd":
+        sched.add_request(Request(name, list(range(1, 49)), SamplingParams(max_tokens=5), 0.01))
+    ref = copy.deepcopy(sched)
+    run = sched.decode_run(1 << 30)
+    assert run.admits_first and run.next_step() == [(48, 0), (48, 0)]
+    assert [req.request_id for req, _, _ in run._fresh] == ["b", "c"]
+    run.apply([0.01], [0.02])
+    out = ref.schedule(0.01)
+    ref.update(out, [0 if x else -1 for x in out.do_sample], 0.02)
+    assert scheduler_state(sched) == scheduler_state(ref)
+    assert [r.request_id for r in sched.waiting] == ["d"] and sched.block_manager.num_free_pages == 2
 
 
 def test_run_registrations_follow_the_updates_one_by_one():

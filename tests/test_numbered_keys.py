@@ -80,7 +80,7 @@ def cache_view(insts, requests) -> list:
     out, tiers = [], []
     for inst in insts:
         bm = inst.scheduler.block_manager
-        lru = [q for p, seg in bm._free_cached.items() for q in ([p] if seg is None else seg)]
+        lru = [q for p, seg in bm._free_cached.items() for q in ([p] if seg is None else seg[::-1])]
         dead = {q for seg in bm._free_cached.values() if seg is not None for q in seg}
         out.append((list(bm._free), lru, sorted([*bm._key_to_page.values(), *dead]),
                     [k is not None or p in dead for p, k in enumerate(bm.page_key)],

@@ -27,7 +27,7 @@ Choices:
   On a scheduler whose finished requests' pages nobody looks up again (colocated), such a request never
   preempted offers its pages to the cache without keys at all (pdjax.scheduler.base.Scheduler._keyless: only
   `num_registered_pages` moves), and at its finish they become a dead segment (`free_dead`): one LRU entry
-  `_free_cached[token] = pages, tail first` (token < 0), counted as free cached pages (`_dead_extra`), evicted in
+  `_free_cached[token] = pages, the tail last` (token < 0), counted as free cached pages (`_dead_extra`), evicted in
   its place (partly: the rest stays at the front) and offloaded to a host tier as one entry (HostKVTier.offload_dead).
   A request that is preempted first registers them with keys (`_keep_registered`). Records, LRU order, counters and
   host slots equal those of content keys (tests/test_numbered_keys.py); the cost per page is a list slice's.
@@ -326,14 +326,17 @@ class BlockManager:
                     runs.append(1)
                 continue
             take = n - len(pages)
-            if take < len(seg):
-                cached[p] = seg[take:]
+            if take < len(seg):          # its last `take` pages, tail first; the rest stays at the front
+                cached[p] = seg
                 cached.move_to_end(p, last=False)
-                seg = seg[:take]
+                taken = seg[:-take - 1:-1]
+                del seg[-take:]
+                seg = taken
                 self._dead_extra -= take
             else:
                 self._dead_extra -= len(seg) - 1
                 self._num_segments -= 1
+                seg.reverse()
             pages += seg
             keys += [None] * len(seg)
             self.num_dead_evictions += len(seg)
@@ -346,7 +349,7 @@ class BlockManager:
     def free_dead(self, table: Sequence[int], registered: int) -> bool:
         """free(table) of a finished request with numbered keys (numbered_key_bases) whose first `registered` pages
         are cached but were never entered in the key map (Scheduler._keyless): no request can look them up any
-        more, so they enter the LRU as one dead segment (`_free_cached[token] = the pages, tail first`, token < 0)
+        more, so they enter the LRU as one dead segment (`_free_cached[token] = the pages, the tail last`, token < 0)
         evicted in their place and offloaded without keys, at a list slice's cost instead of a key's per page.
         Every page of `table` is held once (a numbered request shares none); a dead page keeps its refcount of 1
         (nothing reads it before allocation sets it again). Returns False, having done nothing,
@@ -361,7 +364,7 @@ class BlockManager:
         if not registered:
             return True
         self._segment -= 1
-        self._free_cached[self._segment] = table[registered - 1::-1]
+        self._free_cached[self._segment] = table[:registered]
         self._dead_extra += registered - 1
         self._num_segments += 1
         return True

@@ -15,10 +15,15 @@ their schedule() in such a state is the decode pass over the running list, then,
 (sarathi), its prefill pass); nothing swapped, handed off or in flight; no request's stop tokens include the
 placeholder; the decodes fit the policy's decode budget. With prefix caching, also no host -> device copy pending
 (the next step would carry it, priced) and no landed handed-off request holding a reused prefix (decode_only's
-`reuse_prefix`: its admission needs fewer pages than the run reads). Waiting requests are allowed only where they
+`reuse_prefix`: its admission needs fewer pages than the run reads). Waiting requests are allowed where they
 certainly stay waiting (so no admission looks the prefix cache or host tier up within a run): running is full
 (`_admission_blocked`; decode_first: a sealed batch), or, with a prefill pass, in steps whose chunks leave no budget
-(a step that leaves some is not taken). A run ends (its last step included) at the first step in which a request
+(a later step that leaves some is not taken). The first step of a run with a prefill pass (sarathi) also makes the
+admission pass with the budget its decodes and chunks leave (`_plan_admissions`, as Scheduler._admit_waiting: in
+queue order, each with its first chunk and its pages, until one does not fit: a sequence slot, the budget, the pages
+above the watermark) when every request it reaches is fresh and can hit nothing (never scheduled; with prefix
+caching, numbered keys: `holds_no_prefix`), else the run takes no step; the admitted are prefills from then on
+(`_admit_fresh` applies the admissions). A run ends (its last step included) at the first step in which a request
 finishes or a prefill completes its prompt (it then samples and becomes a decoder: the next run takes it as one),
 and before a step whose page growth the free pages at the start of the run cannot cover (that step would preempt).
 Handed-off requests whose KV landed (decode_only's `_kv_ready`) do not stop a run: its first step admits those
@@ -51,15 +56,15 @@ builds none of: they are dropped (offloads cost no step time in the simulator, p
 applied at once evicts into a host tier ahead of the other instances' steps within its span: with a tier shared
 by several instances no run may cross another instance's event (pdjax.sim.disagg._enable_crossing_runs); a
 cache-aware router reads an instance's prefix cache and free pages at each arrival, so a run that crosses an
-arrival is applied up to it first (a colocated replica's run is caught up at every arrival: `apply_range` of the
-steps ended, `schedule_step` of the one running across it; pdjax.sim.simulator's LazyRun).
+arrival is applied up to it first where the router's reading would differ (a colocated replica's run is caught up:
+`apply_range` of the steps ended, `schedule_step` of the one running across it; pdjax.sim.simulator's LazyRun).
 """
 from __future__ import annotations
 
 from bisect import bisect_left
 from typing import List, Optional, Sequence, Tuple
 
-from pdjax.scheduler.block_manager import request_page_keys
+from pdjax.scheduler.block_manager import holds_no_prefix, request_page_keys
 from pdjax.scheduler.request import RequestStatus
 
 PLACEHOLDER = 0   # pdjax.scheduler.base.PLACEHOLDER_TOKEN (the simulator's sampled id)
@@ -73,7 +78,7 @@ class DecodeRun:
 
     __slots__ = ("sched", "decoders", "prefills", "count", "total", "limit", "steps", "_free", "_first", "_active",
                  "_p_state", "_plan", "_done", "_left", "_admits", "_crossings", "_lefts", "admitted", "_kv_waits",
-                 "_base_step", "_growth", "_groups")
+                 "_base_step", "_growth", "_groups", "_fresh")
 
     def __init__(self, sched, decoders: list, prefills: list, crossings: List[int], lefts: List[int], total: int,
                  limit: int, free: int, budget_left: int, admits: bool = False,
@@ -102,6 +107,7 @@ class DecodeRun:
         self._base_step = sched.step      # planned step j (0-based) is the scheduler's step _base_step + 1 + j
         self._growth = None               # _growth_range: (planned steps, [step], [grant]) of every planned step
         self._groups = None               # _growth_groups: per step residue, the tables growing (False: none)
+        self._fresh: Sequence[Tuple[object, int, int]] = ()   # (request, tokens, pages): admitted in step 0
 
     def plan_decode_steps(self) -> int:
         """For a run without prefills: plan every step it can take at once (no chunks to plan) and return how
@@ -128,6 +134,12 @@ class DecodeRun:
         self._done = True
         return limit
 
+    @property
+    def admits_first(self) -> bool:
+        """Nothing planned yet, and requests wait that the first step admits from the budget its decodes and
+        chunks leave (sarathi's admission pass, `_plan_admissions`): the run is planned step by step (next_step)."""
+        return self._admits and self._left > 0 and not self.steps
+
     def next_step(self) -> Optional[list]:
         """Plan the next step: its prefill chunks [(tokens, context before them)] in batch order ([]: decodes
         only), or None when the run cannot take another step (nothing is planned then)."""
@@ -137,24 +149,18 @@ class DecodeRun:
         sched = self.sched
         ps = sched._ps
         if self._first is None:
-            first: dict = {}
-            for c in self._crossings:
-                first[c] = first.get(c, 0) + 1
-            self._first = first
-            self._active = [0] * ps
-            self._p_state = [[r.num_computed_tokens, len(r.all_token_ids), len(r.page_table)] for r in self.prefills]
+            self._start_planning()
         active = self._active
         started = self._first.get(j)
         if started:
             active[j % ps] += started
         pages = active[j % ps]
         chunks = []
-        plan = ()
+        plan = []
         done = False
         left = self._left
         if self.prefills:
             states = self._p_state
-            plan = []
             for k in range(len(states)):
                 if left <= 0:
                     break
@@ -171,12 +177,17 @@ class DecodeRun:
                 left -= n
                 if c + n == tokens:
                     done = True
-            if not chunks and not self.count:
-                return None           # the step would schedule nothing
-        if (self._admits and left > 0) or pages > self._free:
-            if started:
-                active[j % ps] -= started
-            return None
+        fresh = None
+        if self._admits and left > 0:      # the admission pass takes waiting requests: planned in the first step only
+            fresh = None if j else self._plan_admissions(left, pages)
+            if fresh is None:
+                return self._refuse(j, started)
+            pages += sum([need for _, _, need in fresh])
+            chunks += [(n, 0) for _, n, _ in fresh]
+        if (not chunks and not self.count) or pages > self._free:    # nothing scheduled / it would preempt
+            return self._refuse(j, started)
+        if fresh is not None and self._take_admissions(fresh, plan):
+            done = True
         self._free -= pages
         for k, n, need in plan:
             state = self._p_state[k]
@@ -186,6 +197,66 @@ class DecodeRun:
         self._done = done
         self.steps = j + 1
         return chunks
+
+    def _start_planning(self) -> None:
+        """next_step's state, made at its first call: per step how many decoders start growing, per page-size
+        residue how many grow, per prefill [computed, tokens, pages held]."""
+        first: dict = {}
+        for c in self._crossings:
+            first[c] = first.get(c, 0) + 1
+        self._first = first
+        self._active = [0] * self.sched._ps
+        self._p_state = [[r.num_computed_tokens, len(r.all_token_ids), len(r.page_table)] for r in self.prefills]
+
+    def _take_admissions(self, fresh: List[Tuple[object, int, int]], plan: list) -> bool:
+        """The first step admits `fresh` (_plan_admissions): prefills of the run from then on, their chunks appended
+        to the step's `plan`; returns whether one completes its prompt in it (the run's last step)."""
+        base = len(self.prefills)
+        self.prefills = self.prefills + [req for req, _, _ in fresh]
+        for i, (req, n, need) in enumerate(fresh):
+            plan.append((base + i, n, need))
+            self._p_state.append([0, len(req.all_token_ids), 0])
+        self._fresh = fresh
+        self._admits = len(fresh) < len(self.sched.waiting)     # the rest wait: later steps must leave no budget
+        return any(n == len(req.all_token_ids) for req, n, _ in fresh)
+
+    def _refuse(self, j: int, started: Optional[int]) -> None:
+        """next_step's None: step j's decoders that start growing in it are not counted."""
+        if started:
+            self._active[j % self.sched._ps] -= started
+        return None
+
+    def _plan_admissions(self, left: int, pages: int) -> Optional[List[Tuple[object, int, int]]]:
+        """The waiting requests the first step's admission pass starts (Scheduler._admit_waiting, `_admit`), given
+        the `left` tokens of budget and the `pages` its decodes and chunks take: [(request, first chunk, pages)],
+        in queue order until one does not fit; None when one is not a fresh request whose prefix nothing can
+        hold (a prefix hit or host load is left to schedule()), or admission follows vllm_v1's page rules."""
+        sched = self.sched
+        if sched._full_isl or sched._watermark_if_running:
+            return None
+        bm, ps = sched.block_manager, sched._ps
+        free = bm.num_free_pages - pages
+        running = len(sched.running)
+        wm = sched._watermark_pages
+        fresh = []
+        for req in sched.waiting:
+            if running >= sched._max_seqs or left <= 0:
+                break
+            if (req.first_scheduled_time is not None or req.num_computed_tokens or req.page_table
+                    or (sched._caching and not holds_no_prefix(req))):
+                return None
+            tokens = len(req.all_token_ids)
+            n = sched._chunk_size(0, tokens, left)
+            if n <= 0:
+                break
+            need = -(-n // ps)
+            if free - need < wm:
+                break
+            fresh.append((req, n, need))
+            free -= need
+            left -= n
+            running += 1
+        return fresh
 
     @property
     def decoders_only(self) -> bool:
@@ -217,6 +288,8 @@ class DecodeRun:
         decoders, prefills = self.decoders, self.prefills
         if self.admitted and not a:
             self._admit_kv(starts[0])
+        if self._fresh:
+            self._admit_fresh(starts[0])
         registrations = self._registrations(a, b) if self.sched._caching else None
         evicted = self._grow_pages(a + 1 if scheduled else a, b)
         step = self._base_step + 1 + schedules * (b - 1)     # the last step's number
@@ -238,13 +311,15 @@ class DecodeRun:
         self._end_apply(b, step, schedules, finished, ends[-1])
         return finished
 
-    def schedule_step(self, j: int) -> None:
-        """The schedule() side of planned step j, the steps before it applied (apply_range): its pages and the
-        step counters (the state while its batch is in flight); apply_range(j, ..., scheduled=True) applies the
-        rest. A run of one stage, one batch in flight, nobody admitted."""
+    def schedule_step(self, j: int, now: float) -> None:
+        """The schedule() side of planned step j, scheduled at `now`, the steps before it applied (apply_range):
+        its admissions, pages and the step counters (the state while its batch is in flight); apply_range(j, ...,
+        scheduled=True) applies the rest. A run of one stage, one batch in flight, no handed-off request admitted."""
         if not 0 <= j < self.steps or self.admitted:
             raise ValueError(f"DecodeRun.schedule_step({j}) of {self.steps} planned steps (admitting: "
                              f"{bool(self.admitted)}): expected a planned step and nobody admitted")
+        if self._fresh:
+            self._admit_fresh(now)
         self._grow_pages(j, j + 1)
         sched = self.sched
         sched.step = sched._last_emitted = sched._floor = self._base_step + 1 + j
@@ -286,6 +361,22 @@ class DecodeRun:
         for req, _ in self.admitted:
             sched._start_running(req, now)
         del sched._kv_ready[:len(self.admitted)]
+
+    def _admit_fresh(self, now: float) -> None:
+        """The first step's admissions of waiting requests (`_plan_admissions`) at `now`, as Scheduler._admit
+        makes them (no prefix hit): running, counted as queried; their pages are given by _grow_pages, their
+        chunks advanced by _advance_prefills."""
+        sched = self.sched
+        fresh, self._fresh = self._fresh, ()
+        del sched.waiting[:len(fresh)]
+        ps, long, bm = sched._ps, sched._long, sched.block_manager
+        for req, _, _ in fresh:
+            tokens = len(req.all_token_ids)
+            if sched._caching:
+                bm.num_query_pages += (tokens - 1) // ps
+            req.num_cached_tokens = 0
+            req.is_long_prefill = bool(long) and tokens > long
+            sched._start_running(req, now)
 
     def _grow_pages(self, a: int, b: int) -> Optional[dict]:
         """The page growth of planned steps a .. b - 1, in the order the steps allocate: by step, the decode pass

@@ -301,7 +301,7 @@ def plan_run(run, step_time, start: float, limit: float, *, ends_before: bool):
     step or `start`). ends_before: the steps ending before `limit`; else the steps starting before it."""
     count, total = run.count, run.total
     decode = step_time.decode_fn(count)
-    if not run.prefills:
+    if not run.prefills and not run.admits_first:
         starts, ends, seconds, end = plan_decode_clock(run, decode, start, limit, ends_before=ends_before)
         return starts, ends, seconds, None, end
     composition = step_time.composition
@@ -712,7 +712,7 @@ class Simulation:
         if self.advance_lazy(idx, lazy, j):
             raise RuntimeError(f"replica {self.names[idx]!r}: a run finished a request before its last step")
         if j < len(lazy.starts) and lazy.starts[j] < t and not lazy.scheduled:
-            lazy.run.schedule_step(j)
+            lazy.run.schedule_step(j, lazy.starts[j])
             lazy.scheduled = True
 
     def catch_up_read(self, req, t: float) -> None:
