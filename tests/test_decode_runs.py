@@ -911,12 +911,14 @@ def test_run_registrations_follow_the_updates_one_by_one():
     other, one that has not registered its full pages yet, prefill chunks completing pages; requests registered
     without keys (Scheduler._keyless) only counted, at their last registration."""
     ps, k = 4, 11
-    decoders = [SimpleNamespace(num_computed_tokens=c, num_registered_pages=r)
-                for c, r in ((9, 2), (2, 0), (7, 1), (12, 1), (3, 0))]
-    prefills = [SimpleNamespace(num_computed_tokens=c, num_registered_pages=c // ps) for c in (0, 6)]
+    def request(c, r):
+        return SimpleNamespace(num_computed_tokens=c, num_registered_pages=r, key_base=None, num_preemptions=0)
+    decoders = [request(c, r) for c, r in ((9, 2), (2, 0), (7, 1), (12, 1), (3, 0))]
+    prefills = [request(c, c // ps) for c in (0, 6)]
     plan = [((0, 5, 0), (1, 3, 0)), (), ((1, 8, 0),), ((0, 1, 0),), ((0, 2, 0), (1, 4, 0))] + [()] * (k - 5)
     def sched():
-        return SimpleNamespace(_ps=ps, step=0, _keyless=lambda req: getattr(req, "keyless", False))
+        return SimpleNamespace(_ps=ps, step=0, _dead=True,
+                               _keyless=lambda req: req.key_base is not None and not req.num_preemptions)
     run = runs_module.DecodeRun(sched(), decoders, prefills, [0] * 5, [99] * 5, 0, 99, 0, 0)
     run._plan = plan
     expected = []
@@ -933,14 +935,14 @@ def test_run_registrations_follow_the_updates_one_by_one():
                 expected.append((j, kind, i, state[1]))
     assert run._registrations(0, k) == (expected, [])
     for a in (3, 7):          # a later range (apply_range): read from the requests as the steps before a left them
-        later = [SimpleNamespace(num_computed_tokens=c, num_registered_pages=r) for c, r in states[a]]
+        later = [request(c, r) for c, r in states[a]]
         run = runs_module.DecodeRun(sched(), later[:5], later[5:], [0] * 5, [99] * 5, 0, 99, 0, 0)
         run._plan = plan
         assert run._registrations(a, k) == ([e for e in expected if e[0] >= a], [])
     assert expected != sorted(expected, key=lambda e: e[1:3]), "the case is meant to interleave the requests"
     keyless = {(0, 1), (0, 3), (1, 1)}
-    for kind, i in keyless:
-        (prefills if kind else decoders)[i].keyless = True
+    for kind, i in keyless:     # numbered keys, never preempted
+        (prefills if kind else decoders)[i].key_base = 1 << 32
     last = {(kind, i): full for _, kind, i, full in expected}
     run = runs_module.DecodeRun(sched(), decoders, prefills, [0] * 5, [99] * 5, 0, 99, 0, 0)
     run._plan = plan

@@ -210,7 +210,7 @@ class BlockManager:
         if not n:
             return
         if n > len(free):             # some allocation evicts a cached page
-            self.allocate_each_evicting([(table, 1) for table in tables])
+            self.allocate_one_each_evicting(tables)
             return
         pages = free[:-n - 1:-1]          # the pages n pops hand out, in order
         del free[-n:]
@@ -244,12 +244,43 @@ class BlockManager:
         `num_free_pages >= sum(n)`. In C-level passes: the pages n pops hand out (the whole uncached stack, then
         the oldest cached pages, their keys dropped and offloaded in that order), then dealt to the grants.
         swaps=False: the offloads' host copies are not recorded (a decode run builds no SchedulerOutput)."""
-        free, cached = self._free, self._free_cached
-        total = sum(n for _, n in grants)
-        short = total - len(free)
-        if short <= 0:
+        taken = self._take_evicting(sum([n for _, n in grants]), swaps)
+        if taken is None:
             self.allocate_each(grants)
             return []
+        pages, fresh, live, keys = taken
+        pos = 0
+        for table, n in grants:
+            if n == 1:
+                table.append(pages[pos])
+            elif n > 0:
+                table += pages[pos:pos + n]
+            pos += n
+        if not live:
+            return []
+        ends = list(_accumulate(n for _, n in grants))
+        return [(_bisect_right(ends, fresh + a), keys[a]) for a in live]
+
+    def allocate_one_each_evicting(self, tables: Sequence[List[int]], swaps: bool = True
+                                   ) -> List[Tuple[int, object]]:
+        """allocate_each_evicting([(table, 1) for table in tables], swaps)."""
+        taken = self._take_evicting(len(tables), swaps)
+        if taken is None:
+            self.allocate_one_each(tables)
+            return []
+        pages, fresh, live, keys = taken
+        for table, p in zip(tables, pages):
+            table.append(p)
+        return [(fresh + a, keys[a]) for a in live]
+
+    def _take_evicting(self, total: int, swaps: bool) -> Optional[Tuple[List[int], int, list, list]]:
+        """The `total` pages allocate_each_evicting hands out, in order, their refcounts set: (pages, how many came
+        from the uncached stack, the places in the evicted ones (after those) of the live evicted pages, the
+        evicted pages' keys); None when the stack has them all (nothing to evict)."""
+        free, cached = self._free, self._free_cached
+        short = total - len(free)
+        if short <= 0:
+            return None
         if short > len(cached) + self._dead_extra:
             raise RuntimeError(f"allocate_each_evicting({total}) with only {self.num_free_pages} free pages")
         fresh = len(free)
@@ -267,17 +298,7 @@ class BlockManager:
                 live += range(pos, pos + n_run)
             pos += abs(n_run)
         pages += out
-        pos = 0
-        for table, n in grants:
-            if n == 1:
-                table.append(pages[pos])
-            elif n > 0:
-                table += pages[pos:pos + n]
-            pos += n
-        if not live:
-            return []
-        ends = list(_accumulate(n for _, n in grants))
-        return [(_bisect_right(ends, fresh + a), keys[a]) for a in live]
+        return pages, fresh, live, keys
 
     def _evict(self, n: int, swaps: bool = True) -> Tuple[List[int], list, List[int]]:
         """Evict the `n` least recently freed cached pages (the caller checks there are as many): their keys

@@ -486,7 +486,7 @@ class DecodeRun:
             if len(tables) <= len(bm._free):      # no eviction
                 bm.allocate_one_each(tables)
                 return {}
-            evicted = bm.allocate_each_evicting([(t, 1) for t in tables], swaps=False)
+            evicted = bm.allocate_one_each_evicting(tables, swaps=False)
             if not evicted:
                 return {}
             groups = self._groups
@@ -508,11 +508,12 @@ class DecodeRun:
         page b + 1); a chunk, the pages it completes."""
         ps = self.sched._ps
         keyless = self.sched._keyless
+        dead = self.sched._dead       # (Scheduler._keyless inlined for the decoders, the hot loop)
         events, counts = [], []
         add = events.append
         for i, req in enumerate(self.decoders):
             c = req.num_computed_tokens
-            if keyless(req):
+            if dead and req.key_base is not None and not req.num_preemptions:
                 if (c + b - a) // ps > req.num_registered_pages:
                     counts.append((req, (c + b - a) // ps))
                 continue
