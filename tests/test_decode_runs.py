@@ -786,6 +786,26 @@ def planned_steps(sched, run=None) -> int:
     return min(run.steps, 40)
 
 
+def advance(sched, pending: list, t: float) -> float:
+    """One step of `sched` through schedule() and update() from t (10 ms), or with nothing unfinished none, up to
+    the next arrival of `pending`; returns the time after it."""
+    if not sched.has_unfinished():
+        return pending[0].arrival_time
+    out = sched.schedule(t)
+    sched.update(out, [0 if x else -1 for x in out.do_sample], t + 0.01)
+    return t + 0.01
+
+
+def stepped_copy(sched, t: float, k: int) -> tuple:
+    """(a copy of `sched` after k steps through schedule() and update(), 10 ms each from t, their starts, ends)."""
+    ref = copy.deepcopy(sched)
+    starts, ends = [t + 0.01 * j for j in range(k)], [t + 0.01 * (j + 1) for j in range(k)]
+    for s, e in zip(starts, ends):
+        out = ref.schedule(s)
+        ref.update(out, [0 if x else -1 for x in out.do_sample], e)
+    return ref, starts, ends
+
+
 @pytest.mark.parametrize("policy,eviction", [("sarathi", "lru"), ("vllm_v1", "lfu"), ("orca", "lru")])
 def test_a_decode_run_leaves_the_state_of_its_steps(policy, eviction):
     """Scheduler level, prefix caching and a host tier on a small pool: at every step where a run of two or more
@@ -808,21 +828,12 @@ def test_a_decode_run_leaves_the_state_of_its_steps(policy, eviction):
             run = run_copy.decode_run(1 << 30)
             k = planned_steps(run_copy, run)
             if k >= 2:
-                ref = copy.deepcopy(sched)
-                starts, ends = [t + 0.01 * j for j in range(k)], [t + 0.01 * (j + 1) for j in range(k)]
-                for s, e in zip(starts, ends):
-                    out = ref.schedule(s)
-                    ref.update(out, [0 if x else -1 for x in out.do_sample], e)
+                ref, starts, ends = stepped_copy(sched, t, k)
                 evicting += ref.block_manager.num_evictions > sched.block_manager.num_evictions
                 run.apply(starts, ends)
                 assert scheduler_state(run_copy) == scheduler_state(ref)
                 compared += 1
-        if not sched.has_unfinished():
-            t = pending[0].arrival_time
-            continue
-        out = sched.schedule(t)
-        sched.update(out, [0 if x else -1 for x in out.do_sample], t + 0.01)
-        t += 0.01
+        t = advance(sched, pending, t)
     assert compared == 30 and evicting >= 3, "the case is meant to compare many runs, some evicting"
 
 
@@ -853,7 +864,7 @@ def test_a_decode_run_admits_waiting_requests_as_its_first_step_would(name, cach
     pending = make_requests(80, 7, rate=30.0)
     for req, base in zip(pending, numbered_key_bases([r.prompt_token_ids for r in pending], 16, 0)):
         req.key_base = base
-    t, compared, admitted, refused = 0.0, 0, 0, 0
+    t, admitted = 0.0, 0
     while pending or sched.has_unfinished():
         while pending and pending[0].arrival_time <= t:
             sched.add_request(pending.pop(0))
@@ -862,23 +873,12 @@ def test_a_decode_run_admits_waiting_requests_as_its_first_step_would(name, cach
             run_copy = copy.deepcopy(sched)
             run = run_copy.decode_run(1 << 30)
             k = planned_steps(run_copy, run)
-            refused += not k
             if k:
                 admitted += len(run._fresh)
-                ref = copy.deepcopy(sched)
-                starts, ends = [t + 0.01 * j for j in range(k)], [t + 0.01 * (j + 1) for j in range(k)]
-                for s, e in zip(starts, ends):
-                    out = ref.schedule(s)
-                    ref.update(out, [0 if x else -1 for x in out.do_sample], e)
+                ref, starts, ends = stepped_copy(sched, t, k)
                 run.apply(starts, ends)
                 assert scheduler_state(run_copy) == scheduler_state(ref)
-                compared += 1
-        if not sched.has_unfinished():
-            t = pending[0].arrival_time
-            continue
-        out = sched.schedule(t)
-        sched.update(out, [0 if x else -1 for x in out.do_sample], t + 0.01)
-        t += 0.01
+        t = advance(sched, pending, t)
     assert admitted >= 20, "the case is meant to compare many runs that admit"
 
 
@@ -894,13 +894,11 @@ def test_a_decode_run_admits_until_one_does_not_fit():
     sched.update(out, [0], 0.01)
     for name in "bcd":
         sched.add_request(Request(name, list(range(1, 49)), SamplingParams(max_tokens=5), 0.01))
-    ref = copy.deepcopy(sched)
+    ref, starts, ends = stepped_copy(sched, 0.01, 1)
     run = sched.decode_run(1 << 30)
     assert run.admits_first and run.next_step() == [(48, 0), (48, 0)]
     assert [req.request_id for req, _, _ in run._fresh] == ["b", "c"]
-    run.apply([0.01], [0.02])
-    out = ref.schedule(0.01)
-    ref.update(out, [0 if x else -1 for x in out.do_sample], 0.02)
+    run.apply(starts, ends)
     assert scheduler_state(sched) == scheduler_state(ref)
     assert [r.request_id for r in sched.waiting] == ["d"] and sched.block_manager.num_free_pages == 2
 
