@@ -46,7 +46,7 @@ import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from pdjax.config.scheduler import SchedulerConfig
-from pdjax.scheduler.block_manager import BlockManager, request_page_keys
+from pdjax.scheduler.block_manager import BlockManager, holds_no_prefix, request_page_keys
 from pdjax.scheduler.output import SchedulerOutput
 from pdjax.scheduler.request import Request, RequestStatus
 from pdjax.scheduler.runs import DecodeRun, continued_run
@@ -748,10 +748,7 @@ class Scheduler:
         if hits:
             bm.take_cached(req.page_table, hits)
         bm.allocate(req.page_table, need)
-        req.num_cached_tokens = len(hits) * ps
-        req.num_registered_pages = len(hits)
-        req.is_long_prefill = bool(self._long) and (len(req.all_token_ids) - req.num_computed_tokens) > self._long
-        self._start_running(req, now)
+        self._start_admitted(req, len(hits), now)
         self._emit(out, req, n, now)
         return n
 
@@ -780,12 +777,44 @@ class Scheduler:
         if host:
             bm.load_from_host(req.page_table, keys, bm.match_host(keys, len(hits), len(hits) + host))
         bm.allocate(req.page_table, need - host)
-        req.num_cached_tokens = (len(hits) + host) * ps
-        req.num_registered_pages = len(hits) + host
-        req.is_long_prefill = bool(self._long) and (len(req.all_token_ids) - req.num_computed_tokens) > self._long
-        self._start_running(req, now)
+        self._start_admitted(req, len(hits) + host, now)
         self._emit(out, req, n, now)
         return n
+
+    def _start_admitted(self, req: Request, cached_pages: int, now: float) -> None:
+        """_admit's marks on a request it starts at `now`, the first `cached_pages` of its prompt found cached
+        (computed already): its cached tokens and registered pages, whether its prefill is long, running."""
+        req.num_cached_tokens = cached_pages * self._ps
+        req.num_registered_pages = cached_pages
+        req.is_long_prefill = bool(self._long) and (len(req.all_token_ids) - req.num_computed_tokens) > self._long
+        self._start_running(req, now)
+
+    def _plan_admissions(self, queue: Sequence[Request], running: int, free: int, left: int
+                         ) -> Optional[List[Tuple[Request, int, int]]]:
+        """What `_admit_waiting` (and `_admit`) would start from the front of `queue` after a step's decodes and
+        chunks, planned without changing anything (the decode runs: pdjax.scheduler.runs, pair_runs): with
+        `running` requests running (>= 1: the watermark applies), `free` pages and `left` tokens of budget left,
+        [(request, first chunk, pages)] in order until one does not fit; None when one could hit a cached prefix
+        (prefix caching and not `holds_no_prefix`: its admission is schedule()'s)."""
+        ps, caching = self._ps, self._caching
+        planned = []
+        for req in queue:
+            if running >= self._max_seqs or left <= 0:
+                break
+            if caching and not holds_no_prefix(req):
+                return None
+            tokens = len(req.all_token_ids)
+            n = self._chunk_size(0, tokens, left)
+            if n <= 0:
+                break
+            need = -(-n // ps)
+            if free - (-(-tokens // ps) if self._full_isl else need) < self._watermark_pages:
+                break
+            planned.append((req, n, need))
+            free -= need
+            left -= n
+            running += 1
+        return planned
 
     def _start_running(self, req: Request, now: float) -> None:
         req.status = RUNNING

@@ -254,35 +254,18 @@ class PairRun:
             self._enter(g, first, end, tokens, cross, held, False)
 
     def _admissions(self, g: int, chunks: list, plan: list, pages: int, free: int, left: int, done: list):
-        """The queue's requests the batch of group g admits after its chunks (`_admit_waiting` and `_admit`, no
-        prefix cache), appended to `chunks`, `plan` and `done` (prompts completed; the batch's pages so far
-        `pages` of `free`, budget `left`): ([(request, prompt tokens)], pages, left)."""
-        sched, queue = self.sched, self.queue
-        ps = self._ps
-        k = len(self._p_state[g])
-        admits = []
-        i, running = self._taken, self._running
-        while i < len(queue) and running < sched._max_seqs and left > 0:
-            req = queue[i]
-            tokens = len(req.all_token_ids)
-            n = sched._chunk_size(0, tokens, left)
-            if n <= 0:
-                break
-            need = -(-n // ps)
-            check = -(-tokens // ps) if sched._full_isl else need
-            if free - pages - check < sched._watermark_pages:    # running: the watermark applies
-                break
-            admits.append((req, tokens))
+        """The queue's requests the batch of group g admits after its chunks (Scheduler._plan_admissions; no prefix
+        cache), appended to `chunks`, `plan` and `done` (prompts completed; the batch's pages so far `pages` of
+        `free`, budget `left`): ([(request, prompt tokens)], pages, left)."""
+        planned = self.sched._plan_admissions(self.queue[self._taken:], self._running, free - pages, left)
+        for k, (req, n, need) in enumerate(planned, len(self._p_state[g])):
             plan.append((k, n, need))
             chunks.append((n, 0))
             pages += need
             left -= n
-            if n == tokens:
+            if n == len(req.all_token_ids):
                 done.append((k, need))
-            k += 1
-            i += 1
-            running += 1
-        return admits, pages, left
+        return [(req, len(req.all_token_ids)) for req, _, _ in planned], pages, left
 
     # ------------------------------------------------------------------------------------------- apply
     def apply(self, times: Sequence[float], half_steps: int) -> None:
@@ -321,12 +304,8 @@ class PairRun:
         if [id(r) for r in waiting[:k]] != [id(r) for _, r in admitted]:
             raise ValueError("PairRun.apply: the waiting queue does not start with the planned admissions")
         del waiting[:k]
-        long = sched._long
         for h, req in admitted:
-            req.num_cached_tokens = 0
-            req.num_registered_pages = 0
-            req.is_long_prefill = bool(long) and len(req.all_token_ids) - req.num_computed_tokens > long
-            sched._start_running(req, times[h])
+            sched._start_admitted(req, 0, times[h])
 
     def _advance_prefills(self, g: int, times: Sequence[float], H: int, s0: int, events: list) -> None:
         """Group g's prefills: a chunk in each of its schedules from its first to its completing one; the tokens of

@@ -19,13 +19,14 @@ placeholder; the decodes fit the policy's decode budget. With prefix caching, al
 certainly stay waiting (so no admission looks the prefix cache or host tier up within a run): running is full
 (`_admission_blocked`; decode_first: a sealed batch), or, with a prefill pass, in steps whose chunks leave no budget
 (a later step that leaves some is not taken). The first step of a run with a prefill pass (sarathi) also makes the
-admission pass with the budget its decodes and chunks leave (`_plan_admissions`, as Scheduler._admit_waiting: in
-queue order, each with its first chunk and its pages, until one does not fit: a sequence slot, the budget, the pages
-above the watermark) when every request it reaches is fresh and can hit nothing (never scheduled; with prefix
-caching, numbered keys: `holds_no_prefix`), else the run takes no step; the admitted are prefills from then on
-(`_admit_fresh` applies the admissions). A run ends (its last step included) at the first step in which a request
-finishes or a prefill completes its prompt (it then samples and becomes a decoder: the next run takes it as one),
-and before a step whose page growth the free pages at the start of the run cannot cover (that step would preempt).
+admission pass with the budget its decodes and chunks leave (Scheduler._plan_admissions, as _admit_waiting: in queue
+order, each with its first chunk and its pages, until one does not fit: a sequence slot, the budget, the pages above
+the watermark) when no request it reaches can hit a cached prefix (without prefix caching, any; with it, numbered
+keys never scheduled: `holds_no_prefix`), else the run takes no step; the admitted are prefills from then on
+(`_admit_fresh` applies the admissions, as pair runs do theirs). A run ends (its last step included) at the first
+step in which a request finishes or a prefill completes its prompt (it then samples and becomes a decoder: the next
+run takes it as one), and before a step whose page growth the free pages at the start of the run cannot cover (that
+step would preempt).
 Handed-off requests whose KV landed (decode_only's `_kv_ready`) do not stop a run: its first step admits those
 decode_only's schedule() would (after the decode pass: a sequence slot, the budget, pages for the context plus the
 watermark, in landing order; they decode from that step on, `admitted`), and the rest stay waiting for the whole run
@@ -64,7 +65,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import List, Optional, Sequence, Tuple
 
-from pdjax.scheduler.block_manager import holds_no_prefix, request_page_keys
+from pdjax.scheduler.block_manager import request_page_keys
 from pdjax.scheduler.request import RequestStatus
 
 PLACEHOLDER = 0   # pdjax.scheduler.base.PLACEHOLDER_TOKEN (the simulator's sampled id)
@@ -137,7 +138,7 @@ class DecodeRun:
     @property
     def admits_first(self) -> bool:
         """Nothing planned yet, and requests wait that the first step admits from the budget its decodes and
-        chunks leave (sarathi's admission pass, `_plan_admissions`): the run is planned step by step (next_step)."""
+        chunks leave (sarathi's admission pass, Scheduler._plan_admissions): the run is planned by next_step."""
         return self._admits and self._left > 0 and not self.steps
 
     def next_step(self) -> Optional[list]:
@@ -179,7 +180,8 @@ class DecodeRun:
                     done = True
         fresh = None
         if self._admits and left > 0:      # the admission pass takes waiting requests: planned in the first step only
-            fresh = None if j else self._plan_admissions(left, pages)
+            fresh = None if j else sched._plan_admissions(sched.waiting, len(sched.running),
+                                                          sched.block_manager.num_free_pages - pages, left)
             if fresh is None:
                 return self._refuse(j, started)
             pages += sum([need for _, _, need in fresh])
@@ -209,8 +211,8 @@ class DecodeRun:
         self._p_state = [[r.num_computed_tokens, len(r.all_token_ids), len(r.page_table)] for r in self.prefills]
 
     def _take_admissions(self, fresh: List[Tuple[object, int, int]], plan: list) -> bool:
-        """The first step admits `fresh` (_plan_admissions): prefills of the run from then on, their chunks appended
-        to the step's `plan`; returns whether one completes its prompt in it (the run's last step)."""
+        """The first step admits `fresh` (Scheduler._plan_admissions): prefills of the run from then on, their
+        chunks appended to the step's `plan`; returns whether one completes its prompt in it (the run's last step)."""
         base = len(self.prefills)
         self.prefills = self.prefills + [req for req, _, _ in fresh]
         for i, (req, n, need) in enumerate(fresh):
@@ -225,38 +227,6 @@ class DecodeRun:
         if started:
             self._active[j % self.sched._ps] -= started
         return None
-
-    def _plan_admissions(self, left: int, pages: int) -> Optional[List[Tuple[object, int, int]]]:
-        """The waiting requests the first step's admission pass starts (Scheduler._admit_waiting, `_admit`), given
-        the `left` tokens of budget and the `pages` its decodes and chunks take: [(request, first chunk, pages)],
-        in queue order until one does not fit; None when one is not a fresh request whose prefix nothing can
-        hold (a prefix hit or host load is left to schedule()), or admission follows vllm_v1's page rules."""
-        sched = self.sched
-        if sched._full_isl or sched._watermark_if_running:
-            return None
-        bm, ps = sched.block_manager, sched._ps
-        free = bm.num_free_pages - pages
-        running = len(sched.running)
-        wm = sched._watermark_pages
-        fresh = []
-        for req in sched.waiting:
-            if running >= sched._max_seqs or left <= 0:
-                break
-            if (req.first_scheduled_time is not None or req.num_computed_tokens or req.page_table
-                    or (sched._caching and not holds_no_prefix(req))):
-                return None
-            tokens = len(req.all_token_ids)
-            n = sched._chunk_size(0, tokens, left)
-            if n <= 0:
-                break
-            need = -(-n // ps)
-            if free - need < wm:
-                break
-            fresh.append((req, n, need))
-            free -= need
-            left -= n
-            running += 1
-        return fresh
 
     @property
     def decoders_only(self) -> bool:
@@ -363,20 +333,16 @@ class DecodeRun:
         del sched._kv_ready[:len(self.admitted)]
 
     def _admit_fresh(self, now: float) -> None:
-        """The first step's admissions of waiting requests (`_plan_admissions`) at `now`, as Scheduler._admit
-        makes them (no prefix hit): running, counted as queried; their pages are given by _grow_pages, their
-        chunks advanced by _advance_prefills."""
+        """The first step's admissions of waiting requests (Scheduler._plan_admissions) at `now`, as
+        Scheduler._admit makes them (no prefix hit: counted as queried); their pages are given by _grow_pages,
+        their chunks advanced by _advance_prefills."""
         sched = self.sched
         fresh, self._fresh = self._fresh, ()
         del sched.waiting[:len(fresh)]
-        ps, long, bm = sched._ps, sched._long, sched.block_manager
         for req, _, _ in fresh:
-            tokens = len(req.all_token_ids)
             if sched._caching:
-                bm.num_query_pages += (tokens - 1) // ps
-            req.num_cached_tokens = 0
-            req.is_long_prefill = bool(long) and tokens > long
-            sched._start_running(req, now)
+                sched.block_manager.num_query_pages += (len(req.all_token_ids) - 1) // sched._ps
+            sched._start_admitted(req, 0, now)
 
     def _grow_pages(self, a: int, b: int) -> Optional[dict]:
         """The page growth of planned steps a .. b - 1, in the order the steps allocate: by step, the decode pass
@@ -508,12 +474,11 @@ class DecodeRun:
         page b + 1); a chunk, the pages it completes."""
         ps = self.sched._ps
         keyless = self.sched._keyless
-        dead = self.sched._dead       # (Scheduler._keyless inlined for the decoders, the hot loop)
         events, counts = [], []
         add = events.append
         for i, req in enumerate(self.decoders):
             c = req.num_computed_tokens
-            if dead and req.key_base is not None and not req.num_preemptions:
+            if keyless(req):
                 if (c + b - a) // ps > req.num_registered_pages:
                     counts.append((req, (c + b - a) // ps))
                 continue

@@ -446,6 +446,11 @@ class LazyRun:
         self.run, self.starts, self.ends, self.seconds, self.chunk_lists = run, starts, ends, seconds, chunk_lists
         self.applied, self.scheduled, self.end = 0, False, ends[-1]
 
+    def steps_at(self, t: float) -> Tuple[int, int]:
+        """(its planned steps ended by t, its planned steps started before t)."""
+        j = bisect_right(self.ends, t)
+        return j, (j + 1 if j < len(self.starts) and self.starts[j] < t else j)
+
 
 class PendingRun:
     """The decode run of a disaggregated deployment's one decode instance (Simulation.pass_idx) planned from
@@ -708,10 +713,10 @@ class Simulation:
         """Replica idx's LazyRun as the event loop would have it at t, before routing the arrivals at t: the steps
         ending by t applied, the one running across t scheduled."""
         lazy = self.instances[idx].in_flight
-        j = bisect_right(lazy.ends, t)
+        j, started = lazy.steps_at(t)
         if self.advance_lazy(idx, lazy, j):
             raise RuntimeError(f"replica {self.names[idx]!r}: a run finished a request before its last step")
-        if j < len(lazy.starts) and lazy.starts[j] < t and not lazy.scheduled:
+        if started > j and not lazy.scheduled:
             lazy.run.schedule_step(j, lazy.starts[j])
             lazy.scheduled = True
 
@@ -723,7 +728,7 @@ class Simulation:
             lazy = inst.in_flight
             if lazy.__class__ is not LazyRun:
                 continue
-            j = bisect_right(lazy.ends, t)
+            j, started = lazy.steps_at(t)
             if j == len(lazy.ends):     # its last step (a finish, a prompt done) ended at t: applied first
                 self.catch_up(idx, t)
                 continue
@@ -735,7 +740,7 @@ class Simulation:
             if not stale_ok(inst, req, tokens):
                 self.catch_up(idx, t)
             else:     # (pages: counted only if the router reads them)
-                pages = partial(lazy.run.pages_granted, lazy.applied + lazy.scheduled, j + (lazy.starts[j] < t))
+                pages = partial(lazy.run.pages_granted, lazy.applied + lazy.scheduled, started)
                 unapplied[id(inst)] = (tokens, pages, tokens + lazy.run.count * (j - lazy.applied))
 
     def cut_lazy(self, idx: int, t: float) -> None:
@@ -744,8 +749,7 @@ class Simulation:
         their end but the router, through stale_ok) unless it ends now."""
         inst = self.instances[idx]
         lazy = inst.in_flight
-        j = bisect_right(lazy.ends, t)
-        n = j + 1 if j < len(lazy.starts) and lazy.starts[j] < t else j
+        _, n = lazy.steps_at(t)
         if n == len(lazy.starts):
             return
         self.lazy_cut[lazy.end, idx] = self.lazy_cut.get((lazy.end, idx), 0) + 1
