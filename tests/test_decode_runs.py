@@ -854,7 +854,7 @@ def test_a_decode_run_admits_waiting_requests_as_its_first_step_would(name, cach
     fresh requests with numbered keys, nothing to hit) leaves a copy of the scheduler in exactly the state its
     steps through schedule() and update() leave another: queues, pages, prefix-cache and host-tier state and
     counters, every request's slots (admission time and order, long-prefill mark, cached tokens ...)."""
-    from pdjax.scheduler.block_manager import numbered_key_bases
+    from pdjax.scheduler.block_manager import numbered_keys
     from pdjax.scheduler.kv_tier import HostKVTier
     cfg = SchedulerConfig(max_model_len=1024, page_size=16, policy="sarathi", enable_prefix_caching=caching,
                           **{"num_pages": 256, **ADMITTING[name]})
@@ -862,8 +862,8 @@ def test_a_decode_run_admits_waiting_requests_as_its_first_step_would(name, cach
     if tier:
         sched.block_manager.host_tier, sched.block_manager.tier_owner = HostKVTier(64, "lru"), "i0"
     pending = make_requests(80, 7, rate=30.0)
-    for req, base in zip(pending, numbered_key_bases([r.prompt_token_ids for r in pending], 16, 0)):
-        req.key_base = base
+    for req, base, pages in zip(pending, *numbered_keys([r.prompt_token_ids for r in pending], 16, 0)):
+        req.key_base, req.content_key_pages = base, pages
     t, admitted = 0.0, 0
     while pending or sched.has_unfinished():
         while pending and pending[0].arrival_time <= t:

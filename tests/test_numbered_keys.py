@@ -13,7 +13,7 @@ from pdjax.config.sampling import SamplingParams
 from pdjax.config.scheduler import SchedulerConfig
 from pdjax.scheduler import Request, make_scheduler
 from pdjax.scheduler.base import PLACEHOLDER_TOKEN
-from pdjax.scheduler.block_manager import numbered_key_bases, request_page_keys
+from pdjax.scheduler.block_manager import numbered_key_bases, numbered_keys, request_page_keys
 from pdjax.scheduler.kv_tier import HostKVTier
 from pdjax.sim.disagg import simulate_disaggregated
 from pdjax.sim.simulator import SimInstance
@@ -29,6 +29,24 @@ def test_numbered_key_bases_number_only_requests_that_share_no_first_page():
     bases = numbered_key_bases(prompts, PS, PLACEHOLDER_TOKEN)
     # a short prompt's first page is completed with placeholders: [7, 8, 9] decodes into the next prompt's first page
     assert bases == [0, None, None, None, None, 5 << 32, 6 << 32]
+
+
+def test_numbered_keys_number_the_pages_a_request_shares_with_no_other():
+    a = list(range(1, 40))                        # pages 0, 1 shared with b, page 2 shared with nobody
+    b = a[:2 * PS] + [900] * 20
+    c = [5] * 40                                  # unique from its first page
+    d, e = [7, 8, 9], [7, 8, 9] + [PLACEHOLDER_TOKEN] * (PS - 3) + [5]   # d decodes into e's first page
+    copy1, copy2 = [3] * 20, [3] * 20             # the same pages forever (placeholders after the prompts)
+    bases, shared = numbered_keys([a, b, c, d, e, copy1, copy2], PS, PLACEHOLDER_TOKEN)
+    assert bases == [0, 1 << 32, 2 << 32, 3 << 32, 4 << 32, None, None]
+    assert shared == [2, 2, 0, 1, 1, 0, 0]
+    assert numbered_key_bases([a, b, c, d, e, copy1, copy2], PS, PLACEHOLDER_TOKEN) == [
+        None, None, 2 << 32, None, None, None, None]
+    req = Request("a", a, SamplingParams(max_tokens=4), 0.0)
+    req.key_base, req.content_key_pages = 0, 2
+    content = Request("c", a, SamplingParams(max_tokens=4), 0.0)
+    assert list(request_page_keys(req, PS, 2)) == list(request_page_keys(content, PS, 2))
+    assert list(request_page_keys(req, PS, 4)) == list(request_page_keys(content, PS, 2)) + [2, 3]
 
 
 def test_request_page_keys_numbers_from_the_base_or_extends_content_keys():
@@ -65,8 +83,9 @@ def mixed_requests(n: int, seed: int, rate: float) -> list:
 def numbered(workload):
     def make(n, seed, rate):
         reqs = workload(n, seed, rate)
-        for req, base in zip(reqs, numbered_key_bases([r.prompt_token_ids for r in reqs], PS, PLACEHOLDER_TOKEN)):
-            req.key_base = base
+        bases, shared = numbered_keys([r.prompt_token_ids for r in reqs], PS, PLACEHOLDER_TOKEN)
+        for req, base, pages in zip(reqs, bases, shared):
+            req.key_base, req.content_key_pages = base, pages
         return reqs
     return make
 

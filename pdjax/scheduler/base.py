@@ -391,6 +391,8 @@ class Scheduler:
         for req in running:
             if req.status is not RUNNING or PLACEHOLDER_TOKEN in req.stop_ids:
                 return None
+            if req.content_key_pages > req.num_registered_pages and self._keyless(req):
+                return None      # it registers its shared pages with keys, the rest without (_register)
             c = req.num_computed_tokens
             if c < req.prefill_end:
                 if not self._run_prefills:
@@ -518,7 +520,8 @@ class Scheduler:
     def _keyless(self, req: Request) -> bool:
         """Whether `req` offers its full pages to the prefix cache without keys: it has numbered keys (no other
         request can look its pages up), was never preempted (nor itself: it never will while it runs), and this
-        scheduler's finished requests' pages are never looked up again (FINISHED_PAGES_DEAD)."""
+        scheduler's finished requests' pages are never looked up again (FINISHED_PAGES_DEAD). Its first
+        `content_key_pages` (numbered_keys: other requests may share them) are still registered with their keys."""
         return self._dead and req.key_base is not None and not req.num_preemptions
 
     def _free_finished(self, req: Request) -> None:
@@ -526,7 +529,9 @@ class Scheduler:
         preempted, on a scheduler whose finished requests' pages no request can look up again, offered its full
         pages to the prefix cache without keys (_keyless): they become a dead segment (free_dead)."""
         if self._keyless(req):
-            if self.block_manager.free_dead(req.page_table, req.num_registered_pages):
+            registered = req.num_registered_pages
+            keyed = min(req.content_key_pages, registered)
+            if self.block_manager.free_dead(req.page_table, registered, keyed):
                 return
             self._keep_registered(req)
         self.block_manager.free(req.page_table)
@@ -541,6 +546,10 @@ class Scheduler:
     def _register(self, req: Request) -> None:
         full = req.num_computed_tokens // self._ps
         if self._keyless(req):
+            shared, registered = req.content_key_pages, req.num_registered_pages
+            if registered < shared:      # its pages other requests may share: with their content keys
+                stop = full if full < shared else shared
+                self.block_manager.register(req.page_table, request_page_keys(req, self._ps, stop), registered, stop)
             req.num_registered_pages = full      # _free_finished / _keep_registered
             return
         self.block_manager.register(req.page_table, request_page_keys(req, self._ps, full), req.num_registered_pages,

@@ -24,9 +24,12 @@ Choices:
 - Numbered keys (the simulator, pdjax.sim.build): a request whose first page no other request of the run has
   shares no page with any (keys chain on their parent's), so its keys can be numbers (`numbered_key_bases`,
   `request_page_keys`: key_base + page index, a range, never stored), found exactly where content keys would be.
+  One that shares its first L pages with another request (a shared prefix) shares none after them, so its pages
+  from L on are numbered too (`numbered_keys`: `content_key_pages` = L, content keys for the first L).
   On a scheduler whose finished requests' pages nobody looks up again (colocated), such a request never
   preempted offers its pages to the cache without keys at all (pdjax.scheduler.base.Scheduler._keyless: only
-  `num_registered_pages` moves), and at its finish they become a dead segment (`free_dead`): one LRU entry
+  `num_registered_pages` moves; its first L are registered with their keys), and at its finish they become a dead
+  segment (`free_dead`; the first L are freed as `free` frees them, after it): one LRU entry
   `_free_cached[token] = pages, the tail last` (token < 0), counted as free cached pages (`_dead_extra`), evicted in
   its place (partly: the rest stays at the front) and offloaded to a host tier as one entry (HostKVTier.offload_dead).
   A request that is preempted first registers them with keys (`_keep_registered`). Records, LRU order, counters and
@@ -73,18 +76,23 @@ def request_page_keys(req, page_size: int, num_pages: int) -> Sequence:
     (numbered_key_bases: no other request shares its pages, so numbers identify them as exactly as their content,
     without reading a token), range(key_base, key_base + num_pages)."""
     base = req.key_base
-    if base is not None:
+    shared = req.content_key_pages
+    if base is not None and not shared:
         return range(base, base + num_pages)
     keys = req.page_keys
+    if base is not None:          # content keys for its first `shared` pages (numbered_keys), numbers after them
+        if len(keys) < shared and len(keys) < num_pages:
+            extend_page_keys(keys, req.all_token_ids, page_size, min(shared, num_pages))
+        return keys if num_pages <= shared else keys + list(range(base + shared, base + num_pages))
     if len(keys) < num_pages:
         extend_page_keys(keys, req.all_token_ids, page_size, num_pages)
     return keys
 
 
 def holds_no_prefix(req) -> bool:
-    """Whether no prefix cache or host tier can hold a page of `req`: it has numbered keys (numbered_key_bases: no
+    """Whether no prefix cache or host tier can hold a page of `req`: it has numbered keys only (numbered_keys: no
     other request shares its pages) and was never scheduled (it cached none of its own)."""
-    return req.key_base is not None and req.first_scheduled_time is None
+    return req.key_base is not None and not req.content_key_pages and req.first_scheduled_time is None
 
 
 def numbered_key_bases(prompts: Sequence[Sequence[int]], page_size: int, placeholder: int) -> List[Optional[int]]:
@@ -97,6 +105,45 @@ def numbered_key_bases(prompts: Sequence[Sequence[int]], page_size: int, placeho
               for p in prompts]
     count = Counter(firsts)
     return [i << 32 if count[first] == 1 else None for i, first in enumerate(firsts)]
+
+
+def numbered_keys(prompts: Sequence[Sequence[int]], page_size: int, placeholder: int
+                  ) -> Tuple[List[Optional[int]], List[int]]:
+    """numbered_key_bases, and numbers for the pages a request shares with no other: (key bases, content-key pages).
+    Request i's pages are its prompt then placeholders (the simulator's sampled ids), page d its ids d * page_size
+    onwards (completed with placeholders). Its first L pages are shared with another request when some other
+    request has the same first L pages; from the first page no other shares (on the same ones before it) on, none
+    is shared (content keys chain on the pages before), so those pages can be numbers: request i's key base i << 32
+    and content_key_pages L (request_page_keys: content keys for its first L pages, key_base + d for page d >= L).
+    A request that shares every page with another (the same ids until both prompts end, then placeholders) keeps
+    content keys for all (base None, 0)."""
+    bases = numbered_key_bases(prompts, page_size, placeholder)
+    shared = [0] * len(prompts)
+
+    def page(i: int, d: int) -> tuple:
+        ids = tuple(prompts[i][d * page_size:(d + 1) * page_size])
+        return ids + (placeholder,) * (page_size - len(ids))
+
+    groups = {}
+    for i, base in enumerate(bases):
+        if base is None:
+            groups.setdefault(page(i, 0), []).append(i)
+    depth, active = 1, list(groups.values())
+    while active:
+        split: dict = {}
+        for g, members in enumerate(active):
+            if all(depth * page_size >= len(prompts[i]) for i in members):
+                continue            # the same pages so far, placeholders from here on: they share every page
+            for i in members:
+                split.setdefault((g, page(i, depth)), []).append(i)
+        active = []
+        for members in split.values():
+            if len(members) == 1:
+                bases[members[0]], shared[members[0]] = members[0] << 32, depth
+            else:
+                active.append(members)
+        depth += 1
+    return bases, shared
 
 
 def _key_packer(page_size: int):
@@ -367,14 +414,16 @@ class BlockManager:
                 runs.append(-len(seg))
         return pages, keys, runs
 
-    def free_dead(self, table: Sequence[int], registered: int) -> bool:
+    def free_dead(self, table: Sequence[int], registered: int, keyed: int = 0) -> bool:
         """free(table) of a finished request with numbered keys (numbered_key_bases) whose first `registered` pages
         are cached but were never entered in the key map (Scheduler._keyless): no request can look them up any
         more, so they enter the LRU as one dead segment (`_free_cached[token] = the pages, the tail last`, token < 0)
         evicted in their place and offloaded without keys, at a list slice's cost instead of a key's per page.
         Every page of `table` is held once (a numbered request shares none); a dead page keeps its refcount of 1
-        (nothing reads it before allocation sets it again). Returns False, having done nothing,
-        with an LFU host tier (it orders pages by their hits): the caller registers the pages and frees them."""
+        (nothing reads it before allocation sets it again). keyed: its first pages registered with keys instead
+        (Scheduler._keyless: the ones other requests may share), freed as free() frees them, after the segment (tail
+        first). Returns False, having done nothing, with an LFU host tier (it orders pages by their hits): the
+        caller registers the pages and frees them."""
         if self.host_tier is not None and self.host_tier.eviction != "lru":
             return False
         ref = self.ref_count
@@ -382,12 +431,13 @@ class BlockManager:
             tail = table[registered:]
             _any(map(ref.__setitem__, tail, _repeat(0)))
             self._free.extend(reversed(tail))
-        if not registered:
-            return True
-        self._segment -= 1
-        self._free_cached[self._segment] = table[:registered]
-        self._dead_extra += registered - 1
-        self._num_segments += 1
+        if registered > keyed:
+            self._segment -= 1
+            self._free_cached[self._segment] = table[keyed:registered]
+            self._dead_extra += registered - keyed - 1
+            self._num_segments += 1
+        if keyed:
+            self.free(table[:keyed])
         return True
 
     def free(self, table: Sequence[int]) -> None:

@@ -55,6 +55,7 @@ class Request:
         # internal
         "page_table", "prefill_end", "page_keys", "num_registered_pages", "host_slots", "admit_seq",
         "sched_step", "stop_ids", "max_tokens", "is_long_prefill", "token_bound", "num_kv_local_pages", "key_base",
+        "content_key_pages",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
@@ -83,6 +84,7 @@ class Request:
         self.prefill_end = len(self.all_token_ids)
         self.page_keys: list = []            # prefix-cache key of each full page of all_token_ids, computed lazily
         self.key_base: Optional[int] = None  # page keys numbered from it (block_manager.request_page_keys)
+        self.content_key_pages = 0           # with a key base, its first pages keyed by content (numbered_keys)
         self.num_registered_pages = 0        # leading pages already offered to the prefix cache
         self.host_slots: List[int] = []      # swap slots holding this request's pages while SWAPPED
         self.admit_seq = -1                  # admission counter, tie-breaks victims
@@ -116,16 +118,18 @@ class Request:
 
 
 def request_from_workload(wr, *, eos_token_id: int = -1, offline: bool = False, temperature: float = 0.0,
-                          seed: int = 0, key_base: Optional[int] = None) -> Request:
+                          seed: int = 0, key_base: Optional[int] = None, content_key_pages: int = 0) -> Request:
     """A Request from a workload request (pdjax.workload.WorkloadRequest or anything with request_id,
     prompt_token_ids, max_tokens, arrival_time): greedy unless a temperature is given, stopping at
-    `eos_token_id` when it is >= 0, arriving at 0 when offline, its page keys numbered from `key_base` if given
-    (pdjax.scheduler.block_manager.numbered_key_bases). The engine and the simulator both use it."""
+    `eos_token_id` when it is >= 0, arriving at 0 when offline, its page keys numbered from `key_base` if given,
+    after its first `content_key_pages` (pdjax.scheduler.block_manager.numbered_keys). The engine and the simulator
+    both use it."""
     sampling = _sampling(temperature, seed, int(wr.max_tokens), (eos_token_id,) if eos_token_id >= 0 else ())
     req = Request(str(wr.request_id), wr.prompt_token_ids, sampling, 0.0 if offline else float(wr.arrival_time))
     # The workload's guarantee on its prompt ids (WorkloadRequest.token_bound): add_request then skips scanning them.
     req.token_bound = getattr(wr, "token_bound", None)
     req.key_base = key_base
+    req.content_key_pages = content_key_pages
     return req
 
 

@@ -60,7 +60,7 @@ from pdjax.config.model_specs import ModelSpec, spec_at_dtype
 from pdjax.config.validate import check_against_model, model_spec_for
 from pdjax.scheduler import make_scheduler, request_from_workload
 from pdjax.scheduler.base import PLACEHOLDER_TOKEN
-from pdjax.scheduler.block_manager import numbered_key_bases
+from pdjax.scheduler.block_manager import numbered_keys
 from pdjax.scheduler.instances import check_instance, make_role_scheduler
 from pdjax.scheduler.mixed import make_borrowing_scheduler
 from pdjax.scheduler.overload import has_overload, overload_pool_factory, overload_scheduler_maker
@@ -370,10 +370,11 @@ def build_pending_requests(cfg, workload=None) -> list:
     if workload is None:
         workload = make_workload(cfg.workload, cfg.seed)
     offline = cfg.engine.mode == "offline"
-    bases = _key_bases(cfg, workload)
+    bases, shared = _key_bases(cfg, workload)
     return [PendingRequest(str(wr.request_id), 0.0 if offline else float(wr.arrival_time),
-                           functools.partial(request_from_workload, wr, offline=offline, key_base=base))
-            for wr, base in zip(workload, bases)]
+                           functools.partial(request_from_workload, wr, offline=offline, key_base=base,
+                                             content_key_pages=pages))
+            for wr, base, pages in zip(workload, bases, shared)]
 
 
 def build_requests(cfg, workload=None) -> list:
@@ -382,13 +383,13 @@ def build_requests(cfg, workload=None) -> list:
     if workload is None:
         workload = make_workload(cfg.workload, cfg.seed)
     offline = cfg.engine.mode == "offline"
-    return [request_from_workload(wr, offline=offline, key_base=base)
-            for wr, base in zip(workload, _key_bases(cfg, workload))]
+    return [request_from_workload(wr, offline=offline, key_base=base, content_key_pages=pages)
+            for wr, base, pages in zip(workload, *_key_bases(cfg, workload))]
 
 
-def _key_bases(cfg, workload) -> list:
-    """Each request's page-key base (pdjax.scheduler.block_manager.numbered_key_bases) when the run caches prefixes,
-    else None each (content keys)."""
+def _key_bases(cfg, workload) -> Tuple[list, list]:
+    """Each request's page-key base and content-key pages (pdjax.scheduler.block_manager.numbered_keys) when the run
+    caches prefixes, else (None, 0) each (content keys)."""
     if not cfg.scheduler.enable_prefix_caching:
-        return [None] * len(workload)
-    return numbered_key_bases([wr.prompt_token_ids for wr in workload], cfg.scheduler.page_size, PLACEHOLDER_TOKEN)
+        return [None] * len(workload), [0] * len(workload)
+    return numbered_keys([wr.prompt_token_ids for wr in workload], cfg.scheduler.page_size, PLACEHOLDER_TOKEN)
