@@ -75,13 +75,15 @@ class IterationRecord:
         return self.num_prefill_tokens + self.num_decode_tokens
 
 
-def request_record(req: Any) -> RequestRecord:
+def request_record(req: Any, float_times: bool = False) -> RequestRecord:
     """A RequestRecord from any object with a scheduler Request's attributes (duck-typed, so metrics imports no
-    scheduler code). A finish_reason of None (still running) becomes 'unfinished'."""
+    scheduler code). A finish_reason of None (still running) becomes 'unfinished'. float_times: its token_times
+    are Python floats already (the simulator's clock), copied as they are."""
+    times = req.token_times[:] if float_times else list(map(float, req.token_times))
     return RequestRecord(
         request_id=str(req.request_id), arrival_time=float(req.arrival_time),
         first_scheduled_time=req.first_scheduled_time, first_token_time=req.first_token_time,
         finish_time=req.finish_time, num_prompt_tokens=int(req.num_prompt_tokens),
         num_output_tokens=int(req.num_output_tokens), num_preemptions=int(req.num_preemptions),
         finish_reason=req.finish_reason if req.finish_reason is not None else "unfinished",
-        token_times=list(map(float, req.token_times)), reject_reason=getattr(req, "reject_reason", None) or "")
+        token_times=times, reject_reason=getattr(req, "reject_reason", None) or "")

@@ -59,9 +59,10 @@ class Request:
     )
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-                 arrival_time: float, priority: int = 0):
+                 arrival_time: float, priority: int = 0, *, share_prompt: bool = False):
+        """share_prompt: keep `prompt_token_ids` (a list nobody changes: a workload request's) instead of a copy."""
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
+        self.prompt_token_ids = prompt_token_ids if share_prompt else list(prompt_token_ids)
         self.sampling = sampling
         self.arrival_time = arrival_time
         self.priority = priority
@@ -125,7 +126,9 @@ def request_from_workload(wr, *, eos_token_id: int = -1, offline: bool = False, 
     after its first `content_key_pages` (pdjax.scheduler.block_manager.numbered_keys). The engine and the simulator
     both use it."""
     sampling = _sampling(temperature, seed, int(wr.max_tokens), (eos_token_id,) if eos_token_id >= 0 else ())
-    req = Request(str(wr.request_id), wr.prompt_token_ids, sampling, 0.0 if offline else float(wr.arrival_time))
+    prompt = wr.prompt_token_ids
+    req = Request(str(wr.request_id), prompt, sampling, 0.0 if offline else float(wr.arrival_time),
+                  share_prompt=prompt.__class__ is list)
     # The workload's guarantee on its prompt ids (WorkloadRequest.token_bound): add_request then skips scanning them.
     req.token_bound = getattr(wr, "token_bound", None)
     req.key_base = key_base

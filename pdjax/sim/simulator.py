@@ -230,7 +230,7 @@ class SimRequests:
         for req in reqs:
             i = self._slot.pop(id(req), None)
             if i is not None:
-                self._records[i] = request_record(req)
+                self._records[i] = request_record(req, float_times=True)     # (times from the clock)
                 self.pending[i] = None
         scheduler.finished.clear()
 
