@@ -910,7 +910,8 @@ def test_run_registrations_follow_the_updates_one_by_one():
     without keys (Scheduler._keyless) only counted, at their last registration."""
     ps, k = 4, 11
     def request(c, r):
-        return SimpleNamespace(num_computed_tokens=c, num_registered_pages=r, key_base=None, num_preemptions=0)
+        return SimpleNamespace(num_computed_tokens=c, num_registered_pages=r, key_base=None, num_preemptions=0,
+                               content_key_pages=0)
     decoders = [request(c, r) for c, r in ((9, 2), (2, 0), (7, 1), (12, 1), (3, 0))]
     prefills = [request(c, c // ps) for c in (0, 6)]
     plan = [((0, 5, 0), (1, 3, 0)), (), ((1, 8, 0),), ((0, 1, 0),), ((0, 2, 0), (1, 4, 0))] + [()] * (k - 5)

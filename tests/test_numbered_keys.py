@@ -160,6 +160,33 @@ def test_numbered_keys_cache_exactly_what_content_keys_cache(policy, router, tie
     assert (got[4][1] > 0) == (tier != "none" and eviction == "lru"), "dead segments offloaded to an LRU tier"
 
 
+@pytest.mark.parametrize("policy,router,tier,num_pages", [
+    ("sarathi", "round_robin", "none", 64), ("sarathi", "kv_centric", "shared", 80),
+    ("sarathi", "kv_centric", "local", 64), ("vllm_v1", "prefix_affinity", "local", 96)])
+def test_numbered_suffixes_in_decode_runs_as_one_step_at_a_time(policy, router, tier, num_pages, monkeypatch):
+    """Requests whose first pages are shared and the rest numbered (numbered_keys) through decode runs, admitted
+    by a run's first step when nothing holds their first page (Scheduler._plan_admissions) and registering their
+    shared pages with keys inside runs (DecodeRun._registrations): records and caches equal every step through
+    schedule() and update()."""
+    from pdjax.scheduler import runs as runs_module
+    admitted = []
+    admit = runs_module.DecodeRun._admit_fresh
+
+    def counting(self, now):
+        admitted.extend(req.content_key_pages for req, _, _ in self._fresh)
+        admit(self, now)
+
+    monkeypatch.setattr(runs_module.DecodeRun, "_admit_fresh", counting)
+    params = dict(CONFIGS[policy], num_pages=num_pages)
+    args = dict(instances=3, router=router, tier=tier, seed=3)
+    reference = run_mixed(params, True, decode_runs=False, **args)
+    got = run_mixed(params, True, decode_runs=True, **args)
+    assert [r.__dict__ for r in got[0].requests] == [r.__dict__ for r in reference[0].requests]
+    assert got[0].iterations == reference[0].iterations
+    assert got[1:4] == reference[1:4]        # (a run offloads its evictions as fewer dead segments: same slots)
+    assert policy != "sarathi" or any(admitted), "the case is meant to admit numbered suffixes inside runs"
+
+
 def test_numbered_keys_reuse_a_preempted_requests_own_pages():
     """A small pool: requests are preempted (recompute) and find their own cached pages again at re-admission."""
     params = dict(CONFIGS["vllm_v1"], num_pages=64)

@@ -391,8 +391,6 @@ class Scheduler:
         for req in running:
             if req.status is not RUNNING or PLACEHOLDER_TOKEN in req.stop_ids:
                 return None
-            if req.content_key_pages > req.num_registered_pages and self._keyless(req):
-                return None      # it registers its shared pages with keys, the rest without (_register)
             c = req.num_computed_tokens
             if c < req.prefill_end:
                 if not self._run_prefills:
@@ -401,6 +399,8 @@ class Scheduler:
                 continue
             if req.first_token_time is None:
                 return None
+            if req.content_key_pages > req.num_registered_pages and self._keyless(req):
+                return None      # a decoder registering its shared pages with keys (DecodeRun._registrations)
             # it finishes in the step that makes its outputs max_tokens or its tokens max_model_len
             left = req.max_tokens - len(req.output_token_ids)
             left2 = max_len - len(req.all_token_ids)
@@ -804,13 +804,14 @@ class Scheduler:
         chunks, planned without changing anything (the decode runs: pdjax.scheduler.runs, pair_runs): with
         `running` requests running (>= 1: the watermark applies), `free` pages and `left` tokens of budget left,
         [(request, first chunk, pages)] in order until one does not fit; None when one could hit a cached prefix
-        (prefix caching and not `holds_no_prefix`: its admission is schedule()'s)."""
+        (prefix caching, not `holds_no_prefix`, and its first page on the device or in the host tier: its admission
+        is schedule()'s; a page evicted by the step's growth would only move to the host tier)."""
         ps, caching = self._ps, self._caching
         planned = []
         for req in queue:
             if running >= self._max_seqs or left <= 0:
                 break
-            if caching and not holds_no_prefix(req):
+            if caching and not holds_no_prefix(req) and self._first_page_cached(req):
                 return None
             tokens = len(req.all_token_ids)
             n = self._chunk_size(0, tokens, left)
@@ -824,6 +825,16 @@ class Scheduler:
             left -= n
             running += 1
         return planned
+
+    def _first_page_cached(self, req: Request) -> bool:
+        """Whether an admission of `req` now could hit: the prefix cache or the host tier holds its first page
+        (_admit looks up at most (tokens - 1) // page_size pages)."""
+        if len(req.all_token_ids) <= self._ps:
+            return False
+        bm = self.block_manager
+        key = request_page_keys(req, self._ps, 1)[0]
+        return key in bm._key_to_page or (bm.host_tier is not None and bm.host_tier.count_prefix([key], 0, 1,
+                                                                                                 bm.tier_owner) > 0)
 
     def _start_running(self, req: Request, now: float) -> None:
         req.status = RUNNING

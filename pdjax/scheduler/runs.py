@@ -22,7 +22,8 @@ certainly stay waiting (so no admission looks the prefix cache or host tier up w
 admission pass with the budget its decodes and chunks leave (Scheduler._plan_admissions, as _admit_waiting: in queue
 order, each with its first chunk and its pages, until one does not fit: a sequence slot, the budget, the pages above
 the watermark) when no request it reaches can hit a cached prefix (without prefix caching, any; with it, numbered
-keys never scheduled: `holds_no_prefix`), else the run takes no step; the admitted are prefills from then on
+keys never scheduled, `holds_no_prefix`, or one whose first page neither the cache nor the host tier holds), else the
+run takes no step; the admitted are prefills from then on
 (`_admit_fresh` applies the admissions, as pair runs do theirs). A run ends (its last step included) at the first
 step in which a request finishes or a prefill completes its prompt (it then samples and becomes a decoder: the next
 run takes it as one), and before a step whose page growth the free pages at the start of the run cannot cover (that
@@ -469,7 +470,8 @@ class DecodeRun:
         a request whose computed tokens fill pages past its registered ones offers them), read before those steps
         are applied: ([(step (0: the run's first), pass (0: decoders, 1: prefill chunks), index, full pages after
         it)] in update order (by step, then batch order), [(request, full pages after step b - 1)] of the requests
-        the scheduler registers without keys (Scheduler._keyless: only their count changes)). A decoder with c
+        the scheduler registers without keys (Scheduler._keyless: only their count changes, set after the events;
+        a prefill's first content_key_pages, shared with other requests, are events even so). A decoder with c
         computed tokens fills page b in the step that makes them (b + 1) * page_size (one step before it grows into
         page b + 1); a chunk, the pages it completes."""
         ps = self.sched._ps
@@ -492,18 +494,22 @@ class DecodeRun:
                 j += ps
         if self.prefills:
             plan = self._plan
-            computed = [r.num_computed_tokens for r in self.prefills]
-            registered = [r.num_registered_pages for r in self.prefills]
+            prefills = self.prefills
+            computed = [r.num_computed_tokens for r in prefills]
+            registered = [r.num_registered_pages for r in prefills]
+            # -1: keyed; else keyless, its first content_key_pages (shared with other requests) still keyed
+            shared = [r.content_key_pages if keyless(r) else -1 for r in prefills]
             for j in range(a, b):
                 for p, n, _ in plan[j]:
                     c = computed[p] = computed[p] + n
                     if c // ps > registered[p]:
+                        if shared[p] < 0:
+                            add((j, 1, p, c // ps))
+                        elif registered[p] < shared[p]:
+                            add((j, 1, p, min(c // ps, shared[p])))
                         registered[p] = c // ps
-                        add((j, 1, p, c // ps))
-            prefills = self.prefills
             counts += [(prefills[p], registered[p]) for p in range(len(prefills))
-                       if registered[p] > prefills[p].num_registered_pages and keyless(prefills[p])]
-            events = [e for e in events if e[1] == 0 or not keyless(prefills[e[2]])]
+                       if registered[p] > prefills[p].num_registered_pages and shared[p] >= 0]
         events.sort()
         return events, counts
 
@@ -517,8 +523,6 @@ class DecodeRun:
         k2p, page_key = bm._key_to_page, bm.page_key
         owners = (self.decoders, self.prefills)
         events, counts = registrations
-        for req, full in counts:
-            req.num_registered_pages = full
         if events and self._register_all(events, evicted):
             events = ()
         for j, kind, i, full in events:
@@ -535,6 +539,8 @@ class DecodeRun:
                         if key not in k2p and evicted.get(key, -1) <= j:
                             k2p[key] = p
                             page_key[p] = key
+            req.num_registered_pages = full
+        for req, full in counts:      # after the events: a keyless request's shared pages are keyed ones
             req.num_registered_pages = full
         if bm.pending_swap_out:
             bm.pending_swap_out = []
