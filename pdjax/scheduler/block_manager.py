@@ -344,8 +344,7 @@ class BlockManager:
                     ref[p] = 1
                 live += range(pos, pos + n_run)
             pos += abs(n_run)
-        pages += out
-        return pages, fresh, live, keys
+        return (pages + out if fresh else out), fresh, live, keys
 
     def _evict(self, n: int, swaps: bool = True) -> Tuple[List[int], list, List[int]]:
         """Evict the `n` least recently freed cached pages (the caller checks there are as many): their keys
@@ -381,6 +380,13 @@ class BlockManager:
         key None, runs the lengths of the consecutive runs of live (> 0) and dead (< 0) pages; a segment partly
         taken keeps the rest at the front of the LRU."""
         cached = self._free_cached
+        seg = next(iter(cached.values()))
+        if seg is not None and n < len(seg):     # the common case: part of the oldest entry, a dead segment
+            taken = seg[:-n - 1:-1]
+            del seg[-n:]
+            self._dead_extra -= n
+            self.num_dead_evictions += n
+            return taken, [None] * n, [-n]
         pop = cached.popitem
         pages, keys, runs = [], [], []
         while len(pages) < n:

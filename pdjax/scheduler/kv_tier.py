@@ -162,6 +162,19 @@ class HostKVTier:
         """offload_dead's slot indices."""
         if self.eviction != "lru":
             raise ValueError("offload_dead needs an 'lru' tier (an 'lfu' one orders pages by their hits)")
+        if not self._free and self._num_segments and n < self.capacity:
+            entry = next(iter(self._slot.values()))[1]
+            if entry.__class__ is list and n < len(entry):   # a full tier whose oldest entry, dead, has more pages:
+                tail = entry[-n:]                           # its last n slots, taken as _take_slots would
+                del entry[-n:]
+                self._dead_extra -= 1
+                self.num_evictions += n
+                self._segment -= 1
+                self._slot[self._segment] = (owner, tail)
+                self._num_segments += 1
+                self.num_offloads += n
+                self.num_dead_offloads += n
+                return tail[::-1]
         indices = self._take_slots(min(n, len(self._free) + len(self)))
         self.num_evictions += n - len(indices)
         while len(indices) < n:       # more pages than the tier holds: each evicts the new one `capacity` before
