@@ -49,6 +49,38 @@ def test_numbered_keys_number_the_pages_a_request_shares_with_no_other():
     assert list(request_page_keys(req, PS, 4)) == list(request_page_keys(content, PS, 2)) + [2, 3]
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_numbered_keys_match_pairwise_prefix_comparison(seed):
+    """numbered_keys' grouping (pages compared k at a time) against the definition, request against request: L is
+    the most leading pages it shares with any other (its ids then placeholders, page by page); one that shares
+    them all with another keeps content keys. Prompts from a few heads over a 3-id alphabet, copies, and copies
+    extended with placeholders (decoding into each other's pages)."""
+    rng = random.Random(seed)
+    ps = rng.choice([1, 2, 4, PS])
+    heads = [[rng.randrange(0, 3) for _ in range(rng.randint(0, 70))] for _ in range(4)]
+    prompts = []
+    for _ in range(rng.randint(2, 25)):
+        prompt = list(rng.choice(heads)) + [rng.randrange(0, 3) for _ in range(rng.randint(0, 40))]
+        if prompts and rng.random() < 0.3:
+            prompt = list(rng.choice(prompts)) + [PLACEHOLDER_TOKEN] * rng.randint(0, 40) * (rng.random() < 0.5)
+        prompts.append(prompt)
+    depth = max(len(p) for p in prompts) // ps + 2      # past every prompt: placeholders only
+
+    def page(p, d):
+        ids = p[d * ps:(d + 1) * ps]
+        return ids + [PLACEHOLDER_TOKEN] * (ps - len(ids))
+
+    expected_bases, expected_shared = [], []
+    for i, p in enumerate(prompts):
+        most = 0
+        for j, q in enumerate(prompts):
+            if j != i:
+                most = max(most, next((d for d in range(depth) if page(p, d) != page(q, d)), depth))
+        expected_bases.append(None if most == depth else i << 32)
+        expected_shared.append(0 if most == depth else most)
+    assert numbered_keys(prompts, ps, PLACEHOLDER_TOKEN) == (expected_bases, expected_shared)
+
+
 def test_request_page_keys_numbers_from_the_base_or_extends_content_keys():
     req = Request("r", list(range(50)), SamplingParams(max_tokens=4), 0.0)
     req.key_base = 3 << 32

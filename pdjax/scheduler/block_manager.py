@@ -116,33 +116,40 @@ def numbered_keys(prompts: Sequence[Sequence[int]], page_size: int, placeholder:
     is shared (content keys chain on the pages before), so those pages can be numbers: request i's key base i << 32
     and content_key_pages L (request_page_keys: content keys for its first L pages, key_base + d for page d >= L).
     A request that shares every page with another (the same ids until both prompts end, then placeholders) keeps
-    content keys for all (base None, 0)."""
+    content keys for all (base None, 0).
+
+    The requests sharing a first page are split group by group, each group's members sharing pages [0, d): their
+    next k pages compared at once (k doubling while all agree, halved when they do not), so a shared prefix of L
+    pages costs O(log L) comparisons per request, not L."""
     bases = numbered_key_bases(prompts, page_size, placeholder)
     shared = [0] * len(prompts)
 
-    def page(i: int, d: int) -> tuple:
-        ids = tuple(prompts[i][d * page_size:(d + 1) * page_size])
-        return ids + (placeholder,) * (page_size - len(ids))
+    def pages(i: int, d: int, k: int) -> tuple:
+        ids = tuple(prompts[i][d * page_size:(d + k) * page_size])
+        return ids + (placeholder,) * (k * page_size - len(ids))
 
-    groups = {}
+    first: dict = {}
     for i, base in enumerate(bases):
         if base is None:
-            groups.setdefault(page(i, 0), []).append(i)
-    depth, active = 1, list(groups.values())
-    while active:
+            first.setdefault(pages(i, 0, 1), []).append(i)
+    work = [(members, 1, 1) for members in first.values()]
+    while work:
+        members, d, k = work.pop()
+        if all(d * page_size >= len(prompts[i]) for i in members):
+            continue            # the same pages so far, placeholders from here on: they share every page
         split: dict = {}
-        for g, members in enumerate(active):
-            if all(depth * page_size >= len(prompts[i]) for i in members):
-                continue            # the same pages so far, placeholders from here on: they share every page
-            for i in members:
-                split.setdefault((g, page(i, depth)), []).append(i)
-        active = []
-        for members in split.values():
-            if len(members) == 1:
-                bases[members[0]], shared[members[0]] = members[0] << 32, depth
-            else:
-                active.append(members)
-        depth += 1
+        for i in members:
+            split.setdefault(pages(i, d, k), []).append(i)
+        if len(split) == 1:
+            work.append((members, d + k, 2 * k))
+        elif k > 1:
+            work.append((members, d, k // 2))
+        else:
+            for group in split.values():
+                if len(group) == 1:
+                    bases[group[0]], shared[group[0]] = group[0] << 32, d
+                else:
+                    work.append((group, d + 1, 1))
     return bases, shared
 
 
