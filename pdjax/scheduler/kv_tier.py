@@ -167,7 +167,7 @@ class HostKVTier:
             if entry.__class__ is list and n < len(entry):   # a full tier whose oldest entry, dead, has more pages:
                 tail = entry[-n:]                           # its last n slots, taken as _take_slots would
                 del entry[-n:]
-                self._dead_extra -= 1
+                self._dead_extra -= 1                      # n fewer in that entry, n - 1 more in the new one
                 self.num_evictions += n
                 self._segment -= 1
                 self._slot[self._segment] = (owner, tail)
