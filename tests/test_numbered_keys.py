@@ -59,7 +59,7 @@ def test_numbered_keys_match_pairwise_prefix_comparison(seed):
     ps = rng.choice([1, 2, 4, PS])
     heads = [[rng.randrange(0, 3) for _ in range(rng.randint(0, 70))] for _ in range(4)]
     prompts = []
-    for _ in range(rng.randint(2, 25)):
+    for _ in range(rng.randint(1, 25)):
         prompt = list(rng.choice(heads)) + [rng.randrange(0, 3) for _ in range(rng.randint(0, 40))]
         if prompts and rng.random() < 0.3:
             prompt = list(rng.choice(prompts)) + [PLACEHOLDER_TOKEN] * rng.randint(0, 40) * (rng.random() < 0.5)

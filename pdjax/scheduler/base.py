@@ -545,15 +545,12 @@ class Scheduler:
 
     def _register(self, req: Request) -> None:
         full = req.num_computed_tokens // self._ps
-        if self._keyless(req):
-            shared, registered = req.content_key_pages, req.num_registered_pages
-            if registered < shared:      # its pages other requests may share: with their content keys
-                stop = full if full < shared else shared
-                self.block_manager.register(req.page_table, request_page_keys(req, self._ps, stop), registered, stop)
-            req.num_registered_pages = full      # _free_finished / _keep_registered
-            return
-        self.block_manager.register(req.page_table, request_page_keys(req, self._ps, full), req.num_registered_pages,
-                                    full)
+        keyed = full         # keyless: only the pages other requests may share get keys (_free_finished reads the rest)
+        if self._keyless(req) and req.content_key_pages < full:
+            keyed = req.content_key_pages
+        if keyed > req.num_registered_pages:
+            self.block_manager.register(req.page_table, request_page_keys(req, self._ps, keyed),
+                                        req.num_registered_pages, keyed)
         req.num_registered_pages = full
 
     def _prefill_chunk(self, req: Request, budget_left: int) -> int:
@@ -832,9 +829,9 @@ class Scheduler:
         if len(req.all_token_ids) <= self._ps:
             return False
         bm = self.block_manager
-        key = request_page_keys(req, self._ps, 1)[0]
-        return key in bm._key_to_page or (bm.host_tier is not None and bm.host_tier.count_prefix([key], 0, 1,
-                                                                                                 bm.tier_owner) > 0)
+        keys = request_page_keys(req, self._ps, 1)
+        return bool(bm.match_prefix(keys, 1)) or (bm.host_tier is not None
+                                                  and bm.host_tier.count_prefix(keys, 0, 1, bm.tier_owner) > 0)
 
     def _start_running(self, req: Request, now: float) -> None:
         req.status = RUNNING

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import struct as _struct
 from bisect import bisect_right as _bisect_right
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from itertools import accumulate as _accumulate, repeat as _repeat
 from operator import itemgetter as _getter
 from typing import Iterable, List, Optional, Sequence, Tuple
@@ -100,11 +100,9 @@ def numbered_key_bases(prompts: Sequence[Sequence[int]], page_size: int, placeho
     `placeholder` (the simulator's): request i's is i << 32, or None (content keys) when another request has the
     same first page (the prompt's first page_size ids, completed with placeholders). A content key chains on its
     parent's, so a request shares a page with another only if they share the first: a numbered request shares
-    none, and numbers find in the cache exactly what content keys would."""
-    firsts = [tuple(p[:page_size]) if len(p) >= page_size else tuple(p) + (placeholder,) * (page_size - len(p))
-              for p in prompts]
-    count = Counter(firsts)
-    return [i << 32 if count[first] == 1 else None for i, first in enumerate(firsts)]
+    none, and numbers find in the cache exactly what content keys would. (numbered_keys with no shared pages.)"""
+    bases, shared = numbered_keys(prompts, page_size, placeholder)
+    return [None if pages else base for base, pages in zip(bases, shared)]
 
 
 def numbered_keys(prompts: Sequence[Sequence[int]], page_size: int, placeholder: int
@@ -118,23 +116,22 @@ def numbered_keys(prompts: Sequence[Sequence[int]], page_size: int, placeholder:
     A request that shares every page with another (the same ids until both prompts end, then placeholders) keeps
     content keys for all (base None, 0).
 
-    The requests sharing a first page are split group by group, each group's members sharing pages [0, d): their
-    next k pages compared at once (k doubling while all agree, halved when they do not), so a shared prefix of L
+    The requests are split group by group, each group's members sharing pages [0, d): their next k pages compared
+    at once (k doubling while all agree, halved when they do not), so a shared prefix of L
     pages costs O(log L) comparisons per request, not L."""
-    bases = numbered_key_bases(prompts, page_size, placeholder)
+    bases: List[Optional[int]] = [None] * len(prompts)
     shared = [0] * len(prompts)
 
     def pages(i: int, d: int, k: int) -> tuple:
         ids = tuple(prompts[i][d * page_size:(d + k) * page_size])
         return ids + (placeholder,) * (k * page_size - len(ids))
 
-    first: dict = {}
-    for i, base in enumerate(bases):
-        if base is None:
-            first.setdefault(pages(i, 0, 1), []).append(i)
-    work = [(members, 1, 1) for members in first.values()]
+    work = [(list(range(len(prompts))), 0, 1)] if prompts else []
     while work:
         members, d, k = work.pop()
+        if len(members) == 1:         # the others parted from it before page d: L = d
+            bases[members[0]], shared[members[0]] = members[0] << 32, d
+            continue
         if all(d * page_size >= len(prompts[i]) for i in members):
             continue            # the same pages so far, placeholders from here on: they share every page
         split: dict = {}
@@ -145,11 +142,7 @@ def numbered_keys(prompts: Sequence[Sequence[int]], page_size: int, placeholder:
         elif k > 1:
             work.append((members, d, k // 2))
         else:
-            for group in split.values():
-                if len(group) == 1:
-                    bases[group[0]], shared[group[0]] = group[0] << 32, d
-                else:
-                    work.append((group, d + 1, 1))
+            work += [(group, d + 1, 1) if len(group) > 1 else (group, d, 1) for group in split.values()]
     return bases, shared
 
 

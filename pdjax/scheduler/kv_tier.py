@@ -162,19 +162,6 @@ class HostKVTier:
         """offload_dead's slot indices."""
         if self.eviction != "lru":
             raise ValueError("offload_dead needs an 'lru' tier (an 'lfu' one orders pages by their hits)")
-        if not self._free and self._num_segments and n < self.capacity:
-            entry = next(iter(self._slot.values()))[1]
-            if entry.__class__ is list and n < len(entry):   # a full tier whose oldest entry, dead, has more pages:
-                tail = entry[-n:]                           # its last n slots, taken as _take_slots would
-                del entry[-n:]
-                self._dead_extra -= 1                      # n fewer in that entry, n - 1 more in the new one
-                self.num_evictions += n
-                self._segment -= 1
-                self._slot[self._segment] = (owner, tail)
-                self._num_segments += 1
-                self.num_offloads += n
-                self.num_dead_offloads += n
-                return tail[::-1]
         indices = self._take_slots(min(n, len(self._free) + len(self)))
         self.num_evictions += n - len(indices)
         while len(indices) < n:       # more pages than the tier holds: each evicts the new one `capacity` before
@@ -207,6 +194,12 @@ class HostKVTier:
         """The indices of the k least recent pages, their entries dropped (a dead segment partly taken keeps the
         rest at the front). The caller counts the evictions."""
         slots = self._slot
+        index = next(iter(slots.values()))[1]
+        if index.__class__ is list and k < len(index):     # the common case: part of the oldest entry, dead
+            out = index[:-k - 1:-1]
+            del index[-k:]
+            self._dead_extra -= k
+            return out
         pop = slots.popitem
         out: List[int] = []
         while len(out) < k:
