@@ -175,7 +175,7 @@ def test_vllm_v1_priority_victim_may_already_be_scheduled_and_returns_its_budget
     assert out.preempted_req_ids == ["r0"]
     assert out.req_ids == ["r1", "r2"] and out.num_new_tokens == [1, 3]
     assert out.total_tokens == out.num_decode_tokens + out.num_prefill_tokens == 4
-    assert 5.0 not in r0.schedule_times and r0.num_computed_tokens == 0 and not r0.page_table
+    assert r0.sched_step == -1 and r0.num_computed_tokens == 0 and not r0.page_table
     s.check_invariants()
 
 

@@ -91,12 +91,13 @@ def test_lifecycle_timestamps_and_finish_reasons():
     out, fin = step(s, 1.0)
     assert out.num_new_tokens == [8] and out.do_sample == [False] and not fin
     assert a.status == RequestStatus.RUNNING and a.num_computed_tokens == 8 and a.first_scheduled_time == 1.0
-    step(s, 2.0)
+    out, _ = step(s, 2.0)
     assert a.first_token_time == 2.0 and a.num_output_tokens == 1 and a.num_computed_tokens == 10
+    assert out.req_ids == ["a"] and a.first_scheduled_time == 1.0
     step(s, 3.0)
     out, fin = step(s, 4.0)
-    assert fin == [a] and a.finish_reason == "length" and a.finish_time == 4.0
-    assert a.token_times == [2.0, 3.0, 4.0] and a.schedule_times == [1.0, 2.0, 3.0, 4.0]
+    assert fin == [a] and a.finish_reason == "length" and a.finish_time == 4.0 and out.req_ids == ["a"]
+    assert a.token_times == [2.0, 3.0, 4.0] and a.sched_step == out.step
     assert a.all_token_ids == a.prompt_token_ids + a.output_token_ids
     assert not s.has_unfinished() and s.finished == [a]
     # stop token

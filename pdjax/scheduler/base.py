@@ -577,7 +577,7 @@ class Scheduler:
                 n -= n % self._tile
         return n
 
-    def _emit(self, out: SchedulerOutput, req: Request, n: int, now: float) -> None:
+    def _emit(self, out: SchedulerOutput, req: Request, n: int) -> None:
         c = req.num_computed_tokens
         end = c + n
         out.reqs.append(req)
@@ -595,7 +595,6 @@ class Scheduler:
             out.is_prefill.append(False)
             out.num_decode_tokens += n
         req.sched_step = self.step
-        req.schedule_times.append(now)
 
     def _schedule_running(self, out: SchedulerOutput, req: Request, n: int, now: float) -> bool:
         """Grow `req`'s pages for `n` more tokens (preempting if needed) and emit it; False if it was preempted."""
@@ -613,7 +612,7 @@ class Scheduler:
                 if victim is req:
                     return False
             bm.allocate(req.page_table, need)
-        self._emit(out, req, n, now)
+        self._emit(out, req, n)
         return True
 
     def _decode_pass(self, out: SchedulerOutput, now: float, budget: int, prefills: Optional[list]) -> int:
@@ -656,7 +655,6 @@ class Scheduler:
                     continue
             add(req)
             req.sched_step = step
-            req.schedule_times.append(now)
             used += 1
         if run:
             n_fast += self._emit_decodes(out, run)
@@ -665,7 +663,7 @@ class Scheduler:
 
     @staticmethod
     def _emit_decodes(out: SchedulerOutput, run: List[Request]) -> int:
-        """Append one decode token of every request of `run` to `out` (what `_emit(out, req, 1, now)` appends
+        """Append one decode token of every request of `run` to `out` (what `_emit(out, req, 1)` appends
         for a decode, minus the counters and the request's own stamps); returns len(run)."""
         k = len(run)
         out.reqs += run
@@ -755,7 +753,7 @@ class Scheduler:
             bm.take_cached(req.page_table, hits)
         bm.allocate(req.page_table, need)
         self._start_admitted(req, len(hits), now)
-        self._emit(out, req, n, now)
+        self._emit(out, req, n)
         return n
 
     def _admit_tiered(self, out: SchedulerOutput, req: Request, budget_left: int, now: float, hits: list,
@@ -784,7 +782,7 @@ class Scheduler:
             bm.load_from_host(req.page_table, keys, bm.match_host(keys, len(hits), len(hits) + host))
         bm.allocate(req.page_table, need - host)
         self._start_admitted(req, len(hits) + host, now)
-        self._emit(out, req, n, now)
+        self._emit(out, req, n)
         return n
 
     def _start_admitted(self, req: Request, cached_pages: int, now: float) -> None:
@@ -889,7 +887,7 @@ class Scheduler:
             bm.allocate(req.page_table, need)
             req.status = RUNNING
             self.running.append(req)   # keeps its admit_seq: it is as old as before
-            self._emit(out, req, n, now)
+            self._emit(out, req, n)
             used += n
             resumed += 1
             if in_prefill and prefill_counts is not None:

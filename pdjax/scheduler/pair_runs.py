@@ -329,7 +329,6 @@ class PairRun:
                             events.append((h, 2, 0, rank, need, req))
                         break
             req.num_computed_tokens = c
-            req.schedule_times += times[since:last + 1:2]
             req.sched_step = s0 + 1 + last
             if done + 2 <= H:                    # completed: its first token at that collect
                 now = times[done + 2]
@@ -363,7 +362,6 @@ class PairRun:
             req.output_token_ids += tokens
             req.all_token_ids += tokens
             if s > first:
-                req.schedule_times += times[g + 2 * first:g + 2 * s - 1:2]
                 req.sched_step = s0 + g + 2 * s - 1
                 if cross < s:
                     events += [(g + 2 * p, 1, 0, rank, 1, req) for p in range(cross, s, ps)]

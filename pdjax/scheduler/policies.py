@@ -282,7 +282,6 @@ class VllmV1Scheduler(Scheduler):
                     a_smp(req.sampling)
                     a_pre(False)
                     req.sched_step = step
-                    req.schedule_times.append(now)
                     out.num_decode_tokens += 1
                     budget -= 1
                     n_dec += 1
@@ -351,7 +350,7 @@ class VllmV1Scheduler(Scheduler):
                 return False, refund, refund_dec
         if need > 0:
             bm.allocate(req.page_table, need)
-        self._emit(out, req, n, now)
+        self._emit(out, req, n)
         return True, refund, refund_dec
 
     def _pick_victim_v1(self) -> Request:
@@ -384,7 +383,6 @@ class VllmV1Scheduler(Scheduler):
             out.num_prefill_tokens -= n
         else:
             out.num_decode_tokens -= n
-        req.schedule_times.pop()
         req.sched_step = -1
         keep = -(-req.num_computed_tokens // self._ps)
         if len(req.page_table) > keep:   # a swap keeps only the pages of computed tokens
@@ -526,7 +524,7 @@ class DecodeOnlyScheduler(SarathiScheduler):
                 break
             bm.allocate(req.page_table, need)
             self._start_running(req, now)
-            self._emit(out, req, 1, now)
+            self._emit(out, req, 1)
             out.kv_handoff_req_ids.append(req.request_id)
             budget -= 1
             admitted += 1

@@ -44,13 +44,13 @@ class Request:
     listed as internal below are the scheduler's own bookkeeping.
 
     Times are seconds on the caller's clock. token_times[i] is when output token i was produced;
-    schedule_times holds every step the request was scheduled in; preemption_times every preemption.
+    preemption_times holds every preemption.
     priority: lower value is served first under ordering='priority' and is preempted last.
     """
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling", "arrival_time", "priority", "status",
         "num_computed_tokens", "output_token_ids", "all_token_ids", "first_scheduled_time", "first_token_time",
-        "finish_time", "token_times", "schedule_times", "num_preemptions", "preemption_times", "finish_reason",
+        "finish_time", "token_times", "num_preemptions", "preemption_times", "finish_reason",
         "reject_reason", "num_cached_tokens", "output_logprobs",
         # internal
         "page_table", "prefill_end", "page_keys", "num_registered_pages", "host_slots", "admit_seq",
@@ -74,7 +74,6 @@ class Request:
         self.first_token_time: Optional[float] = None
         self.finish_time: Optional[float] = None
         self.token_times: List[float] = []
-        self.schedule_times: List[float] = []
         self.num_preemptions = 0
         self.preemption_times: List[float] = []
         self.finish_reason: Optional[str] = None

@@ -271,14 +271,13 @@ class DecodeRun:
             req.output_token_ids += tokens
             req.all_token_ids += tokens
             req.token_times += ends
-            req.schedule_times += starts
             req.sched_step = step
         if registrations is not None:   # prefix caching: the pages the updates register, before any is freed
             self._register_pages(registrations, evicted)
         if b == self.limit:     # some decoder finishes in this step (the limit is the first finish)
             finished = [req for req, left in zip(decoders, self._lefts) if left == b]
         if prefills:
-            self._advance_prefills(a, b, starts, ends, finished)
+            self._advance_prefills(a, b, ends, finished)
         self._end_apply(b, step, schedules, finished, ends[-1])
         return finished
 
@@ -570,20 +569,17 @@ class DecodeRun:
             owners[kind][i].num_registered_pages = full
         return True
 
-    def _advance_prefills(self, a: int, b: int, starts, ends, finished: list) -> None:
-        """The prefill chunks of planned steps a .. b - 1 (starts[j - a], ends[j - a] step j's): tokens computed,
-        schedule times, and a sample (appended to `finished` when it ends the request) for a prompt done in the
-        run."""
+    def _advance_prefills(self, a: int, b: int, ends, finished: list) -> None:
+        """The prefill chunks of planned steps a .. b - 1 (ends[j - a] step j's end): tokens computed, and a sample
+        (appended to `finished` when it ends the request) for a prompt done in the run."""
         plan, max_len = self._plan, self.sched._max_len
         for p, req in enumerate(self.prefills):
             last = -1
             c = req.num_computed_tokens
-            times = req.schedule_times
             for j in range(a, b):
                 for q, n, _ in plan[j]:
                     if q == p:
                         c += n
-                        times.append(starts[j - a])
                         last = j
             if last < 0:
                 continue

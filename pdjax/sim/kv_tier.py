@@ -58,6 +58,9 @@ class HostLoadStepTime(StepTimeBase):
         self.base, self.owner, self.local_s, self.remote_s = base, owner, local_s, remote_s
         self.takes_context = bool(getattr(base, "takes_context", False))
         self.decode_only_exact = bool(getattr(base, "decode_only_exact", False))
+        # base's own (no delegating frame: the run planner calls composition at every step with chunks)
+        self.decode_fn = getattr(base, "decode_fn", self.decode_fn)
+        self.composition = getattr(base, "composition", self.composition)
 
     def load_seconds(self, swap_in: Sequence) -> float:
         remote = sum(1 for slot, _ in swap_in if slot.__class__ is tuple and slot[0] != self.owner)
@@ -66,12 +69,6 @@ class HostLoadStepTime(StepTimeBase):
     def __call__(self, out, ctx=None) -> float:
         t = self.base(out) if ctx is None else self.base(out, ctx)
         return t + self.load_seconds(out.swap_in) if out.swap_in else t
-
-    def decode_fn(self, count: int):
-        return self.base.decode_fn(count)
-
-    def composition(self, count: int, total_context: int, chunks) -> float:
-        return self.base.composition(count, total_context, chunks)
 
 
 def prefill_cost(step_time, budget: int) -> Callable[[int, int], float]:

@@ -100,7 +100,7 @@ import time
 from bisect import bisect_left, bisect_right
 from collections import deque
 from functools import partial
-from itertools import accumulate, repeat
+from itertools import accumulate, islice, repeat
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from pdjax.metrics import IterationRecord, RequestRecord, request_record
@@ -621,7 +621,7 @@ class Simulation:
         its = self.iterations
         its.sort(key=_END_TIME)
         ends = list(map(_END_TIME, its))
-        if len(set(ends)) < len(ends):       # ties: each group of equal end times by instance index (stable)
+        if any(map(operator.eq, ends, islice(ends, 1, None))):   # ties: each group of them by instance index
             rank = {name: i for i, name in enumerate(self.names)}
             i, n = 0, len(its)
             while i < n:
@@ -1328,7 +1328,7 @@ class Simulation:
     def result(self, wall_start: float) -> SimResult:
         iterations = self.iterations
         return SimResult(requests=self.requests.records(), iterations=iterations,
-                         duration_s=max((it.end_time for it in iterations), default=0.0),
+                         duration_s=max(map(_END_TIME, iterations), default=0.0),
                          wall_s=time.perf_counter() - wall_start, num_iterations=len(iterations),
                          pipeline=None if self.async_scheduling else pipeline_summary(
                              (inst.name or f"instance{i}", inst.pipeline) for i, inst in enumerate(self.instances)))
