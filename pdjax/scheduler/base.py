@@ -806,7 +806,7 @@ class Scheduler:
         for req in queue:
             if running >= self._max_seqs or left <= 0:
                 break
-            if caching and not holds_no_prefix(req) and self._first_page_cached(req):
+            if caching and not holds_no_prefix(req) and self.block_manager.holds_first_page(req):
                 return None
             tokens = len(req.all_token_ids)
             n = self._chunk_size(0, tokens, left)
@@ -820,16 +820,6 @@ class Scheduler:
             left -= n
             running += 1
         return planned
-
-    def _first_page_cached(self, req: Request) -> bool:
-        """Whether an admission of `req` now could hit: the prefix cache or the host tier holds its first page
-        (_admit looks up at most (tokens - 1) // page_size pages)."""
-        if len(req.all_token_ids) <= self._ps:
-            return False
-        bm = self.block_manager
-        keys = request_page_keys(req, self._ps, 1)
-        return bool(bm.match_prefix(keys, 1)) or (bm.host_tier is not None
-                                                  and bm.host_tier.count_prefix(keys, 0, 1, bm.tier_owner) > 0)
 
     def _start_running(self, req: Request, now: float) -> None:
         req.status = RUNNING

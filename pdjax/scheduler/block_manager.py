@@ -378,20 +378,14 @@ class BlockManager:
     def _pop_with_segments(self, n: int) -> Tuple[List[int], list, List[int]]:
         """_evict's n oldest cached pages when dead segments may be among them: (pages, keys, runs), a dead page's
         key None, runs the lengths of the consecutive runs of live (> 0) and dead (< 0) pages; a segment partly
-        taken keeps the rest at the front of the LRU."""
+        taken keeps the rest at the front of the LRU, in place (the common case: part of the oldest entry)."""
         cached = self._free_cached
-        seg = next(iter(cached.values()))
-        if seg is not None and n < len(seg):     # the common case: part of the oldest entry, a dead segment
-            taken = seg[:-n - 1:-1]
-            del seg[-n:]
-            self._dead_extra -= n
-            self.num_dead_evictions += n
-            return taken, [None] * n, [-n]
         pop = cached.popitem
         pages, keys, runs = [], [], []
         while len(pages) < n:
-            p, seg = pop(False)
+            p, seg = next(iter(cached.items()))
             if seg is None:
+                pop(False)
                 pages.append(p)
                 keys.append(self.page_key[p])
                 if runs and runs[-1] > 0:
@@ -401,23 +395,24 @@ class BlockManager:
                 continue
             take = n - len(pages)
             if take < len(seg):          # its last `take` pages, tail first; the rest stays at the front
-                cached[p] = seg
-                cached.move_to_end(p, last=False)
                 taken = seg[:-take - 1:-1]
                 del seg[-take:]
-                seg = taken
                 self._dead_extra -= take
+                if not pages:            # the common case, the oldest entry's pages alone: no list built up
+                    self.num_dead_evictions += take
+                    return taken, [None] * take, [-take]
             else:
+                pop(False)
+                taken = seg[::-1]
                 self._dead_extra -= len(seg) - 1
                 self._num_segments -= 1
-                seg.reverse()
-            pages += seg
-            keys += [None] * len(seg)
-            self.num_dead_evictions += len(seg)
+            pages += taken
+            keys += [None] * len(taken)
+            self.num_dead_evictions += len(taken)
             if runs and runs[-1] < 0:
-                runs[-1] -= len(seg)
+                runs[-1] -= len(taken)
             else:
-                runs.append(-len(seg))
+                runs.append(-len(taken))
         return pages, keys, runs
 
     def free_dead(self, table: Sequence[int], registered: int, keyed: int = 0) -> bool:
@@ -478,6 +473,16 @@ class BlockManager:
                 break
             hits.append(p)
         return hits
+
+    def holds_first_page(self, req) -> bool:
+        """Whether an admission of `req` could hit now: the prefix cache or the host tier (this instance's copy
+        included, with hot-block replication) holds its first page (an admission looks up at most
+        (tokens - 1) // page_size pages). Touches nothing."""
+        if len(req.all_token_ids) <= self.page_size:
+            return False
+        keys = request_page_keys(req, self.page_size, 1)
+        return keys[0] in self._key_to_page or (self.host_tier is not None
+                                                and self.host_tier.count_prefix(keys, 0, 1, self.tier_owner) > 0)
 
     # ---- host KV tier
     def match_host(self, keys: Sequence, start: int, max_pages: int) -> list:

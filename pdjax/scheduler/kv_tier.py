@@ -192,30 +192,25 @@ class HostKVTier:
 
     def _pop_oldest(self, k: int) -> List[int]:
         """The indices of the k least recent pages, their entries dropped (a dead segment partly taken keeps the
-        rest at the front). The caller counts the evictions."""
+        rest at the front, in place: the common case is part of the oldest entry). The caller counts the
+        evictions."""
         slots = self._slot
-        index = next(iter(slots.values()))[1]
-        if index.__class__ is list and k < len(index):     # the common case: part of the oldest entry, dead
-            out = index[:-k - 1:-1]
-            del index[-k:]
-            self._dead_extra -= k
-            return out
         pop = slots.popitem
         out: List[int] = []
         while len(out) < k:
-            token, (owner, index) = pop(last=False)
+            index = next(iter(slots.values()))[1]
             if index.__class__ is not list:
                 out.append(index)
+                pop(last=False)
                 continue
             m = k - len(out)
             if m < len(index):
                 out += index[:-m - 1:-1]
                 del index[-m:]
-                slots[token] = (owner, index)
-                slots.move_to_end(token, last=False)
                 self._dead_extra -= m
             else:
                 out += index[::-1]
+                pop(last=False)
                 self._dead_extra -= len(index) - 1
                 self._num_segments -= 1
         return out

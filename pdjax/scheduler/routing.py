@@ -260,8 +260,7 @@ def no_hit_change(inst, req, prefill_tokens: int) -> bool:
         return False
     if len(req.all_token_ids) <= bm.page_size:
         return True
-    first = request_page_keys(req, bm.page_size, 1)[0]
-    if first in bm._key_to_page or (bm.host_tier is not None and first in bm.host_tier):
+    if bm.holds_first_page(req):
         return False
     return all(r.num_registered_pages for r in inst.scheduler.running)
 
