@@ -129,6 +129,33 @@ def test_decode_runs_change_nothing(name, monkeypatch):
         assert sum(r.num_preemptions for r in got[0].requests) > 0, "the case is meant to preempt"
 
 
+@pytest.mark.parametrize("name", ["sarathi", "sarathi_tight_memory", "sarathi_dynamic"])
+def test_continued_reading_equals_a_fresh_one(name, monkeypatch):
+    """Scheduler.decode_run reads the running requests from the run applied last when nothing touched the
+    scheduler since: continued_run for its decoders, joined with a fresh reading of the requests after them (a
+    run with prefills: its prefills, some now decoders). Every such reading equals _run_parts' of all of them."""
+    from pdjax.scheduler import base
+    cfg = SchedulerConfig(max_model_len=1024, page_size=16, **{"num_pages": 512, **CONFIGS[name]})
+    kinds = {"after decodes": 0, "after prefills": 0}
+    decode_run = base.Scheduler.decode_run
+
+    def checked(self, max_steps):
+        after, running = self._run_after, list(self.running)
+        continued = after is not None and after[:2] == (self.step, self._applied_step) and \
+            running[:len(after[2])] == after[2]
+        fresh = self._run_parts(running, max_steps) if continued else None
+        run = decode_run(self, max_steps)
+        if continued and run is not None:
+            assert (run.decoders, run.prefills, run._crossings, run._lefts, run.total, run.limit) == \
+                (fresh[0], fresh[1], fresh[2], fresh[3], fresh[4], min(fresh[5], max_steps))
+            kinds["after prefills" if len(running) > len(after[2]) else "after decodes"] += 1
+        return run
+
+    monkeypatch.setattr(base.Scheduler, "decode_run", checked)
+    run(cfg, decode_runs=True, instances=2, router="least_loaded")
+    assert min(kinds.values()) > 0, f"the case is meant to continue after both kinds of run: {kinds}"
+
+
 @pytest.mark.parametrize("pp,max_in_flight", [(2, None), (2, 1), (1, 2)])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_decode_runs_on_stages_change_nothing(name, pp, max_in_flight, monkeypatch):
@@ -911,7 +938,10 @@ def test_run_registrations_follow_the_updates_one_by_one():
     ps, k = 4, 11
     def request(c, r):
         return SimpleNamespace(num_computed_tokens=c, num_registered_pages=r, key_base=None, num_preemptions=0,
-                               content_key_pages=0)
+                               content_key_pages=0, output_token_ids=[], all_token_ids=[], token_times=[])
+
+    def registrations(run, a):     # as apply_range reads them: after the decoders' tokens of steps a .. k - 1
+        return run._registrations(a, k, run._append_tokens(k - a, [0.0] * (k - a), k))
     decoders = [request(c, r) for c, r in ((9, 2), (2, 0), (7, 1), (12, 1), (3, 0))]
     prefills = [request(c, c // ps) for c in (0, 6)]
     plan = [((0, 5, 0), (1, 3, 0)), (), ((1, 8, 0),), ((0, 1, 0),), ((0, 2, 0), (1, 4, 0))] + [()] * (k - 5)
@@ -932,22 +962,27 @@ def test_run_registrations_follow_the_updates_one_by_one():
             if state[0] // ps > state[1]:
                 state[1] = state[0] // ps
                 expected.append((j, kind, i, state[1]))
-    assert run._registrations(0, k) == (expected, [])
+    assert registrations(run, 0) == (expected, [])
     for a in (3, 7):          # a later range (apply_range): read from the requests as the steps before a left them
         later = [request(c, r) for c, r in states[a]]
         run = runs_module.DecodeRun(sched(), later[:5], later[5:], [0] * 5, [99] * 5, 0, 99, 0, 0)
         run._plan = plan
-        assert run._registrations(a, k) == ([e for e in expected if e[0] >= a], [])
+        assert registrations(run, a) == ([e for e in expected if e[0] >= a], [])
     assert expected != sorted(expected, key=lambda e: e[1:3]), "the case is meant to interleave the requests"
     keyless = {(0, 1), (0, 3), (1, 1)}
+    fresh = [request(c, r) for c, r in states[0]]     # (the runs above applied their tokens)
+    decoders, prefills = fresh[:5], fresh[5:]
     for kind, i in keyless:     # numbered keys, never preempted
         (prefills if kind else decoders)[i].key_base = 1 << 32
     last = {(kind, i): full for _, kind, i, full in expected}
     run = runs_module.DecodeRun(sched(), decoders, prefills, [0] * 5, [99] * 5, 0, 99, 0, 0)
     run._plan = plan
-    events, counts = run._registrations(0, k)
+    events, counts = registrations(run, 0)
     assert events == [e for e in expected if e[1:3] not in keyless]
-    assert counts == [((prefills if kind else decoders)[i], last[kind, i]) for kind, i in sorted(keyless)]
+    # a keyless prefill's count is set after the events; a keyless decoder's with its tokens
+    assert counts == [(prefills[i], last[kind, i]) for kind, i in sorted(keyless) if kind]
+    assert [decoders[i].num_registered_pages for kind, i in sorted(keyless) if not kind] == \
+        [last[kind, i] for kind, i in sorted(keyless) if not kind]
 
 
 def iteration_rows(iterations) -> list:

@@ -49,7 +49,7 @@ from pdjax.config.scheduler import SchedulerConfig
 from pdjax.scheduler.block_manager import BlockManager, holds_no_prefix, request_page_keys
 from pdjax.scheduler.output import SchedulerOutput
 from pdjax.scheduler.request import Request, RequestStatus
-from pdjax.scheduler.runs import DecodeRun, continued_run
+from pdjax.scheduler.runs import DecodeRun, continued_run, joined_parts
 
 WAITING = RequestStatus.WAITING
 RUNNING = RequestStatus.RUNNING
@@ -343,8 +343,13 @@ class Scheduler:
         if self.waiting and not admit_blocked and not self._run_prefills:
             return None
         after = self._run_after     # the run applied last, if nothing touched this scheduler since
-        if after is not None and after[0] == self.step and after[1] == self._applied_step and after[2] == running:
+        if after is not None and after[0] == self.step and after[1] == self._applied_step and \
+                running[:len(after[2])] == after[2]:
             parts = continued_run(after, self._ps, max_steps)
+            if len(running) > len(after[2]):    # after its decoders (its prefills, some now decoders): read afresh
+                parts = joined_parts(parts, self._run_parts(running[len(after[2]):], max_steps))
+                if parts is None:
+                    return None
         else:
             parts = self._run_parts(running, max_steps)
             if parts is None:

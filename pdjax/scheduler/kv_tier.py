@@ -162,14 +162,15 @@ class HostKVTier:
         """offload_dead's slot indices."""
         if self.eviction != "lru":
             raise ValueError("offload_dead needs an 'lru' tier (an 'lfu' one orders pages by their hits)")
-        indices = self._take_slots(min(n, len(self._free) + len(self)))
+        capacity = self.capacity
+        held = len(self._free) + len(self._slot) + self._dead_extra
+        indices = self._take_slots(n if n < held else held)
         self.num_evictions += n - len(indices)
         while len(indices) < n:       # more pages than the tier holds: each evicts the new one `capacity` before
-            indices.append(indices[len(indices) - self.capacity])
-        kept = indices[-self.capacity:]
+            indices.append(indices[len(indices) - capacity])
         self._segment -= 1
-        self._slot[self._segment] = (owner, kept[::-1])
-        self._dead_extra += len(kept) - 1
+        self._slot[self._segment] = (owner, indices[:-capacity - 1:-1])     # the last `capacity`, tail first
+        self._dead_extra += (n if n < capacity else capacity) - 1
         self._num_segments += 1
         self.num_offloads += n
         self.num_dead_offloads += n

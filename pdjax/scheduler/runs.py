@@ -261,25 +261,46 @@ class DecodeRun:
             self._admit_kv(starts[0])
         if self._fresh:
             self._admit_fresh(starts[0])
-        registrations = self._registrations(a, b) if self.sched._caching else None
         evicted = self._grow_pages(a + 1 if scheduled else a, b)
         step = self._base_step + 1 + schedules * (b - 1)     # the last step's number
         finished = []
-        tokens = [PLACEHOLDER] * k
-        for req in decoders:
-            req.num_computed_tokens += k
-            req.output_token_ids += tokens
-            req.all_token_ids += tokens
-            req.token_times += ends
-            req.sched_step = step
-        if registrations is not None:   # prefix caching: the pages the updates register, before any is freed
-            self._register_pages(registrations, evicted)
+        keyed = self._append_tokens(k, ends, step)
+        if self.sched._caching:   # the pages the updates register, before any is freed
+            self._register_pages(self._registrations(a, b, keyed), evicted)
         if b == self.limit:     # some decoder finishes in this step (the limit is the first finish)
             finished = [req for req, left in zip(decoders, self._lefts) if left == b]
         if prefills:
             self._advance_prefills(a, b, ends, finished)
         self._end_apply(b, step, schedules, finished, ends[-1])
         return finished
+
+    def _append_tokens(self, k: int, ends: Sequence[float], step: int) -> Optional[List[int]]:
+        """Every decoder's tokens of k steps ending at `ends`, the last one numbered `step`, and, where finished
+        requests' pages are dead (Scheduler._dead), a keyless decoder's registered pages (Scheduler._keyless: all it
+        registers is their count). Returns the indices of the decoders that register pages with keys
+        (_registrations), None for every decoder (no dead pages). One pass per decoder: the run's hottest loop."""
+        tokens = [PLACEHOLDER] * k
+        extend = list.extend     # unbound: cheaper than `+=` on an attribute or a bound method
+        if not self.sched._dead:
+            for req in self.decoders:
+                req.num_computed_tokens += k
+                extend(req.output_token_ids, tokens)
+                extend(req.all_token_ids, tokens)
+                extend(req.token_times, ends)
+                req.sched_step = step
+            return None
+        ps, keyed = self.sched._ps, []
+        for i, req in enumerate(self.decoders):
+            c = req.num_computed_tokens = req.num_computed_tokens + k
+            extend(req.output_token_ids, tokens)
+            extend(req.all_token_ids, tokens)
+            extend(req.token_times, ends)
+            req.sched_step = step
+            if req.key_base is None or req.num_preemptions:
+                keyed.append(i)
+            elif c // ps > req.num_registered_pages:
+                req.num_registered_pages = c // ps
+        return keyed
 
     def schedule_step(self, j: int, now: float) -> None:
         """The schedule() side of planned step j, scheduled at `now`, the steps before it applied (apply_range):
@@ -302,16 +323,15 @@ class DecodeRun:
         decoders, prefills = self.decoders, self.prefills
         _set_step_counters(sched, step, k, schedules)
         sched._preempted_this_step = False
-        # The next run starts from this one's decoders k steps on (those that go on running), unless the scheduler
-        # is touched in between
-        if prefills:
-            sched._run_after = None
-        elif finished:
-            keep = [i for i, left in enumerate(self._lefts) if left != k]
+        # The next run starts from this one's decoders k steps on (those that go on running; the requests after
+        # them, its prefills, are read afresh), unless the scheduler is touched in between
+        if finished:
             crossings, lefts = self._crossings, self._lefts
+            keep = [i for i, left in enumerate(lefts) if left != k]
+            gone = finished if not prefills else [req for req, left in zip(decoders, lefts) if left == k]
             sched._run_after = (sched.step, sched._applied_step, [decoders[i] for i in keep],
                                 [crossings[i] for i in keep], [lefts[i] for i in keep],
-                                self.total - sum(req.num_computed_tokens - k for req in finished), k)
+                                self.total - sum(req.num_computed_tokens - k for req in gone), k)
         else:
             sched._run_after = (sched.step, sched._applied_step, decoders, self._crossings, self._lefts, self.total,
                                 k)
@@ -464,25 +484,25 @@ class DecodeRun:
             return {}
         return {key: steps[g] for g, key in bm.allocate_each_evicting(grants, swaps=False)}
 
-    def _registrations(self, a: int, b: int) -> Tuple[list, list]:
+    def _registrations(self, a: int, b: int, keyed: Optional[List[int]] = None) -> Tuple[list, list]:
         """The prefix-cache registrations the update() calls of planned steps a .. b - 1 make (Scheduler._register:
-        a request whose computed tokens fill pages past its registered ones offers them), read before those steps
-        are applied: ([(step (0: the run's first), pass (0: decoders, 1: prefill chunks), index, full pages after
-        it)] in update order (by step, then batch order), [(request, full pages after step b - 1)] of the requests
-        the scheduler registers without keys (Scheduler._keyless: only their count changes, set after the events;
-        a prefill's first content_key_pages, shared with other requests, are events even so). A decoder with c
+        a request whose computed tokens fill pages past its registered ones offers them), read after the decoders'
+        tokens of those steps are applied (apply_range), before the prefills' chunks: ([(step (0: the run's first),
+        pass (0: decoders, 1: prefill chunks), index, full pages after it)] in update order (by step, then batch
+        order), [(request, full pages after step b - 1)] of the prefills the scheduler registers without keys
+        (Scheduler._keyless: only their count changes, set after the events; their first content_key_pages, shared
+        with other requests, are events even so). keyed: the indices of the decoders registered with keys (the
+        others are keyless: apply_range set their counts with their tokens); None: every decoder. A decoder with c
         computed tokens fills page b in the step that makes them (b + 1) * page_size (one step before it grows into
         page b + 1); a chunk, the pages it completes."""
         ps = self.sched._ps
         keyless = self.sched._keyless
         events, counts = [], []
         add = events.append
-        for i, req in enumerate(self.decoders):
-            c = req.num_computed_tokens
-            if keyless(req):
-                if (c + b - a) // ps > req.num_registered_pages:
-                    counts.append((req, (c + b - a) // ps))
-                continue
+        decoders, k = self.decoders, b - a
+        for i in range(len(decoders)) if keyed is None else keyed:
+            req = decoders[i]
+            c = req.num_computed_tokens - k     # before the steps
             m = (c + 1) // ps           # its full pages after step a
             if m > req.num_registered_pages:
                 add((a, 0, i, m))
@@ -597,11 +617,11 @@ class DecodeRun:
 
 
 def continued_run(after: tuple, page_size: int, max_steps: int) -> tuple:
-    """Scheduler.decode_run's reading of the running requests when they are the decoders of the run applied last
-    and nothing touched the scheduler since (`after`: (step, applied step, decoders, crossings, lefts, total, k)
-    as DecodeRun.apply leaves it, k the steps it applied): the same (decoders, [], crossings, lefts, total,
-    limit) as reading them afresh. A decoder that first grew at step j grows next at (j - k) mod page_size steps
-    on (j - k if it had not grown yet); each has k fewer steps left; their contexts grew by k each."""
+    """Scheduler.decode_run's reading of the running requests that are the decoders of the run applied last when
+    nothing touched the scheduler since (`after`: (step, applied step, decoders, crossings, lefts, total, k) as
+    DecodeRun.apply leaves it, k the steps it applied): the same (decoders, [], crossings, lefts, total, limit) as
+    reading them afresh. A decoder that first grew at step j grows next at (j - k) mod page_size steps on (j - k if
+    it had not grown yet); each has k fewer steps left; their contexts grew by k each."""
     _, _, decoders, crossings, lefts, total, k = after
     crossings = [j - k if j >= k else (j - k) % page_size for j in crossings]
     lefts = [left - k for left in lefts]
@@ -629,6 +649,15 @@ def _pages_grown(crossings: Sequence[int], steps: int, page_size: int) -> int:
         if j < steps:
             n += 1 + (steps - 1 - j) // page_size
     return n
+
+
+def joined_parts(head: tuple, tail: Optional[tuple]) -> Optional[tuple]:
+    """The reading (decoders, prefills, crossings, lefts, total, limit) of running requests head + tail from the
+    readings of each (None where one rules a run out): the reading is request by request, in running order."""
+    if tail is None:
+        return None
+    return (head[0] + tail[0], head[1] + tail[1], head[2] + tail[2], head[3] + tail[3], head[4] + tail[4],
+            min(head[5], tail[5]))
 
 
 from pdjax.scheduler.pair_runs import PairRun, pair_run  # noqa: E402, F401 (re-exported: callers and tests name runs.PairRun)

@@ -34,7 +34,7 @@ from pdjax.metrics.slowdown import splitwise_slo_check
 from pdjax.scheduler.admission import admission_report
 from pdjax.sim.machines import MachineSpec, energy_report, machine_for_hardware
 from pdjax.sim.reference import UnloadedRuns
-from pdjax.sim.simulator import SimResult, simulate
+from pdjax.sim.simulator import SimResult, gc_paused, simulate
 
 
 def is_disaggregated(cfg) -> bool:
@@ -62,7 +62,9 @@ def simulate_config(cfg, workload=None, hardware=None) -> Tuple[SimResult, SimSe
     simulate path: `--config.backend=sim` (run_sim) and every placement candidate (pdjax.sim.placement) come
     through here. hardware: a HardwareSpec overriding the config's (build_setup)."""
     setup = build_setup(cfg, hardware)
-    return simulate_setup(setup, build_pending_requests(cfg, workload)), setup
+    with gc_paused():     # the requests' page keys (numbered_keys) make many short-lived objects and no cycles
+        requests = build_pending_requests(cfg, workload)
+    return simulate_setup(setup, requests), setup
 
 
 def iterations_per_instance(result: SimResult, setup: SimSetup) -> dict:
