@@ -32,8 +32,9 @@ Handed-off requests whose KV landed (decode_only's `_kv_ready`) do not stop a ru
 decode_only's schedule() would (after the decode pass: a sequence slot, the budget, pages for the context plus the
 watermark, in landing order; they decode from that step on, `admitted`), and the rest stay waiting for the whole run
 (slots, budget and free pages only shrink until its last step). A run that follows the last one with nothing
-touching the scheduler in between (same step counters, same running list) reads its decoders from that run
-(`continued_run`) instead of from every request.
+touching the scheduler in between (same step counters, the running list starting with that run's decoders) reads
+those decoders from that run (`continued_run`) instead of from every request, and only the requests after them
+(that run's prefills, some of them decoders now) afresh (`joined_parts`).
 
 Pair runs (`PairRun`, `pair_run`, pdjax.scheduler.pair_runs, re-exported here): an instance with two batches in
 flight whose running requests form two groups taking turns (each is scheduled again when its batch is collected,
