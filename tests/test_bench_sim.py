@@ -2,11 +2,13 @@
 and reports its speed, memory and the digest of its records (keys and invariants, not timings)."""
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
 import pytest
 
+from pdjax.errors import UserError
 from pdjax.experiment import sim_bench as bench_sim
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -47,3 +49,31 @@ def test_bench_sim_rejects_bad_flags():
     proc = _cli("--repeat=0")
     assert proc.returncode == 2
     assert "expected an integer >= 1" in proc.stderr
+
+
+def test_bench_sim_instructions_need_valgrind(monkeypatch):
+    monkeypatch.setattr(bench_sim.shutil, "which", lambda tool: None if tool == "callgrind_control" else tool)
+    with pytest.raises(UserError, match="callgrind_control not found on PATH"):
+        bench_sim.run(["chat10k"], 3, 1, instructions=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("valgrind") and shutil.which("callgrind_control")), reason="needs valgrind")
+def test_bench_sim_counts_the_simulations_instructions(shared_data):
+    """--instructions: the records of a plain run, and a count of the simulation alone that repeats (callgrind is
+    deterministic, the hash seed fixed) and grows with the work (twice the requests, more instructions),
+    the requests' build counted apart."""
+    plain = json.loads(_cli("--cases=replicas", "--num_requests=30").stdout)["cases"]["replicas"]
+    counts = []
+    for n in (30, 30, 60):
+        proc = _cli("--cases=replicas", f"--num_requests={n}", "--instructions")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        case = json.loads(proc.stdout)["cases"]["replicas"]
+        assert case["instructions_per_iteration"] == round(case["instructions"] / case["num_iterations"])
+        assert 0 < case["build_instructions"] < case["instructions"]
+        counts.append(case["instructions"])
+        if n == 30:
+            assert case["records_sha256"] == plain["records_sha256"]
+            assert case["num_iterations"] == plain["num_iterations"]
+    assert counts[1] == pytest.approx(counts[0], rel=1e-3)
+    assert counts[2] > 1.2 * counts[0]     # (simulate_setup also builds the instances: a fixed part)

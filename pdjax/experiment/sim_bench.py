@@ -23,6 +23,14 @@ ceiling for an interpreter-bound program, `interpreter_loops_per_s` (`interprete
 operations the simulator is made of), with each case's iterations_per_s over it (`iterations_per_interpreter_loop`):
 the same machine runs 20-30% faster or slower from one day to the next at the same load average, the ratio does not
 move with it.
+
+instructions=True (`--instructions`): each case's process runs under valgrind's callgrind instead, with
+instrumentation off until simulate_config and its two halves counted apart (callgrind_control zeroes and dumps the
+counters), PYTHONHASHSEED=0: the JSON gives per case `instructions` (the simulation, the part wall_s times: the
+instances built and the requests simulated), instructions_per_iteration and build_instructions (the setup and the
+requests built before it), beside num_iterations and records_sha256, no timings. Deterministic, so a change of
+1% shows where wall time on a shared machine cannot; about 50x slower than a plain run (minutes per case at the
+default sizes).
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ import json
 import os
 import pathlib
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,7 +51,7 @@ from pdjax.config.files import config_file
 from pdjax.errors import UserError
 from pdjax.experiment.run import prepare_experiment
 from pdjax.metrics import write_run_outputs
-from pdjax.sim.run import simulate_config
+from pdjax.sim.run import build_simulation, simulate_config, simulate_setup
 
 REPO = pathlib.Path(pdjax.__file__).resolve().parents[1]
 CASES = {
@@ -58,8 +67,26 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0     # Linux: KiB
 
 
-def run_case(name: str, num_requests: int, repeat: int) -> dict:
-    """Simulate case `name` (in this process) `repeat` times; returns its JSON entry."""
+def _callgrind(*args: str) -> None:
+    """callgrind_control on this process (run under valgrind --tool=callgrind: `run(instructions=True)`)."""
+    subprocess.run(["callgrind_control", *args, str(os.getpid())], check=True, capture_output=True)
+
+
+def _counted_simulation(cfg, workload):
+    """simulate_config under callgrind (`run(instructions=True)`), its two halves dumped apart: the requests'
+    build (callgrind.out.1) and the simulation bench_sim's wall_s times (callgrind.out.2)."""
+    _callgrind("--instr=on")
+    _callgrind("-z")
+    setup, requests = build_simulation(cfg, workload)
+    _callgrind("-d", "build")
+    result = simulate_setup(setup, requests)
+    _callgrind("-d", "simulation")
+    return result
+
+
+def run_case(name: str, num_requests: int, repeat: int, instructions: bool = False) -> dict:
+    """Simulate case `name` (in this process) `repeat` times; returns its JSON entry. instructions: this process runs
+    under callgrind (`run`): its counters are zeroed before each simulation and dumped after it."""
     path, arg, default_requests = CASES[name]
     config = config_file(str(REPO / "x"), path, arg)
     config.workload.num_requests = num_requests or default_requests
@@ -70,7 +97,10 @@ def run_case(name: str, num_requests: int, repeat: int) -> dict:
         for _ in range(repeat):
             records = iterations = None   # the last repeat's records only: a peak of one simulation's memory
             cpu_start = time.process_time()
-            result, _ = simulate_config(prep.cfg, prep.workload)
+            if instructions:
+                result = _counted_simulation(prep.cfg, prep.workload)
+            else:
+                result, _ = simulate_config(prep.cfg, prep.workload)
             cpu = time.process_time() - cpu_start
             if best is None or result.wall_s < best:
                 best = result.wall_s
@@ -116,22 +146,53 @@ def interpreter_rate(loops: int = 500_000, repeat: int = 5) -> float:
     return loops / best
 
 
-def run(cases: Sequence[str] = tuple(CASES), num_requests: int = 0, repeat: int = 1) -> dict:
-    """Every case in its own process (module docstring); UserError naming a case whose process failed (its
-    stderr printed first). Each case also gives its speed over the machine's interpreter_rate (measured before and
-    after the cases; the ratio uses their mean)."""
-    load_before = os.getloadavg()
-    ceiling_before = interpreter_rate()
-    out = {}
-    for name in cases:
+def _run_process(name: str, num_requests: int, repeat: int, instructions: bool) -> dict:
+    """Case `name` in a process of its own (under callgrind when `instructions`: then its instructions and records
+    alone); UserError naming the case when the process fails (its stderr printed first)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [sys.executable, "-m", "pdjax.experiment.sim_bench", name, str(num_requests), str(repeat)]
+        env = None
+        if instructions:
+            command = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                       f"--callgrind-out-file={tmp}/callgrind.out", *command, "instructions"]
+            env = {**os.environ, "PYTHONHASHSEED": "0"}    # the same dict and set orders every run
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "pdjax.experiment.sim_bench", name, str(num_requests),
-                               str(repeat)], cwd=REPO, capture_output=True, text=True)
+        proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             print(proc.stderr, file=sys.stderr)
             raise UserError(f"bench_sim case {name!r} failed (exit {proc.returncode})")
-        out[name] = {**json.loads(proc.stdout.strip().splitlines()[-1]),
-                     "process_wall_s": round(time.perf_counter() - start, 2)}
+        case = {**json.loads(proc.stdout.strip().splitlines()[-1]),
+                "process_wall_s": round(time.perf_counter() - start, 2)}
+        if not instructions:
+            return case
+        build, count = (_dumped_instructions(pathlib.Path(tmp, f"callgrind.out.{part}")) for part in (1, 2))
+    return {key: case[key] for key in ("config", "num_requests", "num_iterations", "records_sha256")} | {
+        "instructions": count, "instructions_per_iteration": round(count / max(case["num_iterations"], 1)),
+        "build_instructions": build}
+
+
+def _dumped_instructions(path: pathlib.Path) -> int:
+    """The instructions (Ir) of a callgrind dump: its summary line."""
+    return int(next(line.split()[1] for line in path.read_text().splitlines() if line.startswith("summary:")))
+
+
+def run(cases: Sequence[str] = tuple(CASES), num_requests: int = 0, repeat: int = 1,
+        instructions: bool = False) -> dict:
+    """Every case in its own process (module docstring); UserError naming a case whose process failed (its
+    stderr printed first). Each case also gives its speed over the machine's interpreter_rate (measured before and
+    after the cases; the ratio uses their mean). instructions: the instructions of each case's simulation instead
+    (one run each, under callgrind: module docstring); UserError when valgrind or callgrind_control is missing."""
+    if instructions:
+        missing = [tool for tool in ("valgrind", "callgrind_control") if shutil.which(tool) is None]
+        if missing:
+            raise UserError(f"bench_sim --instructions counts with valgrind's callgrind: {' and '.join(missing)} "
+                            "not found on PATH (install valgrind)")
+        return {"cases": {name: _run_process(name, num_requests, 1, True) for name in cases},
+                "instructions": "callgrind Ir: simulate_setup (instructions), build_simulation (build_instructions)",
+                "cpus": os.cpu_count()}
+    load_before = os.getloadavg()
+    ceiling_before = interpreter_rate()
+    out = {name: _run_process(name, num_requests, repeat, False) for name in cases}
     ceiling = (ceiling_before + interpreter_rate()) / 2
     for case in out.values():
         case["iterations_per_interpreter_loop"] = round(case["iterations_per_s"] / ceiling, 4)
@@ -139,5 +200,5 @@ def run(cases: Sequence[str] = tuple(CASES), num_requests: int = 0, repeat: int 
             "load_average_after": list(os.getloadavg()), "cpus": os.cpu_count()}
 
 
-if __name__ == "__main__":    # one case of `run`: CASE NUM_REQUESTS REPEAT
-    print(json.dumps(run_case(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))
+if __name__ == "__main__":    # one case of `run`: CASE NUM_REQUESTS REPEAT [instructions]
+    print(json.dumps(run_case(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:] == ["instructions"])))

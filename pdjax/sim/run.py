@@ -61,10 +61,15 @@ def simulate_config(cfg, workload=None, hardware=None) -> Tuple[SimResult, SimSe
     the result (a DisaggSimResult for a disaggregated deployment) and the setup it was built from. The one
     simulate path: `--config.backend=sim` (run_sim) and every placement candidate (pdjax.sim.placement) come
     through here. hardware: a HardwareSpec overriding the config's (build_setup)."""
+    setup, requests = build_simulation(cfg, workload, hardware)
+    return simulate_setup(setup, requests), setup
+
+
+def build_simulation(cfg, workload=None, hardware=None) -> Tuple[SimSetup, list]:
+    """simulate_config's first half: the setup and the requests (PendingRequests) simulate_setup takes."""
     setup = build_setup(cfg, hardware)
     with gc_paused():     # the requests' page keys (numbered_keys) make many short-lived objects and no cycles
-        requests = build_pending_requests(cfg, workload)
-    return simulate_setup(setup, requests), setup
+        return setup, build_pending_requests(cfg, workload)
 
 
 def iterations_per_instance(result: SimResult, setup: SimSetup) -> dict:
