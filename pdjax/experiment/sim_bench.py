@@ -86,7 +86,7 @@ def _counted_simulation(cfg, workload):
 
 def run_case(name: str, num_requests: int, repeat: int, instructions: bool = False) -> dict:
     """Simulate case `name` (in this process) `repeat` times; returns its JSON entry. instructions: this process runs
-    under callgrind (`run`): its counters are zeroed before each simulation and dumped after it."""
+    under callgrind (`run`): each simulate_config is counted by `_counted_simulation`."""
     path, arg, default_requests = CASES[name]
     config = config_file(str(REPO / "x"), path, arg)
     config.workload.num_requests = num_requests or default_requests
