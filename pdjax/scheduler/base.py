@@ -343,11 +343,11 @@ class Scheduler:
         if self.waiting and not admit_blocked and not self._run_prefills:
             return None
         after = self._run_after     # the run applied last, if nothing touched this scheduler since
-        if after is not None and after[0] == self.step and after[1] == self._applied_step and \
-                running[:len(after[2])] == after[2]:
+        n = 0 if after is None else len(after[2])
+        if after is not None and after[0] == self.step and after[1] == self._applied_step and running[:n] == after[2]:
             parts = continued_run(after, self._ps, max_steps)
-            if len(running) > len(after[2]):    # after its decoders (its prefills, some now decoders): read afresh
-                parts = joined_parts(parts, self._run_parts(running[len(after[2]):], max_steps))
+            if len(running) > n:    # after its decoders (its prefills, some decoders now): read afresh
+                parts = joined_parts(parts, self._run_parts(running[n:], max_steps))
                 if parts is None:
                     return None
         else:

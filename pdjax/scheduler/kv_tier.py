@@ -163,8 +163,7 @@ class HostKVTier:
         if self.eviction != "lru":
             raise ValueError("offload_dead needs an 'lru' tier (an 'lfu' one orders pages by their hits)")
         capacity = self.capacity
-        held = len(self._free) + len(self._slot) + self._dead_extra
-        indices = self._take_slots(n if n < held else held)
+        indices = self._take_slots(min(n, len(self._free) + len(self)))
         self.num_evictions += n - len(indices)
         while len(indices) < n:       # more pages than the tier holds: each evicts the new one `capacity` before
             indices.append(indices[len(indices) - capacity])

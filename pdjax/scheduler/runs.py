@@ -282,25 +282,19 @@ class DecodeRun:
         (_registrations), None for every decoder (no dead pages). One pass per decoder: the run's hottest loop."""
         tokens = [PLACEHOLDER] * k
         extend = list.extend     # unbound: cheaper than `+=` on an attribute or a bound method
-        if not self.sched._dead:
-            for req in self.decoders:
-                req.num_computed_tokens += k
-                extend(req.output_token_ids, tokens)
-                extend(req.all_token_ids, tokens)
-                extend(req.token_times, ends)
-                req.sched_step = step
-            return None
-        ps, keyed = self.sched._ps, []
+        dead, ps = self.sched._dead, self.sched._ps
+        keyed = [] if dead else None
         for i, req in enumerate(self.decoders):
             c = req.num_computed_tokens = req.num_computed_tokens + k
             extend(req.output_token_ids, tokens)
             extend(req.all_token_ids, tokens)
             extend(req.token_times, ends)
             req.sched_step = step
-            if req.key_base is None or req.num_preemptions:
-                keyed.append(i)
-            elif c // ps > req.num_registered_pages:
-                req.num_registered_pages = c // ps
+            if dead:      # Scheduler._keyless inlined (a call per decoder here would cost more than the rest)
+                if req.key_base is None or req.num_preemptions:
+                    keyed.append(i)
+                elif c // ps > req.num_registered_pages:
+                    req.num_registered_pages = c // ps
         return keyed
 
     def schedule_step(self, j: int, now: float) -> None:
@@ -321,7 +315,7 @@ class DecodeRun:
         """apply's end, its k steps' tokens applied (the last one numbered `step`): the step counters, the reading
         a continued run starts from, the finished requests' pages and states (at `now`), the policy's state."""
         sched = self.sched
-        decoders, prefills = self.decoders, self.prefills
+        decoders = self.decoders
         _set_step_counters(sched, step, k, schedules)
         sched._preempted_this_step = False
         # The next run starts from this one's decoders k steps on (those that go on running; the requests after
@@ -329,10 +323,9 @@ class DecodeRun:
         if finished:
             crossings, lefts = self._crossings, self._lefts
             keep = [i for i, left in enumerate(lefts) if left != k]
-            gone = finished if not prefills else [req for req, left in zip(decoders, lefts) if left == k]
+            gone = sum(req.num_computed_tokens - k for req, left in zip(decoders, lefts) if left == k)
             sched._run_after = (sched.step, sched._applied_step, [decoders[i] for i in keep],
-                                [crossings[i] for i in keep], [lefts[i] for i in keep],
-                                self.total - sum(req.num_computed_tokens - k for req in gone), k)
+                                [crossings[i] for i in keep], [lefts[i] for i in keep], self.total - gone, k)
         else:
             sched._run_after = (sched.step, sched._applied_step, decoders, self._crossings, self._lefts, self.total,
                                 k)
