@@ -283,8 +283,8 @@ class DecodeRun:
         tokens = [PLACEHOLDER] * k
         extend = list.extend     # unbound: cheaper than `+=` on an attribute or a bound method
         dead, ps = self.sched._dead, self.sched._ps
-        keyed = [] if dead else None
-        for i, req in enumerate(self.decoders):
+        keyed = []
+        for req in self.decoders:
             c = req.num_computed_tokens = req.num_computed_tokens + k
             extend(req.output_token_ids, tokens)
             extend(req.all_token_ids, tokens)
@@ -292,10 +292,12 @@ class DecodeRun:
             req.sched_step = step
             if dead:      # Scheduler._keyless inlined (a call per decoder here would cost more than the rest)
                 if req.key_base is None or req.num_preemptions:
-                    keyed.append(i)
+                    keyed.append(req)
                 elif c // ps > req.num_registered_pages:
                     req.num_registered_pages = c // ps
-        return keyed
+        if not dead:
+            return None
+        return [i for i, req in enumerate(self.decoders) if req in keyed] if keyed else []
 
     def schedule_step(self, j: int, now: float) -> None:
         """The schedule() side of planned step j, scheduled at `now`, the steps before it applied (apply_range):
