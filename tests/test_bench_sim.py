@@ -2,6 +2,7 @@
 and reports its speed, memory and the digest of its records (keys and invariants, not timings)."""
 import json
 import pathlib
+import platform
 import shutil
 import subprocess
 import sys
@@ -77,3 +78,32 @@ def test_bench_sim_counts_the_simulations_instructions(shared_data):
             assert case["num_iterations"] == plain["num_iterations"]
     assert counts[1] == pytest.approx(counts[0], rel=1e-3)
     assert counts[2] > 1.2 * counts[0]     # (simulate_setup also builds the instances: a fixed part)
+
+
+def test_bench_sim_runs_the_cases_under_each_interpreter_given(shared_data, tmp_path):
+    """--pythons: each case under each interpreter (here this one, by two paths), side by side: its version, its
+    own loop rate and the cases' ratios over it; the same records as a plain run."""
+    alias = tmp_path / "python"
+    alias.symlink_to(sys.executable)
+    pythons = [sys.executable, str(alias)]
+    out = bench_sim.run(["chat10k"], 3, 1, pythons=pythons)
+    plain = bench_sim.run(["chat10k"], 3, 1)["cases"]["chat10k"]
+    assert list(out["interpreters"]) == pythons and out["cpus"] >= 1
+    for entry in out["interpreters"].values():
+        assert entry["version"] == platform.python_version() and entry["interpreter_loops_per_s"] > 0
+        case = entry["cases"]["chat10k"]
+        assert case["records_sha256"] == plain["records_sha256"] and case["num_iterations"] == plain["num_iterations"]
+        assert case["iterations_per_interpreter_loop"] == pytest.approx(
+            case["iterations_per_s"] / entry["interpreter_loops_per_s"], rel=1e-3, abs=1e-4)
+
+
+def test_bench_sim_refuses_an_interpreter_without_pdjax(tmp_path):
+    bare = tmp_path / "bare-python"     # no site-packages, and the checkout not on its path: no pdjax
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")
+    bare.chmod(0o755)
+    with pytest.raises(UserError, match="does not import this checkout's pdjax"):
+        bench_sim.run(["chat10k"], 3, 1, pythons=[str(bare)])
+    with pytest.raises(UserError, match="cannot be run"):
+        bench_sim.run(["chat10k"], 3, 1, pythons=[str(tmp_path / "nope")])
+    with pytest.raises(UserError, match="given twice"):
+        bench_sim.run(["chat10k"], 3, 1, pythons=[sys.executable, sys.executable])

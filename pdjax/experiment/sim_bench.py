@@ -31,6 +31,15 @@ instances built and the requests simulated), instructions_per_iteration and buil
 requests built before it), beside num_iterations and records_sha256, no timings. Deterministic, so a change of
 1% shows where wall time on a shared machine cannot; about 50x slower than a plain run (minutes per case at the
 default sizes).
+
+pythons (`--pythons=PATH,...`): the cases' processes run under each of these interpreters in turn, case by case (side
+by side in one run: the machine's noise falls on all of them alike), each importing this checkout's pdjax (its
+dependencies installed for it, e.g. a venv made with that interpreter and `pip install -e .`). The JSON then gives,
+per interpreter, its version and its own `interpreter_loops_per_s` (measured in each case's process before the
+simulation; the mean of its processes) and its cases, each with iterations_per_interpreter_loop over its process's
+rate. The same code runs 15-45% faster or slower under different builds of one CPython version (experiments/README.md:
+a distribution's PGO + LTO build against pyenv's default one); records differ between Python versions only where
+the workload reads the stdlib's pydoc text (pdjax.workload.tokens: real-text prompts, as the replicas case).
 """
 from __future__ import annotations
 
@@ -84,9 +93,11 @@ def _counted_simulation(cfg, workload):
     return result
 
 
-def run_case(name: str, num_requests: int, repeat: int, instructions: bool = False) -> dict:
+def run_case(name: str, num_requests: int, repeat: int, instructions: bool = False, rate: bool = False) -> dict:
     """Simulate case `name` (in this process) `repeat` times; returns its JSON entry. instructions: this process runs
-    under callgrind (`run`): each simulate_config is counted by `_counted_simulation`."""
+    under callgrind (`run`): each simulate_config is counted by `_counted_simulation`. rate: the entry also gives
+    this interpreter's interpreter_loops_per_s, measured first (`run` with pythons)."""
+    loops_per_s = interpreter_rate() if rate else None
     path, arg, default_requests = CASES[name]
     config = config_file(str(REPO / "x"), path, arg)
     config.workload.num_requests = num_requests or default_requests
@@ -118,7 +129,9 @@ def run_case(name: str, num_requests: int, repeat: int, instructions: bool = Fal
             "iterations_per_s": len(iterations) / best if best > 0 else float("inf"),
             "cpu_s": best_cpu, "iterations_per_cpu_s": len(iterations) / best_cpu if best_cpu > 0 else float("inf"),
             "peak_rss_mb": round(peak_rss, 1), "base_rss_mb": round(base_rss, 1),
-            "records_sha256": digest.hexdigest()}
+            "records_sha256": digest.hexdigest()} | ({} if loops_per_s is None else {
+                "interpreter_loops_per_s": round(loops_per_s),
+                "iterations_per_interpreter_loop": round(len(iterations) / best / loops_per_s, 4) if best else None})
 
 
 class _Slot:
@@ -146,11 +159,13 @@ def interpreter_rate(loops: int = 500_000, repeat: int = 5) -> float:
     return loops / best
 
 
-def _run_process(name: str, num_requests: int, repeat: int, instructions: bool) -> dict:
-    """Case `name` in a process of its own (under callgrind when `instructions`: then its instructions and records
-    alone); UserError naming the case when the process fails (its stderr printed first)."""
+def _run_process(name: str, num_requests: int, repeat: int, instructions: bool, python: str = "") -> dict:
+    """Case `name` in a process of its own, run by interpreter `python` ('': this one; else its entry gives its rate:
+    run_case) (under callgrind when `instructions`: then its instructions and records alone); UserError naming the
+    case when the process fails (its stderr printed first)."""
     with tempfile.TemporaryDirectory() as tmp:
-        command = [sys.executable, "-m", "pdjax.experiment.sim_bench", name, str(num_requests), str(repeat)]
+        command = [python or sys.executable, "-m", "pdjax.experiment.sim_bench", name, str(num_requests), str(repeat),
+                   *(["rate"] if python and not instructions else [])]
         env = None
         if instructions:
             command = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
@@ -176,17 +191,42 @@ def _dumped_instructions(path: pathlib.Path) -> int:
     return int(next(line.split()[1] for line in path.read_text().splitlines() if line.startswith("summary:")))
 
 
+def _check_valgrind() -> None:
+    missing = [tool for tool in ("valgrind", "callgrind_control") if shutil.which(tool) is None]
+    if missing:
+        raise UserError(f"bench_sim --instructions counts with valgrind's callgrind: {' and '.join(missing)} "
+                        "not found on PATH (install valgrind)")
+
+
+def interpreter_version(python: str) -> str:
+    """The Python version of interpreter `python` when it imports this checkout's pdjax (run from the checkout, as
+    the cases' processes are); UserError naming it otherwise."""
+    probe = "import platform, pdjax.experiment.sim_bench as b; print(platform.python_version(), b.__file__)"
+    try:
+        proc = subprocess.run([python, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    except OSError as e:
+        raise UserError(f"bench_sim --pythons: {python!r} cannot be run ({e.strerror}); expected a Python "
+                        "interpreter's path") from e
+    version, _, where = proc.stdout.strip().partition(" ")
+    if proc.returncode != 0 or pathlib.Path(where).resolve() != pathlib.Path(__file__).resolve():
+        raise UserError(f"bench_sim --pythons: {python!r} does not import this checkout's pdjax ({REPO}): "
+                        f"{(proc.stderr.strip().splitlines() or ['it imports ' + where])[-1]}; expected an "
+                        "interpreter with pdjax's dependencies (e.g. a venv's python after `pip install -e .`)")
+    return version
+
+
 def run(cases: Sequence[str] = tuple(CASES), num_requests: int = 0, repeat: int = 1,
-        instructions: bool = False) -> dict:
+        instructions: bool = False, pythons: Sequence[str] = ()) -> dict:
     """Every case in its own process (module docstring); UserError naming a case whose process failed (its
     stderr printed first). Each case also gives its speed over the machine's interpreter_rate (measured before and
     after the cases; the ratio uses their mean). instructions: the instructions of each case's simulation instead
-    (one run each, under callgrind: module docstring); UserError when valgrind or callgrind_control is missing."""
+    (one run each, under callgrind: module docstring); UserError when valgrind or callgrind_control is missing.
+    pythons: the cases run under each of these interpreters in turn (module docstring), checked first
+    (interpreter_version)."""
+    if pythons:
+        return _run_pythons(cases, num_requests, repeat, instructions, pythons)
     if instructions:
-        missing = [tool for tool in ("valgrind", "callgrind_control") if shutil.which(tool) is None]
-        if missing:
-            raise UserError(f"bench_sim --instructions counts with valgrind's callgrind: {' and '.join(missing)} "
-                            "not found on PATH (install valgrind)")
+        _check_valgrind()
         return {"cases": {name: _run_process(name, num_requests, 1, True) for name in cases},
                 "instructions": "callgrind Ir: simulate_setup (instructions), build_simulation (build_instructions)",
                 "cpus": os.cpu_count()}
@@ -200,5 +240,29 @@ def run(cases: Sequence[str] = tuple(CASES), num_requests: int = 0, repeat: int 
             "load_average_after": list(os.getloadavg()), "cpus": os.cpu_count()}
 
 
-if __name__ == "__main__":    # one case of `run`: CASE NUM_REQUESTS REPEAT [instructions]
-    print(json.dumps(run_case(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:] == ["instructions"])))
+def _run_pythons(cases: Sequence[str], num_requests: int, repeat: int, instructions: bool,
+                 pythons: Sequence[str]) -> dict:
+    """run() under each interpreter of `pythons` in turn, case by case."""
+    if len(set(pythons)) != len(pythons):
+        raise UserError(f"bench_sim --pythons={','.join(pythons)}: an interpreter is given twice; expected distinct "
+                        "paths")
+    if instructions:
+        _check_valgrind()
+    versions = {python: interpreter_version(python) for python in pythons}
+    load_before = os.getloadavg()
+    out = {python: {"version": versions[python], "cases": {}} for python in pythons}
+    for name in cases:
+        for python in pythons:
+            out[python]["cases"][name] = _run_process(name, num_requests, repeat, instructions, python)
+    for entry in out.values():
+        rates = [case.pop("interpreter_loops_per_s") for case in entry["cases"].values()
+                 if "interpreter_loops_per_s" in case]
+        if rates:
+            entry["interpreter_loops_per_s"] = round(sum(rates) / len(rates))
+    return {"interpreters": out, "load_average_before": list(load_before), "load_average_after": list(os.getloadavg()),
+            "cpus": os.cpu_count()}
+
+
+if __name__ == "__main__":    # one case of `run`: CASE NUM_REQUESTS REPEAT [instructions | rate]
+    print(json.dumps(run_case(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:] == ["instructions"],
+                              sys.argv[4:] == ["rate"])))
