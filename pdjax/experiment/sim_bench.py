@@ -37,9 +37,9 @@ by side in one run: the machine's noise falls on all of them alike), each import
 dependencies installed for it, e.g. a venv made with that interpreter and `pip install -e .`). The JSON then gives,
 per interpreter, its version and its own `interpreter_loops_per_s` (measured in each case's process before the
 simulation; the mean of its processes) and its cases, each with iterations_per_interpreter_loop over its process's
-rate. The same code runs 15-45% faster or slower under different builds of one CPython version (experiments/README.md:
-a distribution's PGO + LTO build against pyenv's default one); records differ between Python versions only where
-the workload reads the stdlib's pydoc text (pdjax.workload.tokens: real-text prompts, as the replicas case).
+rate. The same code runs 5-23% faster under a distribution's optimized build of one CPython version than under
+pyenv's default build (experiments/README.md); records differ between Python versions only where the workload reads
+the stdlib's pydoc text (pdjax.workload.tokens: real-text prompts with prefix caching, as in the replicas case).
 """
 from __future__ import annotations
 
