@@ -7,7 +7,7 @@ setup(
     description="JAX research framework for LLM serving: chunked prefill, stall-free batching, "
     "prefill/decode disaggregation, and a calibrated simulator.",
     packages=find_packages(include=["pdjax", "pdjax.*"]),
-    package_data={"pdjax.sim": ["profiles/*.json"]},
+    package_data={"pdjax.sim": ["profiles/*.json"], "pdjax.workload": ["data/*.json.xz"]},
     python_requires=">=3.10",
     install_requires=[
         # Tested with jax/jaxlib 0.10.2 on CPU; the upper bounds admit 0.11.x, which the GPU image carries (untested).

@@ -2,6 +2,8 @@
 same lengths and arrivals as the default hashed prompts, every prompt piece (system prompt, multi-turn history)
 consistent."""
 import dataclasses
+import hashlib
+import platform
 
 import pytest
 
@@ -75,3 +77,27 @@ def test_missing_or_empty_text_file(tmp_path):
     (tmp_path / "empty.txt").write_bytes(b"")
     with pytest.raises(ValueError, match="is empty"):
         load_text_bytes(str(tmp_path / "empty.txt"))
+
+
+PINNED_SHA256 = "d9dc35bce5ab1a24ed7f4c3c9b7c22450410e9d68279e3426db458c6be371621"   # CPython 3.11.7's topics
+
+
+def test_the_default_text_is_pinned_whatever_the_interpreter(monkeypatch):
+    """The default text is the pinned snapshot of CPython 3.11.7's pydoc topics, not the running stdlib's (which
+    changes between Python versions: a seeded text workload would not repeat across interpreters); on 3.11.7 the
+    snapshot is the stdlib's text itself."""
+    from pydoc_data.topics import topics as stdlib_topics
+
+    from pdjax.models.tiny_hf import topics
+    from pdjax.workload.tokens import pinned_topics
+    pinned_topics.cache_clear()
+    monkeypatch.setitem(stdlib_topics, "a-topic-of-another-python", "text this interpreter's stdlib would add")
+    text = default_text_bytes()
+    assert hashlib.sha256(text).hexdigest() == PINNED_SHA256
+    pinned = pinned_topics()
+    assert [key for key, _ in pinned] == sorted(key for key, _ in pinned) and len(pinned) > 50
+    assert text == "\n\n".join(body for _, body in pinned).encode("utf-8")
+    assert topics() == list(pinned)     # tiny-hf's documents: the same topics
+    monkeypatch.undo()
+    if platform.python_version() == "3.11.7":
+        assert pinned == tuple((key, stdlib_topics[key].strip("\n")) for key in sorted(stdlib_topics))

@@ -38,8 +38,8 @@ dependencies installed for it, e.g. a venv made with that interpreter and `pip i
 per interpreter, its version and its own `interpreter_loops_per_s` (measured in each case's process before the
 simulation; the mean of its processes) and its cases, each with iterations_per_interpreter_loop over its process's
 rate. The same code runs 5-23% faster under a distribution's optimized build of one CPython version than under
-pyenv's default build (experiments/README.md); records differ between Python versions only where the workload reads
-the stdlib's pydoc text (pdjax.workload.tokens: real-text prompts with prefix caching, as in the replicas case).
+pyenv's default build (experiments/README.md); the records are the same under every interpreter (real-text prompts
+read a pinned text: pdjax.workload.tokens.pinned_topics).
 """
 from __future__ import annotations
 

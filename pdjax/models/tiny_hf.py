@@ -4,10 +4,10 @@ The example of "your own HF model directory": config.json, model.safetensors, to
 tokenizer_config.json (special tokens, ChatML `chat_template`), generation_config.json (eos ids
 [<|im_end|>, <|endoftext|>]). transformers loads the same directory (tests/test_tiny_hf_parity.py).
 
-Data: the stdlib pydoc topics (the text of tiny-byte), one document per topic in sorted key order; the last
-`val_fraction` of the topics is held out. Each training topic appears twice: as plain text ending in
-<|endoftext|>, and as a ChatML exchange ("What is <topic>?" -> the topic's first paragraphs, ending in
-<|im_end|>), so the model learns to close an assistant turn.
+Data: the pinned stdlib pydoc topics (pdjax.workload.tokens.pinned_topics, the text of tiny-byte), one document
+per topic in sorted key order; the last `val_fraction` of the topics is held out. Each training topic appears
+twice: as plain text ending in <|endoftext|>, and as a ChatML exchange ("What is <topic>?" -> the topic's first
+paragraphs, ending in <|im_end|>), so the model learns to close an assistant turn.
 Tokenizer: `tokenizers`' BPE trainer over GPT-2 style ByteLevel pre-tokenization (every byte has a token, so
 any text encodes; a character outside the merges is several byte tokens), special tokens first (ids 0-2).
 Model: tiny-byte's dimensions with the BPE vocabulary, tied embeddings, no sliding window (transformers'
@@ -21,12 +21,12 @@ import pathlib
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
-from pydoc_data.topics import topics as table
 
 from pdjax.config.model_specs import ModelSpec, get_model_spec
 from pdjax.metrics.report import atomic_write_text
 from pdjax.models import train as tr
 from pdjax.models.checkpoint import save_hf_checkpoint, write_checksums
+from pdjax.workload.tokens import pinned_topics
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
@@ -51,8 +51,9 @@ class TinyHFConfig:
 
 
 def topics() -> List[Tuple[str, str]]:
-    """(key, text) of each stdlib pydoc topic in sorted key order (the documents of `default_text_bytes()`)."""
-    return [(key, table[key].strip("\n")) for key in sorted(table)]
+    """(key, text) of each pinned pydoc topic in sorted key order (pdjax.workload.tokens.pinned_topics: the
+    documents of `default_text_bytes()`)."""
+    return list(pinned_topics())
 
 
 def chat_text(question: str, answer: str) -> str:

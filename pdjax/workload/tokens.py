@@ -8,16 +8,18 @@ The modulo bias is below vocab_size / 2^64, nothing a workload can notice.
 
 Real-text prompts (`text_token_ids`): for byte-level models, a prompt is a window of a text's bytes (ids =
 byte values) whose start is the same kind of hash of (seed, stream, key), so it is deterministic and
-independent of other requests too. The default text is the stdlib's `pydoc_data.topics` (every Python
-install has it; also the training text of the `tiny-byte` checkpoint).
+independent of other requests too. The default text is the stdlib's pydoc topics as CPython 3.11.7 has them
+(`pinned_topics`: a snapshot in pdjax/workload/data, since the stdlib's copy changes between Python versions and a
+seeded workload must give the same prompts on every interpreter; also the training text of the `tiny-byte`
+checkpoint).
 """
 from __future__ import annotations
 
 import functools
+import json
+import lzma
 import pathlib
-from typing import List, Optional, Sequence
-
-from pydoc_data.topics import topics
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -55,10 +57,21 @@ def hashed_token_ids(seed: int, stream: int, key: int, length: int, vocab_size: 
     return (x % np.uint64(vocab_size)).astype(np.int64).tolist()
 
 
+PINNED_TOPICS = pathlib.Path(__file__).with_name("data") / "pydoc_topics.json.xz"
+
+
+@functools.lru_cache(maxsize=1)
+def pinned_topics() -> Tuple[Tuple[str, str], ...]:
+    """((key, text), ...) of every stdlib pydoc topic as CPython 3.11.7 has them (Lib/pydoc_data/topics.py, the
+    Python documentation under the PSF License), in sorted key order, each text stripped of leading and trailing
+    newlines: the same on every interpreter (the stdlib's own copy differs between Python versions)."""
+    with lzma.open(PINNED_TOPICS, "rt", encoding="utf-8") as f:
+        return tuple((key, text) for key, text in json.load(f)["topics"])
+
+
 def default_text_bytes() -> bytes:
-    """The stdlib pydoc topics text as UTF-8 bytes: every topic in sorted key order, separated by a blank
-    line (~0.5 MB; varies a little between Python versions)."""
-    return "\n\n".join(topics[key].strip("\n") for key in sorted(topics)).encode("utf-8")
+    """The pinned pydoc topics (`pinned_topics`) as UTF-8 bytes, separated by a blank line (466,194 bytes)."""
+    return "\n\n".join(text for _, text in pinned_topics()).encode("utf-8")
 
 
 @functools.lru_cache(maxsize=4)
