@@ -130,8 +130,7 @@ def run_case(name: str, num_requests: int, repeat: int, instructions: bool = Fal
             "cpu_s": best_cpu, "iterations_per_cpu_s": len(iterations) / best_cpu if best_cpu > 0 else float("inf"),
             "peak_rss_mb": round(peak_rss, 1), "base_rss_mb": round(base_rss, 1),
             "records_sha256": digest.hexdigest()} | ({} if loops_per_s is None else {
-                "interpreter_loops_per_s": round(loops_per_s),
-                "iterations_per_interpreter_loop": round(len(iterations) / best / loops_per_s, 4) if best else None})
+                "interpreter_loops_per_s": round(loops_per_s)})
 
 
 class _Slot:
@@ -191,6 +190,11 @@ def _dumped_instructions(path: pathlib.Path) -> int:
     return int(next(line.split()[1] for line in path.read_text().splitlines() if line.startswith("summary:")))
 
 
+def _add_ratio(case: dict, loops_per_s: float) -> None:
+    """A case's iterations_per_interpreter_loop: its speed over an interpreter_rate."""
+    case["iterations_per_interpreter_loop"] = round(case["iterations_per_s"] / loops_per_s, 4)
+
+
 def _check_valgrind() -> None:
     missing = [tool for tool in ("valgrind", "callgrind_control") if shutil.which(tool) is None]
     if missing:
@@ -235,7 +239,7 @@ def run(cases: Sequence[str] = tuple(CASES), num_requests: int = 0, repeat: int 
     out = {name: _run_process(name, num_requests, repeat, False) for name in cases}
     ceiling = (ceiling_before + interpreter_rate()) / 2
     for case in out.values():
-        case["iterations_per_interpreter_loop"] = round(case["iterations_per_s"] / ceiling, 4)
+        _add_ratio(case, ceiling)
     return {"cases": out, "interpreter_loops_per_s": round(ceiling), "load_average_before": list(load_before),
             "load_average_after": list(os.getloadavg()), "cpus": os.cpu_count()}
 
@@ -255,9 +259,10 @@ def _run_pythons(cases: Sequence[str], num_requests: int, repeat: int, instructi
         for python in pythons:
             out[python]["cases"][name] = _run_process(name, num_requests, repeat, instructions, python)
     for entry in out.values():
-        rates = [case.pop("interpreter_loops_per_s") for case in entry["cases"].values()
-                 if "interpreter_loops_per_s" in case]
-        if rates:
+        if not instructions:
+            rates = [case.pop("interpreter_loops_per_s") for case in entry["cases"].values()]
+            for case, rate in zip(entry["cases"].values(), rates):
+                _add_ratio(case, rate)
             entry["interpreter_loops_per_s"] = round(sum(rates) / len(rates))
     return {"interpreters": out, "load_average_before": list(load_before), "load_average_after": list(os.getloadavg()),
             "cpus": os.cpu_count()}
