@@ -756,6 +756,50 @@ def test_cache_aware_routers_route_past_unapplied_decode_steps(router, policy, t
     assert 0 < sum(skipped) < len(skipped), "the case is meant to skip some catch-ups and not others"
 
 
+def prefix_pairs(n: int, seed: int, rate: float) -> list:
+    """Pairs of requests sharing a fresh prefix (40-120 tokens) with their own tails, the second arriving up to 50 ms
+    after the first: it arrives while the first one's prompt steps, registering that prefix, may be unapplied."""
+    rng = random.Random(seed)
+    reqs, t = [], 0.0
+    for i in range(0, n, 2):
+        t += rng.expovariate(rate)
+        prefix = [rng.randrange(1, 500) for _ in range(rng.randint(40, 120))]
+        for k in range(2):
+            prompt = prefix + [rng.randrange(1, 500) for _ in range(rng.randint(10, 100))]
+            reqs.append(Request(f"p{i + k:03d}", prompt, SamplingParams(max_tokens=rng.randint(8, 60)),
+                                t + k * 0.05 * rng.random()))
+    return sorted(reqs, key=lambda r: r.arrival_time)
+
+
+@pytest.mark.parametrize("router", ["kv_centric", "prefix_affinity"])
+@pytest.mark.parametrize("workload,tier,seed,num_pages", [("shared", "none", 1, 80), ("shared", "local", 0, 160),
+                                                          ("pairs", "local", 0, 80)])
+def test_cache_aware_routers_route_past_unapplied_prefill_steps(router, workload, tier, seed, num_pages, monkeypatch):
+    """Sarathi with a small token budget (prompts take several steps) behind the cache-aware routers: a replica whose
+    unapplied steps compute prompt tokens is read without a catch-up only when no request they run can register the
+    arriving request's first page (routing.no_hit_change); records and caches equal the steps one at a time (the
+    pairs: where a read past the first one's prompt steps would differ), and reads over prefill steps both skip the
+    catch-up and make it."""
+    from pdjax.scheduler import routing
+    seen = []
+    stale_ok = routing.ROUTERS[router].stale_ok
+
+    def counting(router_, inst, req, prefill_tokens):
+        ok = stale_ok(router_, inst, req, prefill_tokens)
+        if prefill_tokens:
+            seen.append(ok)
+        return ok
+
+    monkeypatch.setattr(routing.ROUTERS[router], "stale_ok", counting)
+    params = dict(CONFIGS["sarathi"], num_pages=num_pages, token_budget=32)
+    args = dict(instances=3, router=router, tier=tier, seed=seed, n=90, rate=6.0,
+                workload=prefix_pairs if workload == "pairs" else None)
+    reference = run_cached(params, False, **args)
+    got = run_cached(params, True, **args)
+    assert_same_cached(reference, got)
+    assert 0 < sum(seen) < len(seen), "the case is meant to skip some catch-ups over prefill steps and not others"
+
+
 @pytest.mark.parametrize("decode_pages", [512, 72])
 def test_decode_runs_admit_landed_kv_with_prefix_caching(decode_pages, monkeypatch):
     """Prefix caching on both sides of a disaggregated deployment: a decode instance's runs admit landed KV (each

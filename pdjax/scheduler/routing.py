@@ -247,22 +247,27 @@ def _kv_centric(router: InstanceRouter):
 
 def no_hit_change(inst, req, prefill_tokens: int) -> bool:
     """Whether `req`'s hit on `inst` (cached_prefix) is the same before and after steps of `inst` that compute
-    `prefill_tokens` prompt tokens and decode. Without prefix caching, yes. With it, only decode-only steps
-    (prefill_tokens = 0) qualify, and only when the hit is 0 before and after them: req's first page is in neither
-    the prefix cache nor the host tier (the steps' evictions could drop it) and no running request can register a
-    first page (each has one registered already; a later page's key chains on its parent's hash, a first page's on
-    0, and a key's hash is 0 only by a 2**-64 chance). A request with numbered keys (block_manager.numbered_key_bases)
-    that was never scheduled: yes, its hit is 0 anywhere until it runs."""
+    `prefill_tokens` prompt tokens and decode. Without prefix caching, yes. With it, only when the hit is 0 before and
+    after them: req's first page is in neither the prefix cache nor the host tier (the steps' evictions could drop
+    it) and no request the steps run can register it: each running request (and, with prompt tokens computed, each
+    waiting one: the steps may admit it) has registered a first page already, or its first page is full and holds
+    other tokens (a later page's key chains on its parent's hash, a first page's on 0, and a key's hash is 0 only
+    by a 2**-64 chance). A request with numbered keys (block_manager.numbered_key_bases) that was never scheduled:
+    yes, its hit is 0 anywhere until it runs."""
     bm = inst.scheduler.block_manager
     if not bm.enable_prefix_caching or holds_no_prefix(req):
         return True
-    if prefill_tokens:
-        return False
-    if len(req.all_token_ids) <= bm.page_size:
+    ps = bm.page_size
+    if len(req.all_token_ids) <= ps:
         return True
     if bm.holds_first_page(req):
         return False
-    return all(r.num_registered_pages for r in inst.scheduler.running)
+    s = inst.scheduler
+    first = request_page_keys(req, ps, 1)[0]
+    for r in itertools.chain(s.running, s.waiting) if prefill_tokens else s.running:
+        if not r.num_registered_pages and (len(r.all_token_ids) < ps or request_page_keys(r, ps, 1)[0] == first):
+            return False
+    return True
 
 
 def cache_aware_stale_ok(router: InstanceRouter, inst, req, prefill_tokens: int) -> bool:
