@@ -4,6 +4,7 @@ case in its own process; JSON to stdout.
 
     python -m experiments.bench_sim [--cases=chat10k,disagg,pipeline] [--num_requests=N] [--repeat=1]
     python -m experiments.bench_sim --instructions [--cases=replicas] [--num_requests=2000]   # callgrind: Ir
+    python -m experiments.bench_sim --instructions --cases=replicas,replicas_rr --num_requests=2000   # routing's cost
     python -m experiments.bench_sim --pythons=$VENV/bin/python,$(which python)   # interpreters side by side
 """
 from __future__ import annotations
@@ -13,10 +14,10 @@ import json
 from absl import flags
 
 from pdjax.experiment import cli
-from pdjax.experiment.sim_bench import CASES, run
+from pdjax.experiment.sim_bench import CASES, DEFAULT_CASES, run
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("cases", list(CASES), "Comma-separated cases.")
+flags.DEFINE_list("cases", list(DEFAULT_CASES), f"Comma-separated cases of {sorted(CASES)}.")
 flags.DEFINE_integer("num_requests", 0, "Requests per case (0: its own).")
 flags.DEFINE_integer("repeat", 1, "Runs per case (best wall time).")
 flags.DEFINE_bool("instructions", False, "Count each case's simulation instructions under valgrind's callgrind "

@@ -24,7 +24,7 @@ def test_bench_sim_smoke(shared_data):
     proc = _cli("--num_requests=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
-    assert sorted(out["cases"]) == sorted(bench_sim.CASES)
+    assert sorted(out["cases"]) == sorted(bench_sim.DEFAULT_CASES)
     for case in out["cases"].values():
         assert case["num_requests"] == 3 and case["num_iterations"] > 0
         assert case["iterations_per_s"] == pytest.approx(case["num_iterations"] / case["wall_s"])
@@ -35,6 +35,17 @@ def test_bench_sim_smoke(shared_data):
             case["iterations_per_s"] / out["interpreter_loops_per_s"], rel=1e-3, abs=1e-4)
     assert len(out["load_average_before"]) == 3 and out["cpus"] >= 1
     assert out["interpreter_loops_per_s"] > 0
+
+
+def test_bench_sim_runs_the_round_robin_baseline_only_when_named(shared_data):
+    """replicas_rr (the replicas case behind round_robin: what cache-aware routing costs is the difference) is run
+    when named, not by default."""
+    assert "replicas_rr" in bench_sim.CASES and "replicas_rr" not in bench_sim.DEFAULT_CASES
+    out = bench_sim.run(["replicas", "replicas_rr"], 3, 1)["cases"]
+    assert out["replicas_rr"]["config"] == "configs/sim/chat10k.py:replicas-round_robin"
+    assert out["replicas"]["config"] == "configs/sim/chat10k.py:replicas-kv_centric"
+    assert out["replicas_rr"]["num_requests"] == out["replicas"]["num_requests"] == 3
+    assert out["replicas_rr"]["num_iterations"] > 0
 
 
 def test_interpreter_rate_is_loops_per_second(monkeypatch):

@@ -10,6 +10,9 @@ config is prepared as `experiments.serve --config.backend=sim` prepares it
     pipeline  configs/sim/paper_base.py:llama70b-chat        Llama-2-70B TP4 x PP2 (2 batches in flight), 2,000
     replicas  configs/sim/chat10k.py:replicas-kv_centric     chat10k on 4 replicas at 4x the rate, prefix caching,
                                                              kv_centric router, host KV tiers, 10,000 requests
+and, run only when named (not in DEFAULT_CASES):
+    replicas_rr  configs/sim/chat10k.py:replicas-round_robin  the same behind round_robin, which reads no replica:
+                                                             `replicas` less it is what cache-aware routing costs
 num_requests replaces every case's request count (the smoke test runs a handful).
 
 JSON: per case num_requests, num_iterations, wall_s (the simulate call alone, best of `repeat` runs),
@@ -68,7 +71,9 @@ CASES = {
     "disagg": ("configs/sim/disagg_paper.py", "1p1d-chat", 4_000),
     "pipeline": ("configs/sim/paper_base.py", "llama70b-chat", 2_000),
     "replicas": ("configs/sim/chat10k.py", "replicas-kv_centric", 10_000),
+    "replicas_rr": ("configs/sim/chat10k.py", "replicas-round_robin", 10_000),
 }
+DEFAULT_CASES = ("chat10k", "disagg", "pipeline", "replicas")
 RECORD_FILES = ("requests.csv", "iterations.csv", "token_times.csv")
 
 
@@ -219,7 +224,7 @@ def interpreter_version(python: str) -> str:
     return version
 
 
-def run(cases: Sequence[str] = tuple(CASES), num_requests: int = 0, repeat: int = 1,
+def run(cases: Sequence[str] = DEFAULT_CASES, num_requests: int = 0, repeat: int = 1,
         instructions: bool = False, pythons: Sequence[str] = ()) -> dict:
     """Every case in its own process (module docstring); UserError naming a case whose process failed (its
     stderr printed first). Each case also gives its speed over the machine's interpreter_rate (measured before and
