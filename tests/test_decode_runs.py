@@ -1063,3 +1063,53 @@ def test_decode_runs_with_prefix_caching_on_the_mooncake_trace(kind, pool, share
     assert iteration_rows(got.iterations) == iteration_rows(ref.iterations)
     assert cache == ref_cache
     assert seen["steps"] > 0 and seen["evicted"] > 0, "the case is meant to evict cached pages inside runs"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_run_serial_is_dispatch_then_collect_bit_for_bit(seed):
+    """StagePipeline.run_serial (the decode runs' accounting, folded in C) against dispatch() and collect() of each
+    batch in turn, after some history: the same busy, in-flight and active seconds to the last bit."""
+    from pdjax.sim.pipeline import StagePipeline
+    rng = random.Random(seed)
+    starts, ends, seconds = [], [], []
+    t = rng.uniform(1300.0, 1400.0)
+    for _ in range(rng.randint(1, 40)):
+        d = rng.uniform(1e-5, 0.2)
+        starts.append(t)
+        ends.append(t + d)
+        seconds.append(d)
+        t = t + d + rng.choice([0.0, rng.uniform(0.0, 0.01)])
+    ref, got = StagePipeline(), StagePipeline()
+
+    def batch(i):
+        return SimpleNamespace(is_empty=False, step=i, req_ids=[f"r{i}"])
+    for pipe in (ref, got):      # a long history: its sums are large, so the order of the additions shows
+        pipe.dispatch(batch(-1), 0.1, [1234.5678])
+        pipe.collect(1234.6678)
+    for i, (start, end, d) in enumerate(zip(starts, ends, seconds)):
+        assert ref.dispatch(batch(i), start, [d]) == end
+        ref.collect(end)
+    got.run_serial(starts, ends, seconds)
+    assert (got.stage_busy, got.in_flight_s, got.active_s, got.stage_free, got.queue.num_pushed) == \
+        (ref.stage_busy, ref.in_flight_s, ref.active_s, ref.stage_free, ref.queue.num_pushed)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_run_readings_in_c_equal_their_loops(seed):
+    """The per-decoder readings done in C (runs._pages_grown's count when every decoder grows first within a page,
+    continued_run's shift of crossings and lefts) against their plain loops, over crossings within a page and past
+    it, runs shorter and longer than a page."""
+    rng = random.Random(seed)
+    ps = rng.choice([1, 2, 16, 32])
+    n = rng.randint(0, 40)
+    crossings = [rng.randrange(ps if rng.random() < 0.7 else 3 * ps) for _ in range(n)]
+    for steps in [0, 1, ps - 1, ps, ps + 1, rng.randint(1, 6 * ps)]:
+        loop = sum(1 + (steps - 1 - j) // ps for j in crossings if j < steps)
+        assert runs_module._pages_grown(crossings, steps, ps) == loop
+    lefts = [rng.randint(1, 300) for _ in range(n)]
+    k = rng.randint(1, 3 * ps)
+    decoders = [object() for _ in range(n)]
+    got = runs_module.continued_run((0, 0, decoders, crossings, lefts, 1000, k), ps, 10 ** 6)
+    shifted = [j - k if j >= k else (j - k) % ps for j in crossings]
+    assert got[0] == decoders and got[2] == shifted and got[3] == [left - k for left in lefts]
+    assert got[4] == 1000 + k * n and got[5] == min([left - k for left in lefts] or [10 ** 6])
