@@ -1092,24 +1092,3 @@ def test_run_serial_is_dispatch_then_collect_bit_for_bit(seed):
     got.run_serial(starts, ends, seconds)
     assert (got.stage_busy, got.in_flight_s, got.active_s, got.stage_free, got.queue.num_pushed) == \
         (ref.stage_busy, ref.in_flight_s, ref.active_s, ref.stage_free, ref.queue.num_pushed)
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_run_readings_in_c_equal_their_loops(seed):
-    """The per-decoder readings done in C (runs._pages_grown's count when every decoder grows first within a page,
-    continued_run's shift of crossings and lefts) against their plain loops, over crossings within a page and past
-    it, runs shorter and longer than a page."""
-    rng = random.Random(seed)
-    ps = rng.choice([1, 2, 16, 32])
-    n = rng.randint(0, 40)
-    crossings = [rng.randrange(ps if rng.random() < 0.7 else 3 * ps) for _ in range(n)]
-    for steps in [0, 1, ps - 1, ps, ps + 1, rng.randint(1, 6 * ps)]:
-        loop = sum(1 + (steps - 1 - j) // ps for j in crossings if j < steps)
-        assert runs_module._pages_grown(crossings, steps, ps) == loop
-    lefts = [rng.randint(1, 300) for _ in range(n)]
-    k = rng.randint(1, 3 * ps)
-    decoders = [object() for _ in range(n)]
-    got = runs_module.continued_run((0, 0, decoders, crossings, lefts, 1000, k), ps, 10 ** 6)
-    shifted = [j - k if j >= k else (j - k) % ps for j in crossings]
-    assert got[0] == decoders and got[2] == shifted and got[3] == [left - k for left in lefts]
-    assert got[4] == 1000 + k * n and got[5] == min([left - k for left in lefts] or [10 ** 6])

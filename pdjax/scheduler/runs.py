@@ -65,9 +65,6 @@ arrival is applied up to it first where the router's reading would differ (a col
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections import Counter
-from itertools import chain
-from operator import attrgetter
 from typing import List, Optional, Sequence, Tuple
 
 from pdjax.scheduler.block_manager import request_page_keys
@@ -75,7 +72,6 @@ from pdjax.scheduler.request import RequestStatus
 
 PLACEHOLDER = 0   # pdjax.scheduler.base.PLACEHOLDER_TOKEN (the simulator's sampled id)
 RUNNING = RequestStatus.RUNNING
-_PAGE_TABLE = attrgetter("page_table")
 
 
 class DecodeRun:
@@ -209,7 +205,10 @@ class DecodeRun:
     def _start_planning(self) -> None:
         """next_step's state, made at its first call: per step how many decoders start growing, per page-size
         residue how many grow, per prefill [computed, tokens, pages held]."""
-        self._first = Counter(self._crossings)
+        first: dict = {}
+        for c in self._crossings:
+            first[c] = first.get(c, 0) + 1
+        self._first = first
         self._active = [0] * self.sched._ps
         self._p_state = [[r.num_computed_tokens, len(r.all_token_ids), len(r.page_table)] for r in self.prefills]
 
@@ -406,7 +405,11 @@ class DecodeRun:
         groups = self._growth_groups()
         if groups is None:
             return None
-        return list(chain.from_iterable(map(groups.__getitem__, map(len(groups).__rmod__, range(a, b)))))
+        ps = len(groups)
+        tables = []
+        for j in range(a, b):
+            tables += groups[j % ps]
+        return tables
 
     def pages_granted(self, a: int, b: int) -> int:
         """Pages planned steps a .. b - 1 allocate (_grow_pages)."""
@@ -429,8 +432,9 @@ class DecodeRun:
             if crossings and max(crossings) >= ps:
                 self._groups = False
             else:
-                groups = [[] for _ in range(ps)]     # (in C: each table appended to its crossing's group)
-                any(map(list.append, map(groups.__getitem__, crossings), map(_PAGE_TABLE, self.decoders)))
+                groups = [[] for _ in range(ps)]
+                for req, j in zip(self.decoders, crossings):
+                    groups[j].append(req.page_table)
                 self._groups = groups
         return self._groups or None
 
@@ -618,11 +622,8 @@ def continued_run(after: tuple, page_size: int, max_steps: int) -> tuple:
     reading them afresh. A decoder that first grew at step j grows next at (j - k) mod page_size steps on (j - k if
     it had not grown yet); each has k fewer steps left; their contexts grew by k each."""
     _, _, decoders, crossings, lefts, total, k = after
-    if crossings and max(crossings) < k + page_size:     # then every one is (j - k) mod page_size: in C
-        crossings = list(map(page_size.__rmod__, map((-k).__add__, crossings)))
-    else:
-        crossings = [j - k if j >= k else (j - k) % page_size for j in crossings]
-    lefts = list(map((-k).__add__, lefts))
+    crossings = [j - k if j >= k else (j - k) % page_size for j in crossings]
+    lefts = [left - k for left in lefts]
     limit = min(lefts) if lefts else max_steps
     return list(decoders), [], crossings, lefts, total + k * len(decoders), min(limit, max_steps)
 
@@ -642,11 +643,6 @@ def _set_step_counters(sched, step: int, k: int, schedules: int) -> None:
 def _pages_grown(crossings: Sequence[int], steps: int, page_size: int) -> int:
     """Pages the decoders grow into within `steps` steps: one that grows first at step crossings[i] (0: the run's
     first) grows every page_size steps from then on."""
-    if steps <= 0 or not crossings:
-        return 0
-    if max(crossings) < page_size:   # steps - 1 = q * page_size + r: q pages each, and one more where j <= r
-        q, r = divmod(steps - 1, page_size)
-        return len(crossings) * q + sum(map(r.__ge__, crossings))
     n = 0
     for j in crossings:
         if j < steps:

@@ -32,8 +32,6 @@ mixed instance). Both build SimResult.pipeline with `pipeline_summary`.
 from __future__ import annotations
 
 import dataclasses
-from functools import reduce
-from operator import add, sub
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 from pdjax.scheduler.batch_queue import BatchQueue
@@ -185,11 +183,12 @@ class StagePipeline:
         if not self.stage_free:
             self.stage_free = [0.0]
             self.stage_busy = [0.0]
-        # Left folds in C: the same additions in the same order as dispatch() and collect() one batch at a time
-        spans = list(map(sub, ends, starts))
-        self.stage_busy[0] = reduce(add, seconds, self.stage_busy[0])
-        self.in_flight_s = reduce(add, spans, self.in_flight_s)
-        self.active_s = reduce(add, spans, self.active_s)
+        busy, in_flight, active = self.stage_busy[0], self.in_flight_s, self.active_s
+        for start, end, d in zip(starts, ends, seconds):
+            busy += d
+            in_flight += end - start
+            active += end - start
+        self.stage_busy[0], self.in_flight_s, self.active_s = busy, in_flight, active
         self.stage_free[0] = ends[-1]
         self._active_since = starts[-1]
         self.queue.num_pushed += len(starts)
