@@ -1067,7 +1067,7 @@ def test_decode_runs_with_prefix_caching_on_the_mooncake_trace(kind, pool, share
 
 @pytest.mark.parametrize("seed", range(6))
 def test_run_serial_is_dispatch_then_collect_bit_for_bit(seed):
-    """StagePipeline.run_serial (the decode runs' accounting, folded in C) against dispatch() and collect() of each
+    """StagePipeline.run_serial (the decode runs' accounting, in one pass) against dispatch() and collect() of each
     batch in turn, after some history: the same busy, in-flight and active seconds to the last bit."""
     from pdjax.sim.pipeline import StagePipeline
     rng = random.Random(seed)
