@@ -232,10 +232,11 @@ def run(cases: Sequence[str] = DEFAULT_CASES, num_requests: int = 0, repeat: int
     (one run each, under callgrind: module docstring); UserError when valgrind or callgrind_control is missing.
     pythons: the cases run under each of these interpreters in turn (module docstring), checked first
     (interpreter_version)."""
+    if instructions:
+        _check_valgrind()
     if pythons:
         return _run_pythons(cases, num_requests, repeat, instructions, pythons)
     if instructions:
-        _check_valgrind()
         return {"cases": {name: _run_process(name, num_requests, 1, True) for name in cases},
                 "instructions": "callgrind Ir: simulate_setup (instructions), build_simulation (build_instructions)",
                 "cpus": os.cpu_count()}
@@ -255,20 +256,17 @@ def _run_pythons(cases: Sequence[str], num_requests: int, repeat: int, instructi
     if len(set(pythons)) != len(pythons):
         raise UserError(f"bench_sim --pythons={','.join(pythons)}: an interpreter is given twice; expected distinct "
                         "paths")
-    if instructions:
-        _check_valgrind()
     versions = {python: interpreter_version(python) for python in pythons}
     load_before = os.getloadavg()
     out = {python: {"version": versions[python], "cases": {}} for python in pythons}
     for name in cases:
         for python in pythons:
             out[python]["cases"][name] = _run_process(name, num_requests, repeat, instructions, python)
-    for entry in out.values():
-        if not instructions:
-            rates = [case.pop("interpreter_loops_per_s") for case in entry["cases"].values()]
-            for case, rate in zip(entry["cases"].values(), rates):
-                _add_ratio(case, rate)
-            entry["interpreter_loops_per_s"] = round(sum(rates) / len(rates))
+    for entry in () if instructions else out.values():     # (under callgrind no rate is measured)
+        rates = [case.pop("interpreter_loops_per_s") for case in entry["cases"].values()]
+        for case, rate in zip(entry["cases"].values(), rates):
+            _add_ratio(case, rate)
+        entry["interpreter_loops_per_s"] = round(sum(rates) / len(rates))
     return {"interpreters": out, "load_average_before": list(load_before), "load_average_after": list(os.getloadavg()),
             "cpus": os.cpu_count()}
 
