@@ -835,13 +835,44 @@ def scheduler_state(sched) -> tuple:
     """A scheduler's whole state after some steps: counters, queues, every request's slots, the block manager's
     and host tier's (cache_state), pending tier copies included."""
     reqs = sched.running + sched.waiting + sched.finished
-    fields = [f for f in type(reqs[0]).__slots__ if f not in ("sampling",)] if reqs else []
+    # (the token lists as read: a chain of runs' decoders catch up with its clock then; run_lag is that bookkeeping)
+    lists = ("_output_token_ids", "_all_token_ids", "_token_times")
+    fields = [f[1:] if f in lists else f for f in type(reqs[0]).__slots__ if f not in ("sampling", "run_lag")] \
+        if reqs else []
     # (vllm_v1's _chunk_cap is left out: its schedule() sets it afresh first thing, so no step reads the value a
     # run leaves, which is what the run's last schedule() saw, not the count after its finishes)
     return ((sched.step, sched._applied_step, sched._last_emitted, sched._floor),
             [r.request_id for r in sched.running], [r.request_id for r in sched.waiting],
             [r.request_id for r in sched.finished], [[getattr(r, f) for f in fields] for r in reqs],
             cache_state([SimpleNamespace(scheduler=sched)], []))
+
+
+def test_a_chain_of_decode_runs_leaves_the_state_of_its_steps():
+    """Decode runs applied back to back, each continuing the last (its decoders on the chain's clock,
+    Request.run_lag, their token lists caught up when read), leave every request as the same steps through
+    schedule() and update() leave it: the finished ones too, which gain nothing from the runs after their finish."""
+    cfg = SchedulerConfig(max_model_len=1024, page_size=16, **{"num_pages": 512, **CONFIGS["sarathi"]})
+    sched = make_scheduler(cfg)
+    for i, max_tokens in enumerate((4, 9, 17, 30, 41, 41)):
+        sched.add_request(Request(f"r{i}", list(range(1 + i, 21 + 3 * i)), SamplingParams(max_tokens=max_tokens), 0.0))
+    t = 0.0
+    while any(r.num_computed_tokens < r.prefill_end for r in sched.running + sched.waiting):
+        t = advance(sched, [], t)
+    ref = copy.deepcopy(sched)
+    times, continued = [], 0
+    while sched.has_unfinished():
+        run = sched.decode_run(1 << 30)
+        continued += run._joined == len(run.decoders) > 0
+        starts = [t + 0.01 * j for j in range(run.plan_decode_steps())]
+        times += starts
+        t = starts[-1] + 0.01
+        run.apply(starts, [s + 0.01 for s in starts])
+    for s in times:
+        out = ref.schedule(s)
+        ref.update(out, [0 if x else -1 for x in out.do_sample], s + 0.01)
+    assert continued >= 3, "the case is meant to continue chains past finishes"
+    assert scheduler_state(sched) == scheduler_state(ref)
+    assert [len(r.token_times) for r in sched.finished] == [4, 9, 17, 30, 41, 41]
 
 
 def planned_steps(sched, run=None) -> int:
@@ -982,7 +1013,7 @@ def test_run_registrations_follow_the_updates_one_by_one():
     ps, k = 4, 11
     def request(c, r):
         return SimpleNamespace(num_computed_tokens=c, num_registered_pages=r, key_base=None, num_preemptions=0,
-                               content_key_pages=0, output_token_ids=[], all_token_ids=[], token_times=[])
+                               content_key_pages=0, run_lag=None)
 
     def registrations(run, a):     # as apply_range reads them: after the decoders' tokens of steps a .. k - 1
         return run._registrations(a, k, run._append_tokens(k - a, [0.0] * (k - a), k))

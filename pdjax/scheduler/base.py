@@ -244,14 +244,18 @@ class Scheduler:
             if tok < 0:
                 raise ValueError(f"request {req.request_id!r}: sampled token {tok} where do_sample is True, "
                                  f"expected a token id >= 0")
-            req.output_token_ids.append(tok)
-            req.all_token_ids.append(tok)
-            req.token_times.append(now)
+            if req.run_lag is not None:     # caught up with its chain of decode runs, which schedule() ended
+                req.settle_run()
+                req.run_lag = None
+            output_ids, all_ids = req._output_token_ids, req._all_token_ids    # (the lists' properties: calls)
+            output_ids.append(tok)
+            all_ids.append(tok)
+            req._token_times.append(now)
             if req.first_token_time is None:
                 req.first_token_time = now
             if tok in req.stop_ids:
                 reason = "stop"
-            elif len(req.output_token_ids) >= req.max_tokens or len(req.all_token_ids) >= max_len:
+            elif len(output_ids) >= req.max_tokens or len(all_ids) >= max_len:
                 reason = "length"
             elif handoff:
                 reason = "handoff"
@@ -344,8 +348,10 @@ class Scheduler:
             return None
         after = self._run_after     # the run applied last, if nothing touched this scheduler since
         n = 0 if after is None else len(after[2])
+        clock = None
         if after is not None and after[0] == self.step and after[1] == self._applied_step and running[:n] == after[2]:
             parts = continued_run(after, self._ps, max_steps)
+            clock = after[7]
             if len(running) > n:    # after its decoders (its prefills, some decoders now): read afresh
                 parts = joined_parts(parts, self._run_parts(running[n:], max_steps))
                 if parts is None:
@@ -381,7 +387,7 @@ class Scheduler:
             return None
         return DecodeRun(self, decoders, prefills, crossings, lefts, total, limit, free,
                          self._budget - len(decoders), bool(self.waiting) and not admit_blocked, admitted,
-                         bool(self._kv_ready))
+                         bool(self._kv_ready), clock, n if clock is not None else 0)
 
     def _run_parts(self, running: List[Request], max_steps: int) -> Optional[tuple]:
         """decode_run's reading of the running requests: (decoders, prefills, crossings, lefts, total, limit) or

@@ -345,22 +345,25 @@ class PairRun:
         collected = len(range(2 + g, H + 1, 2))
         ps = self._ps
         for rank, first, end, _, cross, _, pre, req in self.members[g]:
+            if req.run_lag is not None:       # caught up with its chain of decode runs, which this run ended
+                req.settle_run()
+                req.run_lag = None
             s = end if end < scheduled else scheduled
             c = end if end < collected else collected
             k = c - first if c > first else 0
             if pre:                           # `out`'s collect: its decode token, or its prompt's first token
                 req.num_computed_tokens += pre + k
                 tokens = [PLACEHOLDER] * (k + 1)
-                req.token_times.append(times[1])
+                req._token_times.append(times[1])
                 if req.first_token_time is None:
                     req.first_token_time = times[1]
             else:
                 req.num_computed_tokens += k
                 tokens = [PLACEHOLDER] * k
             if k:
-                req.token_times += times[2 * first + 2 + g:2 * c + g + 1:2]
-            req.output_token_ids += tokens
-            req.all_token_ids += tokens
+                req._token_times += times[2 * first + 2 + g:2 * c + g + 1:2]
+            req._output_token_ids += tokens     # (the lists themselves: their properties would be calls)
+            req._all_token_ids += tokens
             if s > first:
                 req.sched_step = s0 + g + 2 * s - 1
                 if cross < s:

@@ -49,13 +49,13 @@ class Request:
     """
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling", "arrival_time", "priority", "status",
-        "num_computed_tokens", "output_token_ids", "all_token_ids", "first_scheduled_time", "first_token_time",
-        "finish_time", "token_times", "num_preemptions", "preemption_times", "finish_reason",
+        "num_computed_tokens", "_output_token_ids", "_all_token_ids", "first_scheduled_time", "first_token_time",
+        "finish_time", "_token_times", "num_preemptions", "preemption_times", "finish_reason",
         "reject_reason", "num_cached_tokens", "output_logprobs",
         # internal
         "page_table", "prefill_end", "page_keys", "num_registered_pages", "host_slots", "admit_seq",
         "sched_step", "stop_ids", "max_tokens", "is_long_prefill", "token_bound", "num_kv_local_pages", "key_base",
-        "content_key_pages",
+        "content_key_pages", "run_lag",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
@@ -68,12 +68,12 @@ class Request:
         self.priority = priority
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.output_token_ids: List[int] = []
-        self.all_token_ids: List[int] = list(self.prompt_token_ids)
+        self._output_token_ids: List[int] = []
+        self._all_token_ids: List[int] = list(self.prompt_token_ids)
         self.first_scheduled_time: Optional[float] = None
         self.first_token_time: Optional[float] = None
         self.finish_time: Optional[float] = None
-        self.token_times: List[float] = []
+        self._token_times: List[float] = []
         self.num_preemptions = 0
         self.preemption_times: List[float] = []
         self.finish_reason: Optional[str] = None
@@ -81,7 +81,7 @@ class Request:
         self.num_cached_tokens = 0           # prompt tokens served by the prefix cache at (last) admission
         self.output_logprobs: Optional[list] = None   # TokenLogprobs per output token once one came (logprobs.py)
         self.page_table: List[int] = []      # device pages, in token order
-        self.prefill_end = len(self.all_token_ids)
+        self.prefill_end = len(self._all_token_ids)
         self.page_keys: list = []            # prefix-cache key of each full page of all_token_ids, computed lazily
         self.key_base: Optional[int] = None  # page keys numbered from it (block_manager.request_page_keys)
         self.content_key_pages = 0           # with a key base, its first pages keyed by content (numbered_keys)
@@ -94,6 +94,58 @@ class Request:
         self.is_long_prefill = False
         self.num_kv_local_pages = 0          # decode_only: leading pages its instance held already at the handoff
         self.token_bound: Optional[Tuple[int, int]] = None  # (lo, hi): every prompt id in [lo, hi] (see below)
+        self.run_lag: Optional[Tuple[list, int]] = None    # (run clock, its tokens applied here): see settle_run
+
+    # A decoder of a chain of decode runs (pdjax.scheduler.runs) takes one placeholder token per step the chain
+    # applies, at the step's end time: the chain keeps those end times once (its clock), and the decoder's three
+    # lists below catch up with it when read (settle_run), not at every run.
+    def settle_run(self) -> None:
+        """Append the tokens (placeholders) and token times of the decode-run steps applied since the last
+        settling: run_lag = (the chain's clock of step end times, how many of them this request holds already)."""
+        clock, held = self.run_lag
+        n = len(clock) - held
+        if n:
+            tokens = [0] * n        # runs.PLACEHOLDER (the simulator's sampled id)
+            self._output_token_ids += tokens
+            self._all_token_ids += tokens
+            self._token_times += clock[held:]
+            self.run_lag = (clock, held + n)
+
+    @property
+    def output_token_ids(self) -> List[int]:
+        if self.run_lag is not None:
+            self.settle_run()
+        return self._output_token_ids
+
+    @output_token_ids.setter
+    def output_token_ids(self, ids: List[int]) -> None:
+        if self.run_lag is not None:
+            self.settle_run()
+        self._output_token_ids = ids
+
+    @property
+    def all_token_ids(self) -> List[int]:
+        if self.run_lag is not None:
+            self.settle_run()
+        return self._all_token_ids
+
+    @all_token_ids.setter
+    def all_token_ids(self, ids: List[int]) -> None:
+        if self.run_lag is not None:
+            self.settle_run()
+        self._all_token_ids = ids
+
+    @property
+    def token_times(self) -> List[float]:
+        if self.run_lag is not None:
+            self.settle_run()
+        return self._token_times
+
+    @token_times.setter
+    def token_times(self, times: List[float]) -> None:
+        if self.run_lag is not None:
+            self.settle_run()
+        self._token_times = times
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -34,7 +34,10 @@ watermark, in landing order; they decode from that step on, `admitted`), and the
 (slots, budget and free pages only shrink until its last step). A run that follows the last one with nothing
 touching the scheduler in between (same step counters, the running list starting with that run's decoders) reads
 those decoders from that run (`continued_run`) instead of from every request, and only the requests after them
-(that run's prefills, some of them decoders now) afresh (`joined_parts`).
+(that run's prefills, some of them decoders now) afresh (`joined_parts`). Such a chain of runs keeps the end times
+of the steps it applied once, on its clock: its decoders' token lists catch up with the clock when read
+(Request.settle_run; a finished decoder leaves the chain caught up), so a run touches only their computed tokens and step
+numbers.
 
 Pair runs (`PairRun`, `pair_run`, pdjax.scheduler.pair_runs, re-exported here): an instance with two batches in
 flight whose running requests form two groups taking turns (each is scheduled again when its batch is collected,
@@ -81,11 +84,12 @@ class DecodeRun:
 
     __slots__ = ("sched", "decoders", "prefills", "count", "total", "limit", "steps", "_free", "_first", "_active",
                  "_p_state", "_plan", "_done", "_left", "_admits", "_crossings", "_lefts", "admitted", "_kv_waits",
-                 "_base_step", "_growth", "_groups", "_fresh")
+                 "_base_step", "_growth", "_groups", "_fresh", "_clock", "_joined")
 
     def __init__(self, sched, decoders: list, prefills: list, crossings: List[int], lefts: List[int], total: int,
                  limit: int, free: int, budget_left: int, admits: bool = False,
-                 admitted: Sequence[Tuple[object, int]] = (), kv_waits: bool = False):
+                 admitted: Sequence[Tuple[object, int]] = (), kv_waits: bool = False, clock: Optional[list] = None,
+                 joined: int = 0):
         self.sched = sched
         self.decoders = decoders          # running order
         self.prefills = prefills          # running order
@@ -111,6 +115,10 @@ class DecodeRun:
         self._growth = None               # _growth_range: (planned steps, [step], [grant]) of every planned step
         self._groups = None               # _growth_groups: per step residue, the tables growing (False: none)
         self._fresh: Sequence[Tuple[object, int, int]] = ()   # (request, tokens, pages): admitted in step 0
+        # The chain of runs this one continues: its clock (every step end time it applied), shared by its decoders'
+        # Request.run_lag; the first `joined` decoders are on it already (a fresh run: a new clock, nobody on it)
+        self._clock = [] if clock is None else clock
+        self._joined = joined
 
     def plan_decode_steps(self) -> int:
         """For a run without prefills: plan every step it can take at once (no chunks to plan) and return how
@@ -276,28 +284,36 @@ class DecodeRun:
         return finished
 
     def _append_tokens(self, k: int, ends: Sequence[float], step: int) -> Optional[List[int]]:
-        """Every decoder's tokens of k steps ending at `ends`, the last one numbered `step`, and, where finished
-        requests' pages are dead (Scheduler._dead), a keyless decoder's registered pages (Scheduler._keyless: all it
-        registers is their count). Returns the indices of the decoders that register pages with keys
+        """Every decoder's tokens of k steps ending at `ends`, the last one numbered `step`: their end times go on
+        the chain's clock once, which the decoders' token lists read when next read (Request.settle_run); and, where
+        finished requests' pages are dead (Scheduler._dead), a keyless decoder's registered pages (Scheduler._keyless:
+        all it registers is their count). Returns the indices of the decoders that register pages with keys
         (_registrations), None for every decoder (no dead pages). One pass per decoder: the run's hottest loop."""
-        tokens = [PLACEHOLDER] * k
-        extend = list.extend     # unbound: cheaper than `+=` on an attribute or a bound method
+        clock, decoders = self._clock, self.decoders
+        if self._joined < len(decoders):       # decoders new to the chain hold its clock so far
+            held = len(clock)
+            for req in decoders[self._joined:]:
+                if req.run_lag is not None:
+                    req.settle_run()
+                req.run_lag = (clock, held)
+            self._joined = len(decoders)
+        clock += ends
         dead, ps = self.sched._dead, self.sched._ps
-        keyed = []
-        for req in self.decoders:
-            c = req.num_computed_tokens = req.num_computed_tokens + k
-            extend(req.output_token_ids, tokens)
-            extend(req.all_token_ids, tokens)
-            extend(req.token_times, ends)
-            req.sched_step = step
-            if dead:      # Scheduler._keyless inlined (a call per decoder here would cost more than the rest)
-                if req.key_base is None or req.num_preemptions:
-                    keyed.append(req)
-                elif c // ps > req.num_registered_pages:
-                    req.num_registered_pages = c // ps
         if not dead:
+            for req in decoders:
+                req.num_computed_tokens += k
+                req.sched_step = step
             return None
-        return [i for i, req in enumerate(self.decoders) if req in keyed] if keyed else []
+        keyed = []
+        for req in decoders:
+            c = req.num_computed_tokens = req.num_computed_tokens + k
+            req.sched_step = step
+            # Scheduler._keyless inlined (a call per decoder here would cost more than the rest)
+            if req.key_base is None or req.num_preemptions:
+                keyed.append(req)
+            elif c // ps > req.num_registered_pages:
+                req.num_registered_pages = c // ps
+        return [i for i, req in enumerate(decoders) if req in keyed] if keyed else []
 
     def schedule_step(self, j: int, now: float) -> None:
         """The schedule() side of planned step j, scheduled at `now`, the steps before it applied (apply_range):
@@ -327,13 +343,17 @@ class DecodeRun:
             keep = [i for i, left in enumerate(lefts) if left != k]
             gone = sum(req.num_computed_tokens - k for req, left in zip(decoders, lefts) if left == k)
             sched._run_after = (sched.step, sched._applied_step, [decoders[i] for i in keep],
-                                [crossings[i] for i in keep], [lefts[i] for i in keep], self.total - gone, k)
+                                [crossings[i] for i in keep], [lefts[i] for i in keep], self.total - gone, k,
+                                self._clock)
         else:
             sched._run_after = (sched.step, sched._applied_step, decoders, self._crossings, self._lefts, self.total,
-                                k)
+                                k, self._clock)
         if finished:
             free = sched._free_finished
             for req in finished:      # as update(): in batch order (decodes, then chunks), after the page growth
+                if req.run_lag is not None:     # off the chain, which goes on without it
+                    req.settle_run()
+                    req.run_lag = None
                 free(req)
                 req.page_table = []
                 sched._finish(req, "length", now)
@@ -617,11 +637,11 @@ class DecodeRun:
 
 def continued_run(after: tuple, page_size: int, max_steps: int) -> tuple:
     """Scheduler.decode_run's reading of the running requests that are the decoders of the run applied last when
-    nothing touched the scheduler since (`after`: (step, applied step, decoders, crossings, lefts, total, k) as
+    nothing touched the scheduler since (`after`: (step, applied step, decoders, crossings, lefts, total, k, clock) as
     DecodeRun.apply leaves it, k the steps it applied): the same (decoders, [], crossings, lefts, total, limit) as
     reading them afresh. A decoder that first grew at step j grows next at (j - k) mod page_size steps on (j - k if
     it had not grown yet); each has k fewer steps left; their contexts grew by k each."""
-    _, _, decoders, crossings, lefts, total, k = after
+    _, _, decoders, crossings, lefts, total, k, _ = after
     crossings = [j - k if j >= k else (j - k) % page_size for j in crossings]
     lefts = [left - k for left in lefts]
     limit = min(lefts) if lefts else max_steps
