@@ -36,8 +36,8 @@ touching the scheduler in between (same step counters, the running list starting
 those decoders from that run (`continued_run`) instead of from every request, and only the requests after them
 (that run's prefills, some of them decoders now) afresh (`joined_parts`). Such a chain of runs keeps the end times
 of the steps it applied once, on its clock: its decoders' token lists catch up with the clock when read
-(Request.settle_run; a finished decoder leaves the chain caught up), so a run touches only their computed tokens and step
-numbers.
+(Request.settle_run; a finished decoder leaves the chain caught up), so a run touches only their computed tokens
+and step numbers.
 
 Pair runs (`PairRun`, `pair_run`, pdjax.scheduler.pair_runs, re-exported here): an instance with two batches in
 flight whose running requests form two groups taking turns (each is scheduled again when its batch is collected,
