@@ -244,9 +244,8 @@ class Scheduler:
             if tok < 0:
                 raise ValueError(f"request {req.request_id!r}: sampled token {tok} where do_sample is True, "
                                  f"expected a token id >= 0")
-            if req.run_lag is not None:     # caught up with its chain of decode runs, which schedule() ended
-                req.settle_run()
-                req.run_lag = None
+            if req.run_lag is not None:     # its chain of decode runs, which schedule() ended
+                req.leave_run()
             output_ids, all_ids = req._output_token_ids, req._all_token_ids    # (the lists' properties: calls)
             output_ids.append(tok)
             all_ids.append(tok)
@@ -348,10 +347,10 @@ class Scheduler:
             return None
         after = self._run_after     # the run applied last, if nothing touched this scheduler since
         n = 0 if after is None else len(after[2])
-        clock = None
+        clock, joined = None, 0     # a fresh run: a new clock, nobody on it
         if after is not None and after[0] == self.step and after[1] == self._applied_step and running[:n] == after[2]:
             parts = continued_run(after, self._ps, max_steps)
-            clock = after[7]
+            clock, joined = after[7], n
             if len(running) > n:    # after its decoders (its prefills, some decoders now): read afresh
                 parts = joined_parts(parts, self._run_parts(running[n:], max_steps))
                 if parts is None:
@@ -387,7 +386,7 @@ class Scheduler:
             return None
         return DecodeRun(self, decoders, prefills, crossings, lefts, total, limit, free,
                          self._budget - len(decoders), bool(self.waiting) and not admit_blocked, admitted,
-                         bool(self._kv_ready), clock, n if clock is not None else 0)
+                         bool(self._kv_ready), clock, joined)
 
     def _run_parts(self, running: List[Request], max_steps: int) -> Optional[tuple]:
         """decode_run's reading of the running requests: (decoders, prefills, crossings, lefts, total, limit) or

@@ -345,9 +345,8 @@ class PairRun:
         collected = len(range(2 + g, H + 1, 2))
         ps = self._ps
         for rank, first, end, _, cross, _, pre, req in self.members[g]:
-            if req.run_lag is not None:       # caught up with its chain of decode runs, which this run ended
-                req.settle_run()
-                req.run_lag = None
+            if req.run_lag is not None:       # its chain of decode runs, which this run ended
+                req.leave_run()
             s = end if end < scheduled else scheduled
             c = end if end < collected else collected
             k = c - first if c > first else 0

@@ -39,6 +39,16 @@ class RequestStatus(enum.IntEnum):
 FINISH_REASONS = ("length", "stop", "aborted", "rejected", "handoff")
 
 
+def _caught_up_setter(slot: str):
+    """The setter of Request's token list stored in `slot`: the request caught up with its chain of decode runs first
+    (Request.settle_run: its other lists too), then the list replaced."""
+    def set_list(req: "Request", value: list) -> None:
+        if req.run_lag is not None:
+            req.settle_run()
+        setattr(req, slot, value)
+    return set_list
+
+
 class Request:
     """One request. Public attributes are read by the engine, simulator and metrics; those named `_x` or
     listed as internal below are the scheduler's own bookkeeping.
@@ -111,17 +121,18 @@ class Request:
             self._token_times += clock[held:]
             self.run_lag = (clock, held + n)
 
+    def leave_run(self) -> None:
+        """Catch up with its chain of decode runs (settle_run) and leave it: the chain goes on without it (it
+        finished) or has ended (a schedule(), a pair run)."""
+        self.settle_run()
+        self.run_lag = None
+
+    # Each list caught up when read (a property written out: this read is on the scheduler's paths)
     @property
     def output_token_ids(self) -> List[int]:
         if self.run_lag is not None:
             self.settle_run()
         return self._output_token_ids
-
-    @output_token_ids.setter
-    def output_token_ids(self, ids: List[int]) -> None:
-        if self.run_lag is not None:
-            self.settle_run()
-        self._output_token_ids = ids
 
     @property
     def all_token_ids(self) -> List[int]:
@@ -129,23 +140,15 @@ class Request:
             self.settle_run()
         return self._all_token_ids
 
-    @all_token_ids.setter
-    def all_token_ids(self, ids: List[int]) -> None:
-        if self.run_lag is not None:
-            self.settle_run()
-        self._all_token_ids = ids
-
     @property
     def token_times(self) -> List[float]:
         if self.run_lag is not None:
             self.settle_run()
         return self._token_times
 
-    @token_times.setter
-    def token_times(self, times: List[float]) -> None:
-        if self.run_lag is not None:
-            self.settle_run()
-        self._token_times = times
+    output_token_ids = output_token_ids.setter(_caught_up_setter("_output_token_ids"))
+    all_token_ids = all_token_ids.setter(_caught_up_setter("_all_token_ids"))
+    token_times = token_times.setter(_caught_up_setter("_token_times"))
 
     @property
     def num_prompt_tokens(self) -> int:

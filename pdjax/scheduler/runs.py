@@ -294,7 +294,7 @@ class DecodeRun:
             held = len(clock)
             for req in decoders[self._joined:]:
                 if req.run_lag is not None:
-                    req.settle_run()
+                    req.leave_run()
                 req.run_lag = (clock, held)
             self._joined = len(decoders)
         clock += ends
@@ -352,8 +352,7 @@ class DecodeRun:
             free = sched._free_finished
             for req in finished:      # as update(): in batch order (decodes, then chunks), after the page growth
                 if req.run_lag is not None:     # off the chain, which goes on without it
-                    req.settle_run()
-                    req.run_lag = None
+                    req.leave_run()
                 free(req)
                 req.page_table = []
                 sched._finish(req, "length", now)
