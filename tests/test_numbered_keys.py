@@ -13,7 +13,7 @@ from pdjax.config.sampling import SamplingParams
 from pdjax.config.scheduler import SchedulerConfig
 from pdjax.scheduler import Request, make_scheduler
 from pdjax.scheduler.base import PLACEHOLDER_TOKEN
-from pdjax.scheduler.block_manager import numbered_key_bases, numbered_keys, request_page_keys
+from pdjax.scheduler.block_manager import BlockManager, numbered_key_bases, numbered_keys, request_page_keys
 from pdjax.scheduler.kv_tier import HostKVTier
 from pdjax.sim.disagg import simulate_disaggregated
 from pdjax.sim.simulator import SimInstance
@@ -284,6 +284,54 @@ def test_offload_dead_takes_slots_as_new_keys_would(capacity, filled, dead_befor
         assert tier.offload_many(keys, "c") == one_by_one(reference, keys, "c")
         assert (len(tier), tier.num_offloads, tier.num_evictions, tier._free) == \
             (len(reference), reference.num_offloads, reference.num_evictions, reference._free)
+
+
+@pytest.mark.parametrize("sizes", [(3, 5, 2), (2, 2, 2, 5, 6, 3), (7, 1, 7, 4, 4)])
+def test_dead_entries_hand_their_slots_on_as_new_keys_would(sizes):
+    """offload_dead on a full tier whose least recent entries are dead (HostKVTier._dead_slots: the entries it
+    fills, whole, and part of the next, in one pass; sizes below the capacity) against offloads of new keys: the
+    same slots, length and counters after each, and later offloads evict the same slots in the same order."""
+    capacity = 8
+    tier, reference = HostKVTier(capacity), HostKVTier(capacity)
+    for step, n in enumerate((capacity, *sizes)):
+        assert tier.offload_dead(n, "a") == one_by_one(reference, [(step, i) for i in range(n)], "a")
+        assert (len(tier), tier.num_offloads, tier.num_evictions, tier._free) == \
+            (len(reference), reference.num_offloads, reference.num_evictions, reference._free)
+    keys = [("later", i) for i in range(capacity)]
+    assert tier.offload_many(keys, "c") == one_by_one(reference, keys, "c")
+    assert tier.num_evictions == reference.num_evictions
+
+
+def dead_block_manager() -> BlockManager:
+    """A block manager whose LRU holds three dead segments of 4 pages (free_dead), its host tier (capacity 6) full
+    of two dead entries, recording its offloads."""
+    bm = BlockManager(16, 2, enable_prefix_caching=True)
+    bm.host_tier, bm.tier_owner = HostKVTier(6), "i0"
+    bm.host_tier.offload_dead(3, "i0")
+    bm.host_tier.offload_dead(3, "i0")
+    tables = [[] for _ in range(3)]
+    for table in tables:
+        bm.allocate(table, 5)
+    for table in tables:
+        assert bm.free_dead(table, 4)
+    return bm
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 6, 8, 11, 12])
+def test_evicting_dead_pages_in_one_pass_is_the_general_eviction(n):
+    """BlockManager._evict_dead (the oldest cached pages all dead: whole segments and part of the next in one pass)
+    against _evict, the general path (_pop_with_segments, HostKVTier.offload_runs): the same pages in the same
+    order, and the same LRU, counters, host tier and recorded copies after."""
+    def state(bm):
+        tier = bm.host_tier
+        return (list(bm._free_cached.items()), bm._dead_extra, bm._num_segments, bm.num_evictions,
+                bm.num_dead_evictions, bm.num_free_pages, list(bm.pending_swap_out), list(tier._slot.items()),
+                len(tier), tier.num_offloads, tier.num_dead_offloads, tier.num_evictions)
+    one_pass, general = dead_block_manager(), dead_block_manager()
+    pages = one_pass._evict_dead(n, True)
+    assert pages == general._evict(n, True)[0] and len(pages) == n
+    assert state(one_pass) == state(general)
+    assert len(one_pass.pending_swap_out) == n
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -31,7 +31,8 @@ Choices:
   `num_registered_pages` moves; its first L are registered with their keys), and at its finish they become a dead
   segment (`free_dead`; the first L are freed as `free` frees them, after it): one LRU entry
   `_free_cached[token] = pages, the tail last` (token < 0), counted as free cached pages (`_dead_extra`), evicted in
-  its place (partly: the rest stays at the front) and offloaded to a host tier as one entry (HostKVTier.offload_dead).
+  its place (partly: the rest stays at the front; the segments an eviction of dead pages alone takes, in one pass:
+  `_evict_dead`) and offloaded to a host tier as one entry (HostKVTier.offload_dead).
   A request that is preempted first registers them with keys (`_keep_registered`). Records, LRU order, counters and
   host slots equal those of content keys (tests/test_numbered_keys.py); the cost per page is a list slice's.
 - Pages are released in reverse table order so a sequence's tail is evicted before its (more shareable)
@@ -144,6 +145,24 @@ def numbered_keys(prompts: Sequence[Sequence[int]], page_size: int, placeholder:
         else:
             work += [(group, d + 1, 1) if len(group) > 1 else (group, d, 1) for group in split.values()]
     return bases, shared
+
+
+def dead_segments(entries: Iterable, n: int) -> Optional[Tuple[List[list], Optional[list], int]]:
+    """The dead segments (lists, oldest first; any other entry is a live page) whose pages the n oldest of an LRU's
+    `entries` are: (the segments they fill whole, the one whose oldest pages complete them or None, the pages of
+    the whole ones); None when a live page is among them or the entries hold fewer than n (BlockManager._evict_dead,
+    HostKVTier._dead_slots)."""
+    whole, held = [], 0
+    for segment in entries:
+        if segment.__class__ is not list:
+            return None
+        if held + len(segment) > n:
+            return whole, segment, held
+        whole.append(segment)
+        held += len(segment)
+        if held == n:
+            return whole, None, held
+    return None
 
 
 def _key_packer(page_size: int):
@@ -333,10 +352,13 @@ class BlockManager:
         fresh = len(free)
         pages = free[::-1]
         del free[:]
-        out, keys, runs = self._evict(short, swaps)
         ref = self.ref_count
         for p in pages:
             ref[p] = 1
+        out = self._evict_dead(short, swaps) if self._num_segments else None
+        if out is not None:
+            return (pages + out if fresh else out), fresh, [], None
+        out, keys, runs = self._evict(short, swaps)
         live, pos = [], 0        # the live evicted pages' places in `out` (a dead page's refcount is 1 already)
         for n_run in runs:
             if n_run > 0:
@@ -345,6 +367,35 @@ class BlockManager:
                 live += range(pos, pos + n_run)
             pos += abs(n_run)
         return (pages + out if fresh else out), fresh, live, keys
+
+    def _evict_dead(self, n: int, swaps: bool) -> Optional[List[int]]:
+        """_evict(n) when the n oldest cached pages are all dead (free_dead's segments; the common case): the
+        segments they fill leave the LRU, the last one's tail taken (the rest stays at the front), and the pages
+        go to the host tier as dead pages (HostKVTier.offload_dead). Returns them, oldest first; None, having done
+        nothing, when a live page is among them."""
+        cached = self._free_cached
+        found = dead_segments(cached.values(), n)
+        if found is None:
+            return None
+        full, part, held = found
+        pages = []
+        pop = cached.popitem
+        for whole in full:
+            pop(False)
+            pages += whole[::-1]
+        if part is not None:
+            pages += part[:held - n - 1:-1]
+            del part[held - n:]
+        self._dead_extra -= n - len(full)
+        self._num_segments -= len(full)
+        self.num_dead_evictions += n
+        self.num_evictions += n
+        if self.host_tier is not None:
+            swaps = swaps and self.record_offloads
+            slots = self.host_tier.offload_dead(n, self.tier_owner, swaps)
+            if swaps:
+                self.pending_swap_out += list(zip(slots, pages))
+        return pages
 
     def _evict(self, n: int, swaps: bool = True) -> Tuple[List[int], list, List[int]]:
         """Evict the `n` least recently freed cached pages (the caller checks there are as many): their keys
@@ -378,7 +429,7 @@ class BlockManager:
     def _pop_with_segments(self, n: int) -> Tuple[List[int], list, List[int]]:
         """_evict's n oldest cached pages when dead segments may be among them: (pages, keys, runs), a dead page's
         key None, runs the lengths of the consecutive runs of live (> 0) and dead (< 0) pages; a segment partly
-        taken keeps the rest at the front of the LRU, in place (the common case: part of the oldest entry)."""
+        taken keeps the rest at the front of the LRU, in place (dead segments alone: _evict_dead)."""
         cached = self._free_cached
         pop = cached.popitem
         pages, keys, runs = [], [], []
@@ -398,9 +449,6 @@ class BlockManager:
                 taken = seg[:-take - 1:-1]
                 del seg[-take:]
                 self._dead_extra -= take
-                if not pages:            # the common case, the oldest entry's pages alone: no list built up
-                    self.num_dead_evictions += take
-                    return taken, [None] * take, [-take]
             else:
                 pop(False)
                 taken = seg[::-1]

@@ -16,7 +16,8 @@ later request whose prefix hits it loads it back instead of recomputing it. pdja
   second copy: `offload` only touches the entry).
 - Dead pages (pdjax.scheduler.block_manager: a finished request's with numbered keys, which no lookup can reach):
   `offload_dead(n, owner)` takes their slots as n offloads of new keys would, kept as one entry (token < 0 ->
-  (owner, indices, the oldest last)) that LRU evictions take from page by page (`_pop_oldest`); 'lru' only.
+  (owner, indices, the oldest last)) that LRU evictions take from page by page (`_pop_oldest`; a dead offload
+  that finds only dead entries least recent takes their slots in one pass, `_dead_slots`); 'lru' only.
 - Hot-block replication (`replicate_after=N` > 0, a shared pool's `deployment.host_kv_replicate_after`; Mooncake
   replicates hot blocks to avoid hotspots): the N-th remote fetch of a key by one instance (`fetched_remote`, the
   block manager's load_from_host) makes it due for a copy in that instance's part of the pool; `replicate(key,
@@ -33,13 +34,16 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
+from operator import itemgetter
 from typing import Dict, List, Optional, Sequence, Tuple
 
 
 from pdjax.config.deployment import HOST_KV_EVICTIONS, HOST_KV_POOLS
+from pdjax.scheduler.block_manager import dead_segments
 
 __all__ = ["COPY", "HOST_KV_EVICTIONS", "HOST_KV_POOLS", "HostKVTier", "host_kv_blocks"]
 
+_INDICES = itemgetter(1)   # an entry's slot (owner, index): its index, a dead entry's list of them
 COPY = object()     # first item of a replica's entry key (COPY, key, owner): equal to no prefix-cache key
 
 
@@ -146,23 +150,35 @@ class HostKVTier:
                 out += self.offload_many(keys[pos:pos + n], owner)
                 pos += n
             else:
-                indices = self._offload_dead(-n, owner)
+                indices = self._offload_dead(-n, owner, slots)
                 if slots:
                     out += [(owner, i) for i in indices]
                 pos -= n
         return out if slots else None
 
-    def offload_dead(self, n: int, owner: str) -> List[Tuple[str, int]]:
+    def offload_dead(self, n: int, owner: str, slots: bool = True) -> Optional[List[Tuple[str, int]]]:
         """The slots of `n` pages no lookup can reach any more (a finished request's with numbered keys:
         pdjax.scheduler.block_manager.BlockManager.free_dead), offloaded in order as offload() of n new keys would
-        (each takes a free slot, else the least recent entry's), kept as one entry (LRU only)."""
-        return [(owner, i) for i in self._offload_dead(n, owner)]
+        (each takes a free slot, else the least recent entry's), kept as one entry (LRU only). slots=False:
+        returns None."""
+        indices = self._offload_dead(n, owner, slots)
+        return [(owner, i) for i in indices] if slots else None
 
-    def _offload_dead(self, n: int, owner: str) -> List[int]:
-        """offload_dead's slot indices."""
+    def _offload_dead(self, n: int, owner: str, want: bool = True) -> Optional[List[int]]:
+        """offload_dead's slot indices, in offload order (None may stand for them when not `want`)."""
         if self.eviction != "lru":
             raise ValueError("offload_dead needs an 'lru' tier (an 'lfu' one orders pages by their hits)")
         capacity = self.capacity
+        segment = self._dead_slots(n) if not self._free and self._num_segments and n < capacity else None
+        if segment is not None:
+            self._segment -= 1
+            self._slot[self._segment] = (owner, segment)
+            self._dead_extra += n - 1
+            self._num_segments += 1
+            self.num_evictions += n
+            self.num_offloads += n
+            self.num_dead_offloads += n
+            return segment[::-1] if want else None
         indices = self._take_slots(min(n, len(self._free) + len(self)))
         self.num_evictions += n - len(indices)
         while len(indices) < n:       # more pages than the tier holds: each evicts the new one `capacity` before
@@ -174,6 +190,28 @@ class HostKVTier:
         self.num_offloads += n
         self.num_dead_offloads += n
         return indices
+
+    def _dead_slots(self, n: int) -> Optional[List[int]]:
+        """_take_slots(n) when no slot is free and the n least recent slots are all dead pages' (offload_dead's
+        entries; the common case): the entries they fill dropped, the last one's oldest slots taken (the rest
+        stays in place). Returns the n indices as a dead entry keeps them (tail first); None, having done nothing,
+        when a live entry is among them."""
+        slots = self._slot
+        found = dead_segments(map(_INDICES, slots.values()), n)
+        if found is None:
+            return None
+        full, part, held = found
+        segment = []
+        if part is not None:
+            segment = part[held - n:]
+            del part[held - n:]
+        pop = slots.popitem
+        for whole in reversed(full):
+            pop(False)
+            segment += whole
+        self._dead_extra -= n - len(full)
+        self._num_segments -= len(full)
+        return segment
 
     def _take_slots(self, k: int) -> List[int]:
         """The indices k offloads of new keys take, in order (k <= free indices + entries): free ones, then the
