@@ -265,11 +265,14 @@ class CachedIterationTime:
         heads, kv_heads, head_dim, dtype_bytes = s.heads, s.kv_heads, s.head_dim, s.dtype_bytes
         flops_per_visible = 4.0 * heads * head_dim * count          # decode_attention_terms: flops, left to right
         q_bytes = 2 * heads * head_dim
+        # fn's int operands as floats: the same products (an int meets a float as its exact double), in float-float
+        # operations, which CPython's interpreter specializes (an int-float one takes the generic path)
+        fcount, layers = float(count), float(plan.layers_per_stage)
+        kv_heads, head_dim, dtype_bytes, q_bytes = float(kv_heads), float(head_dim), float(dtype_bytes), float(q_bytes)
         flops_rate = plan.peak * p.attn_flops_efficiency
         bytes_rate = plan.bandwidth * p.attn_bandwidth_efficiency
         per_item = count * heads * p.attn_seq_head_s
         fixed = p.attn_decode_fixed_s
-        layers = plan.layers_per_stage
         launch = 0.0
         if p.launch_overhead_s > 0:
             launch = self._launch.get((False, True))
@@ -278,9 +281,9 @@ class CachedIterationTime:
                     plan.shapes, plan.layers_per_stage, self.tp, False, True)
 
         def fn(total_context: int) -> float:
-            visible = total_context / count + 1
+            visible = total_context / fcount + 1.0
             c = flops_per_visible * visible / flops_rate
-            mem = count * (visible * 2 * kv_heads * head_dim + q_bytes) * dtype_bytes / bytes_rate
+            mem = fcount * (visible * 2.0 * kv_heads * head_dim + q_bytes) * dtype_bytes / bytes_rate
             device = lin_ew + (((c if c > mem else mem) + per_item) + fixed) * layers + com + 0.0
             if launch > device:
                 device = launch
