@@ -265,8 +265,8 @@ class CachedIterationTime:
         heads, kv_heads, head_dim, dtype_bytes = s.heads, s.kv_heads, s.head_dim, s.dtype_bytes
         flops_per_visible = 4.0 * heads * head_dim * count          # decode_attention_terms: flops, left to right
         q_bytes = 2 * heads * head_dim
-        # fn's int operands as floats: the same products (an int meets a float as its exact double), in float-float
-        # operations, which CPython's interpreter specializes (an int-float one takes the generic path)
+        # fn's int operands as floats: the same results (an int below 2**53 meets a float as its exact double), in
+        # float-float operations, which CPython's interpreter specializes (an int-float one takes the generic path)
         fcount, layers = float(count), float(plan.layers_per_stage)
         kv_heads, head_dim, dtype_bytes, q_bytes = float(kv_heads), float(head_dim), float(dtype_bytes), float(q_bytes)
         flops_rate = plan.peak * p.attn_flops_efficiency
