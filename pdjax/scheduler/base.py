@@ -48,7 +48,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from pdjax.config.scheduler import SchedulerConfig
 from pdjax.scheduler.block_manager import BlockManager, holds_no_prefix, request_page_keys
 from pdjax.scheduler.output import SchedulerOutput
-from pdjax.scheduler.request import Request, RequestStatus
+from pdjax.scheduler.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 from pdjax.scheduler.runs import DecodeRun, continued_run, joined_parts
 
 WAITING = RequestStatus.WAITING
@@ -58,8 +58,6 @@ SWAPPED = RequestStatus.SWAPPED
 WAITING_FOR_KV = RequestStatus.WAITING_FOR_KV
 FINISHED = RequestStatus.FINISHED
 REJECTED = RequestStatus.REJECTED
-
-PLACEHOLDER_TOKEN = 0   # the id update_async appends until the step's real id reaches the host
 
 
 @dataclasses.dataclass

@@ -169,23 +169,19 @@ class HostKVTier:
         if self.eviction != "lru":
             raise ValueError("offload_dead needs an 'lru' tier (an 'lfu' one orders pages by their hits)")
         capacity = self.capacity
-        segment = self._dead_slots(n) if not self._free and self._num_segments and n < capacity else None
-        if segment is not None:
-            self._segment -= 1
-            self._slot[self._segment] = (owner, segment)
-            self._dead_extra += n - 1
-            self._num_segments += 1
+        kept = self._dead_slots(n) if not self._free and self._num_segments and n < capacity else None
+        if kept is not None:          # the n least recent slots, all dead pages', taken in one pass
+            indices = kept[::-1] if want else None
             self.num_evictions += n
-            self.num_offloads += n
-            self.num_dead_offloads += n
-            return segment[::-1] if want else None
-        indices = self._take_slots(min(n, len(self._free) + len(self)))
-        self.num_evictions += n - len(indices)
-        while len(indices) < n:       # more pages than the tier holds: each evicts the new one `capacity` before
-            indices.append(indices[len(indices) - capacity])
+        else:
+            indices = self._take_slots(min(n, len(self._free) + len(self)))
+            self.num_evictions += n - len(indices)
+            while len(indices) < n:   # more pages than the tier holds: each evicts the new one `capacity` before
+                indices.append(indices[len(indices) - capacity])
+            kept = indices[:-capacity - 1:-1]     # the last `capacity`, tail first
         self._segment -= 1
-        self._slot[self._segment] = (owner, indices[:-capacity - 1:-1])     # the last `capacity`, tail first
-        self._dead_extra += (n if n < capacity else capacity) - 1
+        self._slot[self._segment] = (owner, kept)
+        self._dead_extra += len(kept) - 1
         self._num_segments += 1
         self.num_offloads += n
         self.num_dead_offloads += n

@@ -35,9 +35,8 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 from pdjax.scheduler.output import SchedulerOutput
-from pdjax.scheduler.request import RequestStatus
+from pdjax.scheduler.request import PLACEHOLDER_TOKEN as PLACEHOLDER, RequestStatus
 
-PLACEHOLDER = 0   # pdjax.scheduler.base.PLACEHOLDER_TOKEN (the simulator's sampled id)
 RUNNING = RequestStatus.RUNNING
 NEVER = 1 << 62   # a pass no run reaches
 

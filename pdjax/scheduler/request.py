@@ -37,6 +37,8 @@ class RequestStatus(enum.IntEnum):
 
 
 FINISH_REASONS = ("length", "stop", "aborted", "rejected", "handoff")
+# The id update_async appends until the step's real id reaches the host; the simulator's sampled id
+PLACEHOLDER_TOKEN = 0
 
 
 def _caught_up_setter(slot: str):
@@ -115,7 +117,7 @@ class Request:
         clock, held = self.run_lag
         n = len(clock) - held
         if n:
-            tokens = [0] * n        # runs.PLACEHOLDER (the simulator's sampled id)
+            tokens = [PLACEHOLDER_TOKEN] * n
             self._output_token_ids += tokens
             self._all_token_ids += tokens
             self._token_times += clock[held:]

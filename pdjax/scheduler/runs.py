@@ -71,9 +71,8 @@ from bisect import bisect_left
 from typing import List, Optional, Sequence, Tuple
 
 from pdjax.scheduler.block_manager import request_page_keys
-from pdjax.scheduler.request import RequestStatus
+from pdjax.scheduler.request import PLACEHOLDER_TOKEN as PLACEHOLDER, RequestStatus
 
-PLACEHOLDER = 0   # pdjax.scheduler.base.PLACEHOLDER_TOKEN (the simulator's sampled id)
 RUNNING = RequestStatus.RUNNING
 
 
